@@ -1,0 +1,15 @@
+"""omniroll: the rollout side of online RL on flow-matching diffusion models."""
+
+from omniroll.engine.output import DiffusionOutput
+from omniroll.engine.params import GenerationRequest, SamplingParams
+
+__all__ = ["DiffusionOutput", "GenerationRequest", "SamplingParams", "DiffusionEngine"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "DiffusionEngine":
+        from omniroll.engine.engine import DiffusionEngine
+
+        return DiffusionEngine
+    raise AttributeError(name)

@@ -1,0 +1,44 @@
+"""`DiffusionOutput`: one finished (or aborted) sample, with everything RL needs."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+
+class DiffusionOutput(BaseModel):
+    """The specification's fields.
+
+    diffusion_output: uint8 [3, H, W] pixels (or fp32 latents for output_type="latent").
+    log_probs: fp32 [W] log-probs of the recorded SDE steps (None when not requested).
+    stop_reason: "completed" | "aborted".
+    num_preempted: times the request sat out a step it was ready for.
+    extra_fields: all_latents [W+1, ...] fp32, all_timesteps [W], sigmas [W], sigmas_next [W], noise_level,
+        sde_type, sigma_max, window, seed, prompt embeddings, weight_version, ...
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    diffusion_output: Any
+    log_probs: Optional[Any] = None
+    stop_reason: Optional[str] = None
+    num_preempted: Optional[int] = None
+    extra_fields: dict[str, Any] = {}
+
+    @property
+    def request_id(self) -> Optional[str]:
+        return self.extra_fields.get("request_id")
+
+    @property
+    def weight_version(self) -> int:
+        return int(self.extra_fields.get("weight_version", 0))
+
+
+def quantize_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """Float pixels in [-1, 1] -> uint8, once: clamp, scale to [0, 255], round. NaN / Inf raise."""
+    if not torch.isfinite(pixels).all():
+        raise FloatingPointError("decoded pixels contain NaN or Inf; refusing to quantize a corrupt sample")
+    x = (pixels.float() / 2 + 0.5).clamp(0.0, 1.0)  # the same expression as diffusers postprocess
+    return (x * 255.0).round().to(torch.uint8)

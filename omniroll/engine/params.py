@@ -1,0 +1,86 @@
+"""What a caller asks for: `SamplingParams` (validated, per request) and `GenerationRequest`."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SDE_TYPES = ("sde", "cps", "ode")
+OUTPUT_TYPES = ("pixel", "latent", "both")
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling parameters. Every field is validated; errors name the field and its allowed range.
+
+    SDE window: steps in `[start, start + sde_window_size)` inject noise and record latents and log-probs; the others
+    are plain ODE (Euler) steps and record nothing. `sde_window_size=None` means every step but the last
+    (Flow-GRPO's default: the last step's Gaussian is too sharp). With a size, `start` is drawn uniformly from
+    `[lo, hi - size]` using the request's own generator, where `(lo, hi) = sde_window_range or (0, T - 1)`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    height: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
+    width: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
+    num_inference_steps: int = Field(10, ge=1, le=1000)
+    guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale; <= 1 disables CFG")
+    max_sequence_length: int = Field(128, ge=1, le=512, description="T5 tokens")
+    noise_level: float = Field(0.7, ge=0.0, le=10.0, description="eta; 0 gives the ODE")
+    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_window_size: Optional[int] = Field(None, ge=1, le=1000)
+    sde_window_range: Optional[tuple[int, int]] = None
+    logprobs: bool = True
+    output_type: Literal["pixel", "latent", "both"] = "pixel"
+
+    @field_validator("sde_window_range")
+    @classmethod
+    def _check_range(cls, v):
+        if v is not None and not (0 <= v[0] < v[1]):
+            raise ValueError(f"sde_window_range must be (lo, hi) with 0 <= lo < hi, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_window(self):
+        T = self.num_inference_steps
+        lo, hi = self.window_range()
+        if hi > T:
+            raise ValueError(f"sde_window_range hi must be <= num_inference_steps ({T}), got {hi}")
+        if self.sde_window_size is not None and self.sde_window_size > hi - lo:
+            raise ValueError(
+                f"sde_window_size must be in [1, {hi - lo}] (the width of sde_window_range {(lo, hi)}), "
+                f"got {self.sde_window_size}"
+            )
+        if self.sde_window_size is None and self.sde_window_range is not None:
+            raise ValueError("sde_window_range needs sde_window_size (the window's length within the range)")
+        return self
+
+    def window_range(self) -> tuple[int, int]:
+        if self.sde_window_range is not None:
+            return tuple(self.sde_window_range)
+        T = self.num_inference_steps
+        return (0, max(T - 1, 1))
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    @property
+    def stochastic(self) -> bool:
+        return self.sde_type != "ode" and self.noise_level > 0.0
+
+    def batch_key(self) -> tuple:
+        """Rows that share this key can share a forward (same latent shape and text length)."""
+        return (self.height, self.width, self.max_sequence_length)
+
+
+class GenerationRequest(BaseModel):
+    """One sample to generate. `seed` fixes the initial latent, the window draw and every noise draw."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_id: str = Field(min_length=1)
+    prompt: str
+    negative_prompt: Optional[str] = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    seed: int = Field(ge=0, lt=2**63)

@@ -1,0 +1,160 @@
+"""One fp32 transition of the reverse flow-matching process, with its log-probability.
+
+The same function serves the rollout (draw a sample, record its log-prob) and the trainer's recompute (pass
+`prev_sample`: score that sample instead of drawing one), so the two can never drift apart.
+
+Notation: x = latents at sigma, v = velocity (after CFG), dt = sigma_next - sigma (< 0), eta = noise_level.
+
+`sde` (Flow-GRPO):
+    std_t = eta * sqrt(sigma / (1 - sigma~)),  sigma~ = sigma_max where sigma == 1, else sigma
+    mean  = x * (1 + std_t^2 * dt / (2 sigma)) + v * (1 + std_t^2 * (1 - sigma) / (2 sigma)) * dt
+    s     = std_t * sqrt(-dt);   x' = mean + s * eps
+    log p = -(x' - mean)^2 / (2 s^2) - log s - log sqrt(2 pi)               (per element)
+
+`cps` (coefficients-preserving sampling):
+    s     = sigma_next * sin(eta * pi / 2)
+    mean  = (1 - sigma_next) * (x - sigma v) + sqrt(sigma_next^2 - s^2) * (x + (1 - sigma) v)
+    x' = mean + s * eps
+    log p = -(x' - mean)^2      (as published: no 1/(2 s^2) scaling and no normaliser, so it is NOT a density;
+                                 ratios exp(logp - logp_old) are still exact for the same s)
+
+`ode`, or eta == 0: the Euler step x' = x + dt * v, identical to diffusers' FlowMatchEulerDiscreteScheduler.step.
+Deterministic rows (ode, eta == 0, or s == 0 such as the last CPS step) report log p = 0.
+
+Reduction: per row over all non-batch dims, `mean` (Flow-GRPO's convention, the default) or `sum`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+ScalarOrRows = Union[float, torch.Tensor]
+_SDE_CODES = {"ode": 0, "sde": 1, "cps": 2}
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class SDEStepOutput:
+    prev_sample: torch.Tensor  # [B, ...] fp32
+    log_prob: torch.Tensor  # [B] fp32
+    mean: torch.Tensor  # [B, ...] fp32
+    std: torch.Tensor  # [B] fp32, std of the transition (s above)
+
+
+def _rows(value: ScalarOrRows, batch: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=torch.float32)
+    if t.ndim == 0:
+        return t.expand(batch).clone()
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must be a scalar or a tensor of shape [{batch}], got shape {tuple(t.shape)}")
+    return t.float()
+
+
+def _codes(sde_type: Union[str, Sequence[str]], batch: int) -> torch.Tensor:
+    types = [sde_type] * batch if isinstance(sde_type, str) else list(sde_type)
+    if len(types) != batch:
+        raise ValueError(f"sde_type must be one string or a list of {batch}, got {len(types)}")
+    bad = [t for t in types if t not in _SDE_CODES]
+    if bad:
+        raise ValueError(f"sde_type must be one of {sorted(_SDE_CODES)}, got {bad[0]!r}")
+    return torch.tensor([_SDE_CODES[t] for t in types])
+
+
+def _draw_noise(shape, generator, device) -> torch.Tensor:
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    gens = list(generator)
+    if len(gens) != shape[0]:
+        raise ValueError(f"generator list must have one generator per row ({shape[0]}), got {len(gens)}")
+    return torch.stack([torch.randn(shape[1:], generator=g, device=device, dtype=torch.float32) for g in gens])
+
+
+def sde_step(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: ScalarOrRows,
+    sigma_next: ScalarOrRows,
+    noise_level: ScalarOrRows,
+    sde_type: Union[str, Sequence[str]] = "sde",
+    noise: Optional[torch.Tensor] = None,
+    generator=None,
+    prev_sample: Optional[torch.Tensor] = None,
+    reduce: str = "mean",
+    sigma_max: Optional[ScalarOrRows] = None,
+) -> SDEStepOutput:
+    """Take one step from `sigma` to `sigma_next` for every row (see the module docstring for the formulas).
+
+    sigma, sigma_next, noise_level, sigma_max: scalars or per-row [B] tensors. sde_type: one name or one per row.
+    noise: eps [B, ...] to use; else drawn from `generator` (one torch.Generator, or a list with one per row).
+    prev_sample: score this sample instead of drawing one (the trainer's recompute path).
+    sigma_max: the schedule's second sigma, used by `sde` in place of sigma where sigma == 1 (required then).
+    """
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+    if latents.shape != velocity.shape:
+        raise ValueError(f"latents {tuple(latents.shape)} and velocity {tuple(velocity.shape)} must match")
+    x = latents.float()
+    v = velocity.float()
+    B = x.shape[0]
+    device = x.device
+    view = (B,) + (1,) * (x.ndim - 1)
+    s_t = _rows(sigma, B, "sigma").to(device)
+    s_n = _rows(sigma_next, B, "sigma_next").to(device)
+    eta = _rows(noise_level, B, "noise_level").to(device)
+    code = _codes(sde_type, B).to(device)
+    if (eta < 0).any():
+        raise ValueError("noise_level must be >= 0")
+    code = torch.where(eta == 0, torch.zeros_like(code), code)
+    dt = s_n - s_t
+
+    is_sde, is_cps = code == 1, code == 2
+    # ODE (Euler) everywhere first; SDE and CPS rows overwrite their mean and std.
+    mean = x + dt.view(view) * v
+    std = torch.zeros(B, dtype=torch.float32, device=device)
+
+    if is_sde.any():
+        if bool(((s_t >= 1.0) & is_sde).any()):
+            if sigma_max is None:
+                raise ValueError("sigma_max (the schedule's second sigma) is required for 'sde' rows at sigma == 1")
+            denom_sigma = torch.where(s_t >= 1.0, _rows(sigma_max, B, "sigma_max").to(device), s_t)
+        else:
+            denom_sigma = s_t
+        safe_s = torch.where(is_sde, s_t, torch.ones_like(s_t))
+        std_t = torch.where(is_sde, eta * torch.sqrt(safe_s / (1 - torch.where(is_sde, denom_sigma, 0.5 * s_t))), 0.0)
+        a = (1 + std_t**2 * dt / (2 * safe_s)).view(view)
+        b = ((1 + std_t**2 * (1 - s_t) / (2 * safe_s)) * dt).view(view)
+        mean = torch.where(is_sde.view(view), x * a + v * b, mean)
+        std = torch.where(is_sde, std_t * torch.sqrt(torch.clamp(-dt, min=0.0)), std)
+
+    if is_cps.any():
+        s_cps = s_n * torch.sin(eta * math.pi / 2)
+        x0 = x - s_t.view(view) * v
+        x1 = x + (1 - s_t).view(view) * v
+        cps_mean = (1 - s_n).view(view) * x0 + torch.sqrt(torch.clamp(s_n**2 - s_cps**2, min=0.0)).view(view) * x1
+        mean = torch.where(is_cps.view(view), cps_mean, mean)
+        std = torch.where(is_cps, s_cps, std)
+
+    if prev_sample is None:
+        if noise is None:
+            noise = _draw_noise(tuple(x.shape), generator, device)
+        elif noise.shape != x.shape:
+            raise ValueError(f"noise {tuple(noise.shape)} must match latents {tuple(x.shape)}")
+        prev = mean + std.view(view) * noise.float()
+    else:
+        if prev_sample.shape != x.shape:
+            raise ValueError(f"prev_sample {tuple(prev_sample.shape)} must match latents {tuple(x.shape)}")
+        prev = prev_sample.float()
+
+    stochastic = std > 0
+    safe_std = torch.where(stochastic, std, torch.ones_like(std)).view(view)
+    sq = (prev.detach() - mean) ** 2
+    gauss = -sq / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    per_elem = torch.where(is_cps.view(view), -sq, gauss)
+    per_elem = torch.where(stochastic.view(view), per_elem, torch.zeros_like(per_elem))
+    dims = tuple(range(1, x.ndim))
+    log_prob = per_elem.mean(dim=dims) if reduce == "mean" else per_elem.sum(dim=dims)
+    return SDEStepOutput(prev_sample=prev, log_prob=log_prob, mean=mean, std=std)

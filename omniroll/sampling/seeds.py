@@ -1,0 +1,31 @@
+"""Per-sample seeds that depend only on what identifies the sample, never on where it sits in a batch."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+
+_MAX = 2**63 - 1
+
+
+def derive_seed(base_seed: Optional[int], global_step: int, uid: str, index: int) -> int:
+    """A 63-bit seed from (base seed, trainer step, prompt-group uid, index within the group).
+
+    sha256 of a canonical encoding, so it is stable across processes, machines and Python hash seeds, and the same
+    sample gets the same seed however many workers, replicas or chunks the batch is split into.
+    `base_seed=None` is treated as 0 (callers that want fresh randomness pass a random base seed).
+    """
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    key = f"omniroll/v1|{0 if base_seed is None else int(base_seed)}|{int(global_step)}|{uid}|{int(index)}"
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") & _MAX
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """The single generator a request uses for its initial latent, its window draw and every noise draw."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return g

@@ -1,0 +1,26 @@
+"""Shared fixtures: one tiny SD3 checkpoint and one Ray local cluster per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_path(tmp_path_factory):
+    from omniroll.models.tiny import build_tiny_sd3
+
+    return build_tiny_sd3(str(tmp_path_factory.mktemp("tiny-sd3")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
