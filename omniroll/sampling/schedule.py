@@ -18,8 +18,9 @@ def flow_match_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: i
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    sigma_max, sigma_min = 1.0, 1.0 / num_train_timesteps
-    ts = torch.linspace(sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_steps, dtype=torch.float64)
+    # Like diffusers: the training grid's smallest sigma is shifted first, then the inference grid is shifted again.
+    sigma_min = float(shift_sigmas(torch.tensor(1.0 / num_train_timesteps, dtype=torch.float64), shift))
+    ts = torch.linspace(num_train_timesteps, sigma_min * num_train_timesteps, num_steps, dtype=torch.float64)
     sig = shift_sigmas((ts / num_train_timesteps).float(), shift)
     return torch.cat([sig, torch.zeros(1)]).float()
 

@@ -1,0 +1,42 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine (one model replica).
+
+    max_batch_size: forward rows per denoising step; a CFG request takes two rows. On CPU a forward does not get
+        cheaper per row with batching, so the default is the fastest measured size, not the largest.
+    batch_invariant: run linear layers in fixed row blocks so a request's output is bitwise independent of what
+        else shares its batch (see `omniroll.engine.invariant`).
+    prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
+    decode_batch_size: finished samples decoded per VAE call.
+    asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
+    """
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_batch_size: int = 16
+    batch_invariant: bool = True
+    invariant_block_rows: int = 64
+    prompt_cache_size: int = 1024
+    decode_batch_size: int = 8
+    asleep_policy: str = "error"
+
+    def __post_init__(self):
+        if self.max_batch_size < 2:
+            raise ValueError(f"max_batch_size must be >= 2 (one CFG request takes two rows), got {self.max_batch_size}")
+        if self.invariant_block_rows < 1:
+            raise ValueError(f"invariant_block_rows must be >= 1, got {self.invariant_block_rows}")
+        if self.prompt_cache_size < 1:
+            raise ValueError(f"prompt_cache_size must be >= 1, got {self.prompt_cache_size}")
+        if self.decode_batch_size < 1:
+            raise ValueError(f"decode_batch_size must be >= 1, got {self.decode_batch_size}")
+        if self.asleep_policy not in ("error", "wait"):
+            raise ValueError(f"asleep_policy must be 'error' or 'wait', got {self.asleep_policy!r}")

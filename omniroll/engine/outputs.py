@@ -1,0 +1,81 @@
+"""Turn a finished (or aborted) RequestState into a DiffusionOutput."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from omniroll.engine.output import DiffusionOutput, quantize_pixels
+from omniroll.engine.request import RequestState
+
+
+def _embedding_fields(state: RequestState) -> dict:
+    fields = {}
+    if state.cond is not None:
+        fields.update(state.cond.tensors)
+        fields["prompt_ids"] = list(state.cond.prompt_ids)
+    if state.uncond is not None:
+        fields.update({f"negative_{k}": v for k, v in state.uncond.tensors.items()})
+    return fields
+
+
+def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> DiffusionOutput:
+    """Package what RL needs. The window's sigmas, noise level and SDE type travel with the trajectory, so a trainer
+    never has to recover sigma from a timestep or mirror the sampling config."""
+    p = state.params
+    steps = torch.tensor(state.rec_steps, dtype=torch.long)
+    if state.rec_latents:
+        all_latents = torch.stack(state.rec_latents)
+    else:
+        all_latents = torch.empty((0,) + tuple(state.latents.shape))
+    sigmas = state.sigmas[steps] if len(steps) else torch.empty(0)
+    sigmas_next = state.sigmas[steps + 1] if len(steps) else torch.empty(0)
+    log_probs = torch.stack(state.rec_log_probs) if state.rec_log_probs else torch.empty(0)
+    if p.output_type == "latent":
+        primary = state.latents
+    else:
+        primary = quantize_pixels(pixels)
+    extra = {
+        "request_id": state.request_id,
+        "all_latents": all_latents,
+        "all_timesteps": state.timesteps[steps] if len(steps) else torch.empty(0),
+        "sigmas": sigmas,
+        "sigmas_next": sigmas_next,
+        "step_indices": steps,
+        "sde_window": tuple(state.window),
+        "noise_level": float(p.noise_level) if p.stochastic else 0.0,
+        "sde_type": p.sde_type if p.stochastic else "ode",
+        "sigma_max": float(state.sigmas[min(1, len(state.sigmas) - 1)]),
+        "guidance_scale": float(p.guidance_scale),
+        "seed": int(state.request.seed),
+        "weight_version": int(state.weight_version or 0),
+        "generate_seconds": time.time() - state.submitted_at,
+        **_embedding_fields(state),
+    }
+    if p.output_type == "both":
+        extra["latents"] = state.latents
+    return DiffusionOutput(
+        diffusion_output=primary,
+        log_probs=log_probs if p.logprobs else None,
+        stop_reason="completed",
+        num_preempted=state.num_preempted,
+        extra_fields=extra,
+    )
+
+
+def aborted_output(state: RequestState, weight_version: int) -> DiffusionOutput:
+    """An aborted request: no pixels, no trajectory, an explicit stop reason."""
+    return DiffusionOutput(
+        diffusion_output=torch.empty((0,), dtype=torch.uint8),
+        log_probs=None,
+        stop_reason="aborted",
+        num_preempted=state.num_preempted,
+        extra_fields={
+            "request_id": state.request_id,
+            "seed": int(state.request.seed),
+            "weight_version": int(state.weight_version if state.weight_version is not None else weight_version),
+            "steps_done": state.step_index,
+        },
+    )

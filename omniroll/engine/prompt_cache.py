@@ -1,0 +1,45 @@
+"""A bounded LRU of prompt encodings: a prompt is encoded once however many samples of it are running."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from omniroll.models.base import Conditioning, DiffusionAdapter
+
+
+class PromptCache:
+    def __init__(self, adapter: DiffusionAdapter, capacity: int):
+        self.adapter = adapter
+        self.capacity = capacity
+        self._cache: OrderedDict[tuple[str, int], Conditioning] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get_many(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
+        """Encodings for `prompts` (duplicates allowed); only the missing unique prompts are encoded."""
+        found: dict[str, Conditioning] = {}
+        for p in prompts:
+            key = (p, max_sequence_length)
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                found[p] = self._cache[key]
+        missing = list(dict.fromkeys(p for p in prompts if p not in found))
+        if missing:
+            for prompt, cond in zip(missing, self.adapter.encode_prompts(missing, max_sequence_length)):
+                found[prompt] = cond
+                self._put((prompt, max_sequence_length), cond)
+        self.misses += len(missing)
+        self.hits += len(prompts) - len(missing)
+        return [found[p] for p in prompts]
+
+    def _put(self, key, cond: Conditioning) -> None:
+        self._cache[key] = cond
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def __len__(self) -> int:
+        return len(self._cache)
