@@ -1,0 +1,44 @@
+"""Model adapters (one per diffusion family) and offline tiny checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
+from omniroll.models.sd3 import SD3Adapter
+from omniroll.models.tiny import build_tiny_sd3
+
+#: model_index.json `_class_name` -> adapter class
+ADAPTERS: dict[str, type[DiffusionAdapter]] = {"StableDiffusion3Pipeline": SD3Adapter}
+
+
+def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionAdapter:
+    """Load the adapter for a local diffusers checkpoint directory, chosen by model_index.json's `_class_name`."""
+    path = os.fspath(path)
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        raise FileNotFoundError(f"path {path!r} is not a diffusers checkpoint directory (no model_index.json)")
+    try:
+        with open(index) as f:
+            class_name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"cannot read _class_name from {index}: {e}") from e
+    if class_name not in ADAPTERS:
+        raise ValueError(
+            f"unsupported pipeline _class_name {class_name!r} in {index}; supported: {sorted(ADAPTERS)}"
+        )
+    return ADAPTERS[class_name].from_pretrained(path, device=device, dtype=dtype)
+
+
+__all__ = [
+    "ADAPTERS",
+    "Conditioning",
+    "DiffusionAdapter",
+    "SD3Adapter",
+    "build_tiny_sd3",
+    "load_adapter",
+    "stack_conditioning",
+]

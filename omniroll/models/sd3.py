@@ -1,0 +1,218 @@
+"""Stable Diffusion 3 / 3.5 adapter: diffusers' own components and prompt encoding, the engine's denoise loop."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from omniroll.models.base import Conditioning, DiffusionAdapter
+
+
+class SD3Adapter(DiffusionAdapter):
+    """Wraps a loaded `StableDiffusion3Pipeline` (its `__call__` is never run).
+
+    The pipeline object is kept only to reuse `encode_prompt` and to hold the components; the engine calls
+    `velocity` / `decode` and drives the sampler itself.
+    """
+
+    def __init__(self, pipeline):
+        from diffusers import StableDiffusion3Pipeline
+
+        if not isinstance(pipeline, StableDiffusion3Pipeline):
+            raise TypeError(f"pipeline must be a StableDiffusion3Pipeline, got {type(pipeline).__name__}")
+        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
+            if getattr(pipeline, name, None) is None:
+                raise ValueError(f"SD3 checkpoint is missing component {name!r}")
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.vae = pipeline.vae
+        self.text_encoder = pipeline.text_encoder
+        self.text_encoder_2 = pipeline.text_encoder_2
+        self.text_encoder_3 = pipeline.text_encoder_3  # may be None (SD3 without T5: zeros, as diffusers does)
+        self.tokenizer = pipeline.tokenizer
+        self.tokenizer_3 = pipeline.tokenizer_3
+        self.scheduler_config = dict(pipeline.scheduler.config)
+        for m in self.modules().values():
+            m.eval()
+        self._sigma_cache: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        """Load every component from a local diffusers SD3 / SD3.5 checkpoint directory (offline)."""
+        from diffusers import StableDiffusion3Pipeline
+
+        path = os.fspath(path)
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise FileNotFoundError(f"path {path!r} is not a diffusers checkpoint directory (no model_index.json)")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        from diffusers.utils import deprecation_utils
+
+        # diffusers renamed `torch_dtype` to `dtype` (0.36+); use whichever this version understands.
+        dtype_key = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, local_files_only=True, **{dtype_key: dtype})
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(device)
+        return cls(pipe)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.transformer.config.patch_size)
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self.vae_scale_factor * self.patch_size
+
+    @property
+    def max_resolution(self) -> int:
+        """Largest height / width the transformer's positional embedding covers (None in config: unbounded)."""
+        max_pos = self.transformer.config.pos_embed_max_size
+        return None if max_pos is None else int(max_pos) * self.spatial_multiple
+
+    @property
+    def max_sequence_length_limit(self) -> int:
+        limit = 512
+        if self.tokenizer_3 is not None:
+            model_max = getattr(self.tokenizer_3, "model_max_length", limit)
+            if isinstance(model_max, int) and 0 < model_max < limit:
+                limit = model_max
+        return limit
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        mods = {
+            "transformer": self.transformer,
+            "vae": self.vae,
+            "text_encoder": self.text_encoder,
+            "text_encoder_2": self.text_encoder_2,
+            "text_encoder_3": self.text_encoder_3,
+        }
+        return {k: v for k, v in mods.items() if v is not None}
+
+    # ------------------------------------------------------------------ prompts
+    def _check_sequence_length(self, max_sequence_length: int) -> None:
+        limit = self.max_sequence_length_limit
+        if not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool) \
+                or not 1 <= max_sequence_length <= limit:
+            raise ValueError(f"max_sequence_length must be an int in [1, {limit}], got {max_sequence_length!r}")
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
+        """One Conditioning per prompt via diffusers' `encode_prompt`.
+
+        Prompts are encoded one at a time, so a prompt's tensors never depend on what else is in the list (batched
+        matmuls may pick different kernels per batch size). Duplicates are encoded once and copied.
+        """
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a list of str")
+        self._check_sequence_length(max_sequence_length)
+        device = next(self.text_encoder.parameters()).device
+        encoded: dict[str, Conditioning] = {}
+        for prompt in dict.fromkeys(prompts):
+            prompt_embeds, _, pooled, _ = self.pipeline.encode_prompt(
+                prompt=[prompt], prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
+                do_classifier_free_guidance=False, max_sequence_length=max_sequence_length,
+            )
+            ids = self.tokenizer(  # padded like diffusers' CLIP branch
+                prompt, padding="max_length", max_length=self.pipeline.tokenizer_max_length, truncation=True
+            ).input_ids
+            encoded[prompt] = Conditioning(
+                {"prompt_embeds": prompt_embeds[0].float(), "pooled_prompt_embeds": pooled[0].float()},
+                [int(i) for i in ids],
+            )
+        return [
+            Conditioning({k: v.clone() for k, v in encoded[p].tensors.items()}, list(encoded[p].prompt_ids))
+            for p in prompts
+        ]
+
+    # ------------------------------------------------------------------ denoiser / decoder
+    @torch.no_grad()
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        if latents.dim() != 4 or latents.shape[1] != self.transformer.config.in_channels:
+            raise ValueError(
+                f"latents must be [B, {self.transformer.config.in_channels}, h, w], got {tuple(latents.shape)}"
+            )
+        batch = latents.shape[0]
+        if timesteps.dim() != 1 or timesteps.shape[0] != batch:
+            raise ValueError(f"timesteps must be [B] = [{batch}], got {tuple(timesteps.shape)}")
+        for key in ("prompt_embeds", "pooled_prompt_embeds"):
+            if key not in cond:
+                raise ValueError(f"cond is missing {key!r} (has {sorted(cond)})")
+            if cond[key].shape[0] != batch:
+                raise ValueError(f"cond[{key!r}] batch {cond[key].shape[0]} != latents batch {batch}")
+        device, dtype = self.device, self.dtype
+        out = self.transformer(
+            hidden_states=latents.to(device=device, dtype=dtype),
+            timestep=timesteps.to(device=device, dtype=torch.float32),  # embedded in fp32, like the pipeline
+            encoder_hidden_states=cond["prompt_embeds"].to(device=device, dtype=dtype),
+            pooled_projections=cond["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.vae
+        vae_device = next(vae.parameters()).device
+        z = latents.to(device=vae_device, dtype=vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(z, return_dict=False)[0].float()
+
+    # ------------------------------------------------------------------ shapes / schedule
+    def _check_resolution(self, height: int, width: int) -> None:
+        mult, max_res = self.spatial_multiple, self.max_resolution
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % mult:
+                raise ValueError(f"{name} must be a positive multiple of {mult} (vae_scale_factor x patch_size), "
+                                 f"got {value!r}")
+            if max_res is not None and value > max_res:
+                raise ValueError(f"{name} must be <= {max_res} (pos_embed_max_size "
+                                 f"{self.transformer.config.pos_embed_max_size} x {mult}), got {value}")
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        self._check_resolution(height, width)
+        f = self.vae_scale_factor
+        return (int(self.vae.config.latent_channels), height // f, width // f)
+
+    def sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+        """`FlowMatchEulerDiscreteScheduler.set_timesteps(T)` sigmas (with SD3's dynamic-shift `mu` if enabled)."""
+        if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) \
+                or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
+        self._check_resolution(height, width)
+        key = (num_inference_steps, height, width)
+        if key not in self._sigma_cache:
+            from diffusers import FlowMatchEulerDiscreteScheduler
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+            kwargs = {}
+            if scheduler.config.get("use_dynamic_shifting", None):
+                f = self.vae_scale_factor * self.patch_size
+                image_seq_len = (height // f) * (width // f)
+                kwargs["mu"] = calculate_shift(
+                    image_seq_len,
+                    scheduler.config.get("base_image_seq_len", 256),
+                    scheduler.config.get("max_image_seq_len", 4096),
+                    scheduler.config.get("base_shift", 0.5),
+                    scheduler.config.get("max_shift", 1.16),
+                )
+            scheduler.set_timesteps(num_inference_steps, device="cpu", **kwargs)
+            sig = scheduler.sigmas.detach().to(torch.float32).cpu()
+            if sig.shape != (num_inference_steps + 1,):
+                raise ValueError(f"scheduler returned {tuple(sig.shape)} sigmas for {num_inference_steps} steps")
+            self._sigma_cache[key] = sig
+        return self._sigma_cache[key].clone()
