@@ -1,0 +1,262 @@
+"""`RewardManager`: run several reward functions concurrently on a batch and combine them per row.
+
+Config (validated with pydantic; unknown keys and out-of-range values raise naming the field)::
+
+    {"functions": {                                   # or just the inner mapping, or a list of {"name": ..., ...}
+        "jpeg": {"fn": "jpeg_compressibility", "weight": 0.5},
+        "pick": {"fn": "http", "kwargs": {"url": "http://..."}, "required": False},
+        "mine": {"fn": "my_pkg.rewards:score", "max_retries": 2, "per_sample": True}},
+     "max_batch_size": 16, "max_wait_ms": 5}        # micro-batching knobs used by RewardLoopWorker
+
+Combination (flow_grpo's `multi_score` convention): `score = sum(weight * component)`, weights are not normalized.
+Failure policy, per row (never a silent 0):
+
+- a function that raises, times out, returns the wrong number of values, or a non-finite / non-numeric value is
+  retried (only on the rows that failed) up to `max_retries` times;
+- still failing and `required` -> the row is `status="failed"`, `score=None`, `error` names the function;
+- still failing and not required -> the row is `status="flagged"`, that component is `None`, its error is in
+  `extra_info["{name}/error"]`, `extra_info["reward/missing"]` lists such names, and `score` is the weighted sum of the
+  components that succeeded (the missing weight is *not* redistributed);
+- if no function succeeded at all for a row, it is `failed` whatever `required` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import re
+import time
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from omniroll.reward.scorers import build_scorer, is_async_callable
+from omniroll.reward.types import RewardResult, RewardSample
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class RewardFunctionConfig(BaseModel):
+    """One reward function. `timeout_s` bounds each attempt (a sync function's thread cannot be interrupted)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    fn: Union[str, Callable] = Field(..., description="registry name, 'module:function', or a callable")
+    weight: float = Field(1.0, ge=-1e6, le=1e6, allow_inf_nan=False)
+    required: bool = True
+    max_retries: int = Field(2, ge=0, le=10)
+    retry_backoff_s: float = Field(0.0, ge=0.0, le=60.0, description="sleep between retries (doubles each time)")
+    timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0)
+    per_sample: bool = Field(False, description="fn takes one RewardSample, not a list")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("fn")
+    @classmethod
+    def _check_fn(cls, v):
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("fn must be a non-empty string or a callable")
+        return v
+
+
+class RewardConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    functions: dict[str, RewardFunctionConfig] = Field(..., min_length=1)
+    max_batch_size: int = Field(16, ge=1, le=4096, description="RewardLoopWorker micro-batch size")
+    max_wait_ms: float = Field(5.0, ge=0.0, le=10_000.0, description="RewardLoopWorker micro-batch wait")
+
+    @field_validator("functions")
+    @classmethod
+    def _check_names(cls, v):
+        for name in v:
+            if not _NAME_RE.match(name):
+                raise ValueError(f"function name {name!r} must match {_NAME_RE.pattern} (used in extra_info keys)")
+        return v
+
+    @classmethod
+    def from_any(cls, config: Any) -> "RewardConfig":
+        """Accept a `RewardConfig`, a full config dict, a `{name: fn_config}` mapping, or a list of fn configs
+        each carrying a `"name"`."""
+        if isinstance(config, RewardConfig):
+            return config
+        if isinstance(config, (list, tuple)):
+            functions = {}
+            for i, item in enumerate(config):
+                if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                    raise ValueError(f"reward config list item {i} must be a dict with a str 'name'")
+                item = dict(item)
+                name = item.pop("name")
+                if name in functions:
+                    raise ValueError(f"reward config list item {i}: duplicate function name {name!r}")
+                functions[name] = item
+            return cls.model_validate({"functions": functions})
+        if isinstance(config, dict):
+            if "functions" in config and set(config) <= set(cls.model_fields):
+                return cls.model_validate(config)
+            return cls.model_validate({"functions": config})
+        raise TypeError(f"reward config must be a RewardConfig, dict or list, got {type(config).__name__}")
+
+
+class _Outcome:
+    """Per function, per row: value or error, plus attempts and time."""
+
+    def __init__(self, n: int):
+        self.values: list[Optional[float]] = [None] * n
+        self.extras: list[dict] = [{} for _ in range(n)]
+        self.errors: list[Optional[str]] = ["not run"] * n
+        self.attempts = 0
+        self.elapsed_s = 0.0
+
+
+def _coerce(value: Any) -> tuple[Optional[float], dict, Optional[str]]:
+    """One scorer output -> (score, extras, error)."""
+    extras = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            return None, {}, f"returned a dict without 'score' (keys {sorted(value)[:8]})"
+        extras = {k: v for k, v in value.items() if k != "score"}
+        value = value["score"]
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(()).item()
+    elif isinstance(value, np.generic) or (hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1):
+        value = value.item()  # numpy / torch scalars
+    if not isinstance(value, numbers.Real):
+        return None, extras, f"returned a {type(value).__name__}, expected a number"
+    f = float(value)
+    if not math.isfinite(f):
+        return None, extras, f"returned a non-finite score ({f})"
+    return f, extras, None
+
+
+class RewardManager:
+    """Scores batches with every configured function concurrently; see the module docstring for the policy."""
+
+    def __init__(self, config: Union[RewardConfig, dict, list]):
+        self.config = RewardConfig.from_any(config)
+        self.fns: dict[str, Callable] = {}
+        for name, fc in self.config.functions.items():
+            try:
+                self.fns[name] = build_scorer(fc.fn, fc.kwargs, per_sample=fc.per_sample)
+            except (ValueError, TypeError) as e:
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(f"reward function {name!r}: {e}") from e
+        self.weights = {name: fc.weight for name, fc in self.config.functions.items()}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.fns)
+
+    async def aclose(self) -> None:
+        for fn in self.fns.values():
+            close = getattr(fn, "aclose", None)
+            if close is not None and inspect.iscoroutinefunction(close):
+                await close()
+
+    async def _call(self, name: str, fn: Callable, samples: list[RewardSample]) -> list:
+        fc = self.config.functions[name]
+        if is_async_callable(fn):
+            coro = fn(samples)
+        else:
+            coro = asyncio.to_thread(fn, samples)
+        if fc.timeout_s is not None:
+            out = await asyncio.wait_for(coro, fc.timeout_s)
+        else:
+            out = await coro
+        if inspect.isawaitable(out):
+            out = await (asyncio.wait_for(out, fc.timeout_s) if fc.timeout_s is not None else out)
+        if hasattr(out, "tolist") and not isinstance(out, list):
+            out = out.tolist()
+        if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+            raise TypeError(f"returned a {type(out).__name__}, expected a list with one value per sample")
+        out = list(out)
+        if len(out) != len(samples):
+            raise ValueError(f"returned {len(out)} values for {len(samples)} samples")
+        return out
+
+    async def _run_fn(self, name: str, samples: list[RewardSample]) -> _Outcome:
+        fc, fn = self.config.functions[name], self.fns[name]
+        res = _Outcome(len(samples))
+        pending = list(range(len(samples)))
+        t0 = time.perf_counter()
+        for attempt in range(fc.max_retries + 1):
+            if attempt and fc.retry_backoff_s:
+                await asyncio.sleep(fc.retry_backoff_s * 2 ** (attempt - 1))
+            res.attempts += 1
+            try:
+                out = await self._call(name, fn, [samples[i] for i in pending])
+            except asyncio.CancelledError:
+                raise
+            except asyncio.TimeoutError:
+                for i in pending:
+                    res.errors[i] = f"timed out after {fc.timeout_s}s (attempt {attempt + 1})"
+                continue
+            except Exception as e:  # a scorer's failure is data: recorded, retried, reported
+                msg = f"{type(e).__name__}: {e}"
+                for i in pending:
+                    res.errors[i] = msg
+                continue
+            still = []
+            for i, value in zip(pending, out):
+                score, extras, err = _coerce(value)
+                res.extras[i] = extras
+                if err is None:
+                    res.values[i], res.errors[i] = score, None
+                else:
+                    res.errors[i] = err
+                    still.append(i)
+            pending = still
+            if not pending:
+                break
+        res.elapsed_s = time.perf_counter() - t0
+        return res
+
+    async def score(self, samples: list[RewardSample]) -> list[RewardResult]:
+        """Score a batch; one `RewardResult` per sample, in order. Scorer failures never raise (see policy)."""
+        samples = list(samples)
+        for i, s in enumerate(samples):
+            if not isinstance(s, RewardSample):
+                raise TypeError(f"samples[{i}] must be a RewardSample, got {type(s).__name__}")
+        if not samples:
+            return []
+        started = time.time()
+        names = self.names
+        outcomes = dict(zip(names, await asyncio.gather(*(self._run_fn(n, samples) for n in names))))
+        finished = time.time()
+        return [self._combine(i, s, outcomes, started, finished) for i, s in enumerate(samples)]
+
+    def _combine(self, i: int, sample: RewardSample, outcomes: dict[str, _Outcome], started: float,
+                 finished: float) -> RewardResult:
+        components: dict[str, Optional[float]] = {}
+        extra: dict[str, Any] = {}
+        missing, fatal = [], []
+        total = 0.0
+        for name, oc in outcomes.items():
+            value, err = oc.values[i], oc.errors[i]
+            components[name] = value
+            extra[f"{name}/attempts"] = oc.attempts
+            extra[f"{name}/time_s"] = oc.elapsed_s
+            for k, v in oc.extras[i].items():
+                extra[f"{name}/{k}"] = v
+            if err is not None:
+                extra[f"{name}/error"] = err
+                (fatal if self.config.functions[name].required else missing).append(name)
+            else:
+                total += self.weights[name] * value
+        ok_names = [n for n in outcomes if components[n] is not None]
+        if ok_names and not math.isfinite(total):
+            fatal.append("reward")
+            extra["reward/error"] = f"weighted sum of components is not finite ({total})"
+        if missing:
+            extra["reward/missing"] = missing
+        if fatal or not ok_names:
+            why = fatal or missing
+            error = "; ".join(f"{n}: {extra[f'{n}/error']}" for n in why)
+            if not fatal:
+                error = "every reward function failed: " + error
+            else:
+                error = "required reward function failed: " + error
+            return RewardResult(sample.sample_id, None, components, extra, "failed", error, started, finished)
+        status = "flagged" if missing else "ok"
+        return RewardResult(sample.sample_id, total, components, extra, status, None, started, finished)

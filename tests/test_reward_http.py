@@ -1,0 +1,234 @@
+"""HttpScorer against a real FastAPI server (uvicorn in a background thread on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from omniroll.reward import (
+    HttpScorer,
+    RewardHTTPError,
+    RewardManager,
+    RewardSample,
+    decode_png_batch,
+    decode_safetensors_batch,
+)
+
+
+def _mean_scores(images) -> list[float]:
+    return [float(np.asarray(im).mean()) / 255.0 for im in images]
+
+
+def _make_app(state: dict) -> FastAPI:
+    app = FastAPI()
+    hits = state["hits"]
+
+    @app.post("/flaky/{key}")
+    async def flaky(key: str, request: Request):
+        hits[key] += 1
+        if hits[key] == 1:
+            return JSONResponse({"detail": "warming up"}, status_code=503)
+        images, _, _ = decode_png_batch(await request.json())
+        return {"scores": _mean_scores(images)}
+
+    @app.post("/always500/{key}")
+    async def always500(key: str):
+        hits[key] += 1
+        return JSONResponse({"detail": "model crashed"}, status_code=500)
+
+    @app.post("/bad400/{key}")
+    async def bad400(key: str):
+        hits[key] += 1
+        return JSONResponse({"detail": "bad image"}, status_code=400)
+
+    @app.post("/score/{key}")
+    async def score(key: str, request: Request):
+        hits[key] += 1
+        images, prompts, metadata = decode_png_batch(await request.json())
+        state["batches"][key].append([m["sample_id"] for m in metadata])
+        assert len(prompts) == len(images)
+        return {"scores": _mean_scores(images)}
+
+    @app.post("/st/{key}")
+    async def st(key: str, request: Request):
+        hits[key] += 1
+        assert request.headers["content-type"] == "application/octet-stream"
+        images, prompts, metadata = decode_safetensors_batch(await request.body())
+        state["st"][key] = (images, prompts, metadata)
+        return {"scores": [{"score": s, "n_prompt_chars": len(p)} for s, p in zip(_mean_scores(images), prompts)]}
+
+    @app.post("/short/{key}")
+    async def short(key: str, request: Request):
+        hits[key] += 1
+        images, _, _ = decode_png_batch(await request.json())
+        return {"scores": _mean_scores(images)[:-1]}
+
+    @app.post("/sleepy/{key}")
+    async def sleepy(key: str):
+        hits[key] += 1
+        await asyncio.sleep(0.3)
+        return {"scores": [1.0]}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server():
+    state = {"hits": collections.Counter(), "batches": collections.defaultdict(list), "st": {}}
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(_make_app(state), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not srv.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", state
+    srv.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+def _samples(n: int, h: int = 8, w: int = 8) -> list[RewardSample]:
+    return [RewardSample(f"s{i}", np.full((3, h, w), 10 * i, np.uint8), f"prompt number {i}",
+                         data_source="unit", ground_truth={"i": i}, extra_info={"tag": np.int64(i)})
+            for i in range(n)]
+
+
+def _run(scorer, samples):
+    async def go():
+        try:
+            return await scorer(samples)
+        finally:
+            await scorer.aclose()
+
+    return asyncio.run(go())
+
+
+def test_retries_after_503_then_succeeds(server):
+    url, state = server
+    scorer = HttpScorer(f"{url}/flaky/a", backoff_s=0.01, max_retries=3)
+    out = _run(scorer, _samples(3))
+    assert state["hits"]["a"] == 2 and scorer.requests_sent == 2
+    assert [row["attempts"] for row in out] == [2, 2, 2]
+    assert [row["score"] for row in out] == pytest.approx([0.0, 10 / 255, 20 / 255])
+
+
+def test_always_500_raises_clear_error_after_max_retries(server):
+    url, state = server
+    scorer = HttpScorer(f"{url}/always500/b", backoff_s=0.01, max_retries=2)
+    with pytest.raises(RewardHTTPError) as info:
+        _run(scorer, _samples(2))
+    err = info.value
+    assert err.status == 500 and err.attempts == 3 and err.url == f"{url}/always500/b"
+    assert f"POST {url}/always500/b failed after 3 attempt(s): status=500" in str(err)
+    assert "model crashed" in str(err) and "max_retries=2 exhausted" in str(err)
+    assert state["hits"]["b"] == 3
+
+
+def test_client_error_is_not_retried(server):
+    url, state = server
+    with pytest.raises(RewardHTTPError, match=r"after 1 attempt\(s\): status=400.*not retried"):
+        _run(HttpScorer(f"{url}/bad400/c", backoff_s=0.01, max_retries=3), _samples(1))
+    assert state["hits"]["c"] == 1
+
+
+def test_connection_refused_is_retried_then_reported():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once we leave the block: nothing listens there
+    scorer = HttpScorer(f"http://127.0.0.1:{port}/x", backoff_s=0.01, max_retries=2)
+    with pytest.raises(RewardHTTPError, match=r"after 3 attempt\(s\): status=None: connection error") as info:
+        _run(scorer, _samples(1))
+    assert info.value.status is None and info.value.attempts == 3
+
+
+def test_timeout_is_retried_then_reported(server):
+    url, state = server
+    scorer = HttpScorer(f"{url}/sleepy/d", timeout_s=0.05, backoff_s=0.01, max_retries=1)
+    with pytest.raises(RewardHTTPError, match=r"after 2 attempt\(s\): status=None: timeout after 0.05s"):
+        _run(scorer, _samples(1))
+    assert state["hits"]["d"] == 2
+
+
+def test_batching_splits_posts_and_keeps_order(server):
+    url, state = server
+    scorer = HttpScorer(f"{url}/score/e", batch_size=4)
+    out = _run(scorer, _samples(10))
+    assert state["hits"]["e"] == 3
+    assert sorted(len(b) for b in state["batches"]["e"]) == [2, 4, 4]
+    assert sorted(sum(state["batches"]["e"], [])) == sorted(f"s{i}" for i in range(10))
+    assert [row["score"] for row in out] == pytest.approx([10 * i / 255 for i in range(10)])
+
+
+def test_wrong_length_response_is_an_error(server):
+    url, _ = server
+    with pytest.raises(RewardHTTPError, match="response has 1 scores for a batch of 2"):
+        _run(HttpScorer(f"{url}/short/f"), _samples(2))
+
+
+def test_safetensors_round_trip(server):
+    url, state = server
+    rng = np.random.default_rng(0)
+    samples = [RewardSample(f"t{i}", rng.integers(0, 256, (3, 12, 20), dtype=np.uint8), f"p{i}" * (i + 1),
+                            ground_truth=[i, "x"]) for i in range(3)]
+    out = _run(HttpScorer(f"{url}/st/g", encoding="safetensors"), samples)
+    images, prompts, metadata = state["st"]["g"]
+    assert images.dtype == np.uint8 and images.shape == (3, 3, 12, 20)
+    np.testing.assert_array_equal(images, np.stack([s.image for s in samples]))
+    assert prompts == [s.prompt for s in samples]
+    assert [m["sample_id"] for m in metadata] == ["t0", "t1", "t2"] and metadata[2]["ground_truth"] == [2, "x"]
+    assert [row["score"] for row in out] == pytest.approx(_mean_scores([s.image for s in samples]))
+    assert [row["n_prompt_chars"] for row in out] == [2, 4, 6]
+
+
+def test_safetensors_needs_one_shape_per_batch(server):
+    url, _ = server
+    samples = [RewardSample("a", np.zeros((3, 4, 4), np.uint8), ""), RewardSample("b", np.zeros((3, 8, 4), np.uint8), "")]
+    with pytest.raises(ValueError, match="one image shape per batch"):
+        _run(HttpScorer(f"{url}/st/h", encoding="safetensors"), samples)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [({"timeout_s": 0}, r"timeout_s must be a number in"), ({"max_retries": -1}, r"max_retries must be an int in"),
+     ({"batch_size": 0}, r"batch_size must be an int in \[1, 65536\]"), ({"encoding": "pickle"}, r"encoding must be one of")],
+)
+def test_constructor_validation(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        HttpScorer("http://127.0.0.1:1/x", **kwargs)
+
+
+def test_manager_with_http_functions(server):
+    url, _ = server
+    config = {
+        "remote": {"fn": "http", "kwargs": {"url": f"{url}/flaky/i", "backoff_s": 0.01}, "max_retries": 0},
+        "down": {"fn": "http", "kwargs": {"url": f"{url}/always500/j", "backoff_s": 0.01, "max_retries": 1},
+                 "required": False, "max_retries": 0},
+    }
+    manager = RewardManager(config)
+
+    async def go():
+        try:
+            return await manager.score(_samples(2))
+        finally:
+            await manager.aclose()
+
+    results = asyncio.run(go())
+    for r, expected in zip(results, (0.0, 10 / 255)):
+        assert r.status == "flagged" and r.components["down"] is None
+        assert r.score == pytest.approx(expected)
+        assert r.extra_info["remote/attempts"] == 2  # HTTP-level attempts reported per row
+        assert "status=500" in r.extra_info["down/error"] and r.extra_info["reward/missing"] == ["down"]
