@@ -5,6 +5,9 @@ the GEMM kernel (its blocking and reduction order) changes with the number of ro
 LayerNorm and the element-wise ops are already row-independent. Padding the rows of every `F.linear` to a multiple of
 a fixed block (64) keeps the GEMM on the same code path for every row, so each output row is bitwise identical for
 any batch size and position (tested), at a small cost (measured in benchmarks/rollout_throughput.py).
+Convolutions (oneDNN picks its algorithm by batch size), GroupNorm (its reduction is split over batch x groups) and
+attention at some shapes (the VAE's single-head mid-block) are not row-independent (the tiny VAE's pixels move by
+~1e-5): they run one sample at a time, so every sample takes the batch-1 path.
 
 Implemented as a `TorchFunctionMode` active around the forward: no library code is patched.
 """
@@ -14,6 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+
+#: ops that run one sample at a time -> the input rank at which dim 0 is the batch (None: any rank >= 2).
+_PER_SAMPLE = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, F.conv_transpose2d: 4, F.group_norm: None}
 
 
 class BatchInvariantMode(TorchFunctionMode):
@@ -27,7 +34,31 @@ class BatchInvariantMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return self._linear(*args, **kwargs)
+        if func in _PER_SAMPLE:
+            return self._per_sample(func, *args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _attention(query, key, value, attn_mask=None, *args, **kwargs):
+        """Per sample: the CPU kernels split their work over batch x heads, so a row's result can move with B."""
+        B = query.shape[0]
+        if query.ndim != 4 or B == 1:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask, *args, **kwargs)
+        outs = []
+        for i in range(B):
+            mask = attn_mask[i:i + 1] if attn_mask is not None and attn_mask.shape[0] == B else attn_mask
+            outs.append(F.scaled_dot_product_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], mask,
+                                                       *args, **kwargs))
+        return torch.cat(outs)
+
+    @staticmethod
+    def _per_sample(func, input: torch.Tensor, *args, **kwargs):
+        batched_ndim = _PER_SAMPLE[func]
+        if (batched_ndim is not None and input.ndim != batched_ndim) or input.ndim < 2 or input.shape[0] == 1:
+            return func(input, *args, **kwargs)
+        return torch.cat([func(x, *args, **kwargs) for x in input.split(1)])
 
     def _linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if input.ndim < 2:

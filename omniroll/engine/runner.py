@@ -61,9 +61,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Float pixels [-1, 1] for latents [B, ...], in blocks of `decode_batch_size`."""
+        """Float pixels [-1, 1] for latents [B, ...], in blocks of `decode_batch_size`; one image per call in
+        batch-invariant mode (the VAE's attention block is not row-independent across batch sizes on CPU)."""
         outs = []
+        block = 1 if self.config.batch_invariant else self.config.decode_batch_size
         with self.execution_mode():
-            for chunk in latents.split(self.config.decode_batch_size):
+            for chunk in latents.split(block):
                 outs.append(self.adapter.decode(chunk.to(self.device)).float().cpu())
         return torch.cat(outs)
