@@ -127,3 +127,7 @@ async def record_batch(samples):
 
 
 NOT_CALLABLE = 42
+
+
+def huge(samples):
+    return [1e308] * len(samples)

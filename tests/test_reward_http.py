@@ -22,6 +22,7 @@ from omniroll.reward import (
     decode_png_batch,
     decode_safetensors_batch,
 )
+from omniroll.reward.http import encode_safetensors_batch
 
 
 def _mean_scores(images) -> list[float]:
@@ -194,11 +195,14 @@ def test_safetensors_round_trip(server):
     assert [row["n_prompt_chars"] for row in out] == [2, 4, 6]
 
 
-def test_safetensors_needs_one_shape_per_batch(server):
-    url, _ = server
-    samples = [RewardSample("a", np.zeros((3, 4, 4), np.uint8), ""), RewardSample("b", np.zeros((3, 8, 4), np.uint8), "")]
+def test_safetensors_splits_mixed_resolutions_by_shape(server):
+    url, state = server
+    samples = [RewardSample(f"m{i}", np.full((3, 4 + 4 * (i % 2), 4), 5 * i, np.uint8), "") for i in range(5)]
+    out = _run(HttpScorer(f"{url}/st/h", encoding="safetensors", batch_size=8), samples)
+    assert state["hits"]["h"] == 2  # one request per image shape
+    assert [row["score"] for row in out] == pytest.approx([5 * i / 255 for i in range(5)])
     with pytest.raises(ValueError, match="one image shape per batch"):
-        _run(HttpScorer(f"{url}/st/h", encoding="safetensors"), samples)
+        encode_safetensors_batch(samples)
 
 
 @pytest.mark.parametrize(

@@ -198,3 +198,9 @@ def test_config_errors_outside_pydantic():
         RewardManager({"u": {"fn": "tests.nope:fn"}})
     with pytest.raises(ValueError, match="reward function 'j': .*takes no kwargs"):
         RewardManager({"j": {"fn": "jpeg_compressibility", "kwargs": {"q": 1}}})
+
+
+def test_non_finite_weighted_sum_fails_the_row():
+    _, results = _score({"h": {"fn": f"{FNS}:huge", "weight": 1e6}})
+    assert all(r.status == "failed" and r.score is None for r in results)
+    assert "not finite" in results[0].error and results[0].components["h"] == 1e308

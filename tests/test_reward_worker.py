@@ -93,6 +93,41 @@ def test_worker_reports_failures_as_rows_not_zeros():
     assert worker.stats()["status_counts"]["failed"] == 2
 
 
+def test_scoring_overlaps_other_work_on_the_loop():
+    """A slow *sync* scorer runs in a thread: the loop keeps 'generating' while rows are scored."""
+    worker = RewardLoopWorker({"slow": {"fn": f"{FNS}:slow_sync", "kwargs": {"delay": 0.3}}}, max_wait_ms=1)
+
+    async def go():
+        scoring = asyncio.ensure_future(worker.compute_scores(_samples(4)))
+        ticks = []
+        while not scoring.done():  # stand-in for generation steps running concurrently
+            ticks.append(time.time())
+            await asyncio.sleep(0.01)
+        return await scoring, ticks
+
+    results, ticks = asyncio.run(go())
+    assert all(r.score == 1.0 for r in results)
+    started, finished = results[0].started_at, results[0].finished_at
+    assert finished - started >= 0.3
+    assert sum(started < t < finished for t in ticks) >= 5  # the loop was never blocked by the scorer
+
+
+def test_cancelled_caller_does_not_disturb_others():
+    worker = RewardLoopWorker(RECORD, max_wait_ms=30)
+
+    async def go():
+        tasks = [asyncio.ensure_future(worker.compute_score(s)) for s in _samples(4)]
+        await asyncio.sleep(0)
+        tasks[1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        return done
+
+    done = asyncio.run(go())
+    assert isinstance(done[1], asyncio.CancelledError)
+    assert [d.sample_id for i, d in enumerate(done) if i != 1] == ["s0", "s2", "s3"]
+    assert worker.stats()["batch_sizes"] == [3] and worker.load() == 0
+
+
 def test_worker_validates_inputs():
     with pytest.raises(ValueError, match="max_batch_size"):
         RewardLoopWorker(RECORD, max_batch_size=0)

@@ -7,7 +7,7 @@ Wire format (one POST per batch of at most `batch_size` samples):
   "extra_info"}, ...]}`.
 - `encoding="safetensors"`: `Content-Type: application/octet-stream`, a safetensors file holding one uint8 tensor
   `images` of shape `[B, 3, H, W]` (all images of a batch must share H and W); its `__metadata__` holds `prompts` and
-  `metadata` as JSON strings.
+  `metadata` as JSON strings. Mixed resolutions in one call are split into one request per shape.
 
 The server answers `{"scores": [...]}` with one entry per image (a number or a dict with `"score"`). Servers can
 decode requests with `decode_png_batch` / `decode_safetensors_batch`.
@@ -175,9 +175,19 @@ class HttpScorer:
             await client.aclose()
 
     async def __call__(self, samples) -> list[dict]:
-        batches = [samples[i:i + self.batch_size] for i in range(0, len(samples), self.batch_size)]
-        parts = await asyncio.gather(*(self._score_batch(b) for b in batches))
-        return [row for part in parts for row in part]
+        samples = list(samples)
+        groups: dict[tuple, list[int]] = {(): list(range(len(samples)))}
+        if self.encoding == "safetensors":  # one tensor per request: split mixed resolutions by shape
+            groups = {}
+            for i, s in enumerate(samples):
+                groups.setdefault(tuple(s.image.shape), []).append(i)
+        chunks = [idx[j:j + self.batch_size] for idx in groups.values() for j in range(0, len(idx), self.batch_size)]
+        parts = await asyncio.gather(*(self._score_batch([samples[i] for i in c]) for c in chunks))
+        out: list = [None] * len(samples)
+        for chunk, part in zip(chunks, parts):
+            for i, row in zip(chunk, part):
+                out[i] = row
+        return out
 
     def _delay(self, retry_index: int, response: Optional["httpx.Response"]) -> float:
         delay = min(self.max_backoff_s, self.backoff_s * (2 ** retry_index))
