@@ -1,0 +1,38 @@
+"""Weight sync: trainers push new weights (full or LoRA) into rollout engines between steps.
+
+Trainer side: :class:`WeightSender`.  Engine side: pause generation, call
+:func:`apply_weight_update` on the transformer (with a :class:`LoRAManager`), resume.
+"""
+
+from .buckets import (
+    Bucket,
+    BucketEntry,
+    ManifestEntry,
+    WeightManifest,
+    WeightSyncError,
+    pack_buckets,
+    plan_buckets,
+    unpack_bucket,
+)
+from .full import FullWeightLoader, peft_base_name
+from .lora import (
+    LoRABindError,
+    LoRAManager,
+    OmniTensorLoRARequest,
+    load_lora_dir,
+    lora_config_from_dict,
+    lora_state_dict,
+    normalize_lora_keys,
+    peft_config_to_dict,
+)
+from .receiver import ModuleReceiver, apply_weight_update
+from .sender import WeightSender, named_tensors_for
+from .transport import RayBucketRef, ShmChannel, ShmStream, iter_shm_buckets, leftover_shm, resolve_buckets
+
+__all__ = [
+    "Bucket", "BucketEntry", "ManifestEntry", "WeightManifest", "WeightSyncError", "pack_buckets", "plan_buckets",
+    "unpack_bucket", "FullWeightLoader", "peft_base_name", "LoRABindError", "LoRAManager", "OmniTensorLoRARequest",
+    "load_lora_dir", "lora_config_from_dict", "lora_state_dict", "normalize_lora_keys", "peft_config_to_dict",
+    "ModuleReceiver", "apply_weight_update", "WeightSender", "named_tensors_for", "RayBucketRef", "ShmChannel",
+    "ShmStream", "iter_shm_buckets", "leftover_shm", "resolve_buckets",
+]

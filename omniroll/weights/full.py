@@ -1,0 +1,144 @@
+"""Full-weight apply: validate a whole update up front, then copy bucket by bucket in place.
+
+Memory: :meth:`FullWeightLoader.load_bucket` copies from zero-copy views over the bucket
+buffer straight into ``param.data`` (``copy_`` casts when dtypes differ), so the only extra
+memory the receiver holds is the bucket currently being applied (the transport decides how
+many buckets exist at once: one for in-process streaming, two for shared memory).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .buckets import Bucket, WeightManifest, WeightSyncError, str_dtype, unpack_bucket
+
+NameMap = Callable[[str], str]
+
+
+def peft_base_name(name: str) -> str:
+    """Map a PEFT-wrapped parameter name to the plain module's name.
+
+    ``base_model.model.x.to_q.base_layer.weight`` -> ``x.to_q.weight``.  Useful as the
+    ``name_map`` when a trainer sends the base weights of a PEFT model.
+    """
+    while name.startswith("base_model.model."):
+        name = name[len("base_model.model.") :]
+    return name.replace(".base_layer.", ".")
+
+
+def _fmt(names, limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _dtype_compatible(src: torch.dtype, dst: torch.dtype) -> bool:
+    if src == dst:
+        return True
+    return src.is_floating_point and dst.is_floating_point
+
+
+class FullWeightLoader:
+    """Applies one full (or ``allow_partial``) weight update to ``module`` in place.
+
+    Usage: ``begin(manifest)`` -> ``load_bucket(b)`` for every bucket -> ``finish()``.
+    ``begin`` validates every name (after ``name_map``), shape and dtype before anything is
+    touched; a dtype mismatch is accepted only floating -> floating (cast by ``copy_``).
+    """
+
+    def __init__(self, module: nn.Module, name_map: NameMap | None = None, *, allow_partial: bool = False):
+        self.module = module
+        self.name_map = name_map
+        self.allow_partial = allow_partial
+        self._targets: dict[str, torch.Tensor] = {}
+        self._params: set[str] = set()
+        for n, p in module.named_parameters():
+            self._targets[n] = p
+            self._params.add(n)
+        for n, b in module.named_buffers():
+            self._targets.setdefault(n, b)
+        self._plan: dict[str, str] | None = None  # source name -> target name
+        self._received: set[str] = set()
+        self.bytes_loaded = 0
+        self.max_bucket_bytes = 0
+
+    def _map(self, name: str) -> str:
+        return self.name_map(name) if self.name_map else name
+
+    def begin(self, manifest: WeightManifest) -> None:
+        plan: dict[str, str] = {}
+        unknown, dup, clash, bad_shape, bad_dtype = [], [], [], [], []
+        target_of: dict[str, str] = {}
+        for e in manifest.entries:
+            if e.name in plan:
+                dup.append(e.name)
+                continue
+            tgt = self._map(e.name)
+            t = self._targets.get(tgt)
+            if t is None:
+                unknown.append(e.name if tgt == e.name else f"{e.name} -> {tgt}")
+                continue
+            if tgt in target_of:
+                clash.append(f"{target_of[tgt]} & {e.name} -> {tgt}")
+                continue
+            target_of[tgt] = e.name
+            plan[e.name] = tgt
+            if tuple(t.shape) != tuple(e.shape):
+                bad_shape.append(f"{e.name}: sent {tuple(e.shape)} vs module {tuple(t.shape)}")
+            if not _dtype_compatible(str_dtype(e.dtype), t.dtype):
+                bad_dtype.append(f"{e.name}: sent {e.dtype} vs module {t.dtype}")
+        missing = [] if self.allow_partial else sorted(self._params - set(target_of))
+        problems = []
+        if unknown:
+            problems.append(f"{len(unknown)} unknown name(s): {_fmt(unknown)}")
+        if missing:
+            problems.append(f"{len(missing)} missing parameter(s): {_fmt(missing)}")
+        if dup:
+            problems.append(f"duplicate name(s): {_fmt(dup)}")
+        if clash:
+            problems.append(f"name_map collision(s): {_fmt(clash)}")
+        if bad_shape:
+            problems.append(f"shape mismatch: {_fmt(bad_shape)}")
+        if bad_dtype:
+            problems.append(f"dtype mismatch: {_fmt(bad_dtype)}")
+        if problems:
+            raise WeightSyncError("weight update rejected, nothing applied; " + "; ".join(problems))
+        self._plan = plan
+        self._manifest = {e.name: e for e in manifest.entries}
+        self._received = set()
+        self.bytes_loaded = 0
+
+    def load_bucket(self, bucket: Bucket) -> None:
+        if self._plan is None:
+            raise WeightSyncError("load_bucket() before begin()")
+        # validate the whole bucket against the manifest before copying any of it
+        bad = []
+        for e in bucket.entries:
+            m = self._manifest.get(e.name)
+            if m is None:
+                bad.append(f"{e.name} (not in manifest)")
+            elif e.name in self._received:
+                bad.append(f"{e.name} (received twice)")
+            elif m.dtype != e.dtype or tuple(m.shape) != tuple(e.shape):
+                bad.append(f"{e.name} (bucket {e.dtype}{tuple(e.shape)} vs manifest {m.dtype}{tuple(m.shape)})")
+        if bad:
+            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(bad)}")
+        with torch.no_grad():
+            for name, src in unpack_bucket(bucket):
+                self._targets[self._plan[name]].data.copy_(src)
+                self._received.add(name)
+        self.bytes_loaded += bucket.nbytes
+        self.max_bucket_bytes = max(self.max_bucket_bytes, int(bucket.buffer.nbytes))
+
+    def finish(self) -> dict:
+        if self._plan is None:
+            raise WeightSyncError("finish() before begin()")
+        never = sorted(set(self._plan) - self._received)
+        self._plan = None
+        if never:
+            raise WeightSyncError(f"update incomplete: {len(never)} manifest name(s) never received: {_fmt(never)}")
+        return {"num_tensors": len(self._received), "num_bytes": self.bytes_loaded,
+                "max_bucket_bytes": self.max_bucket_bytes}

@@ -1,0 +1,282 @@
+"""LoRA hot-swap on a plain (un-wrapped) transformer, through PEFT's functional API.
+
+Accepted tensor keys (after :func:`normalize_lora_keys`):
+
+* what ``peft.get_peft_model_state_dict`` produces for a PEFT-wrapped transformer, e.g.
+  ``transformer_blocks.0.attn.to_q.lora_A.weight``, with or without any number of leading
+  ``base_model.model.`` prefixes;
+* the same keys with the adapter name still inside (``...to_q.lora_A.default.weight``,
+  i.e. a raw ``module.state_dict()`` of an injected model);
+* a leading ``transformer.`` (diffusers pipeline-level LoRA files), stripped when the
+  target module has no child called ``transformer``.
+
+Keys in kohya/``lora_down``/``lora_up`` formats are not accepted (they raise LoRABindError).
+
+:meth:`LoRAManager.add_lora` is atomic: the new adapter is injected next to the active one
+under a fresh name, loaded and checked; only then is it activated and the old one removed.
+On any error the new adapter is deleted, wrappers left empty are unwrapped and the previous
+adapter stays active (or the base model, if there was none).  Base weights are never
+written: ``init_lora_weights`` is forced to ``False`` (so PiSSA/OLoRA-style initialisers
+cannot modify the base) and removal unwraps every LoRA layer back to its original module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from peft import LoraConfig
+from peft.functional import delete_adapter, get_peft_model_state_dict, inject_adapter_in_model
+from peft.functional import set_adapter, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
+from torch import nn
+
+from .buckets import WeightSyncError
+
+_LORA_PARAM = re.compile(r"^(?P<mod>.+)\.(?P<p>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+                         r"(?:\.(?P<adapter>[^.]+))?(?:\.(?P<suffix>weight|bias))?$")
+
+
+class LoRABindError(WeightSyncError):
+    """LoRA tensors that do not bind to modules of the target (names listed in the message)."""
+
+    def __init__(self, message: str, unmatched: list[str] | None = None):
+        super().__init__(message)
+        self.unmatched = list(unmatched or [])
+
+
+@dataclass
+class OmniTensorLoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    tensorizer_config_dict: dict | None = None
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+    peft_config: dict = None
+    lora_tensors: dict = None
+
+
+def peft_config_to_dict(cfg: Any) -> dict:
+    """A JSON-friendly dict of a ``LoraConfig`` (sets -> sorted lists, enums -> str)."""
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, (set, frozenset)):
+            v = sorted(v)
+        elif hasattr(v, "value") and not isinstance(v, (int, float, str)):
+            v = v.value
+        out[k] = v
+    return out
+
+
+def lora_config_from_dict(d: dict) -> LoraConfig:
+    """Build a ``LoraConfig`` for inference from a config dict (unknown keys are ignored)."""
+    if d is None:
+        raise WeightSyncError("a LoRA update needs a peft_config")
+    peft_type = str(d.get("peft_type", "LORA")).upper().replace("PEFTTYPE.", "")
+    if peft_type != "LORA":
+        raise WeightSyncError(f"only LoRA adapters are supported, got peft_type={d.get('peft_type')!r}")
+    init = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+    kw = {k: v for k, v in d.items() if k in init and k not in ("peft_type", "task_type", "auto_mapping")}
+    kw["init_lora_weights"] = False  # never let an initialiser touch the base weights
+    kw["inference_mode"] = True
+    return LoraConfig(**kw)
+
+
+def lora_state_dict(peft_model_or_module: nn.Module, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+    """Only the LoRA tensors of a PEFT model (or a module with injected adapters).
+
+    Keys have no ``base_model.model.`` prefix and no adapter name:
+    ``transformer_blocks.0.attn.to_q.lora_A.weight``.
+    """
+    m = peft_model_or_module
+    if adapter_name is None:
+        active = getattr(m, "active_adapter", None)
+        adapter_name = active if isinstance(active, str) else "default"
+    sd = get_peft_model_state_dict(m, adapter_name=adapter_name)
+    return {_strip_prefix(k): v.detach() for k, v in sd.items()}
+
+
+def _strip_prefix(k: str) -> str:
+    while k.startswith("base_model.model."):
+        k = k[len("base_model.model.") :]
+    return k
+
+
+def normalize_lora_keys(tensors: dict[str, torch.Tensor], module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Normalise keys to ``<module path>.lora_A.weight`` form (see module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    strip_transformer = module is not None and not hasattr(module, "transformer")
+    for k, v in tensors.items():
+        key = _strip_prefix(k)
+        if strip_transformer and key.startswith("transformer."):
+            key = key[len("transformer.") :]
+        m = _LORA_PARAM.match(key)
+        if m:
+            suffix = m.group("suffix")
+            adapter = m.group("adapter")
+            if adapter in ("weight", "bias") and suffix is None:
+                suffix, adapter = adapter, None
+            key = f"{m.group('mod')}.{m.group('p')}" + (f".{suffix}" if suffix else "")
+        if key in out:
+            raise LoRABindError(f"two LoRA tensors normalise to the same key {key!r}", [k])
+        out[key] = v
+    return out
+
+
+def load_lora_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a saved PEFT adapter dir: ``adapter_config.json`` + ``adapter_model.safetensors``."""
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "adapter_config.json")
+    st_path = os.path.join(path, "adapter_model.safetensors")
+    missing = [p for p in (cfg_path, st_path) if not os.path.exists(p)]
+    if missing:
+        raise WeightSyncError(f"LoRA directory {path!r} lacks: {', '.join(missing)}")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    return cfg, load_file(st_path)
+
+
+def _unwrap_empty_lora_layers(module: nn.Module) -> int:
+    """Replace every LoRA wrapper that holds no adapter any more by its base layer."""
+    names = [n for n, m in module.named_modules() if isinstance(m, BaseTunerLayer) and not _has_adapters(m)]
+    # deepest first, so parents are resolved after their children were swapped
+    for name in sorted(names, key=lambda n: n.count("."), reverse=True):
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        wrapper = getattr(parent, child)
+        setattr(parent, child, wrapper.get_base_layer())
+    return len(names)
+
+
+def _has_adapters(layer: BaseTunerLayer) -> bool:
+    return any(len(getattr(layer, attr, {})) for attr in layer.adapter_layer_names)
+
+
+class LoRAManager:
+    """Owns the (at most one) active LoRA adapter of ``module``."""
+
+    _PREFIX = "lora_"
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._adapter: str | None = None  # internal PEFT adapter name
+        self._config: LoraConfig | None = None
+        self._request: OmniTensorLoRARequest | None = None
+        self._seq = itertools.count()
+        self._base_requires_grad: list[tuple[torch.nn.Parameter, bool]] = []
+
+    @property
+    def active_lora(self) -> str | None:
+        return self._request.lora_name if self._request else None
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return self._request.lora_int_id if self._request else None
+
+    @property
+    def active_request(self) -> OmniTensorLoRARequest | None:
+        return self._request
+
+    def _resolve(self, req: OmniTensorLoRARequest) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+        cfg, tensors = req.peft_config, req.lora_tensors
+        if tensors is None:
+            if not req.lora_path:
+                raise WeightSyncError(f"LoRA request {req.lora_name!r} has neither lora_tensors nor lora_path")
+            file_cfg, tensors = load_lora_dir(req.lora_path)
+            cfg = cfg or file_cfg
+        if not tensors:
+            raise LoRABindError(f"LoRA request {req.lora_name!r} carries no tensors")
+        return lora_config_from_dict(cfg), normalize_lora_keys(tensors, self.module)
+
+    def _precheck(self, cfg: LoraConfig, tensors: dict[str, torch.Tensor]) -> None:
+        """Bind every key to a targeted module before touching anything."""
+        modules = dict(self.module.named_modules())
+        unmatched = []
+        for key in tensors:
+            m = _LORA_PARAM.match(key)
+            mod = m.group("mod") if m else None
+            if mod is None or mod not in modules or not check_target_module_exists(cfg, mod):
+                unmatched.append(key)
+        if unmatched:
+            what = "binds zero modules" if len(unmatched) == len(tensors) else "leaves tensors unmatched"
+            raise LoRABindError(f"LoRA adapter {what}: {len(unmatched)} unmatched key(s): "
+                                f"{', '.join(sorted(unmatched)[:20])}", sorted(unmatched))
+
+    def add_lora(self, request: OmniTensorLoRARequest) -> None:
+        """Build ``request``'s adapter next to the active one, verify it, then swap."""
+        cfg, tensors = self._resolve(request)
+        self._precheck(cfg, tensors)
+        new = f"omni_{int(request.lora_int_id)}_{next(self._seq)}"
+        prev, prev_cfg = self._adapter, self._config
+        if prev is None:  # PEFT freezes base params; requires_grad even changes CPU kernels
+            self._base_requires_grad = [(p, p.requires_grad) for p in self.module.parameters()]
+        try:
+            with warnings.catch_warnings():
+                # two adapters coexist on purpose for the duration of the swap
+                warnings.filterwarnings("ignore", message=".*peft_config.*multiple adapters.*")
+                inject_adapter_in_model(cfg, self.module, adapter_name=new)
+            try:
+                result = set_peft_model_state_dict(self.module, tensors, adapter_name=new)
+            except RuntimeError as e:  # size mismatches from load_state_dict
+                raise LoRABindError(f"LoRA adapter {request.lora_name!r} does not fit the module: {e}") from e
+            unexpected = [k for k in result.unexpected_keys if self._PREFIX in k]
+            missing = [k for k in result.missing_keys if f".{new}." in k or k.endswith(f".{new}")]
+            if unexpected or missing:
+                raise LoRABindError(
+                    f"LoRA adapter {request.lora_name!r} does not bind cleanly: unexpected={sorted(unexpected)[:20]} "
+                    f"missing={sorted(missing)[:20]}", sorted(unexpected) + sorted(missing))
+            set_adapter(self.module, new, inference_mode=True)
+        except Exception:
+            self._drop(new)
+            if prev is not None:
+                set_adapter(self.module, prev, inference_mode=True)
+            else:
+                self._restore_requires_grad()
+            self._set_module_config(prev, prev_cfg)
+            raise
+        if prev is not None:
+            self._drop(prev)
+        self._adapter, self._config, self._request = new, cfg, request
+        self._set_module_config(new, cfg)
+
+    def remove_lora(self) -> bool:
+        """Remove the active adapter; the module is back to its exact original structure."""
+        if self._adapter is None:
+            return False
+        self._drop(self._adapter)
+        self._restore_requires_grad()
+        self._adapter = self._config = self._request = None
+        self._set_module_config(None, None)
+        return True
+
+    def _restore_requires_grad(self) -> None:
+        for p, flag in self._base_requires_grad:
+            p.requires_grad_(flag)
+        self._base_requires_grad = []
+
+    def _drop(self, name: str) -> None:
+        if any(isinstance(m, BaseTunerLayer) for m in self.module.modules()):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+                delete_adapter(self.module, name, prefix=self._PREFIX, layer_cls=LoraLayer)
+        _unwrap_empty_lora_layers(self.module)
+
+    def _set_module_config(self, name: str | None, cfg: LoraConfig | None) -> None:
+        # PEFT records the configs of injected adapters on the module; keep it truthful
+        if name is None:
+            if hasattr(self.module, "peft_config"):
+                del self.module.peft_config
+        else:
+            self.module.peft_config = {name: cfg}

@@ -1,0 +1,273 @@
+"""How buckets travel from a trainer to a receiver.
+
+* in-process: the :class:`~omniroll.weights.buckets.Bucket` objects themselves (a list, or a
+  lazy iterator for a single target so only one bucket exists at a time);
+* Ray: :class:`RayBucketRef` -- ``ray.put(bucket.buffer)`` plus the entry metadata; the
+  receiver ``ray.get``s one bucket at a time and gets a zero-copy read-only numpy array.
+  All buckets of one update sit in the object store until the receivers acknowledge;
+* shared memory (``use_shm=True``): :class:`ShmStream` -- a double-buffered stream through
+  files in ``/dev/shm``.  The sender knows every bucket's layout up front
+  (:func:`~omniroll.weights.buckets.plan_buckets`), creates ``num_slots`` slot files of one
+  bucket each plus a small control file, and fills slot ``i % num_slots`` with bucket ``i``
+  while the receivers copy the previous one.  Control file (int64 words): ``[0]`` buckets
+  ready, ``[1]`` abort flag, ``[2 + 2k]`` buckets done by receiver ``k``, ``[3 + 2k]`` its
+  error flag.  Only the sender creates and unlinks files (:meth:`ShmChannel.close`, always
+  run from a ``finally``), so nothing is left in /dev/shm even when a receiver fails.
+  Receivers must run on the sender's host.
+
+Ordering: a writer stores data, then the counter; a reader loads the counter, then data.  A
+``threading.Lock`` acquire/release pair (an atomic read-modify-write in CPython) sits between
+the two on both sides as a memory fence.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from .buckets import Bucket, BucketEntry, WeightSyncError, bucket_capacity
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "omniroll-ws-"
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+@dataclass
+class RayBucketRef:
+    """A bucket in the Ray object store: ``ref`` resolves to the flat uint8 buffer."""
+
+    ref: Any
+    entries: list[BucketEntry]
+    index: int = 0
+
+
+@dataclass
+class ShmStream:
+    """What a shared-memory receiver gets: everything needed to map and follow the stream."""
+
+    slots: list[str]
+    ctrl: str
+    plan: list[list[BucketEntry]]
+    slot_bytes: int
+    receiver: int
+    timeout_s: float = 600.0
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float, what: str, check: Callable[[], None] | None = None) -> None:
+    """Poll ``cond`` (spin briefly, then sleep up to 1 ms); ``check`` may raise to abort."""
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    last_check = 0.0
+    while not cond():
+        spins += 1
+        now = time.monotonic()
+        if check is not None and now - last_check > 0.005:
+            check()
+            last_check = now
+        if now > deadline:
+            raise WeightSyncError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0 if spins < 100 else min(1e-3, 1e-5 * spins))
+    _fence()
+
+
+class _Map:
+    """A file in /dev/shm mapped into this process as a uint8 array."""
+
+    def __init__(self, path: str, size: int, create: bool, writable: bool):
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) if writable else os.O_RDONLY
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self.mm.close()
+        except BufferError:  # a caller still holds a view; the mapping goes with the last view
+            pass
+
+
+class ShmChannel:
+    """Sender side of a shared-memory stream (creates, fills and finally unlinks the files)."""
+
+    def __init__(self, plan: list[list[BucketEntry]], num_receivers: int, num_slots: int = 2,
+                 timeout_s: float = 600.0):
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self.plan = plan
+        self.num_receivers = num_receivers
+        self.num_slots = min(num_slots, max(1, len(plan)))
+        self.slot_bytes = max([bucket_capacity(p) for p in plan] + [1])
+        self.timeout_s = timeout_s
+        tag = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.paths: list[str] = []
+        self._maps: list[_Map] = []
+        try:
+            self.ctrl_path = os.path.join(SHM_DIR, f"{tag}-ctrl")
+            self._ctrl_map = self._open(self.ctrl_path, 8 * (2 + 2 * num_receivers))
+            self.ctrl = self._ctrl_map.array.view(np.int64)
+            self.slot_paths = [os.path.join(SHM_DIR, f"{tag}-slot{k}") for k in range(self.num_slots)]
+            self.slots = [self._open(p, self.slot_bytes).array for p in self.slot_paths]
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, path: str, size: int) -> _Map:
+        self.paths.append(path)
+        m = _Map(path, size, create=True, writable=True)
+        self._maps.append(m)
+        return m
+
+    def descriptor(self, receiver: int) -> ShmStream:
+        return ShmStream(list(self.slot_paths), self.ctrl_path, self.plan, self.slot_bytes, receiver, self.timeout_s)
+
+    def done(self, receiver: int) -> int:
+        return int(self.ctrl[2 + 2 * receiver])
+
+    def failed(self) -> list[int]:
+        return [k for k in range(self.num_receivers) if self.ctrl[3 + 2 * k]]
+
+    def stream(self, tensors: Iterable, check: Callable[[], None] | None = None) -> int:
+        """Write every planned bucket from ``tensors`` ((name, tensor) pairs, plan order)."""
+        from .buckets import write_tensor
+
+        it = iter(tensors)
+        bytes_written = 0
+        for i, entries in enumerate(self.plan):
+            need = i - self.num_slots + 1  # the slot's previous bucket must be done everywhere
+
+            def check_all() -> None:
+                if check is not None:
+                    check()  # may re-raise a receiver's own error
+                bad = self.failed()
+                if bad:
+                    raise WeightSyncError(f"shm receiver(s) {bad} failed")
+
+            _wait(lambda: all(self.done(k) >= need for k in range(self.num_receivers)), self.timeout_s,
+                  f"receivers to release slot {i % self.num_slots}", check_all)
+            buf = self.slots[i % self.num_slots]
+            for e in entries:
+                name, t = next(it)
+                if name != e.name:
+                    raise WeightSyncError(f"tensor order changed while streaming: got {name!r}, planned {e.name!r}")
+                write_tensor(buf, e.offset, t)
+                bytes_written += e.nbytes
+            _fence()
+            self.ctrl[0] = i + 1
+        return bytes_written
+
+    def wait_done(self, check: Callable[[], None] | None = None) -> None:
+        n = len(self.plan)
+        _wait(lambda: all(self.done(k) >= n for k in range(self.num_receivers)), self.timeout_s,
+              "receivers to finish", check)
+
+    def abort(self) -> None:
+        if self._maps and self.ctrl is not None:
+            self.ctrl[1] = 1
+
+    def close(self) -> None:
+        """Unmap and unlink every file (idempotent)."""
+        for m in self._maps:
+            m.close()
+        self._maps = []
+        self.ctrl = None
+        self.slots = []
+        for p in self.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        self.paths = []
+
+
+def iter_shm_buckets(stream: ShmStream) -> Iterator[Bucket]:
+    """Receiver side: yield each bucket as it becomes ready, acknowledge it on resume.
+
+    The yielded bucket's buffer is a read-only view of a slot that is reused once the bucket
+    is acknowledged: copy out of it before asking for the next one.
+    """
+    ctrl = _Map(stream.ctrl, 0, create=False, writable=True)
+    c = ctrl.array.view(np.int64)
+    slots = [_Map(p, 0, create=False, writable=False) for p in stream.slots]
+    done_idx, err_idx = 2 + 2 * stream.receiver, 3 + 2 * stream.receiver
+    completed = False
+
+    def check() -> None:
+        if c[1]:
+            raise WeightSyncError("shm sender aborted the update")
+
+    try:
+        for i, entries in enumerate(stream.plan):
+            _wait(lambda: int(c[0]) > i, stream.timeout_s, f"bucket {i} from the sender", check)
+            buf = slots[i % len(slots)].array[: bucket_capacity(entries)]
+            yield Bucket(buf, list(entries), i)
+            del buf
+            _fence()
+            c[done_idx] = i + 1
+        completed = True
+    finally:
+        if not completed:
+            c[err_idx] = 1
+        del c
+        for m in slots + [ctrl]:
+            m.close()
+
+
+def leftover_shm(prefix: str = SHM_PREFIX) -> list[str]:
+    """Files of this module still in /dev/shm (for tests and diagnostics)."""
+    try:
+        return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def resolve_buckets(buckets: Any, use_shm: bool = False) -> Iterator[Bucket]:
+    """Turn any transport's bucket descriptors into an iterator of Buckets.
+
+    Accepts: a :class:`ShmStream` (or a one-element list of it), an iterable of
+    :class:`Bucket`, :class:`RayBucketRef`, or raw Ray ``ObjectRef`` s resolving to a Bucket.
+    The descriptor kind is checked eagerly; buckets are resolved lazily, one at a time.
+    """
+    if isinstance(buckets, (list, tuple)) and len(buckets) == 1 and isinstance(buckets[0], ShmStream):
+        buckets = buckets[0]
+    if isinstance(buckets, ShmStream):
+        return iter_shm_buckets(buckets)
+    if use_shm:
+        raise WeightSyncError(f"use_shm=True but buckets is a {type(buckets).__name__}, not a ShmStream")
+    return _resolve_each(buckets)
+
+
+def _resolve_each(buckets: Iterable[Any]) -> Iterator[Bucket]:
+    for b in buckets:
+        if isinstance(b, Bucket):
+            yield b
+        elif isinstance(b, RayBucketRef):
+            import ray
+
+            yield Bucket(ray.get(b.ref), list(b.entries), b.index)
+        elif type(b).__name__ == "ObjectRef":
+            import ray
+
+            obj = ray.get(b)
+            if not isinstance(obj, Bucket):
+                raise WeightSyncError(f"ObjectRef resolved to {type(obj).__name__}, expected Bucket")
+            yield obj
+        else:
+            raise WeightSyncError(f"unknown bucket descriptor type {type(b).__name__}")

@@ -1,0 +1,99 @@
+import os
+
+import pytest
+import torch
+from weights_helpers import bitwise_equal, forward, inputs, peft_copy, perturb, snapshot, tiny_transformer
+
+from omniroll.weights import ModuleReceiver, WeightSender, WeightSyncError, apply_weight_update, iter_shm_buckets
+from omniroll.weights.transport import SHM_PREFIX, leftover_shm
+
+
+def _mine():
+    return leftover_shm(f"{SHM_PREFIX}{os.getpid()}-")
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+def test_two_targets_full_then_lora(transport):
+    trained = perturb(tiny_transformer(0))
+    rxs = [ModuleReceiver(tiny_transformer(0)) for _ in range(2)]
+    sender = WeightSender(rxs, bucket_bytes=8 << 10, transport=transport)
+    acks = sender.send(trained, version=1)
+    assert [a["version"] for a in acks] == [1, 1] and acks[0]["num_buckets"] > 2
+    for rx in rxs:
+        assert bitwise_equal(snapshot(rx.module), snapshot(trained))
+    pm = peft_copy(trained)
+    acks = sender.send(pm, version=2)
+    assert all(a["mode"] == "lora" for a in acks)
+    for rx in rxs:
+        assert torch.equal(forward(rx.module), forward(pm))
+    assert _mine() == []
+
+
+class _FailingReceiver(ModuleReceiver):
+    """Consumes ``after`` buckets, then raises (or returns early if ``raise_=False``)."""
+
+    def __init__(self, module, after, raise_=True):
+        super().__init__(module)
+        self.after, self.raise_ = after, raise_
+
+    def update_weights_from_ipc(self, peft_config=None, base_sync_done=False, use_shm=False, *, manifest, buckets,
+                                version):
+        assert use_shm
+        it = iter_shm_buckets(buckets)
+        for i, _ in zip(range(self.after), it):
+            pass
+        it.close()
+        if self.raise_:
+            raise RuntimeError("receiver exploded")
+        return {"version": version}
+
+
+@pytest.mark.parametrize("after,raise_,match", [(0, True, "exploded"), (3, True, "exploded"),
+                                                (2, False, "before consuming")])
+def test_shm_no_leftovers_when_receiver_fails(after, raise_, match):
+    trained = perturb(tiny_transformer(0))
+    good = ModuleReceiver(tiny_transformer(0))
+    bad = _FailingReceiver(tiny_transformer(0), after, raise_)
+    with pytest.raises((RuntimeError, WeightSyncError), match=match):
+        WeightSender([good, bad], bucket_bytes=4 << 10, transport="shm", timeout_s=30).send(trained, version=1)
+    assert _mine() == []
+
+
+def test_shm_rejected_manifest_leaves_module_and_shm_clean():
+    trained = perturb(tiny_transformer(0))
+    sd = dict(trained.state_dict(), **{"extra.weight": torch.zeros(3)})
+    rx = ModuleReceiver(tiny_transformer(0))
+    before = snapshot(rx.module)
+    with pytest.raises(WeightSyncError, match="extra.weight"):
+        WeightSender([rx], bucket_bytes=4 << 10, transport="shm", timeout_s=30).send(sd, version=1)
+    assert bitwise_equal(snapshot(rx.module), before) and _mine() == []
+
+
+def test_shm_bucket_count_single_slot():
+    trained = perturb(tiny_transformer(0))
+    rx = ModuleReceiver(tiny_transformer(0))
+    (ack,) = WeightSender([rx], bucket_bytes=2 << 10, transport="shm", num_shm_slots=1).send(trained, version=4)
+    assert ack["num_buckets"] > 10 and bitwise_equal(snapshot(rx.module), snapshot(trained)) and _mine() == []
+
+
+def test_apply_rejects_wrong_descriptor():
+    with pytest.raises(WeightSyncError, match="ShmStream"):
+        apply_weight_update(tiny_transformer(0), None, manifest=[], buckets=[], peft_config=None, use_shm=True)
+
+
+@pytest.mark.parametrize("transport", ["ray", "shm"])
+def test_ray_actor_receiver(ray_cluster, transport):
+    ray = ray_cluster
+    actor = ray.remote(ModuleReceiver).options(num_cpus=0).remote(tiny_transformer(0))
+    trained = perturb(tiny_transformer(0))
+    sender = WeightSender([actor], bucket_bytes=16 << 10, transport=transport, timeout_s=60)
+    (ack,) = sender.send(trained, version=5)
+    assert ack["version"] == 5 and ack["num_buckets"] > 1
+    assert bitwise_equal(ray.get(actor.state_dict.remote()), snapshot(trained))
+    pm = peft_copy(trained)
+    (ack,) = sender.send(pm, version=6)
+    assert ack["mode"] == "lora"
+    # another process (other torch thread count): not bitwise, but within float rounding
+    torch.testing.assert_close(ray.get(actor.forward.remote(**inputs())), forward(pm), atol=1e-6, rtol=1e-6)
+    assert _mine() == []
+    ray.kill(actor)
