@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from omniroll.engine.config import EngineConfig
+from omniroll.engine.lifecycle import EngineLifecycleMixin
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.outputs import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
@@ -31,7 +32,7 @@ class EngineError(RuntimeError):
     pass
 
 
-class DiffusionEngine:
+class DiffusionEngine(EngineLifecycleMixin):
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
         self.config = config or EngineConfig()
@@ -103,6 +104,8 @@ class DiffusionEngine:
             "waiting": len(self.scheduler.waiting) + inbox,
             "served": self.served,
             "weight_version": self.weight_version,
+            "asleep_level": self.asleep_level,
+            "lora": self._lora_manager.active_lora if self._lora_manager is not None else None,
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
             "prompt_cache": {"size": len(self.prompt_cache), "hits": self.prompt_cache.hits,
@@ -139,6 +142,7 @@ class DiffusionEngine:
                 future.set_exception(error) if error is not None else future.set_result(output)
 
         state = self._make_state(request, on_done)  # validation errors raise here, in the caller's thread
+        self._check_awake()
         with self._lock:
             if self._stopped:
                 raise EngineError("engine is shut down")
@@ -187,6 +191,8 @@ class DiffusionEngine:
                 self._step_safely()
 
     def _runnable(self) -> bool:
+        if self.asleep_level or self.needs_weight_sync:
+            return False  # requests wait (asleep_policy="wait") until wake_up and, after level 2, a weight sync
         if self.admission_paused:
             return bool(self.scheduler.running)
         return self.scheduler.has_work()
