@@ -1,0 +1,33 @@
+"""Agent loop: per-row generation tasks over rollout replicas, streaming rewards, DataProto-style batches."""
+
+from omniroll.agent_loop.batch import DataBatch
+from omniroll.agent_loop.output import AgentLoopMetrics, DiffusionAgentLoopOutput
+from omniroll.agent_loop.registry import get_agent_loop_class, register, registered_names
+from omniroll.agent_loop.single_turn import DiffusionSingleTurnAgentLoop
+from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker
+
+__all__ = [
+    "AgentLoopError",
+    "AgentLoopManager",
+    "AgentLoopMetrics",
+    "DataBatch",
+    "DiffusionAgentLoopOutput",
+    "DiffusionAgentLoopWorker",
+    "DiffusionSingleTurnAgentLoop",
+    "get_agent_loop_class",
+    "register",
+    "registered_names",
+    "run_rollout",
+]
+
+
+def __getattr__(name):
+    if name == "AgentLoopManager":
+        from omniroll.agent_loop.manager import AgentLoopManager
+
+        return AgentLoopManager
+    if name == "run_rollout":
+        from omniroll.agent_loop.runner import run_rollout
+
+        return run_rollout
+    raise AttributeError(name)

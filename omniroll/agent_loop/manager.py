@@ -1,0 +1,161 @@
+"""`AgentLoopManager`: splits a batch over `agent.num_workers` DiffusionAgentLoopWorker Ray actors and reassembles it.
+
+Before splitting it fixes each row's `_group_index` (its position within its uid group over the WHOLE batch), so seeds
+do not depend on the chunking. Chunks may be uneven (5 rows over 2 workers = 3 + 2); results are concatenated in the
+original row order, prompt embeddings re-padded to one length across chunks, and failures of all chunks reported in
+ONE `AgentLoopError` with global row numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+
+from omniroll.agent_loop.batch import DataBatch, to_object_array
+from omniroll.agent_loop.postprocess import is_embed_key
+from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker, as_config, default_uid, group_indices
+
+_PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_weight_version", "worker_seconds")
+
+
+class AgentLoopManager:
+    """config: OmniRollConfig / dict / DictConfig. rollout: a list of RolloutReplica handles, a `RolloutClient`, or
+    a zero-argument factory returning a client (called here; the client is pickled into each worker, which gets its own
+    routing state). reward_worker_handles: reward workers for streaming scoring (or None)."""
+
+    def __init__(self, config: Any, rollout: Union[list, Any, Callable[[], Any]],
+                 reward_worker_handles: Optional[list] = None, worker_options: Optional[dict] = None):
+        import ray
+
+        from omniroll.rollout.client import RolloutClient
+
+        self.config = as_config(config)
+        if isinstance(rollout, (list, tuple)):
+            client = RolloutClient(list(rollout), timeout_s=self.config.timeout_s, max_retries=self.config.max_retries)
+        elif isinstance(rollout, RolloutClient):
+            client = rollout
+        elif callable(rollout):
+            client = rollout()
+        else:
+            raise TypeError(f"rollout must be replica handles, a RolloutClient or a factory, got {type(rollout)}")
+        opts = {"num_cpus": 0, "max_concurrency": 1000, **(worker_options or {})}
+        cls = ray.remote(DiffusionAgentLoopWorker).options(**opts)
+        self.workers = [cls.remote(self.config, client, None, reward_worker_handles)
+                        for _ in range(self.config.agent.num_workers)]
+
+    @staticmethod
+    def prepare(batch: DataBatch) -> DataBatch:
+        """Set `uid` (default: a hash of the prompt) and `_group_index` over the whole batch, before any split."""
+        nt = batch.non_tensor_batch
+        if "raw_prompt" not in nt:
+            raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(nt)})")
+        n = len(batch)
+        uids = [str(u) if u is not None else default_uid(p) for u, p in zip(nt.get("uid", [None] * n), nt["raw_prompt"])]
+        out = DataBatch(batch.batch, dict(nt), dict(batch.meta_info), n)
+        out.non_tensor_batch["uid"] = to_object_array(uids)
+        if "_group_index" not in nt:
+            out.non_tensor_batch["_group_index"] = to_object_array(group_indices(uids))
+        return out
+
+    def generate_sequences(self, batch: DataBatch) -> DataBatch:
+        """Blocking version (for a synchronous trainer loop)."""
+        return asyncio.run(self.generate_sequences_async(batch)) if not _in_loop() else _raise_in_loop()
+
+    async def generate_sequences_async(self, batch: DataBatch) -> DataBatch:
+        t0 = time.perf_counter()
+        batch = self.prepare(batch)
+        chunks = batch.chunk(len(self.workers))
+        offsets = np.cumsum([0] + [len(c) for c in chunks])
+        jobs = [(w, c, int(off)) for w, c, off in zip(self.workers, chunks, offsets) if len(c)]
+        refs = [w.generate_sequences.remote(c) for w, c, _ in jobs]
+        results = await asyncio.gather(*[_await(r) for r in refs], return_exceptions=True)
+        failed_rows: list[dict] = []
+        for (_, chunk, off), res in zip(jobs, results):
+            if isinstance(res, BaseException):
+                cause = getattr(res, "cause", None) or res
+                if isinstance(cause, AgentLoopError):
+                    failed_rows += [{**f, "row": off + f["row"]} for f in cause.failed_rows]
+                else:
+                    raise cause
+        if failed_rows:
+            raise AgentLoopError.from_rows(sorted(failed_rows, key=lambda f: f["row"]), len(batch))
+        out = merge(list(results))
+        out.meta_info["timing"] = _timing(out.meta_info["metrics"], time.perf_counter() - t0)
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self.workers = []
+
+
+def merge(parts: list[DataBatch]) -> DataBatch:
+    """Concatenate worker outputs in order: one embedding length, common reward keys, merged per-chunk meta."""
+    lmax: dict[str, int] = {}
+    for p in parts:
+        for k in p.batch.keys():
+            if is_embed_key(k):
+                lmax[k] = max(lmax.get(k, 0), int(p.batch[k].shape[1]))
+    reward_keys = set.intersection(*[set(p.meta_info.get("reward_extra_keys") or []) for p in parts])
+    all_reward_keys = set().union(*[set(p.meta_info.get("reward_extra_keys") or []) for p in parts])
+    metrics, versions = [], []
+    stripped = []
+    for p in parts:
+        for k, L in lmax.items():
+            if k in p.batch.keys() and p.batch[k].shape[1] < L:
+                _pad_field(p, k, L)
+        metrics += p.meta_info.get("metrics", [])
+        versions += [v for v in (p.meta_info.get("min_weight_version"), p.meta_info.get("max_weight_version"))
+                     if v is not None]
+        nt = {k: v for k, v in p.non_tensor_batch.items() if k not in all_reward_keys - reward_keys}
+        meta = {k: v for k, v in p.meta_info.items() if k not in _PER_CHUNK_META}
+        stripped.append(DataBatch(p.batch, nt, meta, len(p)))
+    out = DataBatch.concat(stripped)
+    out.meta_info.update(metrics=metrics, reward_extra_keys=sorted(reward_keys),
+                         min_weight_version=min(versions) if versions else None,
+                         max_weight_version=max(versions) if versions else None)
+    return out
+
+
+def _pad_field(p: DataBatch, key: str, length: int) -> None:
+    import torch
+
+    t, m = p.batch[key], p.batch[f"{key}_mask"]
+    extra = length - t.shape[1]
+    p.batch = p.batch.exclude(key, f"{key}_mask")
+    p.batch[key] = torch.cat([t, t.new_zeros((t.shape[0], extra) + tuple(t.shape[2:]))], dim=1)
+    p.batch[f"{key}_mask"] = torch.cat([m, m.new_zeros((m.shape[0], extra))], dim=1)
+
+
+def _timing(metrics: list[dict], wall: float) -> dict:
+    gen = [m.get("generate_sequences", 0.0) for m in metrics] or [0.0]
+    score = [m.get("compute_score", 0.0) for m in metrics] or [0.0]
+    slow = int(np.argmax(gen))
+    return {"wall_seconds": wall, "generate_sequences/min": min(gen), "generate_sequences/max": max(gen),
+            "generate_sequences/mean": float(np.mean(gen)), "compute_score/mean": float(np.mean(score)),
+            "compute_score/max": max(score), "slowest_request_id": metrics[slow].get("request_id") if metrics else None}
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+def _in_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+def _raise_in_loop():
+    raise RuntimeError("AgentLoopManager.generate_sequences was called inside an event loop; "
+                       "await generate_sequences_async instead")

@@ -1,0 +1,234 @@
+"""`DiffusionAgentLoopWorker`: runs every row of a batch as its own asyncio task, streaming finished samples to
+reward workers, and stacks the results (`postprocess.assemble`).
+
+Input per row (non_tensor_batch): `raw_prompt` (required), `raw_negative_prompt`, `uid` (the prompt group; default: a
+hash of the prompt), `data_source`, `agent_name`, `reward_model` ({"ground_truth"}), `extra_info`, `sampling_params`
+(a per-row override dict), `_group_index` (set by the manager). meta_info: `global_steps` (required for training),
+`rollout_seed`, `validate`, `sampling_params` (batch-level override).
+
+Seeds: `derive_seed(rollout_seed, global_steps, uid, index)` where index is the row's position within its group (the
+manager's `_group_index`, else the order of appearance of the uid in this batch), so a sample's seed never depends on
+how the batch was chunked. Validation: `derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step),
+ODE (noise_level 0) and no log-probs.
+
+Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
+disappears: by default the worker raises ONE `AgentLoopError` listing every failed row; with `agent.on_failure: mark`
+it returns the batch with those rows marked (status "failed", zero tensors, `failed` mask, `error` column).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from omniroll.agent_loop.batch import DataBatch, to_object_array
+from omniroll.agent_loop.postprocess import RowResult, assemble, embed_length_error
+from omniroll.agent_loop.registry import get_agent_loop_class
+from omniroll.agent_loop.single_turn import prompt_text
+from omniroll.config import OmniRollConfig, load_config
+from omniroll.engine.params import SamplingParams
+from omniroll.sampling.seeds import derive_seed
+
+
+class AgentLoopError(RuntimeError):
+    """One or more rows failed. `failed_rows`: [{"row", "uid", "request_id", "error"}, ...]."""
+
+    def __init__(self, message: str, failed_rows: Optional[list] = None):
+        super().__init__(message, failed_rows or [])
+        self.message, self.failed_rows = message, failed_rows or []
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def from_rows(cls, failed_rows: list[dict], total: int) -> "AgentLoopError":
+        lines = "\n".join(f"  row {f['row']} (uid={f['uid']!r}, request_id={f['request_id']!r}): {f['error']}"
+                          for f in failed_rows)
+        return cls(f"{len(failed_rows)} of {total} rows failed:\n{lines}", failed_rows)
+
+
+def as_config(config: Any) -> OmniRollConfig:
+    return config if isinstance(config, OmniRollConfig) else load_config(config)
+
+
+def group_indices(uids: list[str]) -> list[int]:
+    """Position of each row within its uid group, by order of appearance."""
+    seen: dict[str, int] = {}
+    out = []
+    for u in uids:
+        out.append(seen.get(u, 0))
+        seen[u] = out[-1] + 1
+    return out
+
+
+def default_uid(raw_prompt: Any) -> str:
+    return "prompt-" + hashlib.sha256(repr(raw_prompt).encode("utf-8")).hexdigest()[:16]
+
+
+class DiffusionAgentLoopWorker:
+    """Diffusion agent loop worker: takes a batch of prompts and runs each row in an agent loop.
+
+    config: the whole config (OmniRollConfig, dict or DictConfig). llm_client: a `RolloutClient` (or a list of replica
+    handles, wrapped in one). teacher_client: unused (kept for verl's signature). reward_loop_worker_handles: reward
+    workers (Ray handles or in-process `RewardLoopWorker`s) for streaming scoring.
+    """
+
+    def __init__(self, config: Any, llm_client: Any, teacher_client: Optional[dict] = None,
+                 reward_loop_worker_handles: Optional[list] = None):
+        self.config = as_config(config)
+        if isinstance(llm_client, (list, tuple)):
+            from omniroll.rollout.client import RolloutClient
+
+            llm_client = RolloutClient(llm_client, timeout_s=self.config.timeout_s,
+                                       max_retries=self.config.max_retries)
+        self.client = llm_client
+        self.teacher_client = teacher_client
+        self.reward_pool = None
+        if reward_loop_worker_handles:
+            from omniroll.reward import RewardWorkerPool
+
+            self.reward_pool = RewardWorkerPool(reward_loop_worker_handles)
+        self._loops: dict[str, Any] = {}
+
+    def _agent_loop(self, name: str) -> Any:
+        loop = self._loops.get(name)
+        if loop is None:  # built once per worker per agent name, never per sample
+            cls = get_agent_loop_class(name)
+            loop = cls(trainer_config=self.config, server_manager=self.client, tokenizer=None, processor=None,
+                       dataset_cls=None, data_config=None)
+            self._loops[name] = loop
+        return loop
+
+    def _base_sampling(self, meta: dict, validate: bool) -> dict:
+        sp = self.config.sampling_params(validate=validate)
+        override = meta.get("sampling_params") or {}
+        if not isinstance(override, dict):
+            raise ValueError(f"meta_info['sampling_params'] must be a dict, got {type(override).__name__}")
+        sp.update(override)
+        if validate:
+            sp["logprobs"] = False
+        try:
+            SamplingParams.model_validate(sp)
+        except ValidationError as e:
+            raise ValueError("bad sampling params: " + "; ".join(
+                f"meta_info.sampling_params.{'.'.join(map(str, err['loc'])) or '<all>'}: {err['msg']}"
+                for err in e.errors())) from None
+        return sp
+
+    def plan(self, batch: DataBatch) -> list[dict]:
+        """Per-row fields for the agent loop (uid, group index, seed, request_id, ...). Batch-level input errors
+        raise ValueError naming the field."""
+        nt, meta = batch.non_tensor_batch, batch.meta_info
+        n = len(batch)
+        if "raw_prompt" not in nt:
+            raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(nt)})")
+        validate = bool(meta.get("validate", False))
+        steps = meta.get("global_steps")
+        if steps is None:
+            if not validate:
+                raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
+            steps = 0
+        uids = [str(u) if u is not None else default_uid(p)
+                for u, p in zip(nt.get("uid", [None] * n), nt["raw_prompt"])]
+        if "_group_index" in nt:
+            idx = [int(i) for i in nt["_group_index"]]
+        else:
+            idx = group_indices(uids)
+        seen: dict[tuple, int] = {}
+        for r, key in enumerate(zip(uids, idx)):
+            if key in seen:
+                raise ValueError(f"rows {seen[key]} and {r} have the same (uid, _group_index) {key}: each sample of a "
+                                 f"group needs its own index")
+            seen[key] = r
+        if validate:
+            base, step_for_seed, tag = self.config.val_kwargs.seed, 0, "val"
+        else:
+            base = meta.get("rollout_seed", self.config.seed)
+            step_for_seed, tag = int(steps), "train"
+        rows = []
+        for r in range(n):
+            fields = {k: v[r] for k, v in nt.items()}
+            fields.update(uid=uids[r], _group_index=idx[r], seed=derive_seed(base, step_for_seed, uids[r], idx[r]),
+                          request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
+            rows.append(fields)
+        return rows
+
+    async def generate_sequences(self, batch: DataBatch) -> DataBatch:
+        """Generate one sample per row. Returns the output batch described in `postprocess`."""
+        t0 = time.perf_counter()
+        validate = bool(batch.meta_info.get("validate", False))
+        base_sp = self._base_sampling(batch.meta_info, validate)
+        rows = self.plan(batch)
+        tasks = [asyncio.create_task(self._run_row(i, f, base_sp, validate)) for i, f in enumerate(rows)]
+        try:
+            results: list[RowResult] = list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        failed = [r for r in results if r.status == "failed"]
+        mark = self.config.agent.on_failure == "mark"
+        if failed and not mark:
+            raise AgentLoopError.from_rows(
+                [{"row": r.index, "uid": rows[r.index]["uid"], "request_id": r.request_id, "error": r.error}
+                 for r in failed], len(results))
+        out = assemble(results, batch, prompt_length=self.config.prompt_length,
+                       max_prompt_embed_length=self.config.max_prompt_embed_length, mark_failed=mark,
+                       scored=self.reward_pool is not None)
+        out.non_tensor_batch["uid"] = to_object_array(f["uid"] for f in rows)
+        out.non_tensor_batch["_group_index"] = to_object_array(f["_group_index"] for f in rows)
+        out.meta_info["worker_seconds"] = time.perf_counter() - t0
+        return out
+
+    async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool) -> RowResult:
+        res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
+        try:
+            sp = dict(base_sp)
+            override = fields.get("sampling_params")
+            if override is not None:
+                if not isinstance(override, dict):
+                    raise ValueError(f"sampling_params must be a dict, got {type(override).__name__}")
+                sp.update(override)
+                if validate:
+                    sp["logprobs"] = False
+            loop = self._agent_loop(fields.get("agent_name") or self.config.agent.default_agent_loop)
+            row_kwargs = {k: v for k, v in fields.items() if k != "sampling_params"}
+            out = await loop.run(sp, **row_kwargs)
+            err = embed_length_error(out, self.config.max_prompt_embed_length)
+            if err is not None:
+                raise ValueError(err)
+        except Exception as e:  # this row fails; the others carry on
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        res.out = out
+        if self.reward_pool is not None:
+            await self._score(res, fields)
+        return res
+
+    async def _score(self, res: RowResult, fields: dict) -> None:
+        from omniroll.reward import RewardSample
+
+        out = res.out
+        t0 = time.perf_counter()
+        res.score_started_at = time.time()
+        try:
+            rm = fields.get("reward_model") or {}
+            sample = RewardSample(
+                sample_id=res.request_id, image=out.response_diffusion_output.numpy(),
+                prompt=prompt_text(fields["raw_prompt"]), data_source=str(fields.get("data_source") or ""),
+                ground_truth=rm.get("ground_truth") if isinstance(rm, dict) else None,
+                extra_info=dict(fields.get("extra_info") or {}),
+            )
+            result = await self.reward_pool.score(sample)
+        except Exception as e:  # never a silent 0: the row is failed with the reason
+            res.error = f"reward: {type(e).__name__}: {e}"
+        else:
+            res.reward = result
+            out.reward_score = result.score
+            if result.status == "failed":
+                res.error = f"reward failed: {result.error}"
+        out.metrics.compute_score = time.perf_counter() - t0

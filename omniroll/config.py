@@ -1,0 +1,197 @@
+"""One YAML config for rollout, validated into typed pydantic objects.
+
+Key names follow VeRL-Omni's `rollout` config where they mean the same thing (`pipeline.*`, `algo.*`,
+`agent.num_workers`, `agent.default_agent_loop`, `val_kwargs`, `seed`, `n`, `prompt_length`,
+`max_prompt_embed_length`, `calculate_log_probs`). Unknown keys and bad values raise `ConfigError` naming the dotted
+key, e.g. `pipeline.heigth: Extra inputs are not permitted`.
+
+    cfg = load_config("rollout.yaml", overrides=["pipeline.height=64", "replicas.count=2"])
+    cfg.sampling_params()                # training sampling dict
+    cfg.sampling_params(validate=True)   # validation: val_kwargs overlay, noise_level 0, logprobs False
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from omniroll.engine.params import SamplingParams
+from omniroll.reward.manager import RewardFunctionConfig
+
+
+class ConfigError(ValueError):
+    """A bad config; the message names every offending dotted key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ReplicasConfig(_Strict):
+    count: int = Field(1, ge=1, le=1024)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_concurrency: int = Field(1000, ge=1)
+
+
+class EngineConfig(_Strict):
+    model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, or "tiny" (built on demand)')
+    max_batch_size: int = Field(16, ge=1, le=4096)
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
+
+    def engine_kwargs(self) -> dict:
+        return {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size, **self.kwargs}
+
+
+class PipelineConfig(_Strict):
+    height: int = Field(512, ge=16, le=4096)
+    width: int = Field(512, ge=16, le=4096)
+    num_inference_steps: int = Field(10, ge=1, le=1000)
+    guidance_scale: float = Field(4.5, ge=0.0, le=100.0)
+    max_sequence_length: int = Field(128, ge=1, le=512)
+    output_type: Literal["pixel", "latent", "both"] = "pixel"
+
+
+class AlgoConfig(_Strict):
+    noise_level: float = Field(0.7, ge=0.0, le=10.0)
+    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_window_size: Optional[int] = Field(None, ge=1)
+    sde_window_range: Optional[tuple[int, int]] = None
+
+
+class _PartialPipeline(_Strict):
+    height: Optional[int] = Field(None, ge=16, le=4096)
+    width: Optional[int] = Field(None, ge=16, le=4096)
+    num_inference_steps: Optional[int] = Field(None, ge=1, le=1000)
+    guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
+    max_sequence_length: Optional[int] = Field(None, ge=1, le=512)
+
+
+class _PartialAlgo(_Strict):
+    noise_level: float = Field(0.0, ge=0.0, le=10.0)
+    sde_type: Optional[Literal["sde", "cps", "ode"]] = None
+    sde_window_size: Optional[int] = Field(None, ge=1)
+    sde_window_range: Optional[tuple[int, int]] = None
+
+
+class ValKwargs(_Strict):
+    """Validation overlay. Every row gets its own seed derived from `seed` (not one seed for all rows)."""
+
+    n: int = Field(1, ge=1)
+    seed: int = Field(42, ge=0)
+    pipeline: _PartialPipeline = Field(default_factory=_PartialPipeline)
+    algo: _PartialAlgo = Field(default_factory=_PartialAlgo)
+
+
+class AgentConfig(_Strict):
+    num_workers: int = Field(2, ge=1, le=1024)
+    default_agent_loop: str = "diffusion_single_turn_agent"
+    on_failure: Literal["raise", "mark"] = Field(
+        "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
+    )
+
+
+class RewardConfig(_Strict):
+    """`functions` entries are `omniroll.reward.RewardFunctionConfig` ({fn, weight, required, kwargs, max_retries,
+    timeout_s, per_sample, ...}); an empty mapping means no streaming reward."""
+
+    num_workers: int = Field(1, ge=0, le=1024)
+    functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict)
+    max_batch_size: int = Field(16, ge=1, le=4096, description="reward worker micro-batch size")
+    max_wait_ms: float = Field(5.0, ge=0.0, le=10_000.0, description="reward worker micro-batch wait")
+
+    def worker_config(self) -> dict:
+        """What `omniroll.reward.create_reward_workers` takes."""
+        return {"functions": dict(self.functions), "max_batch_size": self.max_batch_size,
+                "max_wait_ms": self.max_wait_ms}
+
+
+class OmniRollConfig(_Strict):
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
+    n: int = Field(1, ge=1, description="samples per prompt (the group size)")
+    seed: Optional[int] = Field(None, ge=0, description="rollout seed base; None = 0")
+    calculate_log_probs: bool = True
+    prompt_length: int = Field(512, ge=1)
+    max_prompt_embed_length: Optional[int] = Field(None, ge=1)
+    timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        # the training and validation sampling dicts must both be valid SamplingParams
+        for validate, section in ((False, ""), (True, "val_kwargs.")):
+            try:
+                SamplingParams.model_validate(self.sampling_params(validate=validate))
+            except ValidationError as e:
+                raise ValueError("; ".join(
+                    f"{section}{_SECTION.get(str(err['loc'][0]), '') if err['loc'] else ''}"
+                    f"{'.'.join(map(str, err['loc'])) or 'algo'}: {err['msg'].removeprefix('Value error, ')}"
+                    for err in e.errors()
+                )) from None
+        return self
+
+    def sampling_params(self, validate: bool = False) -> dict:
+        """The per-request sampling dict (SamplingParams fields)."""
+        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(), "logprobs": self.calculate_log_probs}
+        if validate:
+            sp.update({k: v for k, v in self.val_kwargs.pipeline.model_dump().items() if v is not None})
+            algo = self.val_kwargs.algo.model_dump()
+            sp["noise_level"] = algo.pop("noise_level")
+            sp.update({k: v for k, v in algo.items() if v is not None})
+            sp["logprobs"] = False
+        return sp
+
+
+_SECTION = {k: "pipeline." for k in PipelineConfig.model_fields} | {k: "algo." for k in AlgoConfig.model_fields}
+
+
+def load_config(
+    path_or_dict: Union[str, Path, dict, "OmniRollConfig", None] = None, overrides: Optional[list[str]] = None
+) -> OmniRollConfig:
+    """YAML path / dict / DictConfig / None (defaults), plus OmegaConf dotlist overrides ("pipeline.height=64")."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(path_or_dict, OmniRollConfig):
+        base = OmegaConf.create(path_or_dict.model_dump(mode="json"))
+    elif path_or_dict is None:
+        base = OmegaConf.create({})
+    elif isinstance(path_or_dict, (str, Path)):
+        p = Path(path_or_dict)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        base = OmegaConf.load(p)
+    elif isinstance(path_or_dict, (dict, DictConfig)):
+        base = OmegaConf.create(path_or_dict)
+    else:
+        raise ConfigError(f"load_config takes a path, dict or DictConfig, got {type(path_or_dict).__name__}")
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like 'dotted.key=value', got {bad}")
+        base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    raw = OmegaConf.to_container(base, resolve=True)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a mapping at the top level, got {type(raw).__name__}")
+    return validate_config(raw)
+
+
+def validate_config(raw: dict) -> OmniRollConfig:
+    try:
+        return OmniRollConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "<root>"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(msg if not err["loc"] else f"{key}: {msg} (got {err.get('input')!r})")
+        raise ConfigError("invalid config: " + "; ".join(lines)) from None

@@ -1,0 +1,16 @@
+"""Rollout replicas (one DiffusionEngine per Ray actor) and the in-process routing client."""
+
+from omniroll.rollout.client import RequestError, RolloutClient, RolloutError
+from omniroll.rollout.replica import RolloutReplica, create_replicas, kill_replicas
+from omniroll.rollout.transfer import output_from_wire, output_to_wire
+
+__all__ = [
+    "RequestError",
+    "RolloutClient",
+    "RolloutError",
+    "RolloutReplica",
+    "create_replicas",
+    "kill_replicas",
+    "output_from_wire",
+    "output_to_wire",
+]

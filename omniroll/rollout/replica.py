@@ -1,0 +1,142 @@
+"""`RolloutReplica`: one DiffusionEngine behind a Ray actor.
+
+Used as `ray.remote(RolloutReplica).options(max_concurrency=1000, num_cpus=..., num_gpus=...)` (see
+`create_replicas`). Every generate is an async method, so one actor serves many requests at once and the engine
+batches them; results leave the actor in wire format (numpy arrays, see `transfer.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from omniroll.engine.params import GenerationRequest
+from omniroll.rollout.transfer import output_to_wire
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _engine_kwargs(engine_kwargs: Optional[dict]) -> dict:
+    kw = dict(engine_kwargs or {})
+    dtype = kw.get("dtype")
+    if isinstance(dtype, str):
+        import torch
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"engine_kwargs.dtype must be one of {_DTYPES}, got {dtype!r}")
+        kw["dtype"] = getattr(torch, dtype)
+    return kw
+
+
+class RolloutReplica:
+    """Hosts one `DiffusionEngine`. Construct through Ray (`create_replicas`) or directly in-process for tests."""
+
+    def __init__(self, model_path: str, replica_rank: int = 0, engine_kwargs: Optional[dict] = None):
+        from omniroll.engine.engine import DiffusionEngine
+
+        self.model_path = model_path
+        self.replica_rank = int(replica_rank)
+        self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))
+        self._in_flight = 0
+        self._served = 0
+        self._failed = 0
+        self._started_at = time.time()
+
+    async def generate(self, request: dict | GenerationRequest) -> dict:
+        """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A malformed request raises ValueError
+        naming the field (and never reaches the engine, so it cannot disturb other requests)."""
+        if not isinstance(request, GenerationRequest):
+            try:
+                request = GenerationRequest.model_validate(request)
+            except ValidationError as e:  # re-raised as ValueError: pydantic errors do not pickle reliably
+                raise ValueError(f"bad GenerationRequest: {_describe(e)}") from None
+        self._in_flight += 1
+        try:
+            out = await self.engine.generate_async(request)
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            self._in_flight -= 1
+        self._served += 1
+        out.extra_fields.setdefault("replica_rank", self.replica_rank)
+        return output_to_wire(out)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running or queued request; its generate returns with stop_reason="aborted"."""
+        return bool(self.engine.abort(request_id))
+
+    def health(self) -> dict:
+        return {
+            "ok": True,
+            "replica_rank": self.replica_rank,
+            "weight_version": int(self.engine.weight_version),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "uptime_s": time.time() - self._started_at,
+        }
+
+    def stats(self) -> dict:
+        s: dict[str, Any] = dict(self.engine.stats())
+        return {
+            "replica_rank": self.replica_rank,
+            "in_flight": self._in_flight,
+            "queued": int(s.get("waiting", 0)),
+            "running": int(s.get("running", 0)),
+            "served": self._served,
+            "failed": self._failed,
+            "weight_version": int(s.get("weight_version", self.engine.weight_version)),
+        }
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # Weight sync and memory (added by the weight-sync issue): `update_weights_from_ipc(...)`, `sleep(level)` and
+    # `wake_up()` go here, forwarding to the engine's methods of the same names.
+
+
+def _describe(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<request>'}: {err['msg']}" for err in e.errors())
+
+
+def create_replicas(
+    n: int,
+    model_path: str,
+    engine_kwargs: Optional[dict] = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    max_concurrency: int = 1000,
+    wait_ready: bool = True,
+) -> list:
+    """Start `n` RolloutReplica actors (ranks 0..n-1). With `wait_ready`, blocks until every engine is loaded so a
+    bad model path or OOM surfaces here, not on the first generate."""
+    import ray
+
+    if n < 1:
+        raise ValueError(f"replicas.count must be >= 1, got {n}")
+    cls = ray.remote(RolloutReplica).options(
+        max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus
+    )
+    handles = [cls.remote(model_path, replica_rank=r, engine_kwargs=engine_kwargs) for r in range(n)]
+    if wait_ready:
+        try:
+            ray.get([h.health.remote() for h in handles])
+        except BaseException:
+            kill_replicas(handles)
+            raise
+    return handles
+
+
+def kill_replicas(handles: list) -> None:
+    """Best-effort teardown of replicas started by `create_replicas`."""
+    import ray
+
+    for h in handles:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:
+            pass

@@ -1,0 +1,205 @@
+"""Agent loop on real Ray replicas of the tiny SD3: output contract, chunking/replica invariance, a replica killed
+mid-batch, streaming rewards, bad inputs."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from omniroll.agent_loop import AgentLoopError, DataBatch, DiffusionAgentLoopWorker
+from omniroll.agent_loop.manager import AgentLoopManager
+from omniroll.config import load_config
+from omniroll.rollout import RolloutClient, create_replicas, kill_replicas
+
+PIPE = {"height": 64, "width": 64, "num_inference_steps": 3, "guidance_scale": 4.5, "max_sequence_length": 16}
+
+
+def cfg_for(path, **over):
+    base = {"engine": {"model": path, "max_batch_size": 4}, "pipeline": PIPE, "agent": {"num_workers": 2},
+            "prompt_length": 128, "seed": 3, "timeout_s": 60}
+    for k, v in over.items():
+        sect, _, key = k.partition("__")
+        if key:
+            base.setdefault(sect, {})[key] = v
+        else:
+            base[k] = v
+    return load_config(base)
+
+
+def make_batch(rows, global_steps=1, **meta):
+    """rows: list of (uid, prompt) or dicts of non-tensor fields."""
+    rows = [r if isinstance(r, dict) else {"uid": r[0], "raw_prompt": r[1]} for r in rows]
+    keys = sorted({k for r in rows for k in r})
+    nt = {k: [r.get(k) for r in rows] for k in keys}
+    nt["data_source"] = ["test"] * len(rows)
+    return DataBatch.from_dict(non_tensors=nt, meta_info={"global_steps": global_steps, **meta})
+
+
+ROWS5 = [("u0", "a red cat"), ("u0", "a red cat"), ("u1", [{"role": "system", "content": "be nice"},
+                                                           {"role": "user", "content": "a blue dog"}]),
+         ("u1", [{"role": "user", "content": "a blue dog"}]), ("u2", "a green tree")]
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_cluster, tiny_sd3_path):
+    hs = create_replicas(2, tiny_sd3_path, {"max_batch_size": 4}, num_cpus=0)
+    yield hs
+    kill_replicas(hs)
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_sd3_path):
+    return cfg_for(tiny_sd3_path)
+
+
+@pytest.fixture(scope="module")
+def baseline(cfg, replicas):
+    """ROWS5 on one replica, one in-process worker."""
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]))
+    return asyncio.run(worker.generate_sequences(make_batch(ROWS5)))
+
+
+def test_output_contract(baseline):
+    out, B = baseline, 5
+    t = out.batch
+    assert t["prompts"].shape == (B, 128) and t["prompts"].dtype == torch.int64
+    assert t["attention_mask"].shape == (B, 128) and t["attention_mask"].sum(1).min() > 0
+    assert t["responses"].shape == (B, 3, 64, 64) and t["responses"].dtype == torch.uint8
+    W = t["rollout_log_probs"].shape[1]
+    assert t["rollout_log_probs"].dtype == torch.float32 and W == 2
+    assert t["all_latents"].shape[:2] == (B, W + 1) and t["all_latents"].dtype == torch.float32
+    for k in ("all_timesteps", "sigmas", "sigmas_next"):
+        assert t[k].shape == (B, W)
+    assert t["prompt_embeds"].shape[:2] == t["prompt_embeds_mask"].shape == (B, 93)
+    assert "negative_prompt_embeds" in t.keys() and "negative_pooled_prompt_embeds" in t.keys()
+    assert t["pooled_prompt_embeds"].shape[0] == B and t["sde_window"].shape == (B, 2)
+    assert "rm_scores" not in t.keys()  # no reward workers
+    nt = out.non_tensor_batch
+    assert list(nt["status"]) == ["ok"] * B and list(nt["weight_version"]) == [0] * B
+    assert list(nt["_group_index"]) == [0, 1, 0, 1, 0] and len(set(nt["seed"])) == B
+    assert list(nt["__num_turns__"]) == [2] * B
+    assert len(out.meta_info["metrics"]) == B and out.meta_info["min_weight_version"] == 0
+    assert all(m["generate_sequences"] > 0 for m in out.meta_info["metrics"])
+    # the two chat forms of u1 extract the same user text
+    assert torch.equal(t["prompt_embeds"][2], t["prompt_embeds"][3])
+
+
+def _same(a, b, rows=None):
+    rows = list(range(len(a))) if rows is None else rows
+    for k in ("responses", "all_latents", "rollout_log_probs", "prompt_embeds"):
+        assert torch.equal(a.batch[k][rows], b.batch[k]), k
+    assert list(a.non_tensor_batch["seed"][rows]) == list(b.non_tensor_batch["seed"])
+
+
+def test_same_images_with_two_replicas_and_two_workers(cfg, replicas, baseline, ray_cluster):
+    for workers in (1, 2):
+        mgr = AgentLoopManager(cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"num_workers": workers})}),
+                               replicas)
+        try:
+            out = mgr.generate_sequences(make_batch(ROWS5))
+        finally:
+            mgr.shutdown()
+        _same(baseline, out)
+        assert list(out.non_tensor_batch["uid"]) == ["u0", "u0", "u1", "u1", "u2"]
+        assert len(out.meta_info["metrics"]) == 5 and "timing" in out.meta_info
+
+
+def test_seeds_do_not_depend_on_chunking(cfg, replicas, baseline):
+    full = AgentLoopManager.prepare(make_batch(ROWS5))
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas))
+    part = asyncio.run(worker.generate_sequences(full[[1, 3, 4]]))
+    _same(baseline, part, rows=[1, 3, 4])
+
+
+def test_replica_killed_mid_batch(cfg, replicas, tiny_sd3_path, ray_cluster):
+    rows = [(f"k{i}", f"a small {c} house") for i, c in enumerate(["red", "blue", "green", "pink", "gray", "gold"])]
+    rows = rows + rows  # two samples per uid
+    ref = asyncio.run(DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1])).generate_sequences(make_batch(rows)))
+    victim = create_replicas(1, tiny_sd3_path, {"max_batch_size": 2}, num_cpus=0)[0]
+    client = RolloutClient([victim, replicas[1]], timeout_s=60, unhealthy_s=60)
+
+    async def go():
+        task = asyncio.create_task(DiffusionAgentLoopWorker(cfg, client).generate_sequences(make_batch(rows)))
+        while client.in_flight[0] == 0 or client.served[1] == 0:
+            await asyncio.sleep(0.005)
+        ray_cluster.kill(victim, no_restart=True)  # with requests in flight there
+        return await task
+
+    out = asyncio.run(go())
+    assert len(out) == len(rows) and list(out.non_tensor_batch["status"]) == ["ok"] * len(rows)
+    _same(ref, out)
+    attempts = list(out.non_tensor_batch["rollout_attempts"])
+    assert max(attempts) == 2 and 0 in client.stats()["dead"]
+    assert len(set(out.non_tensor_batch["request_id"])) == len(rows)
+
+
+def test_streaming_rewards(cfg, replicas, ray_cluster):
+    from omniroll.reward import create_reward_workers
+
+    handles = create_reward_workers({"jpeg": {"fn": "jpeg_compressibility"}}, 2, num_cpus=0)
+    ray_cluster.get([h.ping.remote() for h in handles])  # started, so scoring latency is not actor start-up
+    try:
+        rows = [(f"r{i}", f"a {w} bird") for i, w in enumerate(["red", "blue", "green", "pink", "gray", "gold",
+                                                                  "black", "white"])]
+        worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]), reward_loop_worker_handles=handles)
+        out = asyncio.run(worker.generate_sequences(make_batch(rows)))
+    finally:
+        for h in handles:
+            ray_cluster.kill(h)
+    rm = out.batch["rm_scores"]
+    assert rm.shape == (8, 1) and rm.dtype == torch.float32 and torch.isfinite(rm).all()
+    assert out.meta_info["reward_extra_keys"] == ["jpeg"]
+    assert np.allclose(np.array(out.non_tensor_batch["jpeg"], dtype=float), rm[:, 0].numpy())
+    infos = out.non_tensor_batch["reward_extra_info"]
+    last_generated = max(m["generate_finished_at"] for m in out.meta_info["metrics"])
+    assert min(i["started_at"] for i in infos) < last_generated  # early samples scored while others generate
+    assert all(m["compute_score"] > 0 for m in out.meta_info["metrics"])
+
+
+def test_bad_inputs_fail_alone(tiny_sd3_path, replicas, baseline):
+    rows = [dict(uid="u0", raw_prompt="a red cat"), dict(uid="bad0", raw_prompt=None),
+            dict(uid="bad1", raw_prompt="a cat", sampling_params={"height": 8}),
+            dict(uid="bad2", raw_prompt="a cat", sampling_params={"max_sequence_length": 32}),
+            dict(uid="bad3", raw_prompt="a cat", agent_name="nope"),
+            dict(uid="u2", raw_prompt="a green tree")]
+    cfg = cfg_for(tiny_sd3_path, max_prompt_embed_length=100)
+    client = RolloutClient(replicas[:1])
+    with pytest.raises(AgentLoopError) as ei:
+        asyncio.run(DiffusionAgentLoopWorker(cfg, client).generate_sequences(make_batch(rows)))
+    msg = str(ei.value)
+    assert "4 of 6 rows failed" in msg and [f["row"] for f in ei.value.failed_rows] == [1, 2, 3, 4]
+    for needle in ("raw_prompt", "sampling_params.height", "max_prompt_embed_length", "diffusion_single_turn_agent"):
+        assert needle in msg, needle
+    marked = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"on_failure": "mark"})})
+    out = asyncio.run(DiffusionAgentLoopWorker(marked, client).generate_sequences(make_batch(rows)))
+    assert list(out.non_tensor_batch["status"]) == ["ok", "failed", "failed", "failed", "failed", "ok"]
+    assert out.batch["failed"].tolist() == [False, True, True, True, True, False]
+    assert out.batch["responses"][1:5].sum() == 0 and out.non_tensor_batch["error"][0] is None
+    # the good rows are exactly what they are without the bad ones (embeds: baseline Lmax 93 vs 100 here)
+    assert torch.equal(out.batch["responses"][[0, 5]], baseline.batch["responses"][[0, 4]])
+    assert torch.equal(out.batch["prompt_embeds"][[0, 5], :93], baseline.batch["prompt_embeds"][[0, 4]])
+
+
+def test_batch_level_errors(cfg, replicas):
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]))
+    with pytest.raises(ValueError, match="raw_prompt"):
+        asyncio.run(worker.generate_sequences(DataBatch.from_dict(non_tensors={"uid": ["a"]},
+                                                                  meta_info={"global_steps": 1})))
+    with pytest.raises(ValueError, match="global_steps"):
+        asyncio.run(worker.generate_sequences(DataBatch.from_dict(non_tensors={"raw_prompt": ["a"]})))
+    with pytest.raises(ValueError, match="meta_info.sampling_params.noise_level"):
+        asyncio.run(worker.generate_sequences(make_batch([("a", "x")], sampling_params={"noise_level": -1})))
+    with pytest.raises(ValueError, match="same \\(uid, _group_index\\)"):
+        asyncio.run(worker.generate_sequences(make_batch([{"uid": "a", "raw_prompt": "x", "_group_index": 0}] * 2)))
+
+
+def test_validation_is_ode_without_logprobs(cfg, replicas):
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]))
+    b = make_batch([("v0", "a red cat"), ("v0", "a red cat")], global_steps=5, validate=True)
+    out1 = asyncio.run(worker.generate_sequences(b))
+    out2 = asyncio.run(worker.generate_sequences(make_batch([("v0", "a red cat")] * 2, global_steps=9, validate=True)))
+    assert "rollout_log_probs" not in out1.batch.keys() and out1.batch["noise_level"].tolist() == [0.0, 0.0]
+    assert out1.non_tensor_batch["seed"][0] != out1.non_tensor_batch["seed"][1]  # one seed per row
+    assert torch.equal(out1.batch["responses"], out2.batch["responses"])  # the same validation images every step

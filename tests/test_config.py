@@ -1,0 +1,47 @@
+"""omniroll.config: YAML + overrides -> typed config; errors name the dotted key."""
+
+import pytest
+
+from omniroll.config import ConfigError, OmniRollConfig, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("pipeline:\n  height: 64\n  width: 64\nagent:\n  num_workers: 3\nseed: 7\n")
+    cfg = load_config(str(p), overrides=["pipeline.num_inference_steps=3", "algo.noise_level=0.5"])
+    assert isinstance(cfg, OmniRollConfig)
+    assert (cfg.pipeline.height, cfg.pipeline.num_inference_steps, cfg.agent.num_workers, cfg.seed) == (64, 3, 3, 7)
+    sp = cfg.sampling_params()
+    assert sp["noise_level"] == 0.5 and sp["logprobs"] is True and sp["height"] == 64
+    val = cfg.sampling_params(validate=True)
+    assert val["noise_level"] == 0.0 and val["logprobs"] is False
+    assert load_config(cfg).model_dump() == cfg.model_dump()  # round trip
+
+
+def test_val_kwargs_overlay():
+    cfg = load_config({"val_kwargs": {"pipeline": {"num_inference_steps": 5}, "seed": 1}})
+    assert cfg.sampling_params(validate=True)["num_inference_steps"] == 5
+    assert cfg.sampling_params()["num_inference_steps"] == 10
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["pipeline.heigth=64"], "pipeline.heigth"),
+    (["pipeline.height=abc"], "pipeline.height"),
+    (["replicas.count=0"], "replicas.count"),
+    (["agent.on_failure=ignore"], "agent.on_failure"),
+    (["engine.dtype=int8"], "engine.dtype"),
+    (["bogus=1"], "bogus"),
+    (["reward.functions.jpeg.fn=jpeg_compressibility", "reward.functions.jpeg.wieght=2"], "reward.functions.jpeg.wieght"),
+    (["algo.sde_window_size=50"], "algo"),
+    (["val_kwargs.algo.noise_level=-1"], "val_kwargs.algo.noise_level"),
+])
+def test_bad_values_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_bad_sources():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent/x.yaml")
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(None, ["pipeline.height"])

@@ -1,0 +1,106 @@
+"""Rollout replicas (Ray actors around the real engine on the tiny SD3) and the routing client."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from omniroll.engine.output import DiffusionOutput
+from omniroll.rollout import (RequestError, RolloutClient, RolloutError, create_replicas, kill_replicas,
+                              output_from_wire, output_to_wire)
+
+SP = dict(height=64, width=64, num_inference_steps=3, max_sequence_length=16, guidance_scale=4.5)
+
+
+def test_wire_round_trip():
+    out = DiffusionOutput(
+        diffusion_output=torch.randint(0, 255, (3, 8, 8), dtype=torch.uint8), log_probs=torch.randn(2),
+        stop_reason="completed", num_preempted=1,
+        extra_fields={"all_latents": torch.randn(3, 4, 2, 2), "emb": torch.randn(5, 3).bfloat16(),
+                      "prompt_ids": [1, 2], "sde_window": (0, 2), "seed": 5})
+    wire = output_to_wire(out)
+    assert isinstance(wire["diffusion_output"], np.ndarray) and isinstance(wire["extra_fields"]["all_latents"], np.ndarray)
+    back = output_from_wire(wire)
+    assert torch.equal(back.diffusion_output, out.diffusion_output) and torch.equal(back.log_probs, out.log_probs)
+    assert back.extra_fields["emb"].dtype == torch.bfloat16
+    assert torch.equal(back.extra_fields["emb"], out.extra_fields["emb"])
+    assert back.extra_fields["prompt_ids"] == [1, 2] and back.extra_fields["sde_window"] == (0, 2)
+    # writable arrays are shared, not copied
+    assert back.extra_fields["all_latents"].data_ptr() == wire["extra_fields"]["all_latents"].ctypes.data
+    ro = {**wire, "diffusion_output": wire["diffusion_output"].copy()}
+    ro["diffusion_output"].flags.writeable = False
+    assert torch.equal(output_from_wire(ro).diffusion_output, out.diffusion_output)
+    with pytest.raises(TypeError, match="wire-format"):
+        output_from_wire({"x": 1})
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_cluster, tiny_sd3_path):
+    hs = create_replicas(2, tiny_sd3_path, {"max_batch_size": 4}, num_cpus=0)
+    yield hs
+    kill_replicas(hs)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_routing_and_stats(replicas, ray_cluster):
+    async def go():
+        client = RolloutClient(replicas, timeout_s=60)
+        outs = await asyncio.gather(*[
+            client.generate(f"g{g}-{i}", "a red cat", SP, seed=100 + i, group_id=f"g{g}")
+            for g in range(2) for i in range(3)])
+        return client, outs
+
+    client, outs = run(go())
+    assert all(o.stop_reason == "completed" for o in outs)
+    assert outs[0].diffusion_output.shape == (3, 64, 64) and outs[0].diffusion_output.dtype == torch.uint8
+    # sticky: a group stays on one replica; the two groups are spread over both replicas
+    reps = [o.extra_fields["replica_index"] for o in outs]
+    assert len(set(reps[:3])) == 1 and len(set(reps[3:])) == 1 and reps[0] != reps[3]
+    assert client.stats()["served"] == [3, 3] and client.stats()["in_flight"] == [0, 0]
+    # same seed and prompt on another replica -> the identical image
+    d = (outs[0].diffusion_output.int() - outs[3].diffusion_output.int()).abs()
+    assert torch.equal(outs[0].diffusion_output, outs[3].diffusion_output), (d.max(), (d > 0).sum(), [o.extra_fields["seed"] for o in outs])
+    st = ray_cluster.get(replicas[0].stats.remote())
+    assert {"in_flight", "queued", "served", "weight_version", "replica_rank"} <= set(st)
+    assert ray_cluster.get(replicas[1].health.remote())["ok"]
+
+
+def test_bad_request_is_not_retried(replicas):
+    client = RolloutClient(replicas, timeout_s=60)
+    with pytest.raises(RequestError, match="sampling_params.height"):
+        run(client.generate("bad", "a cat", {**SP, "height": 8}, seed=1))
+    with pytest.raises(RequestError, match="bogus"):
+        run(client.generate("bad2", "a cat", {**SP, "bogus": 1}, seed=1))
+    with pytest.raises(RequestError, match="height"):  # not a multiple of 16: rejected by the engine, not retried
+        run(client.generate("bad3", "a cat", {**SP, "height": 72}, seed=1))
+    assert client.stats()["healthy"] == [True, True]
+
+
+def test_timeout_retries_elsewhere_then_gives_up(replicas):
+    async def go(client):
+        return await client.generate("slow", "a dog", {**SP, "num_inference_steps": 3}, seed=3)
+
+    client = RolloutClient(replicas, timeout_s=1e-4, max_retries=1, unhealthy_s=0.5)
+    with pytest.raises(RolloutError, match=r"'slow' failed after 2 attempt\(s\).*timed out"):
+        run(go(client))
+    assert client.stats()["in_flight"] == [0, 0]
+
+
+def test_dead_replica_is_replaced_with_identical_output(ray_cluster, tiny_sd3_path, replicas):
+    extra = create_replicas(1, tiny_sd3_path, {"max_batch_size": 4}, num_cpus=0)[0]
+    ref = run(RolloutClient(replicas[:1]).generate("k", "a blue bird", SP, seed=9))
+    ray_cluster.kill(extra, no_restart=True)
+    client = RolloutClient([extra, replicas[0]], timeout_s=60)
+    client._rr = 0  # the dead replica gets the first attempt
+    out = run(client.generate("k", "a blue bird", SP, seed=9))
+    assert out.extra_fields["rollout_attempts"] == 2 and out.extra_fields["replica_index"] == 1
+    assert torch.equal(out.diffusion_output, ref.diffusion_output)
+    assert torch.equal(out.log_probs, ref.log_probs)
+    assert 0 in client.stats()["dead"]
+    only_dead = RolloutClient([extra], max_retries=1)
+    with pytest.raises(RolloutError, match="dead"):
+        run(only_dead.generate("z", "x", SP, seed=1))
