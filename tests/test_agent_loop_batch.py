@@ -1,0 +1,70 @@
+"""DataBatch (DataProto-compatible container) and the agent-loop registry; no Ray needed."""
+
+import numpy as np
+import pytest
+import torch
+
+from omniroll.agent_loop import DataBatch, get_agent_loop_class, register, registered_names
+from omniroll.agent_loop.single_turn import DiffusionSingleTurnAgentLoop, prompt_text
+
+
+def batch(n=5):
+    return DataBatch.from_dict(tensors={"x": torch.arange(n * 2).view(n, 2)},
+                               non_tensors={"uid": [f"u{i}" for i in range(n)], "msgs": [[{"a": i}] for i in range(n)]},
+                               meta_info={"global_steps": 3})
+
+
+def test_chunk_uneven_and_concat_round_trip():
+    b = batch(5)
+    parts = b.chunk(2)
+    assert [len(p) for p in parts] == [3, 2]
+    assert [len(p) for p in b.chunk(7)] == [1, 1, 1, 1, 1, 0, 0]
+    back = DataBatch.concat(parts)
+    assert torch.equal(back.batch["x"], b.batch["x"]) and list(back.non_tensor_batch["uid"]) == list(b.non_tensor_batch["uid"])
+    assert back.non_tensor_batch["msgs"].shape == (5,) and back.meta_info == {"global_steps": 3}
+    assert [len(p) for p in b.split(2)] == [2, 2, 1] and [len(p) for p in b.split([1, 4])] == [1, 4]
+    with pytest.raises(ValueError, match="sum to the batch size"):
+        b.split([1, 1])
+
+
+def test_select_index_repeat_union():
+    b = batch(4)
+    s = b.select(batch_keys=["x"], non_tensor_batch_keys=["uid"])
+    assert list(s.batch.keys()) == ["x"] and list(s.non_tensor_batch) == ["uid"]
+    with pytest.raises(KeyError, match="nope"):
+        b.select(batch_keys=["nope"])
+    assert list(b[[3, 0]].non_tensor_batch["uid"]) == ["u3", "u0"] and len(b[np.array([True, False] * 2)]) == 2
+    r = b.repeat(2)
+    assert list(r.non_tensor_batch["uid"][:4]) == ["u0", "u0", "u1", "u1"]
+    extra = DataBatch.from_dict(tensors={"y": torch.zeros(4)})
+    assert "y" in b.union(extra).batch.keys()
+
+
+def test_consistency_and_meta_conflicts():
+    with pytest.raises(ValueError, match="different batch sizes"):
+        DataBatch.from_dict(tensors={"x": torch.zeros(3)}, non_tensors={"u": [1, 2]})
+    a, c = batch(2), batch(2)
+    c.meta_info["global_steps"] = 4
+    with pytest.raises(ValueError, match="global_steps"):
+        DataBatch.concat([a, c])
+    a.meta_info["metrics"], c.meta_info = [{"m": 1}], {"metrics": [{"m": 2}], "global_steps": 3}
+    assert DataBatch.concat([a, c]).meta_info["metrics"] == [{"m": 1}, {"m": 2}]
+
+
+def test_registry_and_prompt_text():
+    assert get_agent_loop_class("diffusion_single_turn_agent") is DiffusionSingleTurnAgentLoop
+    with pytest.raises(KeyError, match="diffusion_single_turn_agent"):
+        get_agent_loop_class("unknown")
+
+    @register("my_loop_for_test")
+    class Mine:  # noqa: D401
+        pass
+
+    assert "my_loop_for_test" in registered_names()
+    with pytest.raises(ValueError, match="already registered"):
+        register("my_loop_for_test")(DiffusionSingleTurnAgentLoop)
+    assert prompt_text([{"role": "user", "content": [{"type": "text", "text": "a cat"}]}]) == "a cat"
+    with pytest.raises(ValueError, match="raw_prompt has no message with role 'user'"):
+        prompt_text([{"role": "system", "content": "x"}])
+    with pytest.raises(ValueError, match="raw_prompt must be"):
+        prompt_text(3)

@@ -1,0 +1,42 @@
+"""HTTP front end over an in-process engine (httpx ASGI transport, no network)."""
+
+import asyncio
+import base64
+import io
+
+import httpx
+import pytest
+from PIL import Image
+
+from omniroll.rollout.server import create_app
+
+SP = {"height": 64, "width": 64, "num_inference_steps": 2, "max_sequence_length": 16, "guidance_scale": 1.0}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_sd3_path):
+    from omniroll.engine.engine import DiffusionEngine
+
+    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=4)
+    yield eng
+    eng.shutdown()
+
+
+def test_generate_health_and_bad_fields(engine):
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            ok = await c.post("/v1/generate", json={"prompt": "a red cat", "seed": 1, "sampling_params": SP,
+                                                   "return_trajectory": True})
+            bad = await c.post("/v1/generate", json={"prompt": "a", "seed": 1, "sampling_params": {**SP, "height": 8}})
+            extra = await c.post("/v1/generate", json={"prompt": "a", "seed": 1, "bogus": 2})
+            return ok, bad, extra, await c.get("/health"), await c.get("/stats")
+
+    ok, bad, extra, health, stats = asyncio.run(go())
+    assert ok.status_code == 200, ok.text
+    body = ok.json()
+    img = Image.open(io.BytesIO(base64.b64decode(body["image_png_base64"])))
+    assert img.size == (64, 64) and len(body["log_probs"]) == 1 and body["trajectory"]["sde_window"] == [0, 1]
+    assert bad.status_code == 400 and "sampling_params.height" in bad.json()["detail"]
+    assert extra.status_code == 422 and "bogus" in extra.text
+    assert health.json() == {"ok": True} and stats.json()["served"] >= 1
