@@ -76,3 +76,21 @@ def test_partial_update_and_protocol_errors():
     b = next(pack_buckets(named, 1 << 20))
     with pytest.raises(WeightSyncError, match=named[1][0]):
         loader.load_bucket(b)
+
+
+def test_full_update_under_active_lora_updates_base_and_keeps_adapter():
+    from weights_helpers import peft_copy
+
+    from omniroll.weights import LoRAManager, OmniTensorLoRARequest, lora_state_dict, peft_config_to_dict
+
+    trained = perturb(tiny_transformer(0))
+    module = tiny_transformer(0)
+    rx = ModuleReceiver(module)
+    pm = peft_copy(tiny_transformer(0))
+    rx.lora_manager.add_lora(OmniTensorLoRARequest("a", 1, peft_config=peft_config_to_dict(pm.peft_config["default"]),
+                                                   lora_tensors=lora_state_dict(pm)))
+    WeightSender([rx], bucket_bytes=16 << 10).send(trained, version=2)
+    assert rx.lora_manager.active_lora == "a"
+    rx.lora_manager.remove_lora()
+    assert bitwise_equal(snapshot(module), snapshot(trained))
+    assert isinstance(LoRAManager(module), LoRAManager)

@@ -123,3 +123,28 @@ def test_sender_sends_only_lora_tensors(setup):
     assert torch.equal(forward(module), forward(pm))
     rx.lora_manager.remove_lora()
     assert bitwise_equal(snapshot(module), before)
+
+
+def test_load_inplace_same_structure_and_fallback(setup):
+    _, pm, pm2 = setup
+    module = tiny_transformer(0)
+    mgr = LoRAManager(module)
+    mgr.add_lora(_req(pm, "a", 1))
+    params = {id(p) for n, p in module.named_parameters() if "lora_" in n}
+    req = _req(pm2, "b", 2)
+    req.load_inplace = True
+    mgr.add_lora(req)
+    assert mgr.active_lora == "b" and torch.equal(forward(module), forward(pm2))
+    assert {id(p) for n, p in module.named_parameters() if "lora_" in n} == params  # updated in place
+    # a different structure (rank 8) falls back to a clean rebuild even with load_inplace
+    pm8 = peft_copy(tiny_transformer(0), r=8, seed=5)
+    req = _req(pm8, "c", 3)
+    req.load_inplace = True
+    mgr.add_lora(req)
+    assert torch.equal(forward(module), forward(pm8))
+    # in-place with a bad key set is rejected before any copy
+    bad = _req(pm8, "d", 4, {k: v for k, v in lora_state_dict(pm8).items() if "to_q" not in k})
+    bad.load_inplace = True
+    with pytest.raises(LoRABindError, match="to_q"):
+        mgr.add_lora(bad)
+    assert mgr.active_lora == "c" and torch.equal(forward(module), forward(pm8))

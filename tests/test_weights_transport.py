@@ -81,19 +81,41 @@ def test_apply_rejects_wrong_descriptor():
         apply_weight_update(tiny_transformer(0), None, manifest=[], buckets=[], peft_config=None, use_shm=True)
 
 
-@pytest.mark.parametrize("transport", ["ray", "shm"])
-def test_ray_actor_receiver(ray_cluster, transport):
+def test_ray_actor_receiver(ray_cluster):
+    """One receiver actor (a separate process), fed by Ray object refs, then by shm."""
     ray = ray_cluster
     actor = ray.remote(ModuleReceiver).options(num_cpus=0).remote(tiny_transformer(0))
-    trained = perturb(tiny_transformer(0))
-    sender = WeightSender([actor], bucket_bytes=16 << 10, transport=transport, timeout_s=60)
-    (ack,) = sender.send(trained, version=5)
-    assert ack["version"] == 5 and ack["num_buckets"] > 1
-    assert bitwise_equal(ray.get(actor.state_dict.remote()), snapshot(trained))
-    pm = peft_copy(trained)
-    (ack,) = sender.send(pm, version=6)
-    assert ack["mode"] == "lora"
-    # another process (other torch thread count): not bitwise, but within float rounding
-    torch.testing.assert_close(ray.get(actor.forward.remote(**inputs())), forward(pm), atol=1e-6, rtol=1e-6)
-    assert _mine() == []
+    for version, transport in enumerate(["ray", "shm"], start=5):
+        trained = perturb(tiny_transformer(0), seed=version)
+        sender = WeightSender([actor], bucket_bytes=16 << 10, transport=transport, timeout_s=60)
+        (ack,) = sender.send(trained, version=version)
+        assert ack["version"] == version and ack["num_buckets"] > 1
+        # round 2 lands under round 1's LoRA adapter: compare the base weights by plain name
+        remote = {k.replace(".base_layer.", "."): v for k, v in ray.get(actor.state_dict.remote()).items()
+                  if ".lora_" not in k}
+        assert bitwise_equal(remote, snapshot(trained))
+        pm = peft_copy(trained, seed=version)
+        (ack,) = sender.send(pm, version=version + 10)
+        assert ack["mode"] == "lora"
+        # another process (other torch thread count): not bitwise, but within float rounding
+        torch.testing.assert_close(ray.get(actor.forward.remote(**inputs())), forward(pm), atol=1e-6, rtol=1e-6)
+        assert _mine() == []
     ray.kill(actor)
+
+
+def test_shm_reuse_keeps_two_slots_until_close_and_drops_them_on_error():
+    trained = perturb(tiny_transformer(0))
+    rx = ModuleReceiver(tiny_transformer(0))
+    sender = WeightSender([rx], bucket_bytes=8 << 10, transport="shm", reuse_shm=True)
+    sender.send(trained, version=1)
+    kept = _mine()
+    assert len(kept) == 3  # control + two slots
+    sender.send(perturb(trained, seed=9), version=2)
+    assert _mine() == kept and bitwise_equal(snapshot(rx.module), snapshot(trained))
+    sender.close()
+    assert _mine() == []
+    with WeightSender([rx, _FailingReceiver(tiny_transformer(0), 1)], bucket_bytes=8 << 10, transport="shm",
+                      reuse_shm=True, timeout_s=30) as s2:
+        with pytest.raises(RuntimeError, match="exploded"):
+            s2.send(trained, version=3)
+        assert _mine() == []

@@ -8,6 +8,7 @@ many buckets exist at once: one for in-process streaming, two for shared memory)
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from .buckets import Bucket, WeightManifest, WeightSyncError, str_dtype, unpack_bucket
 
 NameMap = Callable[[str], str]
+_ADAPTER_PARAM = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 
 
 def peft_base_name(name: str) -> str:
@@ -47,6 +49,8 @@ class FullWeightLoader:
     Usage: ``begin(manifest)`` -> ``load_bucket(b)`` for every bucket -> ``finish()``.
     ``begin`` validates every name (after ``name_map``), shape and dtype before anything is
     touched; a dtype mismatch is accepted only floating -> floating (cast by ``copy_``).
+    If the module carries an injected LoRA adapter, names address the base weights by their
+    plain names (``to_q.weight``, not ``to_q.base_layer.weight``) and the adapter stays.
     """
 
     def __init__(self, module: nn.Module, name_map: NameMap | None = None, *, allow_partial: bool = False):
@@ -55,11 +59,17 @@ class FullWeightLoader:
         self.allow_partial = allow_partial
         self._targets: dict[str, torch.Tensor] = {}
         self._params: set[str] = set()
+        # with a LoRA adapter injected, base weights live under ".base_layer." and the adapter's
+        # own parameters are not part of a full update: address the base by its plain name
         for n, p in module.named_parameters():
+            if _ADAPTER_PARAM.search(n):
+                continue
+            n = n.replace(".base_layer.", ".")
             self._targets[n] = p
             self._params.add(n)
         for n, b in module.named_buffers():
-            self._targets.setdefault(n, b)
+            if not _ADAPTER_PARAM.search(n):
+                self._targets.setdefault(n.replace(".base_layer.", "."), b)
         self._plan: dict[str, str] | None = None  # source name -> target name
         self._received: set[str] = set()
         self.bytes_loaded = 0

@@ -14,6 +14,9 @@ Keys in kohya/``lora_down``/``lora_up`` formats are not accepted (they raise LoR
 
 :meth:`LoRAManager.add_lora` is atomic: the new adapter is injected next to the active one
 under a fresh name, loaded and checked; only then is it activated and the old one removed.
+With ``request.load_inplace`` and an active adapter of identical config, keys and shapes
+(the usual case between RL steps) the tensors are copied into the live LoRA parameters
+instead (no re-injection; all checks happen before the first copy).
 On any error the new adapter is deleted, wrappers left empty are unwrapped and the previous
 adapter stays active (or the base model, if there was none).  Base weights are never
 written: ``init_lora_weights`` is forced to ``False`` (so PiSSA/OLoRA-style initialisers
@@ -176,6 +179,8 @@ class LoRAManager:
         self._request: OmniTensorLoRARequest | None = None
         self._seq = itertools.count()
         self._base_requires_grad: list[tuple[torch.nn.Parameter, bool]] = []
+        self._params: dict[str, torch.nn.Parameter] = {}  # normalised key -> live LoRA parameter
+        self._config_dict: dict | None = None
 
     @property
     def active_lora(self) -> str | None:
@@ -217,6 +222,11 @@ class LoRAManager:
     def add_lora(self, request: OmniTensorLoRARequest) -> None:
         """Build ``request``'s adapter next to the active one, verify it, then swap."""
         cfg, tensors = self._resolve(request)
+        cfg_dict = peft_config_to_dict(cfg)  # before PEFT gets to normalise cfg in place
+        if request.load_inplace and self._same_structure(cfg_dict, tensors):
+            self._copy_inplace(tensors)
+            self._request = request
+            return
         self._precheck(cfg, tensors)
         new = f"omni_{int(request.lora_int_id)}_{next(self._seq)}"
         prev, prev_cfg = self._adapter, self._config
@@ -249,6 +259,8 @@ class LoRAManager:
         if prev is not None:
             self._drop(prev)
         self._adapter, self._config, self._request = new, cfg, request
+        self._params = {k: self._lora_param(k, new) for k in tensors}
+        self._config_dict = cfg_dict
         self._set_module_config(new, cfg)
 
     def remove_lora(self) -> bool:
@@ -258,8 +270,28 @@ class LoRAManager:
         self._drop(self._adapter)
         self._restore_requires_grad()
         self._adapter = self._config = self._request = None
+        self._params = {}
         self._set_module_config(None, None)
         return True
+
+    def _lora_param(self, key: str, adapter: str) -> torch.nn.Parameter:
+        m = _LORA_PARAM.match(key)  # normalised keys: the optional "adapter" group holds the suffix
+        suffix = m.group("suffix") or m.group("adapter")
+        return self.module.get_parameter(f"{m.group('mod')}.{m.group('p')}.{adapter}" + (f".{suffix}" if suffix else ""))
+
+    def _same_structure(self, cfg_dict: dict, tensors: dict[str, torch.Tensor]) -> bool:
+        """Same config, same keys, same shapes as the active adapter: update it in place."""
+        if self._adapter is None or cfg_dict != self._config_dict:
+            return False
+        if tensors.keys() != self._params.keys():
+            return False
+        return all(tuple(t.shape) == tuple(self._params[k].shape) for k, t in tensors.items())
+
+    def _copy_inplace(self, tensors: dict[str, torch.Tensor]) -> None:
+        # names, shapes and config were all checked by _same_structure: the copies cannot fail
+        with torch.no_grad():
+            for k, t in tensors.items():
+                self._params[k].copy_(t)
 
     def _restore_requires_grad(self) -> None:
         for p, flag in self._base_requires_grad:

@@ -38,13 +38,15 @@ def apply_weight_update(
     allow_partial: bool = False,
     lora_name: str | None = None,
     lora_int_id: int | None = None,
+    load_inplace: bool = True,
 ) -> dict:
     """Apply one update (full weights if ``peft_config`` is None, else a LoRA adapter).
 
     ``buckets`` is any transport's descriptor (see :func:`resolve_buckets`).  Full path: the
     manifest is validated against ``module`` before the first bucket is read, then buckets
     are copied in place one at a time.  LoRA path: all buckets are accumulated (copied out,
-    LoRA tensors are small) and ``lora_manager.add_lora`` is called once.  Returns an ack
+    LoRA tensors are small) and ``lora_manager.add_lora`` is called once (with
+    ``load_inplace``: same-structure adapters are updated in place, see LoRAManager).  Returns an ack
     dict: version, mode, num_tensors, num_bytes, num_buckets, seconds (+ lora fields).
     """
     t0 = time.perf_counter()
@@ -84,6 +86,7 @@ def apply_weight_update(
                 lora_int_id=int(lora_int_id) if lora_int_id is not None else vid,
                 peft_config=dict(peft_config),
                 lora_tensors=tensors,
+                load_inplace=load_inplace,
             )
             lora_manager.add_lora(req)
             ack = {"mode": "lora", "num_tensors": len(tensors),

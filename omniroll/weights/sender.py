@@ -6,6 +6,7 @@ import concurrent.futures as cf
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -60,11 +61,15 @@ class WeightSender:
 
     ``transport``: ``"inproc"`` (Bucket objects; a single in-process target gets a lazy
     iterator so only one bucket exists at a time), ``"ray"`` (``ray.put`` per bucket, refs
-    sent), ``"shm"`` (double-buffered /dev/shm stream, same host only).
+    sent), ``"shm"`` (double-buffered /dev/shm stream, same host only).  By default the shm
+    files are created and unlinked within each ``send``; ``reuse_shm=True`` keeps the two
+    slot files between clean sends (allocating tmpfs pages is the dominant cost of a fresh
+    channel) and unlinks them on ``close()`` / context exit / garbage collection or on any
+    error.
     """
 
     def __init__(self, targets: Iterable[Any], bucket_bytes: int = 256 << 20, transport: str = "inproc", *,
-                 num_shm_slots: int = 2, timeout_s: float = 600.0):
+                 num_shm_slots: int = 2, timeout_s: float = 600.0, reuse_shm: bool = False):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.targets = list(targets)
@@ -75,6 +80,23 @@ class WeightSender:
         self.num_shm_slots = num_shm_slots
         self.timeout_s = timeout_s
         self.base_sync_done = False
+        self.reuse_shm = reuse_shm
+        self._chan: ShmChannel | None = None
+
+    def close(self) -> None:
+        """Unlink the kept shared-memory files (``reuse_shm=True``); idempotent."""
+        chan, self._chan = getattr(self, "_chan", None), None
+        if chan is not None:
+            chan.close()
+
+    def __enter__(self) -> "WeightSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     def send(self, weights: Any, version: int, peft_config: dict | None = None) -> list[dict]:
         named, peft_config = named_tensors_for(weights, peft_config)
@@ -102,9 +124,18 @@ class WeightSender:
         if any(_is_ray_target(t) for t in self.targets):
             raise WeightSyncError("inproc transport cannot reach Ray actors; use transport='ray' or 'shm'")
         if len(self.targets) == 1:
-            return [self._call(self.targets[0], buckets=pack_buckets(named, self.bucket_bytes), use_shm=False, **kw)]
+            # a single in-process target consumes the stream lazily: one buffer, reused across
+            # buckets and sends (it is valid until the receiver asks for the next bucket)
+            buckets = pack_buckets(named, self.bucket_bytes, alloc=self._staging)
+            return [self._call(self.targets[0], buckets=buckets, use_shm=False, **kw)]
         buckets: list[Bucket] = list(pack_buckets(named, self.bucket_bytes))
         return [self._call(t, buckets=buckets, use_shm=False, **kw) for t in self.targets]
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self, "_stage", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._stage = np.empty(max(nbytes, self.bucket_bytes), dtype=np.uint8)
+        return buf[:nbytes]
 
     def _send_ray(self, named, kw) -> list[dict]:
         import ray
@@ -119,7 +150,13 @@ class WeightSender:
     def _send_shm(self, named, kw) -> list[dict]:
         manifest: WeightManifest = kw["manifest"]
         plan = plan_buckets(manifest, self.bucket_bytes)
-        chan = ShmChannel(plan, len(self.targets), self.num_shm_slots, self.timeout_s)
+        if self._chan is not None and self._chan.fits(plan, len(self.targets)):
+            chan = self._chan
+            chan.reset(plan)
+        else:
+            self.close()
+            chan = ShmChannel(plan, len(self.targets), self.num_shm_slots, self.timeout_s)
+        keep = False
         pool = None
         futures: list[Any] = []
         try:
@@ -139,8 +176,12 @@ class WeightSender:
                         raise WeightSyncError(f"shm receiver {k} returned before consuming all buckets")
 
             chan.stream(named, check)
-            chan.wait_done(check)
-            return [self._result(f) for f in futures]
+            acks = [self._result(f) for f in futures]  # block on the receivers, no polling
+            short = [k for k in range(len(futures)) if chan.done(k) < len(plan)]
+            if short:
+                raise WeightSyncError(f"shm receiver(s) {short} returned before consuming all buckets")
+            keep = self.reuse_shm
+            return acks
         except BaseException:
             chan.abort()
             for f in futures:  # let receivers notice the abort and drop their maps
@@ -150,7 +191,11 @@ class WeightSender:
                     pass
             raise
         finally:
-            chan.close()
+            if keep:  # only after a clean update; any error unlinks right away
+                self._chan = chan
+            else:
+                self._chan = None
+                chan.close()
             if pool is not None:
                 pool.shutdown(wait=False)
 

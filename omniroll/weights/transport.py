@@ -78,7 +78,7 @@ def _wait(cond: Callable[[], bool], timeout_s: float, what: str, check: Callable
             last_check = now
         if now > deadline:
             raise WeightSyncError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0 if spins < 100 else min(1e-3, 1e-5 * spins))
+        time.sleep(0 if spins < 20 else min(5e-4, 2e-5 * spins))
     _fence()
 
 
@@ -91,7 +91,9 @@ class _Map:
         try:
             if create:
                 os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+            # MAP_POPULATE: fault every page in one go (per-page faults on tmpfs are the main cost)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
@@ -135,6 +137,16 @@ class ShmChannel:
         self._maps.append(m)
         return m
 
+    def fits(self, plan: list[list[BucketEntry]], num_receivers: int) -> bool:
+        """Whether this channel's files can carry ``plan`` (for reuse across updates)."""
+        return (bool(self._maps) and num_receivers == self.num_receivers and
+                max([bucket_capacity(p) for p in plan] + [1]) <= self.slot_bytes)
+
+    def reset(self, plan: list[list[BucketEntry]]) -> None:
+        """Start a new update on the same files (all receivers of the last one have returned)."""
+        self.plan = plan
+        self.ctrl[:] = 0
+
     def descriptor(self, receiver: int) -> ShmStream:
         return ShmStream(list(self.slot_paths), self.ctrl_path, self.plan, self.slot_bytes, receiver, self.timeout_s)
 
@@ -172,11 +184,6 @@ class ShmChannel:
             _fence()
             self.ctrl[0] = i + 1
         return bytes_written
-
-    def wait_done(self, check: Callable[[], None] | None = None) -> None:
-        n = len(self.plan)
-        _wait(lambda: all(self.done(k) >= n for k in range(self.num_receivers)), self.timeout_s,
-              "receivers to finish", check)
 
     def abort(self) -> None:
         if self._maps and self.ctrl is not None:
