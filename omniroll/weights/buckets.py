@@ -105,7 +105,7 @@ class ManifestEntry(NamedTuple):
         n = 1
         for s in self.shape:
             n *= int(s)
-        return n * torch.empty((), dtype=str_dtype(self.dtype)).element_size()
+        return n * str_dtype(self.dtype).itemsize
 
 
 @dataclass
@@ -178,7 +178,7 @@ def _view(buffer: np.ndarray, e: BucketEntry) -> torch.Tensor:
     with warnings.catch_warnings():
         # read-only buffers (Ray zero-copy, read-only maps) are fine: we only read from the views
         warnings.filterwarnings("ignore", message=".*not writable.*")
-        flat = torch.frombuffer(buffer, dtype=dtype, count=e.nbytes // torch.empty((), dtype=dtype).element_size(),
+        flat = torch.frombuffer(buffer, dtype=dtype, count=e.nbytes // dtype.itemsize,
                                 offset=e.offset)
     return flat.view(e.shape)
 
