@@ -41,10 +41,14 @@ class EngineConfig(_Strict):
     max_batch_size: int = Field(16, ge=1, le=4096)
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
 
     def engine_kwargs(self) -> dict:
-        return {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size, **self.kwargs}
+        kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size, **self.kwargs}
+        if self.num_threads is not None:
+            kw["num_threads"] = self.num_threads
+        return kw
 
 
 class PipelineConfig(_Strict):

@@ -18,6 +18,9 @@ class EngineConfig:
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
     decode_batch_size: finished samples decoded per VAE call.
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
+    num_threads: torch intra-op threads for this process (None leaves torch's setting). CPU kernels (oneDNN
+        convolutions in particular) can pick other algorithms at another thread count, so engines that must give
+        bitwise-identical samples (replicas of one rollout) must run with the same num_threads.
     """
 
     device: str = "cpu"
@@ -28,6 +31,7 @@ class EngineConfig:
     prompt_cache_size: int = 1024
     decode_batch_size: int = 8
     asleep_policy: str = "error"
+    num_threads: int | None = None
 
     def __post_init__(self):
         if self.max_batch_size < 2:
@@ -38,5 +42,7 @@ class EngineConfig:
             raise ValueError(f"prompt_cache_size must be >= 1, got {self.prompt_cache_size}")
         if self.decode_batch_size < 1:
             raise ValueError(f"decode_batch_size must be >= 1, got {self.decode_batch_size}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.asleep_policy not in ("error", "wait"):
             raise ValueError(f"asleep_policy must be 'error' or 'wait', got {self.asleep_policy!r}")

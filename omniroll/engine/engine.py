@@ -36,6 +36,8 @@ class DiffusionEngine(EngineLifecycleMixin):
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
         self.config = config or EngineConfig()
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
         self.runner = ModelRunner(adapter, self.config)
         self.scheduler = Scheduler(self.config.max_batch_size)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)

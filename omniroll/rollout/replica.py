@@ -7,6 +7,7 @@ batches them; results leave the actor in wire format (numpy arrays, see `transfe
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -66,9 +67,10 @@ class RolloutReplica:
         out.extra_fields.setdefault("replica_rank", self.replica_rank)
         return output_to_wire(out)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a running or queued request; its generate returns with stop_reason="aborted"."""
-        return bool(self.engine.abort(request_id))
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running or queued request; its generate returns with stop_reason="aborted". Returns once the
+        request has stopped (acknowledged), without blocking the actor's other calls."""
+        return bool(await asyncio.to_thread(self.engine.abort, request_id))
 
     def health(self) -> dict:
         return {
@@ -90,13 +92,36 @@ class RolloutReplica:
             "served": self._served,
             "failed": self._failed,
             "weight_version": int(s.get("weight_version", self.engine.weight_version)),
+            "asleep_level": int(s.get("asleep_level", 0)),
+            "lora": s.get("lora"),
         }
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    # Weight sync and memory (added by the weight-sync issue): `update_weights_from_ipc(...)`, `sleep(level)` and
-    # `wake_up()` go here, forwarding to the engine's methods of the same names.
+    # ------------------------------------------------------------------ weight sync and memory
+    # Each runs on a worker thread: the engine pauses, drains, aborts (acknowledged) and swaps on its own thread,
+    # while this actor's event loop keeps answering generate / stats calls.
+    async def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
+                                      use_shm: bool = False, *, manifest, buckets, version: int,
+                                      drain_timeout_s: float = 10.0) -> dict:
+        """The specification's RPC: a LoRA update when `peft_config` is given, else full weights, fed by buckets
+        (in-process objects, Ray object refs, or a /dev/shm stream). Returns the acknowledgement."""
+        ack = await asyncio.to_thread(
+            self.engine.update_weights_from_ipc, peft_config, base_sync_done, use_shm,
+            manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s)
+        return {**ack, "replica_rank": self.replica_rank}
+
+    async def remove_lora(self, version: Optional[int] = None) -> dict:
+        return await asyncio.to_thread(self.engine.remove_lora, version)
+
+    async def sleep(self, level: int = 1, timeout_s: float = 120.0) -> dict:
+        """Free the device (level 1: offload, level 2: drop the denoiser). Returns once done."""
+        return await asyncio.to_thread(self.engine.sleep, level, 0.0, timeout_s)
+
+    async def wake_up(self, timeout_s: float = 120.0) -> dict:
+        """Restore the weights; an error (e.g. out of memory) or a timeout reaches the caller, nothing hangs."""
+        return await asyncio.to_thread(self.engine.wake_up, timeout_s)
 
 
 def _describe(e: ValidationError) -> str:
