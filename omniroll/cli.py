@@ -16,22 +16,6 @@ DEMO_PROMPTS = [
 ]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("OMNIROLL_CACHE", Path.home() / ".cache" / "omniroll"))
-
-
-def resolve_model(model: str) -> str:
-    """`tiny` builds (once, cached) the embedded tiny random SD3; anything else is a local diffusers directory."""
-    if model == "tiny":
-        from omniroll.models.tiny import build_tiny_sd3
-
-        return build_tiny_sd3(str(default_cache_dir() / "tiny-sd3"), seed=0)
-    if not Path(model, "model_index.json").exists():
-        raise SystemExit(f"--model: {model!r} is neither 'tiny' nor a diffusers checkpoint directory "
-                         "(no model_index.json); nothing is downloaded at run time")
-    return model
-
-
 def _prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -55,6 +39,7 @@ def run_generate(args) -> dict:
 
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.engine.engine import DiffusionEngine
+    from omniroll.models import resolve_model
     from omniroll.sampling import derive_seed
 
     prompts = _prompts(args)
@@ -172,7 +157,7 @@ def main(argv=None) -> int:
             print(json.dumps({k: metrics[k] for k in ("num_images", "seconds", "images_per_second")}))
         elif args.command == "rollout":
             print(json.dumps(run_rollout(args)))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"omniroll: error: {e}", file=sys.stderr)
         return 2
     return 0

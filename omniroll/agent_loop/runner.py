@@ -17,16 +17,7 @@ import numpy as np
 
 from omniroll.agent_loop.batch import DataBatch
 from omniroll.config import OmniRollConfig, load_config
-
-
-def resolve_model_path(model: str, cache_dir: Optional[str] = None) -> str:
-    """A checkpoint path; "tiny" builds (once) the deterministic tiny SD3 under `cache_dir` (.omniroll_cache)."""
-    if model != "tiny":
-        return model
-    from omniroll.models.tiny import build_tiny_sd3
-
-    path = os.path.join(cache_dir or os.environ.get("OMNIROLL_CACHE", ".omniroll_cache"), "tiny-sd3")
-    return build_tiny_sd3(path, seed=0)
+from omniroll.models import resolve_model
 
 
 def make_batch(prompts: list[str], n: int, global_steps: int = 1, rollout_seed: Optional[int] = None,
@@ -58,7 +49,7 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     say = (lambda msg: print(f"[omniroll] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     t0 = time.perf_counter()
-    model = resolve_model_path(cfg.engine.model)
+    model = resolve_model(cfg.engine.model)
     replicas, reward_handles, manager = [], [], None
     try:
         say(f"starting {cfg.replicas.count} replica(s) of {model}")

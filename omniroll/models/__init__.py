@@ -33,7 +33,21 @@ def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
     return ADAPTERS[class_name].from_pretrained(path, device=device, dtype=dtype)
 
 
+def resolve_model(model: str, cache_dir: str | None = None) -> str:
+    """A checkpoint directory for `model`: "tiny" builds (once, cached) the deterministic tiny SD3 under `cache_dir`
+    (default: $OMNIROLL_CACHE or .omniroll_cache); anything else must be a local diffusers checkpoint directory
+    (nothing is downloaded at run time)."""
+    if model == "tiny":
+        root = cache_dir or os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")
+        return build_tiny_sd3(os.path.join(root, "tiny-sd3"), seed=0)
+    if not os.path.isfile(os.path.join(model, "model_index.json")):
+        raise FileNotFoundError(f"model {model!r} is neither 'tiny' nor a diffusers checkpoint directory "
+                                "(no model_index.json); nothing is downloaded at run time")
+    return model
+
+
 __all__ = [
+    "resolve_model",
     "ADAPTERS",
     "Conditioning",
     "DiffusionAdapter",
