@@ -1,0 +1,496 @@
+"""Rollout throughput: the omniroll engine vs flow_grpo's rollout loop vs the forward-only bound.
+
+    .venv/bin/python benchmarks/rollout_throughput.py [--prompts 4] [--n 4] [--steps 10] [--repeats 3]
+
+Every contender does the same work: P prompts x n samples, T steps, CFG (default 4.5, so 2 forward rows per image
+per step), an SDE window of `--window-size` steps drawn in `--window-range` (noise 0.7, sde type "sde"), log-probs
+recorded over the window, one VAE decode per image, uint8 pixels. Same bench SD3 checkpoint (built once into
+`--cache-dir`), same dtype (fp32), same torch threads (`--threads`, default 2), same prompts per repeat.
+
+(a) omniroll: `DiffusionEngine.generate` of all P*n requests at once (continuous step-level batching, `--engine-batch`
+    forward rows; a prompt is encoded once however many samples use it), batch_invariant=True (the default) and
+    batch_invariant=False. The engine's prompt cache is cleared before every timed run (each rollout of an RL run
+    brings new prompts) and every repeat uses prompts never seen before, so no contender reuses an encoding.
+(b) flow_grpo: a faithful reimplementation of `train_sd3.py` + `pipeline_with_logprob` (Flow-GRPO-Fast window):
+    the K-repeat sampler's expanded prompt list cut into fixed batches of `--batch-size` images, the negative prompt
+    "" encoded once before the loop, each batch's prompts encoded per image with `pipe.encode_prompt`, randn
+    latents, `scheduler.set_timesteps`, one window per batch, [uncond, cond] concatenation -> transformer -> CFG ->
+    `sde_step` with the per-sample sigma lookup (`scheduler.index_for_timestep` per batch element) and a noise draw
+    every step (as `sde_step_with_logprob`), ODE (eta 0) outside the window, latents / log-probs / timesteps of the
+    window recorded and stacked, `vae.decode` of the batch, `image_processor.postprocess` -> uint8.
+(c) bound: only the work that cannot be avoided, timed directly on the adapter's modules: the same transformer
+    forwards the engine runs (same row counts per forward), one text encode per unique prompt (+1 negative), one VAE
+    decode per image (in blocks of the engine's decode_batch_size). No sampler, no bookkeeping, no invariance.
+
+Each contender is warmed up once (every forward / decode shape of its timed runs, with fewer images and steps), then
+the contenders run interleaved, `--repeats` times, in a rotated order. The machine may be shared and noisy: medians
+are the headline figures, best-of-repeats (noise only ever adds time) are printed beside them. Then a per-row forward
+sweep (rows per forward vs ms per row, plain and batch-invariant) justifies the engine batch size. The last line of
+output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+COLORS = "red blue green yellow orange purple pink brown black white gray golden".split()
+SUBJECTS = "cat dog bird fish horse cow sheep rabbit lion tiger bear elephant fox owl robot astronaut".split()
+PLACES = ("on a table", "in a forest", "on the beach", "in the city", "under the moon", "near a river",
+          "in a garden", "on a mountain", "in a kitchen", "in the snow")
+
+
+# --------------------------------------------------------------------------------------------------- setup
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=4, help="unique prompts P")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
+    ap.add_argument("--steps", type=int, default=10, help="denoising steps T")
+    ap.add_argument("--guidance", type=float, default=4.5)
+    ap.add_argument("--noise-level", type=float, default=0.7)
+    ap.add_argument("--window-size", type=int, default=3)
+    ap.add_argument("--window-range", type=int, nargs=2, default=(0, 5))
+    ap.add_argument("--height", type=int, default=256)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--max-sequence-length", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4, help="flow_grpo's fixed sampling batch (images)")
+    ap.add_argument("--engine-batch", type=int, default=16, help="omniroll max_batch_size (forward rows)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4, help="transformer layers of the bench model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sweep-rows", type=int, nargs="*", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--sweep-repeats", type=int, default=2)
+    ap.add_argument("--cache-dir", default=".omniroll_cache")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["omniroll", "omniroll_noninvariant", "flowgrpo", "bound"],
+                    help="contenders to leave out (quick experiments)")
+    args = ap.parse_args(argv)
+    if args.engine_batch < 2 or args.batch_size < 1:
+        ap.error("--engine-batch must be >= 2 and --batch-size >= 1")
+    return args
+
+
+def build_model(args) -> str:
+    from omniroll.models.tiny import build_tiny_sd3
+
+    overrides = {} if args.layers == 4 else {"num_layers": args.layers}
+    name = "bench-sd3" if args.layers == 4 else f"bench-sd3-L{args.layers}"
+    return build_tiny_sd3(os.path.join(args.cache_dir, name), seed=0, preset="bench", **overrides)
+
+
+def make_prompts(P: int, run: int) -> list[str]:
+    """P distinct prompts, different for every run index (so no prompt encoding is ever reused across runs)."""
+    out = []
+    for j in range(P):
+        k = run * P + j
+        out.append(f"a photo of a {COLORS[k % len(COLORS)]} {SUBJECTS[(k // len(COLORS)) % len(SUBJECTS)]} "
+                   f"{PLACES[(k // (len(COLORS) * len(SUBJECTS))) % len(PLACES)]} number {k}")
+    return out
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": threads,
+            "python": platform.python_version()}
+    with contextlib.suppress(Exception):
+        import diffusers
+
+        info["diffusers"] = diffusers.__version__
+    with contextlib.suppress(OSError):
+        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+    return info
+
+
+def sampling_params(args):
+    from omniroll.engine.params import SamplingParams
+
+    return SamplingParams(
+        height=args.height, width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance,
+        max_sequence_length=args.max_sequence_length, noise_level=args.noise_level, sde_type="sde",
+        sde_window_size=args.window_size, sde_window_range=tuple(args.window_range), logprobs=True,
+        output_type="pixel",
+    )
+
+
+# --------------------------------------------------------------------------------------------------- (a) omniroll
+def omniroll_rollout(engine, prompts: list[str], args, run: int) -> dict:
+    from omniroll.engine.params import GenerationRequest
+
+    params = sampling_params(args)
+    requests = [
+        GenerationRequest(request_id=f"r{run}-p{i}-s{j}", prompt=p, negative_prompt="", sampling_params=params,
+                          seed=args.seed * 1_000_003 + run * 10_007 + i * args.n + j)
+        for i, p in enumerate(prompts) for j in range(args.n)
+    ]
+    engine.call_between_steps(engine.prompt_cache.clear)  # a new rollout: nothing encoded yet (not timed)
+    t0 = time.perf_counter()
+    outs = engine.generate(requests)
+    dt = time.perf_counter() - t0
+    imgs = [o.diffusion_output for o in outs]
+    assert len(imgs) == len(requests) and all(o.stop_reason == "completed" for o in outs)
+    assert all(i.dtype == torch.uint8 and tuple(i.shape) == (3, args.height, args.width) for i in imgs)
+    assert all(o.log_probs.shape == (args.window_size,) and torch.isfinite(o.log_probs).all() for o in outs)
+    return {"seconds": dt, "images": len(imgs)}
+
+
+# --------------------------------------------------------------------------------------------------- (b) flow_grpo
+def k_repeat_batches(prompts: list[str], n: int, batch_size: int, seed: int) -> list[list[str]]:
+    """flow_grpo's DistributedKRepeatSampler on one rank: every prompt repeated n times, shuffled, cut in batches."""
+    expanded = [p for p in prompts for _ in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    expanded = [expanded[i] for i in torch.randperm(len(expanded), generator=g).tolist()]
+    return [expanded[i:i + batch_size] for i in range(0, len(expanded), batch_size)]
+
+
+@torch.no_grad()
+def flowgrpo_rollout(pipe, prompts: list[str], args, run: int) -> dict:
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+    from omniroll.sampling import sde_step
+
+    device = pipe._execution_device
+    L = args.max_sequence_length
+    phases = {"encode": 0.0, "denoise": 0.0, "decode": 0.0}
+    images, n_done = [], 0
+    t_start = time.perf_counter()
+
+    # train_sd3.py: the negative prompt is encoded once, before the sampling loop.
+    t0 = time.perf_counter()
+    neg_embeds, _, neg_pooled, _ = pipe.encode_prompt(
+        prompt=[""], prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
+        do_classifier_free_guidance=False, max_sequence_length=L)
+    phases["encode"] += time.perf_counter() - t0
+    window_rng = random.Random(args.seed * 7919 + run)
+
+    for b, batch_prompts in enumerate(k_repeat_batches(prompts, args.n, args.batch_size, args.seed + run)):
+        bs = len(batch_prompts)
+        # compute_text_embeddings: the batch's prompts, one per image (duplicates encoded again), + prompt_ids.
+        t0 = time.perf_counter()
+        prompt_embeds, _, pooled_embeds, _ = pipe.encode_prompt(
+            prompt=batch_prompts, prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
+            do_classifier_free_guidance=False, max_sequence_length=L)
+        _prompt_ids = pipe.tokenizer(batch_prompts, padding="max_length", max_length=256, truncation=True,
+                                     return_tensors="pt").input_ids.to(device)
+        # pipeline_with_logprob: [uncond, cond] concatenation (CFG by batch)
+        pe = torch.cat([neg_embeds.repeat(bs, 1, 1), prompt_embeds])
+        ppe = torch.cat([neg_pooled.repeat(bs, 1), pooled_embeds])
+        phases["encode"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        generator = torch.Generator(device=device).manual_seed(args.seed * 1_000_003 + run * 10_007 + b)
+        latents = pipe.prepare_latents(bs, pipe.transformer.config.in_channels, args.height, args.width,
+                                       pe.dtype, device, generator)
+        sched = pipe.scheduler
+        kwargs = {}
+        if sched.config.get("use_dynamic_shifting", None):
+            f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift((args.height // f) * (args.width // f),
+                                           sched.config.get("base_image_seq_len", 256),
+                                           sched.config.get("max_image_seq_len", 4096),
+                                           sched.config.get("base_shift", 0.5), sched.config.get("max_shift", 1.16))
+        sched.set_timesteps(args.steps, device=device, **kwargs)
+        timesteps = sched.timesteps
+        # Flow-GRPO-Fast: one SDE window per call, shared by the whole batch.
+        r0, r1 = args.window_range
+        start = window_rng.randint(r0, r1 - args.window_size)
+        window = (start, start + args.window_size)
+        all_latents, all_log_probs, all_timesteps = [], [], []
+        for i, t in enumerate(timesteps):
+            eta = args.noise_level if window[0] <= i < window[1] else 0.0
+            if i == window[0]:
+                all_latents.append(latents)
+            latent_model_input = torch.cat([latents] * 2)
+            timestep = t.expand(latent_model_input.shape[0])
+            noise_pred = pipe.transformer(hidden_states=latent_model_input, timestep=timestep,
+                                          encoder_hidden_states=pe, pooled_projections=ppe,
+                                          joint_attention_kwargs=None, return_dict=False)[0]
+            noise_pred = noise_pred.to(pe.dtype)
+            uncond, cond = noise_pred.chunk(2)
+            noise_pred = uncond + args.guidance * (cond - uncond)
+            # sde_step_with_logprob: fp32, sigmas looked up per batch element, noise drawn every step.
+            ts = t.unsqueeze(0).expand(bs)
+            step_index = [sched.index_for_timestep(tt) for tt in ts]
+            sigma = sched.sigmas[step_index]
+            sigma_next = sched.sigmas[[s + 1 for s in step_index]]
+            noise = torch.randn(latents.shape, generator=generator, device=device, dtype=torch.float32)
+            out = sde_step(latents.float(), noise_pred.float(), sigma, sigma_next, noise_level=eta, sde_type="sde",
+                           noise=noise, sigma_max=sched.sigmas[1])
+            latents = out.prev_sample.to(pe.dtype)
+            if window[0] <= i < window[1]:
+                all_latents.append(latents)
+                all_log_probs.append(out.log_prob)
+                all_timesteps.append(t)
+        traj = {"latents": torch.stack(all_latents, dim=1), "log_probs": torch.stack(all_log_probs, dim=1),
+                "timesteps": torch.stack(all_timesteps).unsqueeze(0).repeat(bs, 1)}
+        assert traj["log_probs"].shape == (bs, args.window_size) and torch.isfinite(traj["log_probs"]).all()
+        phases["denoise"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        z = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        image = pipe.vae.decode(z.to(pipe.vae.dtype), return_dict=False)[0]
+        image = pipe.image_processor.postprocess(image, output_type="pt")
+        image = (image * 255).round().clamp(0, 255).to(torch.uint8)
+        phases["decode"] += time.perf_counter() - t0
+        images.append(image)
+        n_done += bs
+    dt = time.perf_counter() - t_start
+    imgs = torch.cat(images)
+    assert imgs.shape == (len(prompts) * args.n, 3, args.height, args.width) and imgs.dtype == torch.uint8
+    return {"seconds": dt, "images": n_done, "phases": phases}
+
+
+# --------------------------------------------------------------------------------------------------- (c) bound
+def engine_forward_plan(num_requests: int, engine_batch: int, steps: int, rows_per_request: int) -> list[int]:
+    """Rows of every forward the engine runs for this workload: FCFS waves of as many requests as fit, T steps each
+    (all requests of the rollout share T, so a wave finishes together and the next wave is admitted)."""
+    per_wave = max(1, engine_batch // rows_per_request)
+    plan, left = [], num_requests
+    while left > 0:
+        wave = min(per_wave, left)
+        plan += [wave * rows_per_request] * steps
+        left -= wave
+    return plan
+
+
+@torch.no_grad()
+def bound_rollout(adapter, prompts: list[str], args, run: int, decode_batch: int) -> dict:
+    pipe, tr, vae = adapter.pipeline, adapter.transformer, adapter.vae
+    L = args.max_sequence_length
+    rows_per_request = 2 if args.guidance > 1.0 else 1
+    plan = engine_forward_plan(len(prompts) * args.n, args.engine_batch, args.steps, rows_per_request)
+    R = max(plan)
+    g = torch.Generator().manual_seed(run)
+    C, h, w = adapter.latent_shape(args.height, args.width)
+    lat = torch.randn(R, C, h, w, generator=g)
+    t = torch.linspace(1000.0, 100.0, R)
+    n_img = len(prompts) * args.n
+    dec_in = torch.randn(n_img, C, h, w, generator=g) / vae.config.scaling_factor + vae.config.shift_factor
+    phases = {"encode": 0.0, "denoise": 0.0, "decode": 0.0}
+
+    t_start = time.perf_counter()
+    t0 = time.perf_counter()
+    enc = [pipe.encode_prompt(prompt=[p], prompt_2=None, prompt_3=None, device=adapter.device,
+                              num_images_per_prompt=1, do_classifier_free_guidance=False, max_sequence_length=L)
+           for p in list(dict.fromkeys(prompts)) + [""]]
+    pe = torch.cat([e[0] for e in enc]).repeat((R + len(enc) - 1) // len(enc), 1, 1)[:R]
+    ppe = torch.cat([e[2] for e in enc]).repeat((R + len(enc) - 1) // len(enc), 1)[:R]
+    phases["encode"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for rows in plan:
+        tr(hidden_states=lat[:rows], timestep=t[:rows], encoder_hidden_states=pe[:rows],
+           pooled_projections=ppe[:rows], return_dict=False)
+    phases["denoise"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for chunk in dec_in.split(decode_batch):
+        vae.decode(chunk, return_dict=False)
+    phases["decode"] = time.perf_counter() - t0
+    return {"seconds": time.perf_counter() - t_start, "images": n_img, "phases": phases, "forwards": len(plan)}
+
+
+# --------------------------------------------------------------------------------------------------- sweep
+@torch.no_grad()
+def forward_sweep(adapter, args, rows_list: list[int], repeats: int, block_rows: int) -> dict:
+    """ms per row of one transformer forward vs rows per forward, plain and in batch-invariant mode (interleaved)."""
+    from omniroll.engine.invariant import BatchInvariantMode
+
+    cond = adapter.encode_prompts(["a photo of a cat"], args.max_sequence_length)[0].tensors
+    C, h, w = adapter.latent_shape(args.height, args.width)
+    inputs = {}
+    for rows in rows_list:
+        inputs[rows] = (torch.randn(rows, C, h, w), torch.full((rows,), 500.0),
+                        {k: v.unsqueeze(0).expand(rows, *v.shape).contiguous() for k, v in cond.items()})
+    modes = {"plain": contextlib.nullcontext, "invariant": lambda: BatchInvariantMode(block_rows)}
+    samples = {m: {r: [] for r in rows_list} for m in modes}
+    for mode, ctx in modes.items():  # warm-up of every shape
+        for rows in rows_list:
+            with ctx():
+                adapter.velocity(*inputs[rows])
+    for rep in range(repeats):
+        for mode, ctx in (modes.items() if rep % 2 == 0 else reversed(list(modes.items()))):
+            for rows in rows_list:
+                t0 = time.perf_counter()
+                with ctx():
+                    adapter.velocity(*inputs[rows])
+                samples[mode][rows].append((time.perf_counter() - t0) * 1000 / rows)
+    return {m: {r: statistics.median(v) for r, v in d.items()} for m, d in samples.items()}
+
+
+# --------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import logging
+
+    for name in ("diffusers", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from diffusers import StableDiffusion3Pipeline
+    from diffusers.utils import logging as dlog
+
+    dlog.disable_progress_bar()
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+
+    from omniroll.engine.engine import DiffusionEngine
+
+    info = machine_info(args.threads)
+    t_setup = time.perf_counter()
+    path = build_model(args)
+    engines = {
+        "omniroll": DiffusionEngine.from_pretrained(path, max_batch_size=args.engine_batch, batch_invariant=True),
+        "omniroll_noninvariant": DiffusionEngine.from_pretrained(path, max_batch_size=args.engine_batch,
+                                                                 batch_invariant=False),
+    }
+    from diffusers.utils import deprecation_utils
+
+    # diffusers renamed `torch_dtype` to `dtype` (0.36+); the same check as SD3Adapter.from_pretrained
+    dtype_key = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+    pipe = StableDiffusion3Pipeline.from_pretrained(path, local_files_only=True, **{dtype_key: torch.float32})
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to("cpu")
+    bound_adapter = engines["omniroll_noninvariant"].adapter
+    decode_batch = engines["omniroll_noninvariant"].config.decode_batch_size
+    # the engine's loop thread does the math: check that it runs with the same thread count
+    engine_threads = engines["omniroll"].call_between_steps(torch.get_num_threads)
+    assert engine_threads == args.threads, f"engine thread uses {engine_threads} threads, not {args.threads}"
+
+    contenders = {
+        "omniroll": lambda prompts, run, a=args: omniroll_rollout(engines["omniroll"], prompts, a, run),
+        "omniroll_noninvariant": lambda prompts, run, a=args: omniroll_rollout(engines["omniroll_noninvariant"],
+                                                                               prompts, a, run),
+        "flowgrpo": lambda prompts, run, a=args: flowgrpo_rollout(pipe, prompts, a, run),
+        "bound": lambda prompts, run, a=args: bound_rollout(bound_adapter, prompts, a, run, decode_batch),
+    }
+    for name in args.skip:
+        contenders.pop(name)
+    names = list(contenders)
+    n_img = args.prompts * args.n
+    print(f"# rollout throughput: {args.prompts} prompts x {args.n} samples = {n_img} images, T={args.steps}, "
+          f"CFG {args.guidance}, SDE window {args.window_size} in {tuple(args.window_range)} (eta "
+          f"{args.noise_level}, sde), {args.height}x{args.width}, L={args.max_sequence_length}, "
+          f"{args.layers} transformer layers, fp32, {args.threads} threads", flush=True)
+    print(f"# flow_grpo batch {args.batch_size} images ({2 * args.batch_size} CFG rows); omniroll max_batch_size "
+          f"{args.engine_batch} rows; machine: {info['cpu']} x{info['cpu_count']}, load {info.get('loadavg_start')}; "
+          f"setup {time.perf_counter() - t_setup:.1f}s", flush=True)
+
+    results: dict[str, list[dict]] = {k: [] for k in names}
+    run = 0
+    # Warm-up (not timed): every contender once, on every shape its timed runs use (full engine batches, flow_grpo
+    # batches, decode blocks), with fewer images and steps (the window's end) to keep the run short.
+    warm = argparse.Namespace(**vars(args))
+    warm.prompts = max(1, min(args.prompts, -(-max(args.engine_batch // 2, args.batch_size) // args.n)))
+    warm.steps = max(args.window_range[1], 1)
+    for name in names:
+        r = contenders[name](make_prompts(warm.prompts, run), run, warm)
+        print(f"  warm-up {name:<22} {r['seconds']:7.2f}s", flush=True)
+    for rep in range(args.repeats):
+        run += 1
+        prompts = make_prompts(args.prompts, run)  # fresh prompts, the same for every contender of this repeat
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            r = contenders[name](prompts, run)
+            results[name].append(r)
+            extra = "  " + " ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()) if "phases" in r else ""
+            print(f"  repeat {rep} {name:<22} {r['seconds']:7.2f}s  {r['images'] / r['seconds']:6.3f} img/s{extra}",
+                  flush=True)
+
+    med = {k: statistics.median(x["seconds"] for x in v) for k, v in results.items()}
+    ips = {k: n_img / v for k, v in med.items()}
+    best_s = {k: min(x["seconds"] for x in v) for k, v in results.items()}  # noise only ever adds time
+    best_ips = {k: n_img / v for k, v in best_s.items()}
+    ratio = lambda a, b: (ips[a] / ips[b]) if a in ips and b in ips else None  # noqa: E731
+
+    print()
+    print("| contender                     | median s | images/s | vs flow_grpo | vs bound | best s | best img/s |")
+    print("|-------------------------------|---------:|---------:|-------------:|---------:|-------:|-----------:|")
+    labels = {"omniroll": "(a) omniroll (invariant)", "omniroll_noninvariant": "(a') omniroll (non-invariant)",
+              "flowgrpo": "(b) flow_grpo loop", "bound": "(c) forward-only bound"}
+    for k in names:
+        vs_b = f"{ratio(k, 'flowgrpo'):.2f}x" if ratio(k, "flowgrpo") else "-"
+        vs_c = f"{ratio(k, 'bound'):.3f}" if ratio(k, "bound") else "-"
+        print(f"| {labels[k]:<29} | {med[k]:8.2f} | {ips[k]:8.3f} | {vs_b:>12} | {vs_c:>8} | {best_s[k]:6.2f} | "
+              f"{best_ips[k]:10.3f} |")
+    for k in ("flowgrpo", "bound"):
+        if k in results:
+            ph = {p: statistics.median(x["phases"][p] for x in results[k]) for p in results[k][0]["phases"]}
+            print(f"# {k} phases (median s): " + ", ".join(f"{p} {v:.2f}" for p, v in ph.items()))
+    speedup = ratio("omniroll", "flowgrpo")
+    efficiency = ratio("omniroll", "bound")
+    inv_overhead = (med["omniroll"] / med["omniroll_noninvariant"] - 1) if {"omniroll", "omniroll_noninvariant"} <= \
+        set(med) else None
+    if speedup is not None:
+        print(f"speed-up (a)/(b) = {speedup:.2f}x (target >= 2.0); non-invariant "
+              f"{ratio('omniroll_noninvariant', 'flowgrpo'):.2f}x")
+    if efficiency is not None:
+        print(f"efficiency (a)/(c) = {efficiency:.3f} (target >= 0.9); non-invariant "
+              f"{ratio('omniroll_noninvariant', 'bound'):.3f}")
+    best_ratio = lambda a, b: (best_ips[a] / best_ips[b]) if a in best_ips and b in best_ips else None  # noqa
+    if {"omniroll", "flowgrpo", "bound"} <= set(best_ips):
+        print(f"best-of-{args.repeats} figures: speed-up {best_ratio('omniroll', 'flowgrpo'):.2f}x, efficiency "
+              f"{best_ratio('omniroll', 'bound'):.3f}")
+    if inv_overhead is not None:
+        print(f"batch-invariance overhead = {100 * inv_overhead:+.1f}% wall time (invariant vs non-invariant engine)")
+
+    print()
+    sweep = forward_sweep(bound_adapter, args, args.sweep_rows, args.sweep_repeats,
+                          engines["omniroll"].config.invariant_block_rows)
+    print("| rows/forward | plain ms/row | invariant ms/row | invariant overhead |")
+    print("|-------------:|-------------:|-----------------:|-------------------:|")
+    for rows in args.sweep_rows:
+        p, i = sweep["plain"][rows], sweep["invariant"][rows]
+        print(f"| {rows:12d} | {p:12.1f} | {i:16.1f} | {100 * (i / p - 1):+17.1f}% |")
+    best = min(args.sweep_rows, key=lambda r: sweep["plain"][r])
+    print(f"# fastest rows/forward (plain): {best}; engine max_batch_size = {args.engine_batch}")
+
+    with contextlib.suppress(OSError):
+        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    rnd = lambda x, d=4: None if x is None else round(x, d)  # noqa: E731
+    record = {
+        "benchmark": "rollout_throughput",
+        "images": n_img, "prompts": args.prompts, "n": args.n, "steps": args.steps, "guidance": args.guidance,
+        "window_size": args.window_size, "window_range": list(args.window_range), "height": args.height,
+        "width": args.width, "max_sequence_length": args.max_sequence_length, "layers": args.layers,
+        "flowgrpo_batch_size": args.batch_size, "engine_batch_rows": args.engine_batch, "repeats": args.repeats,
+        "images_per_s_omniroll": rnd(ips.get("omniroll")),
+        "images_per_s_omniroll_noninvariant": rnd(ips.get("omniroll_noninvariant")),
+        "images_per_s_flowgrpo": rnd(ips.get("flowgrpo")),
+        "images_per_s_bound": rnd(ips.get("bound")),
+        "speedup": rnd(speedup, 3),
+        "speedup_noninvariant": rnd(ratio("omniroll_noninvariant", "flowgrpo"), 3),
+        "efficiency": rnd(efficiency, 3),
+        "efficiency_noninvariant": rnd(ratio("omniroll_noninvariant", "bound"), 3),
+        "invariance_overhead": rnd(inv_overhead, 3),
+        "speedup_best": rnd(best_ratio("omniroll", "flowgrpo"), 3),
+        "efficiency_best": rnd(best_ratio("omniroll", "bound"), 3),
+        "invariance_overhead_best": rnd((best_s["omniroll"] / best_s["omniroll_noninvariant"] - 1)
+                                        if {"omniroll", "omniroll_noninvariant"} <= set(best_s) else None, 3),
+        "seconds": {k: [round(x["seconds"], 3) for x in v] for k, v in results.items()},
+        "forward_ms_per_row": {m: {str(r): round(v, 2) for r, v in d.items()} for m, d in sweep.items()},
+        "machine": info,
+    }
+    for eng in engines.values():
+        eng.shutdown()
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
