@@ -138,3 +138,15 @@ def test_flow_match_sigmas_match_diffusers():
     sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
     sched.set_timesteps(10)
     assert torch.allclose(flow_match_sigmas(10, shift=3.0), sched.sigmas, atol=1e-6)
+
+
+def test_log_prob_of_a_row_is_bitwise_independent_of_its_batch():
+    # A reduction over [B, ...] changes its summation order with B; each row must be reduced on its own.
+    g = torch.Generator().manual_seed(3)
+    x, v, eps = (torch.randn(16, 16, 48, 48, generator=g) for _ in range(3))
+    for kind in ("sde", "cps"):
+        for reduce in ("mean", "sum"):
+            batch = sde_step(x, v, 0.7, 0.6, 0.8, kind, noise=eps, reduce=reduce).log_prob
+            for i in range(16):
+                alone = sde_step(x[i:i + 1], v[i:i + 1], 0.7, 0.6, 0.8, kind, noise=eps[i:i + 1], reduce=reduce)
+                assert torch.equal(batch[i], alone.log_prob[0]), (kind, reduce, i)

@@ -65,8 +65,7 @@ class DiffusionEngine(EngineLifecycleMixin):
     # ------------------------------------------------------------------ public API
     def generate(self, requests: Iterable[GenerationRequest], progress: bool = False) -> list[DiffusionOutput]:
         """Generate every request (continuously batched); outputs in the order of `requests`."""
-        requests = list(requests)
-        futures = [self._submit_future(r) for r in requests]
+        futures = self._submit_futures(list(requests))
         bar = None
         if progress:
             from tqdm import tqdm
@@ -82,7 +81,7 @@ class DiffusionEngine(EngineLifecycleMixin):
 
     async def generate_async(self, request: GenerationRequest) -> DiffusionOutput:
         """Generate one request; cancelling the awaiting task aborts the request."""
-        future = self._submit_future(request)
+        future = self._submit_futures([request])[0]
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -136,22 +135,22 @@ class DiffusionEngine(EngineLifecycleMixin):
         self._inbox.clear()
 
     # ------------------------------------------------------------------ submission (caller threads)
-    def _submit_future(self, request: GenerationRequest) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def on_done(output, error):
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(output)
-
-        state = self._make_state(request, on_done)  # validation errors raise here, in the caller's thread
+    def _submit_futures(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
+        """Validate every request (errors raise here, in the caller's thread, before any is queued), then queue them
+        all at once, so the first step already sees the whole batch."""
+        futures, states = [], []
+        for request in requests:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            states.append(self._make_state(request, _resolver(future)))
+            futures.append(future)
         self._check_awake()
         with self._lock:
             if self._stopped:
                 raise EngineError("engine is shut down")
             self._ensure_thread()
-            self._inbox.append(state)
+            self._inbox.extend(states)
             self._wakeup.notify()
-        return future
+        return futures
 
     def _make_state(self, request: GenerationRequest, on_done) -> RequestState:
         if not isinstance(request, GenerationRequest):
@@ -297,3 +296,13 @@ class DiffusionEngine(EngineLifecycleMixin):
         for s in states:
             s.on_done(aborted_output(s, self.weight_version), None)
         return [s.request_id for s in states]
+
+
+def _resolver(future: concurrent.futures.Future):
+    """The RequestState callback that settles `future` exactly once."""
+
+    def on_done(output, error):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(output)
+
+    return on_done

@@ -21,7 +21,8 @@ Notation: x = latents at sigma, v = velocity (after CFG), dt = sigma_next - sigm
 `ode`, or eta == 0: the Euler step x' = x + dt * v, identical to diffusers' FlowMatchEulerDiscreteScheduler.step.
 Deterministic rows (ode, eta == 0, or s == 0 such as the last CPS step) report log p = 0.
 
-Reduction: per row over all non-batch dims, `mean` (Flow-GRPO's convention, the default) or `sum`.
+Reduction: per row over all non-batch dims, `mean` (Flow-GRPO's convention, the default) or `sum`, each row reduced
+on its own so its log-prob is bitwise the same in any batch.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ def sde_step(
     gauss = -sq / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
     per_elem = torch.where(is_cps.view(view), -sq, gauss)
     per_elem = torch.where(stochastic.view(view), per_elem, torch.zeros_like(per_elem))
-    dims = tuple(range(1, x.ndim))
-    log_prob = per_elem.mean(dim=dims) if reduce == "mean" else per_elem.sum(dim=dims)
+    # One reduction per row: a reduction over [B, ...] changes its summation order with B (measured: ~1e-9 on a
+    # mean), which would make a row's log-prob depend on its batch mates and break bitwise recompute.
+    rows = per_elem.reshape(B, -1).unbind(0)
+    log_prob = torch.stack([r.mean() if reduce == "mean" else r.sum() for r in rows])
     return SDEStepOutput(prev_sample=prev, log_prob=log_prob, mean=mean, std=std)
