@@ -33,28 +33,23 @@ different engines). Medians are reported (the machine may be shared). The last l
 from __future__ import annotations
 
 import argparse
-import asyncio
-import collections
 import contextlib
 import gc
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
-import threading
 import time
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import torch  # noqa: E402
-
-COLORS = "red blue green yellow orange purple pink brown black white gray golden".split()
-SUBJECTS = "cat dog bird fish horse cow sheep rabbit lion tiger bear elephant fox owl robot astronaut".split()
-PLACES = ("on a table", "in a forest", "on the beach", "in the city", "under the moon", "near a river",
-          "in a garden", "on a mountain", "in a kitchen", "in the snow")
+from _agent_paths import rows_for, run_agent_loop, run_engine  # noqa: E402
+from _common import (add_run_args, add_workload_args, build_model, machine_info, make_prompts,  # noqa: E402
+                     quiet_libraries, record_loadavg, rnd, rotated)
+from _cpu_meter import CpuMeter  # noqa: E402
+from _reward_server import RewardServer, encode_costs  # noqa: E402
 
 PATHS = ("engine", "agent_loop", "agent_loop_reward")
 LABELS = {"engine": "(a)  engine direct", "agent_loop": "(b)  agent loop, no reward",
@@ -64,29 +59,17 @@ LABELS = {"engine": "(a)  engine direct", "agent_loop": "(b)  agent loop, no rew
 # --------------------------------------------------------------------------------------------------- setup
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=16, help="unique prompts P per run")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
-    ap.add_argument("--steps", type=int, default=8, help="denoising steps T")
-    ap.add_argument("--guidance", type=float, default=4.5)
-    ap.add_argument("--noise-level", type=float, default=0.7)
-    ap.add_argument("--window-size", type=int, default=3)
-    ap.add_argument("--window-range", type=int, nargs=2, default=(0, 5))
-    ap.add_argument("--height", type=int, default=384)
-    ap.add_argument("--width", type=int, default=384)
-    ap.add_argument("--max-sequence-length", type=int, default=64)
+    add_workload_args(ap, prompts=16, steps=8, size=384, prompts_help="unique prompts P per run")
     ap.add_argument("--preset", default="tiny", choices=["tiny", "bench"], help="build_tiny_sd3 preset")
     ap.add_argument("--engine-batch", type=int, default=16, help="engine max_batch_size (forward rows)")
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
-                    help="torch threads of (a) = CPUs of the Ray cluster = num_cpus of the replica")
+    add_run_args(ap, threads=min(2, os.cpu_count() or 1), seed_help="rollout seed",
+                 threads_help="torch threads of (a) = CPUs of the Ray cluster = num_cpus of the replica")
     ap.add_argument("--agent-workers", type=int, default=2, help="agent.num_workers (DiffusionAgentLoopWorker actors)")
     ap.add_argument("--reward-workers", type=int, default=1, help="reward.num_workers (RewardLoopWorker actors)")
     ap.add_argument("--reward-latency", type=float, default=0.4,
                     help="seconds the reward server waits per batch request")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup-samples", type=int, default=16, help="samples of each path's warm-up run")
     ap.add_argument("--settle", type=float, default=0.5, help="idle seconds before every timed run (untimed)")
-    ap.add_argument("--cache-dir", default=".omniroll_cache")
-    ap.add_argument("--seed", type=int, default=0, help="rollout seed")
     ap.add_argument("--skip-reward", action="store_true", help="leave out (b')")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.n < 1 or args.repeats < 1 or args.threads < 1:
@@ -94,39 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup_samples < 1:
         ap.error("--warmup-samples must be >= 1")
     return args
-
-
-def build_model(args) -> str:
-    from omniroll.models.tiny import build_tiny_sd3
-
-    return build_tiny_sd3(os.path.join(args.cache_dir, f"{args.preset}-sd3"), seed=0, preset=args.preset)
-
-
-def make_prompts(P: int, run: int, path_tag: int) -> list[str]:
-    """P distinct prompts, different for every (run, path_tag): no engine ever re-encodes a prompt it has seen."""
-    out = []
-    for j in range(P):
-        k = (run * 3 + path_tag) * P + j
-        out.append(f"a photo of a {COLORS[k % len(COLORS)]} {SUBJECTS[(k // len(COLORS)) % len(SUBJECTS)]} "
-                   f"{PLACES[(k // (len(COLORS) * len(SUBJECTS))) % len(PLACES)]} number {k}")
-    return out
-
-
-def machine_info(threads: int) -> dict:
-    import ray
-
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__,
-            "torch_threads": threads, "python": platform.python_version()}
-    with contextlib.suppress(OSError):
-        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
-    return info
 
 
 def build_config(args, model_path: str, reward_url: str):
@@ -146,198 +96,11 @@ def build_config(args, model_path: str, reward_url: str):
     })
 
 
-# --------------------------------------------------------------------------------------------------- reward server
-class RewardServer:
-    """FastAPI + uvicorn on 127.0.0.1 in a daemon thread. POST /score: parse the JSON body (HttpScorer's png
-    encoding), `await asyncio.sleep(latency)`, answer one deterministic score per image. Counts requests."""
-
-    def __init__(self, latency: float):
-        import uvicorn
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse
-
-        self.latency = latency
-        self.reset()
-        app = FastAPI()
-
-        async def score(request):  # a plain Starlette route: the raw request, no FastAPI body validation
-            body = json.loads(await request.body())
-            images = body["images"]
-            self.requests += 1
-            self.batch_sizes.append(len(images))
-            await asyncio.sleep(self.latency)
-            return JSONResponse({"scores": [(len(b64) % 1000) / 1000.0 for b64 in images]})
-
-        app.add_route("/score", score, methods=["POST"])
-
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/score"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.time() + 20
-        while not self._server.started:
-            if time.time() > deadline:
-                raise RuntimeError("uvicorn did not start within 20 s")
-            time.sleep(0.01)
-
-    def reset(self) -> None:
-        self.requests = 0
-        self.batch_sizes: list[int] = []
-
-    def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
-        self._sock.close()
-
-
-# --------------------------------------------------------------------------------------------------- CPU accounting
-class CpuMeter:
-    """CPU seconds (user + system) per process of this process tree (driver, Ray daemons, Ray workers), grouped by
-    role. Other tenants of a shared machine are not in the tree and not counted."""
-
-    def __init__(self, roles: dict[int, str]):
-        import psutil
-
-        self.psutil = psutil
-        self.roles = dict(roles)  # pid -> role; everything else in the tree is "ray other"
-        self.roles.setdefault(os.getpid(), "driver")
-
-    def _procs(self):
-        me = self.psutil.Process()
-        with contextlib.suppress(self.psutil.Error):
-            yield me
-            yield from me.children(recursive=True)
-
-    def snapshot(self) -> dict[int, float]:
-        snap = {}
-        for p in self._procs():
-            with contextlib.suppress(self.psutil.Error):
-                t = p.cpu_times()
-                snap[p.pid] = t.user + t.system
-        return snap
-
-    def delta(self, before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
-        out: dict[str, float] = collections.defaultdict(float)
-        for pid, t in after.items():
-            out[self.roles.get(pid, "ray other")] += t - before.get(pid, 0.0)
-        return dict(out)
-
-
-# --------------------------------------------------------------------------------------------------- the paths
-def rows_for(prompts: list[str], n: int, run: int) -> list[dict]:
-    """One dict per sample, in batch order (p0 x n, p1 x n, ...): uid, group index, prompt."""
-    return [{"uid": f"run{run}-p{i}", "index": j, "prompt": p} for i, p in enumerate(prompts) for j in range(n)]
-
-
-def make_batch(rows: list[dict], global_steps: int, rollout_seed: int):
-    from omniroll.agent_loop import DataBatch
-
-    return DataBatch.from_dict(non_tensors={
-        "raw_prompt": [r["prompt"] for r in rows], "uid": [r["uid"] for r in rows],
-        "data_source": ["bench"] * len(rows)}, meta_info={"global_steps": global_steps, "rollout_seed": rollout_seed})
-
-
-def engine_requests(rows: list[dict], cfg, global_steps: int, rollout_seed: int) -> list:
-    """Exactly the requests the agent loop sends for `make_batch(rows, ...)` (see DiffusionAgentLoopWorker.plan)."""
-    from omniroll.engine.params import GenerationRequest, SamplingParams
-    from omniroll.sampling.seeds import derive_seed
-
-    sp = SamplingParams.model_validate(cfg.sampling_params())
-    return [GenerationRequest(request_id=f"train/s{global_steps}/{r['uid']}/{r['index']}", prompt=r["prompt"],
-                              negative_prompt=None, sampling_params=sp,
-                              seed=derive_seed(rollout_seed, global_steps, r["uid"], r["index"]))
-            for r in rows]
-
-
-def engine_steps(engine) -> tuple[int, int]:
-    s = engine.stats()
-    return int(s["steps"]), int(round(s["mean_rows_per_step"] * s["steps"]))
-
-
-def run_engine(engine, rows, cfg, step, args) -> dict:
-    reqs = engine_requests(rows, cfg, step, args.seed)
-    s0 = engine_steps(engine)
-    t0 = time.perf_counter()
-    outs = engine.generate(reqs)
-    dt = time.perf_counter() - t0
-    s1 = engine_steps(engine)
-    assert len(outs) == len(reqs) and all(o.stop_reason == "completed" for o in outs)
-    return {"seconds": dt, "forwards": s1[0] - s0[0], "rows": s1[1] - s0[1],
-            "responses": torch.stack([o.diffusion_output for o in outs]),
-            "log_probs": torch.stack([o.log_probs for o in outs])}
-
-
-def run_agent_loop(manager, replica, rows, step, args, reward_server=None) -> dict:
-    import ray
-
-    batch = make_batch(rows, step, args.seed)
-    if reward_server is not None:
-        reward_server.reset()
-    s0 = ray.get(replica.__ray_call__.remote(lambda self: engine_steps(self.engine)))
-    t_wall0 = time.time()
-    t0 = time.perf_counter()
-    out = manager.generate_sequences(batch)
-    dt = time.perf_counter() - t0
-    t_wall1 = time.time()
-    s1 = ray.get(replica.__ray_call__.remote(lambda self: engine_steps(self.engine)))
-    nt = out.non_tensor_batch
-    assert len(out) == len(rows) and list(nt["status"]) == ["ok"] * len(rows), set(nt["status"])
-    metrics = out.meta_info["metrics"]
-    finished = [m["generate_finished_at"] for m in metrics]
-    submitted = [m["generate_finished_at"] - m["client_seconds"] for m in metrics]
-    res = {"seconds": dt, "forwards": s1[0] - s0[0], "rows": s1[1] - s0[1],
-           "responses": out.batch["responses"], "log_probs": out.batch["rollout_log_probs"],
-           # head: call -> first request sent by a worker; span: first sent -> last sample back in its worker;
-           # tail: last sample back -> the driver holds the merged batch (assemble, Ray transfer, merge)
-           "head": min(submitted) - t_wall0, "span": max(finished) - min(submitted), "tail": t_wall1 - max(finished)}
-    if reward_server is not None:
-        rm = out.batch["rm_scores"]
-        assert rm.shape == (len(rows), 1) and torch.isfinite(rm).all()
-        infos = nt["reward_extra_info"]
-        last_reward = max(i["finished_at"] for i in infos)
-        res.update(reward_requests=reward_server.requests, reward_batch_sizes=list(reward_server.batch_sizes),
-                   reward_wait=reward_server.requests * args.reward_latency,
-                   reward_after_last_sample=last_reward - max(finished),
-                   first_reward_started_before_last_sample=max(finished) - min(i["started_at"] for i in infos))
-    return res
-
-
-def encode_costs(images: torch.Tensor) -> dict:
-    """ms per image to build HttpScorer request bodies from real outputs: png (the default) vs safetensors."""
-    import numpy as np
-
-    from omniroll.reward import RewardSample
-    from omniroll.reward.http import encode_png_batch, encode_safetensors_batch
-
-    samples = [RewardSample(f"s{i}", np.ascontiguousarray(im.numpy()), "a prompt") for i, im in enumerate(images)]
-    out = {}
-    for name, fn in (("png", encode_png_batch), ("safetensors", encode_safetensors_batch)):
-        t0 = time.perf_counter()
-        body = b"".join(fn(samples[i:i + 8]) for i in range(0, len(samples), 8))
-        out[name] = {"ms_per_image": 1000 * (time.perf_counter() - t0) / len(samples),
-                     "kb_per_image": len(body) / 1000 / len(samples)}
-    return out
-
-
 # --------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    import logging
-
-    for name in ("diffusers", "transformers", "httpx", "uvicorn"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with contextlib.suppress(Exception):
-        from diffusers.utils import logging as dlog
-
-        dlog.disable_progress_bar()
-    with contextlib.suppress(Exception):
-        from transformers.utils import logging as tlog
-
-        tlog.disable_progress_bar()
+    quiet_libraries(("diffusers", "transformers", "httpx", "uvicorn"))
     import ray
 
     from omniroll.agent_loop.manager import AgentLoopManager
@@ -354,8 +117,8 @@ def main(argv=None) -> int:
         startup[key] = time.perf_counter() - t0
         return r
 
-    info = machine_info(args.threads)
-    path = timed("build_model", lambda: build_model(args))
+    info = machine_info(args.threads, extra_modules=("ray",))
+    path = timed("build_model", lambda: build_model(args.cache_dir, args.preset))
     server = timed("reward_server", lambda: RewardServer(args.reward_latency))
     cfg = build_config(args, path, server.url)
     timed("ray_init", lambda: ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False,
@@ -396,7 +159,7 @@ def main(argv=None) -> int:
 
         def run_path(name: str, run: int, n_samples: int) -> dict:
             P = max(1, -(-n_samples // args.n))
-            rows = rows_for(make_prompts(P, run, tags[name]), args.n, run)[:n_samples]
+            rows = rows_for(make_prompts(P, run, tags[name], tags_per_run=3), args.n, run)[:n_samples]
             gc.collect()
             time.sleep(args.settle)
             c0, cpu0 = time.process_time(), meter.snapshot()
@@ -430,7 +193,7 @@ def main(argv=None) -> int:
         equal: list[dict] = []
         for rep in range(args.repeats):
             run = rep + 1
-            order = paths[rep % len(paths):] + paths[:rep % len(paths)]
+            order = rotated(paths, rep)
             rr = {}
             for name in order:
                 r = run_path(name, run, S)
@@ -530,9 +293,7 @@ def main(argv=None) -> int:
         print(f"end-to-end with reward / generation only = (b')/(b) = {e2e_gen:.3f}x (paired {paired_e2e:.3f}x); "
               f"(b')/(a) = {e2e_eng:.3f}x; target <= 1.05x")
 
-    with contextlib.suppress(OSError):
-        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    rnd = lambda x, d=4: None if x is None else round(x, d)  # noqa: E731
+    record_loadavg(info, "loadavg_end")
     record = {
         "benchmark": "agent_loop_overhead",
         "samples": S, "prompts": args.prompts, "n": args.n, "steps": args.steps, "guidance": args.guidance,

@@ -35,8 +35,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import random
 import statistics
 import sys
 import time
@@ -44,78 +42,27 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-
-COLORS = "red blue green yellow orange purple pink brown black white gray golden".split()
-SUBJECTS = "cat dog bird fish horse cow sheep rabbit lion tiger bear elephant fox owl robot astronaut".split()
-PLACES = ("on a table", "in a forest", "on the beach", "in the city", "under the moon", "near a river",
-          "in a garden", "on a mountain", "in a kitchen", "in the snow")
+from _common import (add_run_args, add_workload_args, build_model, machine_info, make_prompts,  # noqa: E402
+                     quiet_libraries, record_loadavg, rnd, rotated)
+from _flowgrpo_loop import flowgrpo_rollout  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------- setup
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=4, help="unique prompts P")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
-    ap.add_argument("--steps", type=int, default=10, help="denoising steps T")
-    ap.add_argument("--guidance", type=float, default=4.5)
-    ap.add_argument("--noise-level", type=float, default=0.7)
-    ap.add_argument("--window-size", type=int, default=3)
-    ap.add_argument("--window-range", type=int, nargs=2, default=(0, 5))
-    ap.add_argument("--height", type=int, default=256)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--max-sequence-length", type=int, default=64)
+    add_workload_args(ap, prompts=4, steps=10, size=256)
     ap.add_argument("--batch-size", type=int, default=4, help="flow_grpo's fixed sampling batch (images)")
     ap.add_argument("--engine-batch", type=int, default=16, help="omniroll max_batch_size (forward rows)")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4, help="transformer layers of the bench model")
-    ap.add_argument("--threads", type=int, default=2)
+    add_run_args(ap, threads=2)
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=[2, 4, 8, 16, 32])
     ap.add_argument("--sweep-repeats", type=int, default=2)
-    ap.add_argument("--cache-dir", default=".omniroll_cache")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", nargs="*", default=[], choices=["omniroll", "omniroll_noninvariant", "flowgrpo", "bound"],
                     help="contenders to leave out (quick experiments)")
     args = ap.parse_args(argv)
     if args.engine_batch < 2 or args.batch_size < 1:
         ap.error("--engine-batch must be >= 2 and --batch-size >= 1")
     return args
-
-
-def build_model(args) -> str:
-    from omniroll.models.tiny import build_tiny_sd3
-
-    overrides = {} if args.layers == 4 else {"num_layers": args.layers}
-    name = "bench-sd3" if args.layers == 4 else f"bench-sd3-L{args.layers}"
-    return build_tiny_sd3(os.path.join(args.cache_dir, name), seed=0, preset="bench", **overrides)
-
-
-def make_prompts(P: int, run: int) -> list[str]:
-    """P distinct prompts, different for every run index (so no prompt encoding is ever reused across runs)."""
-    out = []
-    for j in range(P):
-        k = run * P + j
-        out.append(f"a photo of a {COLORS[k % len(COLORS)]} {SUBJECTS[(k // len(COLORS)) % len(SUBJECTS)]} "
-                   f"{PLACES[(k // (len(COLORS) * len(SUBJECTS))) % len(PLACES)]} number {k}")
-    return out
-
-
-def machine_info(threads: int) -> dict:
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": threads,
-            "python": platform.python_version()}
-    with contextlib.suppress(Exception):
-        import diffusers
-
-        info["diffusers"] = diffusers.__version__
-    with contextlib.suppress(OSError):
-        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
-    return info
 
 
 def sampling_params(args):
@@ -148,112 +95,6 @@ def omniroll_rollout(engine, prompts: list[str], args, run: int) -> dict:
     assert all(i.dtype == torch.uint8 and tuple(i.shape) == (3, args.height, args.width) for i in imgs)
     assert all(o.log_probs.shape == (args.window_size,) and torch.isfinite(o.log_probs).all() for o in outs)
     return {"seconds": dt, "images": len(imgs)}
-
-
-# --------------------------------------------------------------------------------------------------- (b) flow_grpo
-def k_repeat_batches(prompts: list[str], n: int, batch_size: int, seed: int) -> list[list[str]]:
-    """flow_grpo's DistributedKRepeatSampler on one rank: every prompt repeated n times, shuffled, cut in batches."""
-    expanded = [p for p in prompts for _ in range(n)]
-    g = torch.Generator().manual_seed(seed)
-    expanded = [expanded[i] for i in torch.randperm(len(expanded), generator=g).tolist()]
-    return [expanded[i:i + batch_size] for i in range(0, len(expanded), batch_size)]
-
-
-@torch.no_grad()
-def flowgrpo_rollout(pipe, prompts: list[str], args, run: int) -> dict:
-    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
-    from omniroll.sampling import sde_step
-
-    device = pipe._execution_device
-    L = args.max_sequence_length
-    phases = {"encode": 0.0, "denoise": 0.0, "decode": 0.0}
-    images, n_done = [], 0
-    t_start = time.perf_counter()
-
-    # train_sd3.py: the negative prompt is encoded once, before the sampling loop.
-    t0 = time.perf_counter()
-    neg_embeds, _, neg_pooled, _ = pipe.encode_prompt(
-        prompt=[""], prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
-        do_classifier_free_guidance=False, max_sequence_length=L)
-    phases["encode"] += time.perf_counter() - t0
-    window_rng = random.Random(args.seed * 7919 + run)
-
-    for b, batch_prompts in enumerate(k_repeat_batches(prompts, args.n, args.batch_size, args.seed + run)):
-        bs = len(batch_prompts)
-        # compute_text_embeddings: the batch's prompts, one per image (duplicates encoded again), + prompt_ids.
-        t0 = time.perf_counter()
-        prompt_embeds, _, pooled_embeds, _ = pipe.encode_prompt(
-            prompt=batch_prompts, prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
-            do_classifier_free_guidance=False, max_sequence_length=L)
-        _prompt_ids = pipe.tokenizer(batch_prompts, padding="max_length", max_length=256, truncation=True,
-                                     return_tensors="pt").input_ids.to(device)
-        # pipeline_with_logprob: [uncond, cond] concatenation (CFG by batch)
-        pe = torch.cat([neg_embeds.repeat(bs, 1, 1), prompt_embeds])
-        ppe = torch.cat([neg_pooled.repeat(bs, 1), pooled_embeds])
-        phases["encode"] += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        generator = torch.Generator(device=device).manual_seed(args.seed * 1_000_003 + run * 10_007 + b)
-        latents = pipe.prepare_latents(bs, pipe.transformer.config.in_channels, args.height, args.width,
-                                       pe.dtype, device, generator)
-        sched = pipe.scheduler
-        kwargs = {}
-        if sched.config.get("use_dynamic_shifting", None):
-            f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-            kwargs["mu"] = calculate_shift((args.height // f) * (args.width // f),
-                                           sched.config.get("base_image_seq_len", 256),
-                                           sched.config.get("max_image_seq_len", 4096),
-                                           sched.config.get("base_shift", 0.5), sched.config.get("max_shift", 1.16))
-        sched.set_timesteps(args.steps, device=device, **kwargs)
-        timesteps = sched.timesteps
-        # Flow-GRPO-Fast: one SDE window per call, shared by the whole batch.
-        r0, r1 = args.window_range
-        start = window_rng.randint(r0, r1 - args.window_size)
-        window = (start, start + args.window_size)
-        all_latents, all_log_probs, all_timesteps = [], [], []
-        for i, t in enumerate(timesteps):
-            eta = args.noise_level if window[0] <= i < window[1] else 0.0
-            if i == window[0]:
-                all_latents.append(latents)
-            latent_model_input = torch.cat([latents] * 2)
-            timestep = t.expand(latent_model_input.shape[0])
-            noise_pred = pipe.transformer(hidden_states=latent_model_input, timestep=timestep,
-                                          encoder_hidden_states=pe, pooled_projections=ppe,
-                                          joint_attention_kwargs=None, return_dict=False)[0]
-            noise_pred = noise_pred.to(pe.dtype)
-            uncond, cond = noise_pred.chunk(2)
-            noise_pred = uncond + args.guidance * (cond - uncond)
-            # sde_step_with_logprob: fp32, sigmas looked up per batch element, noise drawn every step.
-            ts = t.unsqueeze(0).expand(bs)
-            step_index = [sched.index_for_timestep(tt) for tt in ts]
-            sigma = sched.sigmas[step_index]
-            sigma_next = sched.sigmas[[s + 1 for s in step_index]]
-            noise = torch.randn(latents.shape, generator=generator, device=device, dtype=torch.float32)
-            out = sde_step(latents.float(), noise_pred.float(), sigma, sigma_next, noise_level=eta, sde_type="sde",
-                           noise=noise, sigma_max=sched.sigmas[1])
-            latents = out.prev_sample.to(pe.dtype)
-            if window[0] <= i < window[1]:
-                all_latents.append(latents)
-                all_log_probs.append(out.log_prob)
-                all_timesteps.append(t)
-        traj = {"latents": torch.stack(all_latents, dim=1), "log_probs": torch.stack(all_log_probs, dim=1),
-                "timesteps": torch.stack(all_timesteps).unsqueeze(0).repeat(bs, 1)}
-        assert traj["log_probs"].shape == (bs, args.window_size) and torch.isfinite(traj["log_probs"]).all()
-        phases["denoise"] += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        z = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(z.to(pipe.vae.dtype), return_dict=False)[0]
-        image = pipe.image_processor.postprocess(image, output_type="pt")
-        image = (image * 255).round().clamp(0, 255).to(torch.uint8)
-        phases["decode"] += time.perf_counter() - t0
-        images.append(image)
-        n_done += bs
-    dt = time.perf_counter() - t_start
-    imgs = torch.cat(images)
-    assert imgs.shape == (len(prompts) * args.n, 3, args.height, args.width) and imgs.dtype == torch.uint8
-    return {"seconds": dt, "images": n_done, "phases": phases}
 
 
 # --------------------------------------------------------------------------------------------------- (c) bound
@@ -336,24 +177,14 @@ def forward_sweep(adapter, args, rows_list: list[int], repeats: int, block_rows:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    import logging
-
-    for name in ("diffusers", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_libraries(("diffusers", "transformers"))
     from diffusers import StableDiffusion3Pipeline
-    from diffusers.utils import logging as dlog
-
-    dlog.disable_progress_bar()
-    with contextlib.suppress(Exception):
-        from transformers.utils import logging as tlog
-
-        tlog.disable_progress_bar()
 
     from omniroll.engine.engine import DiffusionEngine
 
     info = machine_info(args.threads)
     t_setup = time.perf_counter()
-    path = build_model(args)
+    path = build_model(args.cache_dir, "bench", None if args.layers == 4 else args.layers)
     engines = {
         "omniroll": DiffusionEngine.from_pretrained(path, max_batch_size=args.engine_batch, batch_invariant=True),
         "omniroll_noninvariant": DiffusionEngine.from_pretrained(path, max_batch_size=args.engine_batch,
@@ -404,7 +235,7 @@ def main(argv=None) -> int:
     for rep in range(args.repeats):
         run += 1
         prompts = make_prompts(args.prompts, run)  # fresh prompts, the same for every contender of this repeat
-        order = names[rep % len(names):] + names[:rep % len(names)]
+        order = rotated(names, rep)
         for name in order:
             r = contenders[name](prompts, run)
             results[name].append(r)
@@ -460,9 +291,7 @@ def main(argv=None) -> int:
     best = min(args.sweep_rows, key=lambda r: sweep["plain"][r])
     print(f"# fastest rows/forward (plain): {best}; engine max_batch_size = {args.engine_batch}")
 
-    with contextlib.suppress(OSError):
-        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    rnd = lambda x, d=4: None if x is None else round(x, d)  # noqa: E731
+    record_loadavg(info, "loadavg_end")
     record = {
         "benchmark": "rollout_throughput",
         "images": n_img, "prompts": args.prompts, "n": args.n, "steps": args.steps, "guidance": args.guidance,

@@ -26,9 +26,9 @@ import copy
 import json
 import os
 import sys
-import time
 
 import torch
+from _common import best_of
 
 
 def build(layers: int, heads: int, head_dim: int, seed: int = 0):
@@ -47,16 +47,6 @@ def vm(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def best(fn, repeats: int) -> float:
-    """Minimum wall time over ``repeats`` runs (robust against a noisy shared machine)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> int:
@@ -92,7 +82,7 @@ def main() -> int:
                 dst_sd[k].copy_(t)
 
     plain_copy()  # warm + raise the RSS high-water mark to the steady state
-    t_copy = best(plain_copy, args.repeats)
+    t_copy = best_of(plain_copy, args.repeats)
     copy_gbs = nbytes / t_copy / 1e9
 
     results = {"model_mb": round(nbytes / 2**20, 1), "bucket_mb": args.bucket_mb, "copy_gbs": round(copy_gbs, 3)}
@@ -113,7 +103,7 @@ def main() -> int:
                               reuse_shm=transport == "shm-reuse")
         acks = sender.send(src, version=0)  # warm-up (and actor start)
         hwm0 = vm("VmHWM")
-        t = best(lambda: sender.send(src, version=1), args.repeats)
+        t = best_of(lambda: sender.send(src, version=1), args.repeats)
         hwm_delta = vm("VmHWM") - hwm0
         alive = {"inproc": 1, "ray": acks[0]["num_buckets"]}.get(transport, sender.num_shm_slots)
         acct = alive * acks[0].get("max_bucket_bytes", bucket_bytes)
@@ -127,7 +117,7 @@ def main() -> int:
         if transport == "ray":
             ray.kill(actor)
     assert leftover_shm() == [], leftover_shm()
-    t_copy2 = best(plain_copy, args.repeats)  # the box is shared: keep the best baseline seen
+    t_copy2 = best_of(plain_copy, args.repeats)  # the box is shared: keep the best baseline seen
     if t_copy2 < t_copy:
         t_copy, copy_gbs = t_copy2, nbytes / t_copy2 / 1e9
         rows[0] = ("torch copy_ (baseline)", t_copy, copy_gbs, 1.0, 0, "-")
@@ -148,8 +138,8 @@ def main() -> int:
     for transport in ("inproc", "shm"):
         rx = ModuleReceiver(build(args.layers, args.heads, args.head_dim, seed=1))
         sender = WeightSender([rx], bucket_bytes=bucket_bytes, transport=transport, reuse_shm=True)
-        t_first = best(lambda: sender.send(pm, version=0), 1)  # first install: PEFT injection
-        t = best(lambda: sender.send(pm, version=1), max(args.repeats, 5))  # steady state: in place
+        t_first = best_of(lambda: sender.send(pm, version=0), 1)  # first install: PEFT injection
+        t = best_of(lambda: sender.send(pm, version=1), max(args.repeats, 5))  # steady state: in place
         rows.append((f"LoRA r{args.lora_rank} first install [{transport}]", t_first, lora_bytes / t_first / 1e9,
                      float("nan"), lora_bytes, "-"))
         results[f"lora_{transport}_first_ms"] = round(t_first * 1e3, 2)

@@ -1,0 +1,130 @@
+"""Helpers shared by the benchmark scripts (one copy of each).
+
+The scripts run as `python benchmarks/X.py`, so this directory is on sys.path and they import it as `_common`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import platform
+import time
+
+import torch
+
+COLORS = "red blue green yellow orange purple pink brown black white gray golden".split()
+SUBJECTS = "cat dog bird fish horse cow sheep rabbit lion tiger bear elephant fox owl robot astronaut".split()
+PLACES = ("on a table", "in a forest", "on the beach", "in the city", "under the moon", "near a river",
+          "in a garden", "on a mountain", "in a kitchen", "in the snow")
+
+
+# --------------------------------------------------------------------------------------------------- prompts
+def make_prompts(P: int, run: int, tag: int = 0, tags_per_run: int = 1) -> list[str]:
+    """P distinct prompts, different for every (run, tag) with 0 <= tag < tags_per_run, so no engine ever re-encodes
+    a prompt it has seen. Prompt number k = (run * tags_per_run + tag) * P + j, j < P."""
+    out = []
+    for j in range(P):
+        k = (run * tags_per_run + tag) * P + j
+        out.append(f"a photo of a {COLORS[k % len(COLORS)]} {SUBJECTS[(k // len(COLORS)) % len(SUBJECTS)]} "
+                   f"{PLACES[(k // (len(COLORS) * len(SUBJECTS))) % len(PLACES)]} number {k}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- model
+def build_model(cache_dir: str, preset: str, layers: int | None = None) -> str:
+    """The `build_tiny_sd3` checkpoint of `preset` under `cache_dir` (built once, then reused): `<preset>-sd3`, or with
+    `layers` transformer layers instead of the preset's, `<preset>-sd3-L<layers>`."""
+    from omniroll.models.tiny import build_tiny_sd3
+
+    overrides = {} if layers is None else {"num_layers": layers}
+    name = f"{preset}-sd3" if layers is None else f"{preset}-sd3-L{layers}"
+    return build_tiny_sd3(os.path.join(cache_dir, name), seed=0, preset=preset, **overrides)
+
+
+# --------------------------------------------------------------------------------------------------- machine
+def record_loadavg(info: dict, key: str) -> None:
+    """info[key] = the 1/5/15-minute load averages (left out where the OS has none)."""
+    with contextlib.suppress(OSError):
+        info[key] = [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_info(threads: int, extra_modules: tuple[str, ...] = ("diffusers",)) -> dict:
+    """CPU model and count, library versions (torch + `extra_modules` that import), torch threads, load average."""
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": threads,
+            "python": platform.python_version()}
+    for name in extra_modules:
+        with contextlib.suppress(Exception):
+            info[name] = importlib.import_module(name).__version__
+    record_loadavg(info, "loadavg_start")
+    return info
+
+
+def quiet_libraries(loggers=("diffusers", "transformers")) -> None:
+    """Errors only from these loggers; no diffusers / transformers progress bars."""
+    for name in loggers:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with contextlib.suppress(Exception):
+        from diffusers.utils import logging as dlog
+
+        dlog.disable_progress_bar()
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+
+
+# --------------------------------------------------------------------------------------------------- timing / stats
+def best_of(fn, repeats: int) -> float:
+    """Minimum wall time of `fn()` over `repeats` runs (robust against a noisy shared machine)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def rotated(names: list, rep: int) -> list:
+    """`names` rotated left by `rep` (the run order of repeat `rep`: every contender takes every position)."""
+    k = rep % len(names)
+    return names[k:] + names[:k]
+
+
+def rnd(x, d: int = 4):
+    """round(x, d), None stays None (JSON records)."""
+    return None if x is None else round(x, d)
+
+
+# --------------------------------------------------------------------------------------------------- argparse
+def add_workload_args(ap: argparse.ArgumentParser, *, prompts: int, steps: int, size: int,
+                      prompts_help: str = "unique prompts P") -> None:
+    """The rollout workload: P prompts x n samples, T steps, CFG, SDE window, image size, text length."""
+    ap.add_argument("--prompts", type=int, default=prompts, help=prompts_help)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
+    ap.add_argument("--steps", type=int, default=steps, help="denoising steps T")
+    ap.add_argument("--guidance", type=float, default=4.5)
+    ap.add_argument("--noise-level", type=float, default=0.7)
+    ap.add_argument("--window-size", type=int, default=3)
+    ap.add_argument("--window-range", type=int, nargs=2, default=(0, 5))
+    ap.add_argument("--height", type=int, default=size)
+    ap.add_argument("--width", type=int, default=size)
+    ap.add_argument("--max-sequence-length", type=int, default=64)
+
+
+def add_run_args(ap: argparse.ArgumentParser, *, threads: int, threads_help: str | None = None,
+                 seed_help: str | None = None) -> None:
+    """Torch threads, repeats, the model cache directory and the seed."""
+    ap.add_argument("--threads", type=int, default=threads, help=threads_help)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache-dir", default=".omniroll_cache")
+    ap.add_argument("--seed", type=int, default=0, help=seed_help)
