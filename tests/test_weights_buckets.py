@@ -61,3 +61,14 @@ def test_read_only_buffer_and_errors():
         list(pack_buckets([("z", torch.zeros(2, dtype=torch.complex64))], 64))
     with pytest.raises(ValueError):
         list(pack_buckets([], 0))
+
+
+def test_by_reference_buckets_share_the_senders_tensors():
+    named = _mixed()
+    ref = list(pack_buckets(iter(named), bucket_bytes=1024, by_reference=True))
+    copied = list(pack_buckets(iter(named), bucket_bytes=1024))
+    assert [b.entries for b in ref] == [b.entries for b in copied]  # the same layout and manifest checks apply
+    out = [kv for b in ref for kv in unpack_bucket(b)]
+    assert all(b.buffer.nbytes == 0 for b in ref)  # no staging memory
+    for (n, src), (m, dst) in zip(named, out):
+        assert n == m and dst.data_ptr() == src.data_ptr() and torch.equal(dst, src)

@@ -79,11 +79,16 @@ class BucketEntry(NamedTuple):
 
 @dataclass
 class Bucket:
-    """A flat uint8 buffer and the tensors laid out in it."""
+    """A flat uint8 buffer and the tensors laid out in it.
+
+    An in-process bucket may instead carry `tensors`: references to the sender's own tensors (one per entry, the
+    buffer left empty), so a receiver in the same process copies each byte once, straight into its parameters.
+    """
 
     buffer: np.ndarray
     entries: list[BucketEntry]
     index: int = 0
+    tensors: list[torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -188,6 +193,7 @@ def pack_buckets(
     bucket_bytes: int,
     *,
     alloc: Callable[[int], np.ndarray] | None = None,
+    by_reference: bool = False,
 ) -> Iterator[Bucket]:
     """Stream ``(name, tensor)`` pairs into buckets of at most ``bucket_bytes`` bytes.
 
@@ -195,6 +201,8 @@ def pack_buckets(
     ``alloc(nbytes)`` provides each bucket's buffer (default: a fresh ``np.empty`` of exactly
     the bytes used); the buffer is filled and yielded before the next tensor is looked at,
     and the pending tensors are only references (no copy until the bucket is written).
+    ``by_reference=True`` (same-process receivers only) yields buckets that reference the
+    tensors instead of copying them into a buffer.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -204,6 +212,8 @@ def pack_buckets(
     index = 0
 
     def flush() -> Bucket:
+        if by_reference:
+            return Bucket(np.empty(0, dtype=np.uint8), [e for e, _ in pending], index, [t.detach() for _, t in pending])
         buf = alloc(pending[-1][0].offset + pending[-1][0].nbytes)
         for entry, t in pending:
             write_tensor(buf, entry.offset, t)
@@ -223,5 +233,7 @@ def pack_buckets(
 
 
 def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """Zero-copy ``(name, tensor)`` views over ``bucket.buffer``."""
+    """Zero-copy ``(name, tensor)`` views over ``bucket.buffer`` (or the referenced tensors)."""
+    if bucket.tensors is not None:
+        return [(e.name, t) for e, t in zip(bucket.entries, bucket.tensors)]
     return [(e.name, _view(bucket.buffer, e)) for e in bucket.entries]

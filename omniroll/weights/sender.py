@@ -6,7 +6,6 @@ import concurrent.futures as cf
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -123,19 +122,13 @@ class WeightSender:
     def _send_inproc(self, named, kw) -> list[dict]:
         if any(_is_ray_target(t) for t in self.targets):
             raise WeightSyncError("inproc transport cannot reach Ray actors; use transport='ray' or 'shm'")
+        # Same process: buckets reference the sender's tensors, so every byte is copied once, straight into the
+        # receiver's parameters, and no staging memory is needed.
         if len(self.targets) == 1:
-            # a single in-process target consumes the stream lazily: one buffer, reused across
-            # buckets and sends (it is valid until the receiver asks for the next bucket)
-            buckets = pack_buckets(named, self.bucket_bytes, alloc=self._staging)
+            buckets = pack_buckets(named, self.bucket_bytes, by_reference=True)  # consumed lazily
             return [self._call(self.targets[0], buckets=buckets, use_shm=False, **kw)]
-        buckets: list[Bucket] = list(pack_buckets(named, self.bucket_bytes))
+        buckets: list[Bucket] = list(pack_buckets(named, self.bucket_bytes, by_reference=True))
         return [self._call(t, buckets=buckets, use_shm=False, **kw) for t in self.targets]
-
-    def _staging(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self, "_stage", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._stage = np.empty(max(nbytes, self.bucket_bytes), dtype=np.uint8)
-        return buf[:nbytes]
 
     def _send_ray(self, named, kw) -> list[dict]:
         import ray
