@@ -14,8 +14,8 @@ import torch
 
 # --------------------------------------------------------------------------------------------------- reward server
 class RewardServer:
-    """FastAPI + uvicorn on 127.0.0.1 in a daemon thread. POST /score: parse the JSON body (HttpScorer's png
-    encoding), `await asyncio.sleep(latency)`, answer one deterministic score per image. Counts requests."""
+    """FastAPI + uvicorn on 127.0.0.1 in a daemon thread. POST /score: parse the body (HttpScorer's png JSON or
+    safetensors encoding), `await asyncio.sleep(latency)`, answer one deterministic score per image. Counts requests."""
 
     def __init__(self, latency: float):
         import uvicorn
@@ -27,12 +27,19 @@ class RewardServer:
         app = FastAPI()
 
         async def score(request):  # a plain Starlette route: the raw request, no FastAPI body validation
-            body = json.loads(await request.body())
-            images = body["images"]
+            raw = await request.body()
+            if request.headers.get("content-type", "").startswith("application/octet-stream"):
+                from omniroll.reward.http import decode_safetensors_batch
+
+                images = list(decode_safetensors_batch(raw)[0])  # HttpScorer's safetensors encoding
+                scores = [float(im[0, 0, 0]) / 255.0 for im in images]
+            else:
+                images = json.loads(raw)["images"]  # HttpScorer's png encoding
+                scores = [(len(b64) % 1000) / 1000.0 for b64 in images]
             self.requests += 1
             self.batch_sizes.append(len(images))
             await asyncio.sleep(self.latency)
-            return JSONResponse({"scores": [(len(b64) % 1000) / 1000.0 for b64 in images]})
+            return JSONResponse({"scores": scores})
 
         app.add_route("/score", score, methods=["POST"])
 

@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-samples", type=int, default=16, help="samples of each path's warm-up run")
     ap.add_argument("--settle", type=float, default=0.5, help="idle seconds before every timed run (untimed)")
     ap.add_argument("--skip-reward", action="store_true", help="leave out (b')")
+    ap.add_argument("--reward-encoding", default="png", choices=["png", "safetensors"],
+                    help="HttpScorer request body (png: JSON with base64 PNG, the default; safetensors: raw uint8)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.n < 1 or args.repeats < 1 or args.threads < 1:
         ap.error("--prompts, --n, --repeats and --threads must be >= 1")
@@ -91,7 +93,8 @@ def build_config(args, model_path: str, reward_url: str):
                  "sde_window_range": list(args.window_range)},
         "agent": {"num_workers": args.agent_workers},
         "reward": {"num_workers": args.reward_workers,
-                   "functions": {"http": {"fn": "http", "kwargs": {"url": reward_url}}}},
+                   "functions": {"http": {"fn": "http", "kwargs": {"url": reward_url,
+                                                                      "encoding": args.reward_encoding}}}},
         "n": args.n, "seed": args.seed, "calculate_log_probs": True,
     })
 
@@ -301,6 +304,7 @@ def main(argv=None) -> int:
         "width": args.width, "preset": args.preset, "engine_batch_rows": args.engine_batch,
         "replicas": 1, "replica_num_cpus": args.threads, "agent_workers": args.agent_workers,
         "reward_workers": args.reward_workers if not args.skip_reward else 0, "reward_latency_s": args.reward_latency,
+        "reward_encoding": args.reward_encoding,
         "repeats": args.repeats,
         "overhead_no_reward": rnd(overhead), "overhead_no_reward_paired": rnd(paired_overhead),
         "e2e_with_reward_over_generation": rnd(e2e_gen), "e2e_with_reward_over_generation_paired": rnd(paired_e2e),
