@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 
 import pytest
 from pydantic import ValidationError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from omniroll.reward import RewardConfig, RewardManager, RewardSample  # noqa: E402
-from tests.reward_fns import make_image  # noqa: E402
+from omniroll.reward import RewardConfig, RewardManager, RewardSample
+from tests.reward_fns import make_image
 
 FNS = "tests.reward_fns"
 

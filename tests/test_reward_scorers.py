@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
-import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from omniroll.reward import (  # noqa: E402
+from omniroll.reward import (
     SCORER_REGISTRY,
     RewardResult,
     RewardSample,
@@ -25,7 +20,7 @@ from omniroll.reward import (  # noqa: E402
     load_function,
     register_scorer,
 )
-from tests.reward_fns import make_image  # noqa: E402
+from tests.reward_fns import make_image
 
 
 def _noise(seed: int, h: int = 32, w: int = 24) -> np.ndarray:

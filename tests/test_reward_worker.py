@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from omniroll.reward import (  # noqa: E402
+from omniroll.reward import (
     RewardLoopWorker,
     RewardSample,
     RewardWorkerPool,
     create_reward_workers,
 )
-from tests.reward_fns import make_image  # noqa: E402
+from tests.reward_fns import make_image
 
 FNS = "tests.reward_fns"
 RECORD = {"rec": {"fn": f"{FNS}:record_batch"}}
