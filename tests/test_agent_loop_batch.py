@@ -68,3 +68,18 @@ def test_registry_and_prompt_text():
         prompt_text([{"role": "system", "content": "x"}])
     with pytest.raises(ValueError, match="raw_prompt must be"):
         prompt_text(3)
+
+
+def test_pickles_tensors_as_numpy_bit_exact():
+    import pickle
+
+    t = {"responses": torch.randint(0, 255, (3, 3, 4, 4), dtype=torch.uint8), "lp": torch.randn(3, 2),
+         "emb": torch.randn(3, 5, 2).bfloat16(), "mask": torch.ones(3, 5, dtype=torch.int64)}
+    db = DataBatch.from_dict(t, {"uid": ["a", "b", "c"], "info": [{"x": 1}, {}, {"y": [2]}]}, {"global_steps": 7})
+    reduced = db.__reduce__()
+    assert all(not isinstance(a, torch.Tensor) for a in reduced[1][0].values())  # tensors leave as numpy
+    back = pickle.loads(pickle.dumps(db))
+    assert len(back) == 3 and back.meta_info == {"global_steps": 7}
+    assert list(back.non_tensor_batch["uid"]) == ["a", "b", "c"] and back.non_tensor_batch["info"][2] == {"y": [2]}
+    for k, v in t.items():
+        assert back.batch[k].dtype == v.dtype and torch.equal(back.batch[k], v), k

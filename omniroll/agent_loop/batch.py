@@ -75,6 +75,16 @@ class DataBatch:
             if len(v) != b:
                 raise ValueError(f"non_tensor_batch[{k!r}] has length {len(v)}, expected the batch size {b}")
 
+    def __reduce__(self):
+        """Pickled (e.g. between Ray actors) with its tensors as numpy arrays, which Ray moves far more cheaply than
+        pickled torch tensors; bf16 travels as its bits and comes back bit-exact."""
+        from omniroll.rollout.transfer import tensor_to_numpy
+
+        if not all(isinstance(v, torch.Tensor) for v in self.batch.values()):  # nested TensorDicts: plain pickling
+            return (DataBatch, (self.batch, self.non_tensor_batch, self.meta_info, len(self)))
+        arrays = {k: tensor_to_numpy(v) for k, v in self.batch.items()}
+        return (_rebuild, (arrays, self.non_tensor_batch, self.meta_info, len(self)))
+
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
         return int(self.batch.batch_size[0])
@@ -207,3 +217,10 @@ def _equal(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return a is b
+
+
+def _rebuild(arrays: dict, non_tensor_batch: dict, meta_info: dict, batch_size: int) -> DataBatch:
+    from omniroll.rollout.transfer import numpy_to_tensor
+
+    td = TensorDict({k: numpy_to_tensor(a) for k, a in arrays.items()}, batch_size=[batch_size])
+    return DataBatch(td, non_tensor_batch, meta_info, batch_size=batch_size)
