@@ -83,3 +83,14 @@ def test_pickles_tensors_as_numpy_bit_exact():
     assert list(back.non_tensor_batch["uid"]) == ["a", "b", "c"] and back.non_tensor_batch["info"][2] == {"y": [2]}
     for k, v in t.items():
         assert back.batch[k].dtype == v.dtype and torch.equal(back.batch[k], v), k
+
+
+def test_manager_chunks_cut_only_at_group_boundaries():
+    from omniroll.agent_loop.manager import group_chunk_sizes
+
+    uids = ["a"] * 4 + ["b"] * 4 + ["c"] * 4  # 12 rows, 3 groups
+    assert group_chunk_sizes(uids, 2) == [4, 8]  # the nearer cut to 6 rows; ties go to the earlier cut
+    assert group_chunk_sizes(uids, 3) == [4, 4, 4]
+    assert sum(group_chunk_sizes(uids, 5)) == 12
+    assert group_chunk_sizes(["a", "a", "b", "c", "c"], 2) == [2, 3]  # uneven, never splitting a group
+    assert group_chunk_sizes(["a"] * 5, 2) == [5, 0]  # one group stays whole

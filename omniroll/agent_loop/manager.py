@@ -1,7 +1,7 @@
 """`AgentLoopManager`: splits a batch over `agent.num_workers` DiffusionAgentLoopWorker Ray actors and reassembles it.
 
 Before splitting it fixes each row's `_group_index` (its position within its uid group over the WHOLE batch), so seeds
-do not depend on the chunking. Chunks may be uneven (5 rows over 2 workers = 3 + 2); results are concatenated in the
+do not depend on the chunking. Chunks are cut at group boundaries and may be uneven; results are concatenated in the
 original row order, prompt embeddings re-padded to one length across chunks, and failures of all chunks reported in
 ONE `AgentLoopError` with global row numbers.
 """
@@ -67,7 +67,7 @@ class AgentLoopManager:
     async def generate_sequences_async(self, batch: DataBatch) -> DataBatch:
         t0 = time.perf_counter()
         batch = self.prepare(batch)
-        chunks = batch.chunk(len(self.workers))
+        chunks = batch.split(group_chunk_sizes(list(batch.non_tensor_batch["uid"]), len(self.workers)))
         offsets = np.cumsum([0] + [len(c) for c in chunks])
         jobs = [(w, c, int(off)) for w, c, off in zip(self.workers, chunks, offsets) if len(c)]
         refs = [w.generate_sequences.remote(c) for w, c, _ in jobs]
@@ -95,6 +95,20 @@ class AgentLoopManager:
             except Exception:
                 pass
         self.workers = []
+
+
+def group_chunk_sizes(uids: list[str], chunks: int) -> list[int]:
+    """Sizes of `chunks` consecutive pieces, near-equal but cut only where the uid changes, so a prompt group stays on
+    one agent-loop worker (whose client then keeps the whole group on one replica, where its encoding is cached)."""
+    n = len(uids)
+    cuts = [i for i in range(1, n) if uids[i] != uids[i - 1]]
+    bounds = [0]
+    for k in range(1, chunks):
+        target = k * n / chunks
+        best = min(cuts, key=lambda c: (abs(c - target), c)) if cuts else n
+        bounds.append(max(best, bounds[-1]))
+    bounds.append(n)
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def merge(parts: list[DataBatch]) -> DataBatch:
