@@ -280,12 +280,12 @@ class DiffusionEngine(EngineLifecycleMixin):
             for s in list(self._inbox):
                 if s.request_id == request_id:
                     self._inbox.remove(s)
-                    s.on_done(aborted_output(s, self.weight_version), None)
+                    self._settle_aborted([s])
                     return True
         state = self.scheduler.remove(request_id)
         if state is None:
             return False
-        state.on_done(aborted_output(state, self.weight_version), None)
+        self._settle_aborted([state])
         return True
 
     def _abort_all_now(self) -> list[str]:
@@ -293,6 +293,10 @@ class DiffusionEngine(EngineLifecycleMixin):
             states = list(self._inbox)
             self._inbox.clear()
         states += self.scheduler.drain_all()
+        return self._settle_aborted(states)
+
+    def _settle_aborted(self, states: list[RequestState]) -> list[str]:
+        """Complete these (already removed) requests with stop_reason="aborted"; returns their ids."""
         for s in states:
             s.on_done(aborted_output(s, self.weight_version), None)
         return [s.request_id for s in states]

@@ -57,13 +57,9 @@ class EngineLifecycleMixin:
             self._resume()
 
     def _abort_running_now(self) -> list[str]:
-        from omniroll.engine.outputs import aborted_output
-
         states = list(self.scheduler.running)
-        self.scheduler.running.clear()
-        for s in states:
-            s.on_done(aborted_output(s, self.weight_version), None)
-        return [s.request_id for s in states]
+        self.scheduler.finish(states)
+        return self._settle_aborted(states)
 
     # ------------------------------------------------------------------ weight updates
     def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,

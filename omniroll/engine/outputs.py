@@ -30,8 +30,6 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> Diffusi
         all_latents = torch.stack(state.rec_latents)
     else:
         all_latents = torch.empty((0,) + tuple(state.latents.shape))
-    sigmas = state.sigmas[steps] if len(steps) else torch.empty(0)
-    sigmas_next = state.sigmas[steps + 1] if len(steps) else torch.empty(0)
     log_probs = torch.stack(state.rec_log_probs) if state.rec_log_probs else torch.empty(0)
     if p.output_type == "latent":
         primary = state.latents
@@ -40,14 +38,14 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> Diffusi
     extra = {
         "request_id": state.request_id,
         "all_latents": all_latents,
-        "all_timesteps": state.timesteps[steps] if len(steps) else torch.empty(0),
-        "sigmas": sigmas,
-        "sigmas_next": sigmas_next,
+        "all_timesteps": state.timesteps[steps],  # an empty index gives an empty tensor
+        "sigmas": state.sigmas[steps],
+        "sigmas_next": state.sigmas[steps + 1],
         "step_indices": steps,
         "sde_window": tuple(state.window),
         "noise_level": float(p.noise_level) if p.stochastic else 0.0,
         "sde_type": p.sde_type if p.stochastic else "ode",
-        "sigma_max": float(state.sigmas[min(1, len(state.sigmas) - 1)]),
+        "sigma_max": float(state.sigma_max),
         "guidance_scale": float(p.guidance_scale),
         "seed": int(state.request.seed),
         "weight_version": int(state.weight_version or 0),

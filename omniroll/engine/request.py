@@ -58,6 +58,11 @@ class RequestState:
         return self.window[0] <= self.step_index < self.window[1]
 
     @property
+    def sigma_max(self) -> torch.Tensor:
+        """The schedule's second sigma: what the `sde` step uses in place of sigma == 1."""
+        return self.sigmas[min(1, len(self.sigmas) - 1)]
+
+    @property
     def batch_key(self) -> tuple:
         return self.params.batch_key()
 

@@ -46,7 +46,7 @@ class ModelRunner:
 
         sigma = torch.stack([s.sigmas[s.step_index] for s in states])
         sigma_next = torch.stack([s.sigmas[s.step_index + 1] for s in states])
-        sigma_max = torch.stack([s.sigmas[min(1, len(s.sigmas) - 1)] for s in states])
+        sigma_max = torch.stack([s.sigma_max for s in states])
         per_row = [s.step_params() for s in states]
         noise = torch.stack([n if n is not None else torch.zeros_like(s.latents) for (_, _, n), s in zip(per_row, states)])
         out = sde_step(
