@@ -185,3 +185,22 @@ def test_nan_pixels_raise():
     with pytest.raises(FloatingPointError):
         quantize_pixels(torch.tensor([0.0, float("nan")]))
     assert quantize_pixels(torch.tensor([-3.0, -1.0, -0.5, 0.0, 1.0, 2.0])).tolist() == [0, 0, 64, 128, 255, 255]
+
+
+def test_abort_all_stops_running_and_waiting_requests(tiny_sd3_path):
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=4)  # 2 CFG requests run, 2 wait
+
+    async def run():
+        tasks = [asyncio.create_task(engine.generate_async(req(f"aa{i}", seed=i, num_inference_steps=40)))
+                 for i in range(4)]
+        while engine.stats()["running"] < 2:
+            await asyncio.sleep(0.005)
+        ids = await asyncio.to_thread(engine.abort_all)
+        return ids, await asyncio.gather(*tasks)
+
+    ids, outs = asyncio.run(run())
+    assert sorted(ids) == [f"aa{i}" for i in range(4)]
+    assert all(o.stop_reason == "aborted" for o in outs)
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+    assert engine.generate([req("after", seed=1)])[0].stop_reason == "completed"
+    engine.shutdown()
