@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from omniroll.engine.params import SamplingParams
+from omniroll.reward.manager import RewardConfig as RewardWorkerConfig
 from omniroll.reward.manager import RewardFunctionConfig
 
 
@@ -99,14 +100,14 @@ class AgentConfig(_Strict):
     )
 
 
-class RewardConfig(_Strict):
-    """`functions` entries are `omniroll.reward.RewardFunctionConfig` ({fn, weight, required, kwargs, max_retries,
-    timeout_s, per_sample, ...}); an empty mapping means no streaming reward."""
+class RewardConfig(RewardWorkerConfig):
+    """The reward workers' own config (`omniroll.reward.RewardConfig`: `functions` of `RewardFunctionConfig`,
+    micro-batching knobs) plus how many workers to start; an empty `functions` means no streaming reward."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     num_workers: int = Field(1, ge=0, le=1024)
     functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict)
-    max_batch_size: int = Field(16, ge=1, le=4096, description="reward worker micro-batch size")
-    max_wait_ms: float = Field(5.0, ge=0.0, le=10_000.0, description="reward worker micro-batch wait")
 
     def worker_config(self) -> dict:
         """What `omniroll.reward.create_reward_workers` takes."""
