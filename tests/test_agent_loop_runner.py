@@ -4,7 +4,7 @@ import asyncio
 import json
 import os
 
-import torch
+from safetensors.torch import load_file
 
 from omniroll.agent_loop.runner import run_rollout
 from omniroll.config import load_config
@@ -25,7 +25,7 @@ def test_run_rollout_writes_outputs(ray_cluster, tiny_sd3_path, tmp_path):
     assert len(os.listdir(tmp_path / "images")) == 4
     lines = [json.loads(x) for x in (tmp_path / "rewards.jsonl").read_text().splitlines()]
     assert [x["status"] for x in lines] == ["ok"] * 4 and all(isinstance(x["score"], float) for x in lines)
-    traj = torch.load(tmp_path / "trajectories.pt")
+    traj = load_file(str(tmp_path / "trajectories.safetensors"))
     assert traj["all_latents"].shape[:2] == (4, 2)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert len(metrics["metrics"]) == 4 and metrics["max_weight_version"] == 0

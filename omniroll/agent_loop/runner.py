@@ -1,6 +1,6 @@
 """`run_rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager), for `omniroll rollout`.
 
-Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`, `trajectories.pt` (every tensor of the batch),
+Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`, `trajectories.safetensors` (every tensor of the batch, as `omniroll generate` writes it),
 `rewards.jsonl` (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json`
 (per-sample metrics, timing summary, weight versions).
 """
@@ -88,7 +88,10 @@ def write_outputs(out: DataBatch, out_dir: str) -> None:
                 continue
             name = f"{i:04d}_{_safe(nt['uid'][i])}_{nt['_group_index'][i]}.png"
             Image.fromarray(img.permute(1, 2, 0).numpy()).save(os.path.join(out_dir, "images", name))
-    torch.save({k: v for k, v in out.batch.items()}, os.path.join(out_dir, "trajectories.pt"))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in out.batch.items()}, os.path.join(out_dir, "trajectories.safetensors"),
+              metadata={"uid": json.dumps([str(u) for u in nt["uid"]])})
     infos = nt.get("reward_extra_info", [None] * len(out))
     scores = out.batch["rm_scores"][:, 0].tolist() if "rm_scores" in out.batch.keys() else [None] * len(out)
     with open(os.path.join(out_dir, "rewards.jsonl"), "w") as f:
