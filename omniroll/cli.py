@@ -1,4 +1,4 @@
-"""Command line: `omniroll generate`, `omniroll demo`, `omniroll rollout`."""
+"""Command line: `omniroll generate`, `omniroll demo`, `omniroll rollout`, `omniroll train`."""
 
 from __future__ import annotations
 
@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--out", default="out/rollout")
     roll.add_argument("--override", action="append", help="dotted config override, e.g. reward.num_workers=2")
     roll.add_argument("--quiet", action="store_true")
+
+    train = sub.add_parser("train", help="Flow-GRPO training on local Ray (rollout replicas, streaming rewards)")
+    train.add_argument("--config", required=True, help="YAML with a trainer section (see examples/train.yaml)")
+    train.add_argument("--out", required=True, help="metrics.jsonl, reward_curve.png, grids, checkpoints")
+    train.add_argument("--steps", type=int, default=None, help="train until this step (default: trainer.steps)")
+    train.add_argument("--resume", default=None, help="a run directory or a checkpoint directory")
+    train.add_argument("--override", action="append", help="dotted config override, e.g. trainer.lr=0.001")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -157,6 +165,10 @@ def main(argv=None) -> int:
             print(json.dumps({k: metrics[k] for k in ("num_images", "seconds", "images_per_second")}))
         elif args.command == "rollout":
             print(json.dumps(run_rollout(args)))
+        elif args.command == "train":
+            from omniroll.train.cli import run_train
+
+            return run_train(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"omniroll: error: {e}", file=sys.stderr)
         return 2

@@ -266,7 +266,7 @@ class DiffusionEngine(EngineLifecycleMixin):
         outputs = []
         for s in states:
             try:
-                out = build_output(s, pixels.get(id(s)))
+                out = build_output(s, pixels.get(id(s)), self.runner.execution_info())
             except Exception as e:  # e.g. NaN pixels: this request fails loudly, the others go on
                 s.on_done(None, e)
                 continue

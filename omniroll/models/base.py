@@ -51,7 +51,9 @@ class DiffusionAdapter(ABC):
 
     @abstractmethod
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Velocity v for latents [B, ...] at per-row timesteps [B] (sigma * 1000), fp32 out."""
+        """Velocity v for latents [B, ...] at per-row timesteps [B] (sigma * 1000), fp32 out. Differentiable: the
+        engine calls it under `torch.no_grad`; the trainer's recompute (`omniroll.train.recompute_log_probs`) with
+        autograd on, through the very same code."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

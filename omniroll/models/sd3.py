@@ -140,7 +140,6 @@ class SD3Adapter(DiffusionAdapter):
         ]
 
     # ------------------------------------------------------------------ denoiser / decoder
-    @torch.no_grad()
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         if latents.dim() != 4 or latents.shape[1] != self.transformer.config.in_channels:
             raise ValueError(
