@@ -18,8 +18,11 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# The generation demo, then a short Flow-GRPO training (examples/train.yaml; ~2-4 min on 2 cores, Ray start included):
+# one line per step; out/train/ gets metrics.jsonl, reward_curve.png, val_before.png / val_after.png, checkpoints/.
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
+	$(VENV)/bin/omniroll train --config examples/train.yaml --out out/train
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -34,7 +34,7 @@ def lora_weights(ckpt):
     return load_file(os.path.join(ckpt, "adapter_model.safetensors"))
 
 
-def test_lora_training_is_exact_every_step_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path):
+def test_lora_training_is_exact_every_step_ctrl_c_checkpoints_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path):
     from omniroll.train import FlowGRPOTrainer, WeightVersionError
 
     cfg = train_config(tiny_sd3_path, checkpoint_every=2, window_schedule="random")
@@ -56,11 +56,35 @@ def test_lora_training_is_exact_every_step_and_resumes_bitwise(ray_cluster, tiny
     for f in ("reward_curve.png", "val_before.png", "val_after.png"):
         assert os.path.getsize(os.path.join(straight, f)) > 0
 
+    # the CLI: Ctrl-C during the run writes the last completed step's checkpoint and exits 130; --resume continues it
+    # to the same weights, bitwise, as the straight run
+    import signal
+    import threading
+    import time
+
+    import yaml
+
+    from omniroll.cli import main
+
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     resumed = str(tmp_path / "resumed")
-    with FlowGRPOTrainer(cfg, resumed, resume=straight + "/checkpoints/step_000002", log=lambda s: None) as tr:
-        assert tr.step_done == 2 and tr.version == 2
-        hist2 = tr.train()
-    assert [m["step"] for m in hist2] == [3, 4] and [m["ratio_max_abs_dev"] for m in hist2] == [0.0, 0.0]
+
+    def interrupt_after_first_step():
+        metrics = os.path.join(resumed, "metrics.jsonl")
+        deadline = time.time() + 300
+        while time.time() < deadline and not (os.path.exists(metrics) and open(metrics).read().count("\n") >= 1):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_after_first_step, daemon=True).start()
+    assert main(["train", "--config", str(cfg_file), "--out", resumed, "--steps", "4", "--quiet"]) == 130
+    with open(os.path.join(resumed, "checkpoints", "latest")) as f:
+        stopped_at = int(f.read().strip().removeprefix("step_"))
+    assert 1 <= stopped_at < 4
+    assert main(["train", "--config", str(cfg_file), "--out", resumed, "--resume", resumed, "--quiet"]) == 0
+    hist2 = [json.loads(x) for x in open(os.path.join(resumed, "metrics.jsonl"))]
+    assert [m["step"] for m in hist2] == [1, 2, 3, 4] and all(m["ratio_max_abs_dev"] == 0.0 for m in hist2)
     a = lora_weights(os.path.join(straight, "checkpoints", "step_000004"))
     b = lora_weights(os.path.join(resumed, "checkpoints", "step_000004"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -70,31 +94,40 @@ def test_lora_training_is_exact_every_step_and_resumes_bitwise(ray_cluster, tiny
                for i in s_a["optimizer"]["state"])
 
 
-#: checked locally (2026-11-22, shared 2-core VM): seed 0, 1 and 2 all pass; margins (rise / 3 SE) recorded in the
-#: final report. CI runs seed 0 only (each run costs ~15-40 s); OMNIROLL_LEARNING_SEEDS=0,1,2 runs all three.
+#: Checked locally (shared 2-core VM, 2026-11-22) with seeds 0, 1 and 2: all pass (t-values in the final report of
+#: issue 12). CI runs seed 0 only (a run costs ~20-60 s); OMNIROLL_LEARNING_SEEDS=0,1,2 runs all three.
 LEARNING_SEEDS = [int(s) for s in os.environ.get("OMNIROLL_LEARNING_SEEDS", "0").split(",")]
+LEARNING_STEPS = 20
+
+
+def rise_t_value(rewards):
+    """Least-squares slope of reward vs step divided by its standard error (from the residual step-to-step noise)."""
+    y = torch.tensor(rewards, dtype=torch.float64)
+    x = torch.arange(len(y), dtype=torch.float64)
+    xc = x - x.mean()
+    slope = (xc * (y - y.mean())).sum() / (xc * xc).sum()
+    resid = y - y.mean() - slope * xc
+    se = ((resid * resid).sum() / (len(y) - 2) / (xc * xc).sum()).sqrt()
+    return float(slope / se)
 
 
 @pytest.mark.parametrize("seed", LEARNING_SEEDS)
 def test_full_finetuning_learns_exactly_with_kl_epochs_and_accumulation(ray_cluster, tiny_sd3_path, tmp_path, seed):
-    """The prompt_colour reward rises: the mean of the last 4 steps exceeds the first 4 by more than 3 standard errors
-    of that difference (measured from the steps' own spread); every step's ratio is exact."""
+    """The prompt_colour reward rises: the slope of the per-step mean reward exceeds 3 standard errors of the slope,
+    measured from the run's own step-to-step noise; every step's ratio is exact."""
     from omniroll.train import FlowGRPOTrainer
 
     cfg = train_config(tiny_sd3_path, mode="full", kl_beta=0.001, num_inner_epochs=2, micro_batch_size=8,
-                       micro_batches_per_update=2, steps=14, lr=0.003, seed=seed, prompts_per_step=4,
+                       micro_batches_per_update=2, steps=LEARNING_STEPS, lr=0.006, seed=seed, prompts_per_step=4,
                        prompts=["a blue car", "a green car", "a blue bird", "a green bird"])
     cfg = load_config(cfg, overrides=[f"seed={seed}", "n=6"])
     with FlowGRPOTrainer(cfg, str(tmp_path / "full"), log=lambda s: None) as tr:
         hist = tr.train()
-    assert [m["ratio_max_abs_dev"] for m in hist] == [0.0] * 14
-    assert [m["optimizer_steps"] for m in hist] == [4] * 14  # 24 samples / 8 per micro-batch -> 2 updates x 2 epochs
+    assert [m["ratio_max_abs_dev"] for m in hist] == [0.0] * LEARNING_STEPS
+    assert [m["optimizer_steps"] for m in hist] == [4] * LEARNING_STEPS  # 24 samples / 8 per micro-batch: 2 x 2 epochs
     assert all(m["kl"] > 0 for m in hist[1:]) and all(m["approx_kl"] > 0 for m in hist)
-    first = torch.tensor([m["reward_mean"] for m in hist[:4]])
-    last = torch.tensor([m["reward_mean"] for m in hist[-4:]])
-    se = (first.var() / 4 + last.var() / 4).sqrt()
-    rise = last.mean() - first.mean()
-    assert rise > 3 * se, (float(rise), float(se), [round(m["reward_mean"], 4) for m in hist])
+    rewards = [m["reward_mean"] for m in hist]
+    assert rise_t_value(rewards) > 3.0, [round(r, 4) for r in rewards]
 
 
 def test_lora_checkpoint_loads_with_peft_onto_the_diffusers_transformer(ray_cluster, tiny_sd3_path, tmp_path):
@@ -136,3 +169,35 @@ def test_group_advantages_and_ppo_clip_loss():
     assert torch.allclose(t.loss.detach(), want) and t.clipped.tolist() == [False, True, True]
     with pytest.raises(ValueError, match="NaN"):
         group_advantages(torch.tensor([1.0, float("nan")]), ["a", "a"])
+
+
+def test_bad_trainer_config_fails_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from omniroll.cli import main
+    from omniroll.train import trainer
+
+    monkeypatch.setattr(trainer.FlowGRPOTrainer, "start", lambda self: pytest.fail("started despite a bad config"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("reward: {functions: {c: {fn: prompt_colour}}}\nn: 4\ntrainer: {prompts: [a red car], "
+                   "prompts_per_step: 1, lr: -1}\n")
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "trainer.lr" in capsys.readouterr().err
+    bad.write_text("n: 4\ntrainer: {prompts: [a red car], prompts_per_step: 1}\n")
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "reward.functions" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_prompt_colour_reward():
+    import numpy as np
+
+    from omniroll.reward import RewardSample
+    from omniroll.reward.colour import prompt_colour
+
+    red = np.zeros((3, 4, 4), dtype=np.uint8)
+    red[0] = 255
+    grey = np.full((3, 4, 4), 128, dtype=np.uint8)
+    s = lambda img, p: RewardSample(sample_id="x", image=img, prompt=p)  # noqa: E731
+    assert prompt_colour([s(red, "a red car"), s(red, "a blue car"), s(grey, "a Blue car")]) == \
+        pytest.approx([1.0, -0.5, 0.0])
+    with pytest.raises(ValueError, match="names no colour"):
+        prompt_colour([s(red, "a car")])

@@ -61,3 +61,30 @@ def test_recompute_refuses_a_dtype_mismatch_and_rows_without_execution(engine_an
     del outs[0].extra_fields["execution"]
     with pytest.raises(ValueError, match="execution"):
         TrajectoryBatch.from_outputs(outs)
+
+
+def test_gradient_checkpointing_in_the_mode_keeps_values_and_gradients_bitwise(engine_and_policy, tiny_sd3_path):
+    from omniroll.train import enable_gradient_checkpointing
+
+    engine, policy = engine_and_policy
+    sp = SamplingParams(height=32, width=32, num_inference_steps=4, max_sequence_length=8, sde_window_size=2)
+    traj = TrajectoryBatch.from_outputs(engine.generate(
+        [GenerationRequest(request_id=f"g{i}", prompt="a blue car", seed=i, sampling_params=sp) for i in range(3)]))
+    lora = [p for n, p in policy.denoiser.named_parameters() if "lora_" in n]
+
+    def run():
+        out = recompute_log_probs(policy, traj, 1)
+        out.log_prob.sum().backward()
+        grads = [p.grad.clone() for p in lora]
+        for p in lora:
+            p.grad = None
+        return out.log_prob.detach(), grads
+
+    plain, plain_grads = run()
+    enable_gradient_checkpointing(policy.denoiser, traj.execution)
+    try:
+        ckpt, ckpt_grads = run()
+    finally:
+        policy.denoiser.disable_gradient_checkpointing()
+    assert torch.equal(plain, traj.log_probs[:, 1]) and torch.equal(ckpt, plain)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, ckpt_grads))

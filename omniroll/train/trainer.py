@@ -72,6 +72,10 @@ class FlowGRPOTrainer:
 
         cfg = self.config
         os.makedirs(self.out_dir, exist_ok=True)
+        if not self.resume_from:  # a fresh run starts fresh logs (a resumed one appends to them)
+            for name in ("metrics.jsonl", "validation.jsonl"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.out_dir, name))
         model = resolve_model(cfg.engine.model)
         self.policy = Policy(model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha, self.tc.lora.target_modules,
                              dtype=cfg.engine.dtype, seed=self.tc.seed)
@@ -210,18 +214,18 @@ class FlowGRPOTrainer:
             t2 = time.perf_counter()
             self._sync(step)
             self.step_done = step
-        t3 = time.perf_counter()
-        m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-             "tied_groups": adv.tied_groups, "num_groups": adv.num_groups, "num_samples": len(traj),
-             "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
-             "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
-             "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps, "weight_version": versions[0],
-             "synced_version": self.version, "rollout_s": max(last_gen - wall0, 0.0),
-             "reward_wait_s": max(wall_back - last_gen, 0.0), "train_s": t2 - t1, "sync_s": t3 - t2,
-             "step_s": t3 - t0}
-        self.history.append(m)
-        artifacts.append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), m)
-        self.log(artifacts.format_step(m, self.tc.steps))
+            t3 = time.perf_counter()
+            m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+                 "tied_groups": adv.tied_groups, "num_groups": adv.num_groups, "num_samples": len(traj),
+                 "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
+                 "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
+                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
+                 "weight_version": versions[0], "synced_version": self.version,
+                 "rollout_s": max(last_gen - wall0, 0.0), "reward_wait_s": max(wall_back - last_gen, 0.0),
+                 "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0}
+            self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
+            artifacts.append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), m)
+            self.log(artifacts.format_step(m, self.tc.steps))
         return m
 
     def _rollout(self, step: int) -> DataBatch:
