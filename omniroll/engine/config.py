@@ -14,7 +14,9 @@ class EngineConfig:
     max_batch_size: forward rows per denoising step; a CFG request takes two rows. On CPU a forward does not get
         cheaper per row with batching, so the default is the fastest measured size, not the largest.
     batch_invariant: run linear layers in fixed row blocks so a request's output is bitwise independent of what
-        else shares its batch (see `omniroll.engine.invariant`).
+        else shares its batch (see `omniroll.engine.invariant`). None (default): on for CPU, where it is measured
+        and tested, off for other devices, where it is not verified (cuBLAS / cuDNN pick kernels by shape, so
+        padding rows does not pin one kernel; see README "Device state and batch invariance").
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
     decode_batch_size: finished samples decoded per VAE call.
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
@@ -26,7 +28,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     max_batch_size: int = 16
-    batch_invariant: bool = True
+    batch_invariant: bool | None = None
     invariant_block_rows: int = 64
     prompt_cache_size: int = 1024
     decode_batch_size: int = 8
@@ -34,6 +36,8 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self):
+        if self.batch_invariant is None:
+            self.batch_invariant = torch.device(self.device).type == "cpu"
         if self.max_batch_size < 2:
             raise ValueError(f"max_batch_size must be >= 2 (one CFG request takes two rows), got {self.max_batch_size}")
         if self.invariant_block_rows < 1:

@@ -156,16 +156,23 @@ class DiffusionEngine(EngineLifecycleMixin):
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
         p = request.sampling_params
-        m = self.adapter.spatial_multiple
+        adapter = self.adapter
+        m = adapter.spatial_multiple
         for name, value in (("height", p.height), ("width", p.width)):
             if value % m:
                 raise ValueError(f"sampling_params.{name} must be a multiple of {m}, got {value}")
-        if p.max_sequence_length > self.adapter.max_sequence_length_limit:
+        if p.max_sequence_length > adapter.max_sequence_length_limit:
             raise ValueError(f"sampling_params.max_sequence_length must be <= "
-                             f"{self.adapter.max_sequence_length_limit}, got {p.max_sequence_length}")
-        latent_shape = self.adapter.latent_shape(p.height, p.width)
-        sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width)
-        return RequestState(request, sigmas, latent_shape, on_done)
+                             f"{adapter.max_sequence_length_limit}, got {p.max_sequence_length}")
+        adapter.check_num_frames(p.num_frames)
+        adapter.check_guidance(p.guidance_scale, p.true_cfg_scale)
+        latent_shape = adapter.latent_shape(p.height, p.width, p.num_frames)
+        sigmas = adapter.sigmas(p.num_inference_steps, p.height, p.width, p.num_frames)
+        state = RequestState(request, sigmas, latent_shape, on_done, device=self.runner.device,
+                             cfg_scale=adapter.cfg_scale(p.guidance_scale, p.true_cfg_scale))
+        if adapter.num_experts > 1:
+            state.experts = [adapter.expert_index(float(t)) for t in state.timesteps]
+        return state
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -250,7 +257,7 @@ class DiffusionEngine(EngineLifecycleMixin):
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
         for length, group in by_len.items():
             conds = self.prompt_cache.get_many([s.request.prompt for s in group], length)
-            cfg = [s for s in group if s.params.do_cfg]
+            cfg = [s for s in group if s.cfg_scale is not None]
             negs = self.prompt_cache.get_many([s.request.negative_prompt or "" for s in cfg], length)
             for s, c in zip(group, conds):
                 s.cond = c
