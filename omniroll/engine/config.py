@@ -18,6 +18,10 @@ class EngineConfig:
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
     decode_batch_size: finished samples decoded per VAE call.
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
+    max_prompt_chars: the longest prompt (and negative prompt) accepted, in characters; longer ones are refused at
+        submission, naming the request, before any encoding. Default 8192: T5 reads at most 512 tokens (a few
+        thousand characters of English); text past that is truncated anyway, and tokenizing megabytes on the engine
+        thread would stall every other request.
     num_threads: torch intra-op threads for this process (None leaves torch's setting). CPU kernels (oneDNN
         convolutions in particular) can pick other algorithms at another thread count, so engines that must give
         bitwise-identical samples (replicas of one rollout) must run with the same num_threads.
@@ -32,6 +36,7 @@ class EngineConfig:
     decode_batch_size: int = 8
     asleep_policy: str = "error"
     num_threads: int | None = None
+    max_prompt_chars: int = 8192
 
     def __post_init__(self):
         if self.max_batch_size < 2:
@@ -44,5 +49,7 @@ class EngineConfig:
             raise ValueError(f"decode_batch_size must be >= 1, got {self.decode_batch_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.asleep_policy not in ("error", "wait"):
             raise ValueError(f"asleep_policy must be 'error' or 'wait', got {self.asleep_policy!r}")
