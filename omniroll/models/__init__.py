@@ -46,7 +46,23 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
     return model
 
 
+def prompt_ids_length(model: str) -> int | None:
+    """The number of prompt token ids `model` ("tiny" or a checkpoint directory) reports per prompt, from its files
+    (nothing is loaded or built); None when unknown. `prompt_length` must be at least this."""
+    if model == "tiny":
+        from omniroll.models.tiny import CLIP_MAX_LENGTH
+
+        return CLIP_MAX_LENGTH
+    try:
+        with open(os.path.join(model, "model_index.json")) as f:
+            adapter = ADAPTERS.get(json.load(f).get("_class_name"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return adapter.prompt_ids_length(model) if adapter is not None else None
+
+
 __all__ = [
+    "prompt_ids_length",
     "resolve_model",
     "ADAPTERS",
     "Conditioning",
