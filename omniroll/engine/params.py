@@ -17,6 +17,12 @@ class SamplingParams(BaseModel):
     are plain ODE (Euler) steps and record nothing. `sde_window_size=None` means every step but the last
     (Flow-GRPO's default: the last step's Gaussian is too sharp). With a size, `start` is drawn uniformly from
     `[lo, hi - size]` using the request's own generator, where `(lo, hi) = sde_window_range or (0, T - 1)`.
+
+    `latent_seed` (flow_grpo's `same_latent`): when set, the initial noise and the SDE window are drawn from this
+    seed instead of the request's; the noise inside the window still comes from the request's own seed. Give every
+    sample of a group the same `latent_seed`: their steps before the window are then one deterministic ODE
+    trajectory, which the engine computes once per group and forks at the window's start (every output stays
+    bitwise identical to running the sample alone).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -32,6 +38,7 @@ class SamplingParams(BaseModel):
     sde_window_range: Optional[tuple[int, int]] = None
     logprobs: bool = True
     output_type: Literal["pixel", "latent", "both"] = "pixel"
+    latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 
     @field_validator("sde_window_range")
     @classmethod
