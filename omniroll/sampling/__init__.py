@@ -2,13 +2,14 @@
 
 from omniroll.sampling.schedule import flow_match_sigmas, shift_sigmas, time_shift_mu
 from omniroll.sampling.sde import SDEStepOutput, sde_step
-from omniroll.sampling.seeds import derive_seed, make_generator
+from omniroll.sampling.seeds import derive_group_seed, derive_seed, make_generator
 from omniroll.sampling.window import draw_sde_window
 
 __all__ = [
     "SDEStepOutput",
     "sde_step",
     "derive_seed",
+    "derive_group_seed",
     "make_generator",
     "draw_sde_window",
     "flow_match_sigmas",
