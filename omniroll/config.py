@@ -63,7 +63,7 @@ class PipelineConfig(_Strict):
 
 class AlgoConfig(_Strict):
     noise_level: float = Field(0.7, ge=0.0, le=10.0)
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
     sde_window_size: Optional[int] = Field(None, ge=1)
     sde_window_range: Optional[tuple[int, int]] = None
     same_latent: bool = Field(False, description="training samples of a prompt group share their initial noise and "
@@ -80,7 +80,7 @@ class _PartialPipeline(_Strict):
 
 class _PartialAlgo(_Strict):
     noise_level: float = Field(0.0, ge=0.0, le=10.0)
-    sde_type: Optional[Literal["sde", "cps", "ode"]] = None
+    sde_type: Optional[Literal["sde", "cps", "dance_sde", "ode"]] = None
     sde_window_size: Optional[int] = Field(None, ge=1)
     sde_window_range: Optional[tuple[int, int]] = None
 

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SDE_TYPES = ("sde", "cps", "ode")
+SDE_TYPES = ("sde", "cps", "dance_sde", "ode")
 OUTPUT_TYPES = ("pixel", "latent", "both")
 
 
@@ -33,7 +33,7 @@ class SamplingParams(BaseModel):
     guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale; <= 1 disables CFG")
     max_sequence_length: int = Field(128, ge=1, le=512, description="T5 tokens")
     noise_level: float = Field(0.7, ge=0.0, le=10.0, description="eta; 0 gives the ODE")
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
     sde_window_size: Optional[int] = Field(None, ge=1, le=1000)
     sde_window_range: Optional[tuple[int, int]] = None
     logprobs: bool = True
