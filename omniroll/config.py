@@ -68,9 +68,11 @@ class PipelineSection(_Strict):
 
 class AlgoSection(_Strict):
     noise_level: float = Field(0.7, ge=0.0, le=10.0)
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
     sde_window_size: Optional[int] = Field(None, ge=1)
     sde_window_range: Optional[tuple[int, int]] = None
+    same_latent: bool = Field(False, description="training samples of a prompt group share their initial noise and "
+                                                 "SDE window (flow_grpo's same_latent); their ODE prefix runs once")
 
 
 class _PartialPipeline(_Strict):
@@ -83,7 +85,7 @@ class _PartialPipeline(_Strict):
 
 class _PartialAlgo(_Strict):
     noise_level: float = Field(0.0, ge=0.0, le=10.0)
-    sde_type: Optional[Literal["sde", "cps", "ode"]] = None
+    sde_type: Optional[Literal["sde", "cps", "dance_sde", "ode"]] = None
     sde_window_size: Optional[int] = Field(None, ge=1)
     sde_window_range: Optional[tuple[int, int]] = None
 
@@ -151,7 +153,8 @@ class OmniRollConfig(_Strict):
 
     def sampling_params(self, validate: bool = False) -> dict:
         """The per-request sampling dict (SamplingParams fields)."""
-        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(), "logprobs": self.calculate_log_probs}
+        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(exclude={"same_latent"}),
+              "logprobs": self.calculate_log_probs}
         if validate:
             sp.update({k: v for k, v in self.val_kwargs.pipeline.model_dump().items() if v is not None})
             algo = self.val_kwargs.algo.model_dump()

@@ -9,7 +9,8 @@ hash of the prompt), `data_source`, `agent_name`, `reward_model` ({"ground_truth
 Seeds: `derive_seed(rollout_seed, global_steps, uid, index)` where index is the row's position within its group (the
 manager's `_group_index`, else the order of appearance of the uid in this batch), so a sample's seed never depends on
 how the batch was chunked. Validation: `derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step),
-ODE (noise_level 0) and no log-probs.
+ODE (noise_level 0) and no log-probs. With `algo.same_latent` a training row also gets
+`latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the group shares its initial noise and window.
 
 Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
 disappears: by default the worker raises ONE `AgentLoopError` listing every failed row; with `agent.on_failure: mark`
@@ -32,7 +33,7 @@ from omniroll.agent_loop.single_turn import prompt_text
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.engine.params import SamplingParams
 from omniroll.errors import format_validation_error
-from omniroll.sampling.seeds import derive_seed
+from omniroll.sampling.seeds import derive_group_seed, derive_seed
 
 
 class AgentLoopError(RuntimeError):
@@ -160,6 +161,8 @@ class DiffusionAgentLoopWorker:
             fields = {k: v[r] for k, v in nt.items()}
             fields.update(uid=uids[r], _group_index=idx[r], seed=derive_seed(base, step_for_seed, uids[r], idx[r]),
                           request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
+            if self.config.algo.same_latent and not validate:
+                fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
             rows.append(fields)
         return rows
 
@@ -194,6 +197,8 @@ class DiffusionAgentLoopWorker:
         res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
         try:
             sp = dict(base_sp)
+            if fields.get("latent_seed") is not None:
+                sp["latent_seed"] = fields["latent_seed"]
             override = fields.get("sampling_params")
             if override is not None:
                 if not isinstance(override, dict):

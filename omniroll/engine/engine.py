@@ -39,7 +39,7 @@ class DiffusionEngine(EngineLifecycleMixin):
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.runner = ModelRunner(adapter, self.config)
-        self.scheduler = Scheduler(self.config.max_batch_size)
+        self.scheduler = Scheduler(self.config.max_batch_size, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.weight_version = 0
         self.served = 0
@@ -109,6 +109,7 @@ class DiffusionEngine(EngineLifecycleMixin):
             "lora": self._lora_manager.active_lora if self._lora_manager is not None else None,
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
+            "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
             "prompt_cache": {"size": len(self.prompt_cache), "hits": self.prompt_cache.hits,
                              "misses": self.prompt_cache.misses},
         }

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omniroll.sampling.window import sde_window_bounds
 
-SDE_TYPES = ("sde", "cps", "ode")
+SDE_TYPES = ("sde", "cps", "dance_sde", "ode")
 OUTPUT_TYPES = ("pixel", "latent", "both")
 
 
@@ -19,6 +19,12 @@ class SamplingParams(BaseModel):
     are plain ODE (Euler) steps and record nothing. `sde_window_size=None` means every step but the last
     (Flow-GRPO's default: the last step's Gaussian is too sharp). With a size, `start` is drawn uniformly from
     `[lo, hi - size]` using the request's own generator, where `(lo, hi) = sde_window_range or (0, T - 1)`.
+
+    `latent_seed` (flow_grpo's `same_latent`): when set, the initial noise and the SDE window are drawn from this
+    seed instead of the request's; the noise inside the window still comes from the request's own seed. Give every
+    sample of a group the same `latent_seed`: their steps before the window are then one deterministic ODE
+    trajectory, which the engine computes once per group and forks at the window's start (every output stays
+    bitwise identical to running the sample alone).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -29,11 +35,12 @@ class SamplingParams(BaseModel):
     guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale; <= 1 disables CFG")
     max_sequence_length: int = Field(128, ge=1, le=512, description="T5 tokens")
     noise_level: float = Field(0.7, ge=0.0, le=10.0, description="eta; 0 gives the ODE")
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
     sde_window_size: Optional[int] = Field(None, ge=1, le=1000)
     sde_window_range: Optional[tuple[int, int]] = None
     logprobs: bool = True
     output_type: Literal["pixel", "latent", "both"] = "pixel"
+    latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 
     @model_validator(mode="after")
     def _check_window(self):
