@@ -14,6 +14,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from omniroll.engine.params import SamplingParams
+from omniroll.errors import format_validation_error
 
 #: output-shaping quantity -> (the sampling field a user changes, why it matters)
 _STACKED = {
@@ -25,10 +26,6 @@ _STACKED = {
     "logprobs": ("logprobs", "rollout_log_probs is one tensor for the batch"),
     "output_type": ("output_type", "responses are pixels or latents for the whole batch"),
 }
-
-
-def validation_errors(e: ValidationError, prefix: str) -> str:
-    return "; ".join(f"{prefix}{'.'.join(map(str, err['loc'])) or '<all>'}: {err['msg']}" for err in e.errors())
 
 
 def base_sampling(config: Any, meta: dict, validate: bool) -> dict:
@@ -44,7 +41,8 @@ def base_sampling(config: Any, meta: dict, validate: bool) -> dict:
     try:
         SamplingParams.model_validate(sp)
     except ValidationError as e:
-        raise ValueError("bad sampling params: " + validation_errors(e, "meta_info.sampling_params.")) from None
+        raise ValueError("bad sampling params: " + format_validation_error(
+            e, "meta_info.sampling_params", with_input=False, empty_loc="meta_info.sampling_params")) from None
     return sp
 
 

@@ -9,7 +9,8 @@ hash of the prompt), `data_source`, `agent_name`, `reward_model` ({"ground_truth
 Seeds: `derive_seed(rollout_seed, global_steps, uid, index)` where index is the row's position within its group (the
 manager's `_group_index`, else the order of appearance of the uid in this batch), so a sample's seed never depends on
 how the batch was chunked. Validation: `derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step),
-ODE (noise_level 0) and no log-probs.
+ODE (noise_level 0) and no log-probs. With `algo.same_latent` a training row also gets
+`latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the group shares its initial noise and window.
 
 Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
 disappears: by default the worker raises ONE `AgentLoopError` listing every failed row and carrying the rows that
@@ -33,7 +34,7 @@ from omniroll.agent_loop.registry import get_agent_loop_class
 from omniroll.agent_loop.rows import base_sampling, row_sampling, rows_that_cannot_share
 from omniroll.agent_loop.single_turn import prompt_text
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.sampling.seeds import derive_seed
+from omniroll.sampling.seeds import derive_group_seed, derive_seed
 
 
 class AgentLoopError(RuntimeError):
@@ -79,21 +80,27 @@ def default_uid(raw_prompt: Any) -> str:
     return "prompt-" + hashlib.sha256(repr(raw_prompt).encode("utf-8")).hexdigest()[:16]
 
 
+def row_uids(non_tensor_batch: dict, n: int) -> list[str]:
+    """Each row's prompt group: `uid` as a string, or `default_uid(raw_prompt)` where missing. The one place that
+    requires `raw_prompt` and defaults `uid` (the manager and every worker call it)."""
+    if "raw_prompt" not in non_tensor_batch:
+        raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(non_tensor_batch)})")
+    return [str(u) if u is not None else default_uid(p)
+            for u, p in zip(non_tensor_batch.get("uid", [None] * n), non_tensor_batch["raw_prompt"])]
+
+
 def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
     """Per-row fields for the agent loop (uid, group index, seed, request_id, ...). Batch-level input errors raise
     ValueError naming the field."""
     nt, meta = batch.non_tensor_batch, batch.meta_info
     n = len(batch)
-    if "raw_prompt" not in nt:
-        raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(nt)})")
+    uids = row_uids(nt, n)
     validate = bool(meta.get("validate", False))
     steps = meta.get("global_steps")
     if steps is None:
         if not validate:
             raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
         steps = 0
-    uids = [str(u) if u is not None else default_uid(p)
-            for u, p in zip(nt.get("uid", [None] * n), nt["raw_prompt"])]
     if "_group_index" in nt:
         idx = [int(i) for i in nt["_group_index"]]
     else:
@@ -114,6 +121,8 @@ def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
         fields = {k: v[r] for k, v in nt.items()}
         fields.update(uid=uids[r], _group_index=idx[r], seed=derive_seed(base, step_for_seed, uids[r], idx[r]),
                       request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
+        if config.algo.same_latent and not validate:
+            fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
         rows.append(fields)
     return rows
 
@@ -205,7 +214,8 @@ class DiffusionAgentLoopWorker:
     async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool) -> RowResult:
         res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
         try:
-            sp = row_sampling(base_sp, fields.get("sampling_params"), validate)
+            base = base_sp if fields.get("latent_seed") is None else {**base_sp, "latent_seed": fields["latent_seed"]}
+            sp = row_sampling(base, fields.get("sampling_params"), validate)
             loop = self._agent_loop(fields.get("agent_name") or self.config.agent.default_agent_loop)
             row_kwargs = {k: v for k, v in fields.items() if k != "sampling_params"}
             out = await loop.run(sp, **row_kwargs)

@@ -18,6 +18,8 @@ class EngineConfig:
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
     decode_batch_size: finished samples decoded per VAE call.
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
+    prefix_sharing: run the common ODE prefix of samples that share `latent_seed` (and prompt, shape, schedule,
+        guidance) once per group and fork it at the SDE window's start (see `omniroll.engine.prefix`).
     max_prompt_chars: the longest prompt (and negative prompt) accepted, in characters; longer ones are refused at
         submission, naming the request, before any encoding. Default 8192: T5 reads at most 512 tokens (a few
         thousand characters of English); text past that is truncated anyway, and tokenizing megabytes on the engine
@@ -36,6 +38,7 @@ class EngineConfig:
     decode_batch_size: int = 8
     asleep_policy: str = "error"
     num_threads: int | None = None
+    prefix_sharing: bool = True
     max_prompt_chars: int = 8192
 
     def __post_init__(self):

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from omniroll.engine.errors import RequestError
 from omniroll.engine.params import GenerationRequest
+from omniroll.errors import format_validation_error
 from omniroll.rollout.transfer import output_to_wire
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -136,7 +137,7 @@ def _torch_threads() -> int:
 
 
 def _describe(e: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<request>'}: {err['msg']}" for err in e.errors())
+    return format_validation_error(e, with_input=False, empty_loc="<request>")
 
 
 def create_replicas(
