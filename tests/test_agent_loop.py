@@ -240,6 +240,16 @@ def test_prompt_length_is_checked_at_config_load(tiny_sd3_path):
     assert cfg_for(tiny_sd3_path, prompt_length=77).prompt_length == 77
 
 
+def test_prompt_ids_longer_than_prompt_length_fail_their_row_not_the_batch(cfg, replicas):
+    """For a model the config load cannot look into (model_copy skips validation here), the row fails alone after
+    generation, naming prompt_length, instead of the whole batch failing at stacking."""
+    short = cfg.model_copy(update={"prompt_length": 64})
+    with pytest.raises(AgentLoopError, match=r"77 token ids .*more than prompt_length=64") as ei:
+        asyncio.run(DiffusionAgentLoopWorker(short, RolloutClient(replicas[:1])).generate_sequences(
+            make_batch([("p0", "a red cat")])))
+    assert [f["row"] for f in ei.value.failed_rows] == [0] and ei.value.batch is None
+
+
 def test_agent_loop_error_carries_the_rows_that_succeeded(cfg, replicas, baseline, ray_cluster):
     """Raise mode over two workers: one row fails; the error still carries the five good rows, assembled and merged
     across chunks, identical to the batch without the bad row. A row that cannot share the batch is refused before
