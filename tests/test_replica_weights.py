@@ -31,8 +31,13 @@ def weights(base, seed):
     return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
 
 
-def reference(local, sd, rid, seed, version):
-    WeightSender([local]).send(sd, version=version)
+def load(local, sd):
+    """Give the in-process reference engine these weights (its own versions only go up)."""
+    WeightSender([local]).send(sd, version=local.weight_version + 1)
+
+
+def reference(local, sd, rid, seed):
+    load(local, sd)
     return local.generate([GenerationRequest(request_id=rid, prompt="a red car", seed=seed,
                                              sampling_params=SamplingParams(**SP))])[0]
 
@@ -49,7 +54,7 @@ def test_full_sync_to_every_replica(setup, transport, version):
     acks = WeightSender(handles, bucket_bytes=128 << 10, transport=transport).send(sd, version=version)
     assert sorted(a["replica_rank"] for a in acks) == [0, 1]
     assert all(a["version"] == version and a["mode"] == "full" and a["num_buckets"] > 1 for a in acks)
-    ref = reference(local, sd, "f", 3, version)
+    ref = reference(local, sd, "f", 3)
     for h in handles:
         out = gen(h, "f", 3)
         assert out.weight_version == version
@@ -96,7 +101,7 @@ def test_update_under_load_client_reruns_aborted_with_same_seed(setup):
     by_version = {20: base, 21: new}
     assert {o.weight_version for o in outs} <= {20, 21}
     for i, o in enumerate(outs):
-        WeightSender([local]).send(by_version[o.weight_version], version=o.weight_version)
+        load(local, by_version[o.weight_version])
         ref = local.generate([GenerationRequest(request_id=f"u{i}", prompt="a red car", seed=50 + i,
                                                 sampling_params=SamplingParams(**{**SP, "num_inference_steps": 8}))])[0]
         assert torch.equal(o.diffusion_output, ref.diffusion_output), i
