@@ -3,8 +3,9 @@
 Two ways to land the bytes (``stage``):
 
 * staged (the default): every received tensor is copied into a staging tensor (same device and
-  dtype as its parameter); the module is written only by :meth:`FullWeightLoader.commit`, after
-  the last bucket arrived and every check passed. A stream that fails midway leaves the module
+  dtype as its parameter); the module changes only in :meth:`FullWeightLoader.commit`, after the
+  last bucket arrived and every check passed, which swaps each parameter's storage for its staged
+  one (no second copy). A stream that fails midway leaves the module
   untouched. Memory: one extra copy of every tensor in the update (for a full update, the size of
   the module) from the first bucket until the commit, plus the transport's bucket(s).
 * in place (``stage=False``): each bucket is copied straight into ``param.data`` once the whole
@@ -184,10 +185,11 @@ class FullWeightLoader:
                 "max_bucket_bytes": self.max_bucket_bytes}
 
     def commit(self) -> None:
-        """Write the staged tensors into the module (cannot fail: names, shapes and values were checked)."""
+        """Swap the staged tensors in (cannot fail: names, shapes and values were checked). Each parameter keeps its
+        identity and takes the staged storage (no second copy); the old storage is freed."""
         with torch.no_grad():
             for name, value in self._staged.items():
-                self._targets[name].data.copy_(value)
+                self._targets[name].data = value
         self._staged = {}
         self._plan = None
 
