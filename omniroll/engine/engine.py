@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from omniroll.engine.config import EngineConfig
-from omniroll.engine.errors import EngineError, EngineShutdownError
+from omniroll.engine.errors import EngineError, EngineShutdownError, RequestError
 from omniroll.engine.lifecycle import SLEEP_LEVELS, Lifecycle
 from omniroll.engine.output import DiffusionOutput
-from omniroll.engine.outputs import aborted_output, build_output
+from omniroll.engine.packaging import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.prompt_cache import PromptCache
 from omniroll.engine.request import RequestState
@@ -71,7 +71,7 @@ class DiffusionEngine:
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.runner = ModelRunner(adapter, self.config)
-        self.scheduler = Scheduler(self.config.max_batch_size)
+        self.scheduler = Scheduler(self.config.max_batch_size, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update)
         self.served = 0
@@ -81,6 +81,8 @@ class DiffusionEngine:
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque[RequestState] = deque()
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._live_ids: set[str] = set()  # request ids queued or running (unique; `abort(id)` names one request)
+        self._ids_lock = threading.Lock()  # taken inside `_lock` or alone, never the other way round
         self._thread: Optional[threading.Thread] = None
         self._closed: Optional[str] = None  # why every call is refused: "shut down" or "shut down (its loop died: ..)"
         self.admission_paused = False
@@ -154,6 +156,7 @@ class DiffusionEngine:
             "shut_down": self._closed is not None,
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
+            "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
             "prompt_cache": {"size": len(self.prompt_cache), "hits": self.prompt_cache.hits,
                              "misses": self.prompt_cache.misses},
         }
@@ -331,34 +334,59 @@ class DiffusionEngine:
     # ------------------------------------------------------------------ submission (caller threads)
     def _submit_futures(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
         """Validate every request (errors raise here, in the caller's thread, before any is queued), then queue them
-        all at once, so the first step already sees the whole batch."""
+        all at once, so the first step already sees the whole batch. A request id already queued or running (or
+        twice in `requests`) is refused with `RequestError`: ids name requests for `abort`, so they must be unique."""
         self._check_open("generate")
         futures, states = [], []
         for request in requests:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            states.append(self._make_state(request, _resolver(future)))
+            state = self._make_state(request, None)
+            state.on_done = self._resolver(future, state.request_id)
+            states.append(state)
             futures.append(future)
         error = self.lifecycle.admission_error(self.config.asleep_policy)
         if error is not None:
             raise error
         with self._lock:
             self._check_open("generate")
+            with self._ids_lock:
+                ids = [s.request_id for s in states]
+                seen: set[str] = set()
+                for rid in ids:
+                    if rid in self._live_ids or rid in seen:
+                        raise RequestError(rid, "request_id is already in flight in this engine; request ids must "
+                                                "be unique among queued and running requests")
+                    seen.add(rid)
+                self._live_ids.update(ids)
             self._ensure_thread()
             self._inbox.extend(states)
             self._wakeup.notify()
         return futures
 
+    def _resolver(self, future: concurrent.futures.Future, request_id: str):
+        """The RequestState callback that frees the request id, then settles `future` exactly once."""
+
+        def on_done(output, error):
+            with self._ids_lock:
+                self._live_ids.discard(request_id)
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(output)
+
+        return on_done
+
     def _make_state(self, request: GenerationRequest, on_done) -> RequestState:
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
-        p = request.sampling_params
-        m = self.adapter.spatial_multiple
-        for name, value in (("height", p.height), ("width", p.width)):
-            if value % m:
-                raise ValueError(f"sampling_params.{name} must be a multiple of {m}, got {value}")
-        if p.max_sequence_length > self.adapter.max_sequence_length_limit:
-            raise ValueError(f"sampling_params.max_sequence_length must be <= "
-                             f"{self.adapter.max_sequence_length_limit}, got {p.max_sequence_length}")
+        p, rid = request.sampling_params, request.request_id
+        try:
+            self.adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
+        except ValueError as e:
+            raise RequestError(rid, str(e)) from None
+        limit = self.config.max_prompt_chars
+        for name, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
+            if isinstance(text, str) and len(text) > limit:
+                raise RequestError(rid, f"{name} has {len(text)} characters, more than max_prompt_chars={limit} "
+                                        f"(EngineConfig.max_prompt_chars)")
         latent_shape = self.adapter.latent_shape(p.height, p.width)
         sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width)
         return RequestState(request, sigmas, latent_shape, on_done)
@@ -431,10 +459,12 @@ class DiffusionEngine:
         """Admit, run one denoising step for one batch, finish what completed. Returns finished outputs."""
         if not self.admission_paused:
             admitted = self.scheduler.admit()
+            for s in admitted:
+                s.weight_version = self.weight_version  # admission fixes the weights a sample is made with
             if admitted:
                 try:
                     self._encode(admitted)
-                except Exception as e:  # noqa: BLE001 - fails the requests being admitted, not the running ones
+                except Exception as e:  # noqa: BLE001 - a bug: fails the requests being admitted, not the running
                     self._fail(admitted, e)
         batch = self.scheduler.schedule()
         if not batch:
@@ -453,18 +483,27 @@ class DiffusionEngine:
         return self._finish(finished)
 
     def _encode(self, states: list[RequestState]) -> None:
+        """Attach prompt encodings. Each prompt is encoded in its own guard (`PromptCache.get_many`): a request whose
+        prompt fails to encode fails alone, naming its id, the field and the reason; the others go on."""
         by_len: dict[int, list[RequestState]] = {}
         for s in states:
-            s.weight_version = self.weight_version
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
+        failed: dict[int, tuple[RequestState, BaseException]] = {}
         for length, group in by_len.items():
             conds = self.prompt_cache.get_many([s.request.prompt for s in group], length)
             cfg = [s for s in group if s.params.do_cfg]
             negs = self.prompt_cache.get_many([s.request.negative_prompt or "" for s in cfg], length)
-            for s, c in zip(group, conds):
-                s.cond = c
-            for s, c in zip(cfg, negs):
-                s.uncond = c
+            for field, members, encodings in (("prompt", group, conds), ("negative_prompt", cfg, negs)):
+                for s, c in zip(members, encodings):
+                    if isinstance(c, Exception):
+                        failed.setdefault(id(s), (s, _encode_error(s.request_id, field, c)))
+                    elif field == "prompt":
+                        s.cond = c
+                    else:
+                        s.uncond = c
+        for s, error in failed.values():
+            self.scheduler.finish([s])
+            s.on_done(None, error)
 
     def _finish(self, states: list[RequestState]) -> list[DiffusionOutput]:
         need_pixels = [s for s in states if s.params.output_type in ("pixel", "both")]
@@ -511,11 +550,10 @@ class DiffusionEngine:
         return [s.request_id for s in states]
 
 
-def _resolver(future: concurrent.futures.Future):
-    """The RequestState callback that settles `future` exactly once."""
-
-    def on_done(output, error):
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(output)
-
-    return on_done
+def _encode_error(request_id: str, field: str, error: Exception) -> Exception:
+    """A tokenizer's refusal (ValueError / TypeError / UnicodeError) is the request's fault: `RequestError`, never
+    retried. Anything else (out of memory, a broken encoder) is the engine's: `EngineError`."""
+    reason = f"{field} could not be encoded: {type(error).__name__}: {error}"
+    if isinstance(error, (ValueError, TypeError, UnicodeError)):
+        return RequestError(request_id, reason)
+    return EngineError(f"request {request_id!r} failed: {reason}")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits
+
 
 @dataclass
 class Conditioning:
@@ -69,6 +71,12 @@ class DiffusionAdapter(ABC):
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every torch module the adapter holds (for sleep / wake and device moves)."""
 
+    @classmethod
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """How many prompt token ids this family reports per prompt (the main tokenizer's padded length), read from
+        the checkpoint's files without loading any model; None when it is not fixed or not known."""
+        return None
+
     @property
     def denoiser(self) -> torch.nn.Module:
         return self.modules()[self.trainable_module_name]
@@ -79,5 +87,16 @@ class DiffusionAdapter(ABC):
         return 16
 
     @property
+    def max_resolution(self):
+        """Largest height / width (None: unbounded)."""
+        return None
+
+    @property
     def max_sequence_length_limit(self) -> int:
-        return 512
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What a request may ask of this model; `ModelLimits.check` is the one check of resolution and text length
+        (`omniroll.models.read_limits` gives the same object from the checkpoint's config files alone)."""
+        return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit)
