@@ -24,7 +24,9 @@ DoneCallback = Callable[[Optional[object], Optional[BaseException]], None]
 class RequestState:
     """One sample in flight. Everything random comes from its own generator (on the engine's device), in a fixed
     order: initial latent, window start, then one noise draw per SDE step, so the sample never depends on its batch
-    mates. `cfg_scale` (None: no unconditional row) and `experts` (the denoiser of each step) come from the adapter."""
+    mates. With `latent_seed` the initial latent and the window start come from a generator of that seed instead
+    (shared by a group), the window's noise still from the request's own. `cfg_scale` (None: no unconditional row)
+    and `experts` (the denoiser of each step) come from the adapter."""
 
     def __init__(self, request: GenerationRequest, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
                  on_done: DoneCallback, num_train_timesteps: int = 1000, device: torch.device | str = "cpu",
@@ -39,8 +41,9 @@ class RequestState:
         self.timesteps = sigmas[:-1] * num_train_timesteps  # what the denoiser sees (as diffusers computes them)
         self.experts: Optional[list[int]] = None  # per step, set by the engine for multi-denoiser families
         self.generator = make_generator(request.seed, self.device)
-        self.latents = torch.randn(latent_shape, generator=self.generator, dtype=torch.float32, device=self.device)
-        self.window = draw_sde_window(p.num_inference_steps, p.sde_window_size, p.sde_window_range, self.generator)
+        prefix_gen = self.generator if p.latent_seed is None else make_generator(p.latent_seed, self.device)
+        self.latents = torch.randn(latent_shape, generator=prefix_gen, dtype=torch.float32, device=self.device)
+        self.window = draw_sde_window(p.num_inference_steps, p.sde_window_size, p.sde_window_range, prefix_gen)
         # Device copies of everything a step reads (one transfer here, none per step).
         T = p.num_inference_steps
         stochastic = [self.window[0] <= k < self.window[1] and p.stochastic for k in range(T)]
@@ -56,7 +59,7 @@ class RequestState:
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
         self.uncond: Optional[Conditioning] = None
-        self.weight_version: Optional[int] = None
+        self.weight_version: Optional[int] = None  # the engine's weight version, set when the request is admitted
         # Recorded over the SDE window (device tensors until the output is built).
         self.rec_latents: list[torch.Tensor] = []
         self.rec_log_probs: list[torch.Tensor] = []
@@ -99,9 +102,10 @@ class RequestState:
         return (self.dev_timesteps[k], self.dev_sigmas[k], self.dev_sigmas[k + 1], self.dev_noise_level[k],
                 self.dev_sde_code)
 
-    def step_noise(self) -> torch.Tensor:
-        """This step's noise on the device: drawn from the request's generator inside the window, zeros (and no
-        draw) outside it."""
+    def draw_step_noise(self) -> torch.Tensor:
+        """This step's noise on the device, drawn from the request's generator (advancing it) inside the SDE window;
+        outside it (or for an ODE request) zeros, and nothing is drawn. Call exactly once per step, in step order:
+        the draws are what make the sample reproducible."""
         if not self._stochastic[self.step_index]:
             return torch.zeros_like(self.latents)
         return torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32, device=self.device)

@@ -58,7 +58,7 @@ class ModelRunner:
             torch.stack([x[1] for x in inputs]), torch.stack([x[2] for x in inputs]),
             noise_level=torch.stack([x[3] for x in inputs]),
             sde_type=torch.stack([x[4] for x in inputs]),
-            noise=torch.stack([s.step_noise() for s in states]),
+            noise=torch.stack([s.draw_step_noise() for s in states]),
             sigma_max=torch.stack([s.dev_sigma_max for s in states]),
         )
         for i, s in enumerate(states):

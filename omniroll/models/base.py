@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, require_checkpoint
+
 
 @dataclass
 class Conditioning:
@@ -54,24 +56,13 @@ def check_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
         raise ValueError(f"{name} must be an int {rng}, got {value!r}")
 
 
-def check_resolution(height: int, width: int, multiple: int, max_resolution: Optional[int] = None) -> None:
-    """Raise ValueError naming the field unless height and width are positive multiples of `multiple`."""
-    for name, value in (("height", height), ("width", width)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % multiple:
-            raise ValueError(f"{name} must be a positive multiple of {multiple} (vae_scale_factor x patch_size), "
-                             f"got {value!r}")
-        if max_resolution is not None and value > max_resolution:
-            raise ValueError(f"{name} must be <= {max_resolution} (the transformer's positional range), got {value}")
-
-
 def load_pipeline(class_name: str, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load a diffusers pipeline (by class name) from a local checkpoint directory, offline, onto `device`."""
     import diffusers
     from diffusers.utils import deprecation_utils
 
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, "model_index.json")):
-        raise FileNotFoundError(f"path {path!r} is not a diffusers checkpoint directory (no model_index.json)")
+    require_checkpoint(path)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     # diffusers renamed `torch_dtype` to `dtype` (0.36+); use whichever this version understands.
@@ -167,6 +158,12 @@ class DiffusionAdapter(ABC):
     def is_video(self) -> bool:
         return False
 
+    @classmethod
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """How many prompt token ids this family reports per prompt (the main tokenizer's padded length), read from
+        the checkpoint's files without loading any model; None when it is not fixed or not known."""
+        return None
+
     @property
     def denoiser(self) -> torch.nn.Module:
         return self.modules()[self.trainable_module_name]
@@ -177,5 +174,16 @@ class DiffusionAdapter(ABC):
         return 16
 
     @property
+    def max_resolution(self):
+        """Largest height / width (None: unbounded)."""
+        return None
+
+    @property
     def max_sequence_length_limit(self) -> int:
-        return 512
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What a request may ask of this model; `ModelLimits.check` is the one check of resolution and text length
+        (`omniroll.models.read_limits` gives the same object from the checkpoint's config files alone)."""
+        return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import pipeline_sigmas
-from omniroll.models.base import Conditioning, DiffusionAdapter, check_int, check_resolution
+from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models.checkpoint import tokenizer_padded_length
 
 
 class FluxAdapter(DiffusionAdapter):
@@ -39,6 +40,11 @@ class FluxAdapter(DiffusionAdapter):
             m.eval()
         self._sigma_cache: dict[tuple, torch.Tensor] = {}
 
+    @classmethod
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """CLIP's `model_max_length`: `encode_prompts` pads the reported ids to it."""
+        return tokenizer_padded_length(path)
+
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -58,7 +64,7 @@ class FluxAdapter(DiffusionAdapter):
         """CLIP pooled + T5 sequence embeddings per prompt, via diffusers' `encode_prompt`, one prompt at a time."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
-        check_int("max_sequence_length", max_sequence_length, 1, self.max_sequence_length_limit)
+        self.limits.check(max_sequence_length=max_sequence_length)
         device = next(self.pipeline.text_encoder_2.parameters()).device
         out = {}
         for prompt in dict.fromkeys(prompts):
@@ -107,7 +113,7 @@ class FluxAdapter(DiffusionAdapter):
     # ------------------------------------------------------------------ shapes / schedule
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.check_num_frames(num_frames)
-        check_resolution(height, width, self.spatial_multiple)
+        self.limits.check(height, width)
         f = self.vae_scale_factor
         return (self.transformer.config.in_channels // 4, height // f, width // f)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import pipeline_sigmas
-from omniroll.models.base import Conditioning, DiffusionAdapter, check_int, check_resolution
+from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
 
 
 def template_drop_count(tokenizer, template: str) -> int:
@@ -72,7 +72,7 @@ class QwenImageAdapter(DiffusionAdapter):
         """Per prompt: hidden states after the template prefix, zero-padded to `max_sequence_length`, and a mask."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
-        check_int("max_sequence_length", max_sequence_length, 1, self.max_sequence_length_limit)
+        self.limits.check(max_sequence_length=max_sequence_length)
         device = next(self.pipeline.text_encoder.parameters()).device
         out = {}
         for prompt in dict.fromkeys(prompts):
@@ -134,7 +134,7 @@ class QwenImageAdapter(DiffusionAdapter):
     # ------------------------------------------------------------------ shapes / schedule
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.check_num_frames(num_frames)
-        check_resolution(height, width, self.spatial_multiple)
+        self.limits.check(height, width)
         f = self.vae_scale_factor
         return (self.transformer.config.in_channels // 4, height // f, width // f)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import Conditioning, DiffusionAdapter, check_resolution
+from omniroll.models.base import Conditioning, DiffusionAdapter
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer_max_length, tokenizer_padded_length
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -40,6 +41,11 @@ class SD3Adapter(DiffusionAdapter):
             m.eval()
         self._sigma_cache: dict[tuple[int, int, int], torch.Tensor] = {}
 
+    @classmethod
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """CLIP's `model_max_length` from `tokenizer/tokenizer_config.json`: `encode_prompts` pads ids to it."""
+        return tokenizer_padded_length(path)
+
     # ------------------------------------------------------------------ properties
     @property
     def vae_scale_factor(self) -> int:
@@ -61,12 +67,9 @@ class SD3Adapter(DiffusionAdapter):
 
     @property
     def max_sequence_length_limit(self) -> int:
-        limit = 512
-        if self.tokenizer_3 is not None:
-            model_max = getattr(self.tokenizer_3, "model_max_length", limit)
-            if isinstance(model_max, int) and 0 < model_max < limit:
-                limit = model_max
-        return limit
+        if self.tokenizer_3 is None:
+            return DEFAULT_MAX_SEQUENCE_LENGTH
+        return tokenizer_max_length(getattr(self.tokenizer_3, "model_max_length", None))
 
     def modules(self) -> dict[str, torch.nn.Module]:
         mods = {
@@ -79,12 +82,6 @@ class SD3Adapter(DiffusionAdapter):
         return {k: v for k, v in mods.items() if v is not None}
 
     # ------------------------------------------------------------------ prompts
-    def _check_sequence_length(self, max_sequence_length: int) -> None:
-        limit = self.max_sequence_length_limit
-        if not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool) \
-                or not 1 <= max_sequence_length <= limit:
-            raise ValueError(f"max_sequence_length must be an int in [1, {limit}], got {max_sequence_length!r}")
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
         """One Conditioning per prompt via diffusers' `encode_prompt`.
@@ -94,7 +91,7 @@ class SD3Adapter(DiffusionAdapter):
         """
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
-        self._check_sequence_length(max_sequence_length)
+        self.limits.check(max_sequence_length=max_sequence_length)
         device = next(self.text_encoder.parameters()).device
         encoded: dict[str, Conditioning] = {}
         for prompt in dict.fromkeys(prompts):
@@ -148,12 +145,9 @@ class SD3Adapter(DiffusionAdapter):
         return vae.decode(z, return_dict=False)[0].float()
 
     # ------------------------------------------------------------------ shapes / schedule
-    def _check_resolution(self, height: int, width: int) -> None:
-        check_resolution(height, width, self.spatial_multiple, self.max_resolution)
-
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.check_num_frames(num_frames)
-        self._check_resolution(height, width)
+        self.limits.check(height, width)
         f = self.vae_scale_factor
         return (int(self.vae.config.latent_channels), height // f, width // f)
 
@@ -162,7 +156,7 @@ class SD3Adapter(DiffusionAdapter):
         if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) \
                 or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
-        self._check_resolution(height, width)
+        self.limits.check(height, width)
         key = (num_inference_steps, height, width)
         if key not in self._sigma_cache:
             from diffusers import FlowMatchEulerDiscreteScheduler

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import Conditioning, DiffusionAdapter, check_int, check_resolution
+from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
 
 
 class WanAdapter(DiffusionAdapter):
@@ -86,7 +86,7 @@ class WanAdapter(DiffusionAdapter):
         """UMT5 embeddings per prompt, via diffusers' `encode_prompt` (padded to max_sequence_length with zeros)."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
-        check_int("max_sequence_length", max_sequence_length, 1, self.max_sequence_length_limit)
+        self.limits.check(max_sequence_length=max_sequence_length)
         device = next(self.pipeline.text_encoder.parameters()).device
         out = {}
         for prompt in dict.fromkeys(prompts):
@@ -122,7 +122,7 @@ class WanAdapter(DiffusionAdapter):
     # ------------------------------------------------------------------ shapes / schedule
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.check_num_frames(num_frames)
-        check_resolution(height, width, self.spatial_multiple)
+        self.limits.check(height, width)
         s, t = self.pipeline.vae_scale_factor_spatial, self.pipeline.vae_scale_factor_temporal
         return (self.vae.config.z_dim, (num_frames - 1) // t + 1, height // s, width // s)
 

@@ -14,7 +14,7 @@ complete build is reused (marker file), concurrent builders wait on a lock. One 
 
 from __future__ import annotations
 
-from omniroll.models.tiny._common import MARKER_FILE
+from omniroll.models.tiny._common import CLIP_MAX_LENGTH, MARKER_FILE
 from omniroll.models.tiny.flux import build_tiny_flux
 from omniroll.models.tiny.qwen_image import build_tiny_qwen_image
 from omniroll.models.tiny.sd3 import PRESETS, build_tiny_sd3, resolve_config
@@ -38,4 +38,4 @@ def build_tiny(family: str, path: str, seed: int = 0) -> str:
     return BUILDERS[family](path, seed=seed)
 
 
-__all__ = ["BUILDERS", "FAMILIES", "MARKER_FILE", "PRESETS", "build_tiny", "build_tiny_sd3", "resolve_config"]
+__all__ = ["BUILDERS", "CLIP_MAX_LENGTH", "FAMILIES", "MARKER_FILE", "PRESETS", "build_tiny", "build_tiny_sd3", "resolve_config"]

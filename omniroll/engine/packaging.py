@@ -1,4 +1,4 @@
-"""Turn a finished (or aborted) RequestState into a DiffusionOutput."""
+"""Packaging: turn a finished (or aborted) RequestState into a DiffusionOutput (`omniroll.engine.output`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,27 @@ from typing import Optional
 
 import torch
 
-from omniroll.engine.output import DiffusionOutput, quantize_pixels
+from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.request import RequestState
 
 
+def quantize_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """Float pixels in [-1, 1] -> uint8, once: clamp, scale to [0, 255], round. NaN / Inf raise."""
+    if not torch.isfinite(pixels).all():
+        raise FloatingPointError("decoded pixels contain NaN or Inf; refusing to quantize a corrupt sample")
+    x = (pixels.float() / 2 + 0.5).clamp(0.0, 1.0)  # the same expression as diffusers postprocess
+    return (x * 255.0).round().to(torch.uint8)
+
+
 def _embedding_fields(state: RequestState) -> dict:
+    """The prompt encodings, as copies: the engine's prompt cache keeps the originals for later requests, so an
+    output never aliases them (a trainer normalising an output in place must not change later samples)."""
     fields = {}
     if state.cond is not None:
-        fields.update({k: v.cpu() for k, v in state.cond.tensors.items()})
+        fields.update({k: v.to("cpu", copy=True) for k, v in state.cond.tensors.items()})
         fields["prompt_ids"] = list(state.cond.prompt_ids)
     if state.uncond is not None:
-        fields.update({f"negative_{k}": v.cpu() for k, v in state.uncond.tensors.items()})
+        fields.update({f"negative_{k}": v.to("cpu", copy=True) for k, v in state.uncond.tensors.items()})
     return fields
 
 
