@@ -173,8 +173,8 @@ def test_lora_update_binds_and_changes_the_output(family, engines):
     ("wan", {"num_frames": 6}, r"num_frames must be 4k \+ 1"),
     ("flux", {"num_frames": 5}, "num_frames must be 1"),
     ("qwen-image", {"true_cfg_scale": 2.0}, "true_cfg_scale must be 1.0"),
-    ("wan", {"height": 24}, "height must be a multiple of 16"),
-    ("flux", {"width": 18}, "width must be a multiple of 4"),
+    ("wan", {"height": 24}, "height must be a positive multiple of 16"),
+    ("flux", {"width": 18}, "width must be a positive multiple of 4"),
 ])
 def test_per_family_validation_names_the_field(family, over, match, engines):
     with pytest.raises(ValueError, match=match):
