@@ -70,7 +70,7 @@ def output_signature(sp: dict) -> Optional[dict]:
     # so rows must agree on both
     return {"num_frames": p.num_frames, "height": p.height, "width": p.width,
             "recorded_steps": p.sde_window_size if p.sde_window_size is not None else hi - lo,
-            "cfg": (p.guidance_scale > 1.0, p.true_cfg_scale > 1.0), "logprobs": p.logprobs,
+            "cfg": p.guidance_scale > 1.0, "true_cfg": p.true_cfg_scale > 1.0, "logprobs": p.logprobs,
             "output_type": p.output_type}
 
 

@@ -30,12 +30,14 @@ class RequestState:
 
     def __init__(self, request: GenerationRequest, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
                  on_done: DoneCallback, num_train_timesteps: int = 1000, device: torch.device | str = "cpu",
-                 cfg_scale: Optional[float] = None):
+                 cfg_scale: Optional[float] | str = "standard"):
         self.request = request
         self.params = p = request.sampling_params
         self.on_done = on_done
         self.submitted_at = time.time()
         self.device = torch.device(device)
+        if cfg_scale == "standard":  # what SD3-style CFG does; the engine passes its adapter's answer
+            cfg_scale = float(p.guidance_scale) if p.guidance_scale > 1.0 else None
         self.cfg_scale = cfg_scale
         self.sigmas = sigmas  # [T + 1] fp32 on the host, ends at 0
         self.timesteps = sigmas[:-1] * num_train_timesteps  # what the denoiser sees (as diffusers computes them)
