@@ -6,6 +6,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from omniroll.sampling.window import sde_window_bounds
+
 SDE_TYPES = ("sde", "cps", "dance_sde", "ode")
 OUTPUT_TYPES = ("pixel", "latent", "both")
 
@@ -17,14 +19,27 @@ class SamplingParams(BaseModel):
     are plain ODE (Euler) steps and record nothing. `sde_window_size=None` means every step but the last
     (Flow-GRPO's default: the last step's Gaussian is too sharp). With a size, `start` is drawn uniformly from
     `[lo, hi - size]` using the request's own generator, where `(lo, hi) = sde_window_range or (0, T - 1)`.
+
+    `latent_seed` (flow_grpo's `same_latent`): when set, the initial noise and the SDE window are drawn from this
+    seed instead of the request's; the noise inside the window still comes from the request's own seed. Give every
+    sample of a group the same `latent_seed`: their steps before the window are then one deterministic ODE
+    trajectory, which the engine computes once per group and forks at the window's start (every output stays
+    bitwise identical to running the sample alone).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     height: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
     width: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
+    num_frames: int = Field(1, ge=1, le=1025, description="1 for images; video models check their own rule "
+                                                          "(Wan: 4k + 1)")
+    fps: int = Field(16, ge=1, le=240, description="frames per second of a video output (metadata only)")
     num_inference_steps: int = Field(10, ge=1, le=1000)
-    guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale; <= 1 disables CFG")
+    guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale (<= 1 disables CFG); for "
+                                                                     "guidance-distilled models (FLUX.1) the "
+                                                                     "guidance the model is given")
+    true_cfg_scale: float = Field(1.0, ge=1.0, le=100.0, description="guidance-distilled models only: real CFG "
+                                                                     "on top (> 1 adds an unconditional row)")
     max_sequence_length: int = Field(128, ge=1, le=512, description="T5 tokens")
     noise_level: float = Field(0.7, ge=0.0, le=10.0, description="eta; 0 gives the ODE")
     sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
@@ -32,38 +47,15 @@ class SamplingParams(BaseModel):
     sde_window_range: Optional[tuple[int, int]] = None
     logprobs: bool = True
     output_type: Literal["pixel", "latent", "both"] = "pixel"
-
-    @field_validator("sde_window_range")
-    @classmethod
-    def _check_range(cls, v):
-        if v is not None and not (0 <= v[0] < v[1]):
-            raise ValueError(f"sde_window_range must be (lo, hi) with 0 <= lo < hi, got {v}")
-        return v
+    latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 
     @model_validator(mode="after")
     def _check_window(self):
-        T = self.num_inference_steps
-        lo, hi = self.window_range()
-        if hi > T:
-            raise ValueError(f"sde_window_range hi must be <= num_inference_steps ({T}), got {hi}")
-        if self.sde_window_size is not None and self.sde_window_size > hi - lo:
-            raise ValueError(
-                f"sde_window_size must be in [1, {hi - lo}] (the width of sde_window_range {(lo, hi)}), "
-                f"got {self.sde_window_size}"
-            )
-        if self.sde_window_size is None and self.sde_window_range is not None:
-            raise ValueError("sde_window_range needs sde_window_size (the window's length within the range)")
+        sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
         return self
 
     def window_range(self) -> tuple[int, int]:
-        if self.sde_window_range is not None:
-            return tuple(self.sde_window_range)
-        T = self.num_inference_steps
-        return (0, max(T - 1, 1))
-
-    @property
-    def do_cfg(self) -> bool:
-        return self.guidance_scale > 1.0
+        return sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
 
     @property
     def stochastic(self) -> bool:
@@ -71,7 +63,7 @@ class SamplingParams(BaseModel):
 
     def batch_key(self) -> tuple:
         """Rows that share this key can share a forward (same latent shape and text length)."""
-        return (self.height, self.width, self.max_sequence_length)
+        return (self.num_frames, self.height, self.width, self.max_sequence_length)
 
 
 class GenerationRequest(BaseModel):
@@ -84,3 +76,23 @@ class GenerationRequest(BaseModel):
     negative_prompt: Optional[str] = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     seed: int = Field(ge=0, lt=2**63)
+
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _check_encodable(cls, v):
+        if isinstance(v, str):
+            reason = unencodable_reason(v)
+            if reason is not None:
+                raise ValueError(reason)
+        return v
+
+
+def unencodable_reason(text: str) -> Optional[str]:
+    """Why `text` is not encodable text (None when it is). A lone surrogate (what a JSON `\\ud800` escape gives)
+    cannot be UTF-8 encoded and no tokenizer takes it. The message names the position, never echoes the text."""
+    try:
+        text.encode("utf-8", errors="strict")
+    except UnicodeEncodeError as e:
+        return (f"is not encodable text: character U+{ord(text[e.start]):04X} at position {e.start} "
+                f"({e.reason}); send valid UTF-8")
+    return None

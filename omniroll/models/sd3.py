@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer_max_length, tokenizer_padded_length
 
 
 class SD3Adapter(DiffusionAdapter):
     """Wraps a loaded `StableDiffusion3Pipeline` (its `__call__` is never run).
 
     The pipeline object is kept only to reuse `encode_prompt` and to hold the components; the engine calls
-    `velocity` / `decode` and drives the sampler itself.
+    `velocity` / `decode` and drives the sampler itself. CFG: guidance_scale > 1 adds an unconditional row.
     """
+
+    pipeline_class = "StableDiffusion3Pipeline"
+    #: Flow-GRPO's SD3 LoRA: both streams' attention projections.
+    lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                           "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
     def __init__(self, pipeline):
         from diffusers import StableDiffusion3Pipeline
@@ -37,35 +41,12 @@ class SD3Adapter(DiffusionAdapter):
             m.eval()
         self._sigma_cache: dict[tuple[int, int, int], torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        """Load every component from a local diffusers SD3 / SD3.5 checkpoint directory (offline)."""
-        from diffusers import StableDiffusion3Pipeline
-
-        path = os.fspath(path)
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise FileNotFoundError(f"path {path!r} is not a diffusers checkpoint directory (no model_index.json)")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        from diffusers.utils import deprecation_utils
-
-        # diffusers renamed `torch_dtype` to `dtype` (0.36+); use whichever this version understands.
-        dtype_key = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, local_files_only=True, **{dtype_key: dtype})
-        pipe.set_progress_bar_config(disable=True)
-        pipe.to(device)
-        return cls(pipe)
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """CLIP's `model_max_length` from `tokenizer/tokenizer_config.json`: `encode_prompts` pads ids to it."""
+        return tokenizer_padded_length(path)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -86,12 +67,9 @@ class SD3Adapter(DiffusionAdapter):
 
     @property
     def max_sequence_length_limit(self) -> int:
-        limit = 512
-        if self.tokenizer_3 is not None:
-            model_max = getattr(self.tokenizer_3, "model_max_length", limit)
-            if isinstance(model_max, int) and 0 < model_max < limit:
-                limit = model_max
-        return limit
+        if self.tokenizer_3 is None:
+            return DEFAULT_MAX_SEQUENCE_LENGTH
+        return tokenizer_max_length(getattr(self.tokenizer_3, "model_max_length", None))
 
     def modules(self) -> dict[str, torch.nn.Module]:
         mods = {
@@ -104,12 +82,6 @@ class SD3Adapter(DiffusionAdapter):
         return {k: v for k, v in mods.items() if v is not None}
 
     # ------------------------------------------------------------------ prompts
-    def _check_sequence_length(self, max_sequence_length: int) -> None:
-        limit = self.max_sequence_length_limit
-        if not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool) \
-                or not 1 <= max_sequence_length <= limit:
-            raise ValueError(f"max_sequence_length must be an int in [1, {limit}], got {max_sequence_length!r}")
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
         """One Conditioning per prompt via diffusers' `encode_prompt`.
@@ -119,7 +91,7 @@ class SD3Adapter(DiffusionAdapter):
         """
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
-        self._check_sequence_length(max_sequence_length)
+        self.limits.check(max_sequence_length=max_sequence_length)
         device = next(self.text_encoder.parameters()).device
         encoded: dict[str, Conditioning] = {}
         for prompt in dict.fromkeys(prompts):
@@ -140,7 +112,8 @@ class SD3Adapter(DiffusionAdapter):
         ]
 
     # ------------------------------------------------------------------ denoiser / decoder
-    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
+                 guidance=None, expert: int = 0) -> torch.Tensor:
         if latents.dim() != 4 or latents.shape[1] != self.transformer.config.in_channels:
             raise ValueError(
                 f"latents must be [B, {self.transformer.config.in_channels}, h, w], got {tuple(latents.shape)}"
@@ -171,27 +144,18 @@ class SD3Adapter(DiffusionAdapter):
         return vae.decode(z, return_dict=False)[0].float()
 
     # ------------------------------------------------------------------ shapes / schedule
-    def _check_resolution(self, height: int, width: int) -> None:
-        mult, max_res = self.spatial_multiple, self.max_resolution
-        for name, value in (("height", height), ("width", width)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % mult:
-                raise ValueError(f"{name} must be a positive multiple of {mult} (vae_scale_factor x patch_size), "
-                                 f"got {value!r}")
-            if max_res is not None and value > max_res:
-                raise ValueError(f"{name} must be <= {max_res} (pos_embed_max_size "
-                                 f"{self.transformer.config.pos_embed_max_size} x {mult}), got {value}")
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        self._check_resolution(height, width)
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        self.check_num_frames(num_frames)
+        self.limits.check(height, width)
         f = self.vae_scale_factor
         return (int(self.vae.config.latent_channels), height // f, width // f)
 
-    def sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def sigmas(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """`FlowMatchEulerDiscreteScheduler.set_timesteps(T)` sigmas (with SD3's dynamic-shift `mu` if enabled)."""
         if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) \
                 or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
-        self._check_resolution(height, width)
+        self.limits.check(height, width)
         key = (num_inference_steps, height, width)
         if key not in self._sigma_cache:
             from diffusers import FlowMatchEulerDiscreteScheduler

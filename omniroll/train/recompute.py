@@ -39,27 +39,29 @@ def check_dtype(adapter: DiffusionAdapter, execution: dict) -> None:
 
 
 def guided_velocity(adapter: DiffusionAdapter, traj: TrajectoryBatch, latents: torch.Tensor,
-                    timesteps: torch.Tensor) -> torch.Tensor:
-    """Velocity after CFG for every row, as the engine's runner computes it: conditioned rows and the unconditioned
-    rows of CFG rows in one forward per prompt length, then `uncond + g * (cond - uncond)` per CFG row."""
+                    timesteps: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """Velocity after CFG for every row, as the engine's runner computes it: the rows and the unconditional rows of
+    CFG rows in one forward per (prompt length, denoiser), distilled guidance as the model's input, then
+    `adapter.mix_cfg(cond, uncond, cfg_scale)` per CFG row."""
     B = len(traj)
-    key = [tuple(int(traj.lengths[k][i]) for k in sorted(traj.lengths)) for i in range(B)]
+    expert = [int(traj.experts[i, step]) if traj.experts is not None else 0 for i in range(B)]
+    key = [tuple(int(traj.lengths[k][i]) for k in sorted(traj.lengths)) + (expert[i],) for i in range(B)]
     out: list[Optional[torch.Tensor]] = [None] * B
     for group in dict.fromkeys(key):
         rows = [i for i in range(B) if key[i] == group]
-        cfg = [i for i in rows if traj.uncond is not None and float(traj.guidance_scale[i]) > 1.0]
+        cfg = [i for i in rows if traj.uncond is not None and float(traj.cfg_scale[i]) > 0]
         cond = {k: torch.cat([_trim(traj, k, traj.cond[k], rows)]
                              + ([_trim(traj, f"negative_{k}", traj.uncond[k], cfg)] if cfg else []))
                 for k in traj.cond}
         x = torch.cat([latents[rows], latents[cfg]])
         t = torch.cat([timesteps[rows], timesteps[cfg]])
-        v_all = adapter.velocity(x, t, cond).float().cpu()
+        guidance = traj.guidance_scale[rows + cfg] if adapter.guidance_kind == "distilled" else None
+        v_all = adapter.velocity(x, t, cond, guidance=guidance, expert=group[-1]).float()
         pos = {i: j for j, i in enumerate(rows)}
         for j, i in enumerate(rows):
             out[i] = v_all[j]
         for j, i in enumerate(cfg):
-            uncond = v_all[len(rows) + j]
-            out[i] = uncond + float(traj.guidance_scale[i]) * (v_all[pos[i]] - uncond)
+            out[i] = adapter.mix_cfg(v_all[pos[i]], v_all[len(rows) + j], float(traj.cfg_scale[i]))
     return torch.stack(out)
 
 
@@ -85,7 +87,7 @@ def recompute_log_probs(adapter: DiffusionAdapter, traj: TrajectoryBatch, step: 
         check_dtype(adapter, traj.execution)
     x = traj.latents[:, step]
     with execution_mode(traj.execution):
-        v = guided_velocity(adapter, traj, x, traj.timesteps[:, step])
+        v = guided_velocity(adapter, traj, x, traj.timesteps[:, step], step)
     return sde_step(x, v, traj.sigmas[:, step], traj.sigmas_next[:, step], traj.noise_level, traj.sde_type,
                     prev_sample=traj.latents[:, step + 1], sigma_max=traj.sigma_max)
 

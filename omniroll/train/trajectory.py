@@ -13,7 +13,8 @@ import torch
 
 #: trajectory tensors every row must carry (DataBatch key -> TrajectoryBatch field)
 _REQUIRED = {"all_latents": "latents", "all_timesteps": "timesteps", "sigmas": "sigmas", "sigmas_next": "sigmas_next",
-             "noise_level": "noise_level", "sigma_max": "sigma_max", "guidance_scale": "guidance_scale"}
+             "noise_level": "noise_level", "sigma_max": "sigma_max", "guidance_scale": "guidance_scale",
+             "cfg_scale": "cfg_scale"}
 
 
 def _is_cond_key(k: str) -> bool:
@@ -24,7 +25,9 @@ def _is_cond_key(k: str) -> bool:
 @dataclass
 class TrajectoryBatch:
     """B rows. latents [B, W+1, ...] fp32 (the state before each window step, then after the last); timesteps, sigmas,
-    sigmas_next, log_probs [B, W]; noise_level, sigma_max, guidance_scale [B]; sde_type: B names; cond / uncond:
+    sigmas_next, log_probs [B, W]; noise_level, sigma_max, guidance_scale [B] (fp32; a distilled-guidance model's
+    input); cfg_scale [B] (fp64, the CFG mix's scale, 0: no unconditional row); experts [B, W] (the denoiser of each
+    step, multi-expert families only); sde_type: B names; cond / uncond:
     conditioning tensors [B, ...] with `lengths` [B] of real tokens for the padded sequence ones (uncond None when no
     row uses CFG); weight_version: B ints; execution: the engine's mode (`batch_invariant`, `invariant_block_rows`,
     `dtype`), the same for every row."""
@@ -37,10 +40,12 @@ class TrajectoryBatch:
     noise_level: torch.Tensor
     sigma_max: torch.Tensor
     guidance_scale: torch.Tensor
+    cfg_scale: torch.Tensor
     sde_type: list[str]
     cond: dict[str, torch.Tensor]
     uncond: Optional[dict[str, torch.Tensor]]
     lengths: dict[str, torch.Tensor] = field(default_factory=dict)
+    experts: Optional[torch.Tensor] = None
     weight_version: list[int] = field(default_factory=list)
     execution: dict = field(default_factory=dict)
 
@@ -99,6 +104,7 @@ class TrajectoryBatch:
             raise ValueError(f"batch carries no conditioning (*prompt_embeds) tensors; has {sorted(keys)}")
         return cls(log_probs=td["rollout_log_probs"].float(), sde_type=[str(s) for s in nt["sde_type"]],
                    cond=cond, uncond=uncond or None, lengths=lengths,
+                   experts=td["expert_indices"] if "expert_indices" in keys else None,
                    weight_version=[int(v) for v in nt["weight_version"]],
                    execution=_one_execution(list(nt["execution"])), **vals)
 
@@ -115,9 +121,9 @@ class TrajectoryBatch:
         def stack(k):
             return torch.stack([torch.as_tensor(e[k]) for e in efs])
 
-        cfg = ["negative_prompt_embeds" in e for e in efs]
         cond_keys = sorted(k for k in efs[0] if _is_cond_key(k) and isinstance(efs[0][k], torch.Tensor))
         cond = {k: stack(k) for k in cond_keys}
+        cfg = [all(f"negative_{k}" in e for k in cond_keys) for e in efs]
         uncond = None
         if any(cfg):
             if not all(cfg):
@@ -128,6 +134,8 @@ class TrajectoryBatch:
                    noise_level=torch.tensor([float(e["noise_level"]) for e in efs]),
                    sigma_max=torch.tensor([float(e["sigma_max"]) for e in efs]),
                    guidance_scale=torch.tensor([float(e["guidance_scale"]) for e in efs]),
+                   cfg_scale=torch.tensor([float(e["cfg_scale"]) for e in efs], dtype=torch.float64),
+                   experts=stack("expert_indices") if "expert_indices" in efs[0] else None,
                    sde_type=[str(e["sde_type"]) for e in efs], cond=cond, uncond=uncond,
                    weight_version=[int(e.get("weight_version", 0)) for e in efs],
                    execution=_one_execution([e.get("execution") for e in efs]))
