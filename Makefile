@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/agent_loop_overhead.py
 	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/train_step.py
 
 clean:
 	rm -rf $(VENV) .omniroll_cache

@@ -56,7 +56,9 @@ class Sequential:
         from omniroll.weights import WeightSender
 
         self.cfg, self.tc = cfg, cfg.trainer
-        self.engine = DiffusionEngine.from_pretrained(model, **cfg.engine.engine_kwargs())
+        kw = cfg.engine.engine_kwargs()
+        kw["dtype"] = getattr(torch, kw["dtype"])
+        self.engine = DiffusionEngine.from_pretrained(model, **kw)
         fn = cfg.reward.functions["r"]
         self.score = build_scorer(fn.fn, fn.kwargs)
         self.policy = Policy(model, "lora", self.tc.lora.rank, self.tc.lora.alpha, self.tc.lora.target_modules)
