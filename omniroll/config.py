@@ -216,6 +216,9 @@ class OmniRollConfig(_Strict):
             raise ValueError("calculate_log_probs: training needs the rollout's log-probs")
         if self.n < 2:
             raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
+        if self.trainer.window_schedule != "fixed" and self.algo.sde_window_size is None:
+            raise ValueError(f"trainer.window_schedule: {self.trainer.window_schedule!r} moves a window of "
+                             f"algo.sde_window_size steps; set algo.sde_window_size")
         return self
 
     @model_validator(mode="after")

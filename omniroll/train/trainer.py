@@ -59,6 +59,7 @@ class FlowGRPOTrainer:
         self.history: list[dict] = []
         self._pending_interrupt = False
         self._critical = False
+        self._checkpointing = False
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "FlowGRPOTrainer":
@@ -79,11 +80,6 @@ class FlowGRPOTrainer:
         model = resolve_model(cfg.engine.model)
         self.policy = Policy(model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha, self.tc.lora.target_modules,
                              dtype=cfg.engine.dtype, seed=self.tc.seed)
-        if self.tc.gradient_checkpointing:
-            from omniroll.train.recompute import enable_gradient_checkpointing
-
-            enable_gradient_checkpointing(self.policy.denoiser, {"batch_invariant": True,
-                                                                 "invariant_block_rows": self._block_rows()})
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
         if self.resume_from:
@@ -126,9 +122,6 @@ class FlowGRPOTrainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _block_rows(self) -> int:
-        return int(self.config.engine.kwargs.get("invariant_block_rows", 64))
 
     # ------------------------------------------------------------------ the loop
     def train(self, steps: Optional[int] = None, progress: bool = False,
@@ -204,6 +197,11 @@ class FlowGRPOTrainer:
         rewards = out.batch["rm_scores"][:, 0].float()
         adv = group_advantages(rewards, list(out.non_tensor_batch["uid"]), self.tc.global_std, self.tc.adv_clip_max)
         traj = TrajectoryBatch.from_batch(out)
+        if self.tc.gradient_checkpointing and not self._checkpointing:  # in the mode the rollout recorded
+            from omniroll.train.recompute import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
+            self._checkpointing = True
         t1 = time.perf_counter()
         with self._uninterruptible():
             stats = train_on_batch(
