@@ -201,3 +201,21 @@ def test_prompt_colour_reward():
         pytest.approx([1.0, -0.5, 0.0])
     with pytest.raises(ValueError, match="names no colour"):
         prompt_colour([s(red, "a car")])
+
+
+def test_window_schedules_per_step():
+    from omniroll.train.artifacts import window_for_step
+
+    base = {"reward": {"functions": {"c": {"fn": "prompt_colour"}}}, "n": 2,
+            "pipeline": {"num_inference_steps": 10}, "algo": {"sde_window_size": 2, "sde_window_range": [0, 6]}}
+    prog = load_config({**base, "trainer": {"prompts": ["a red car"], "prompts_per_step": 1,
+                                            "window_schedule": "progressive", "window_advance_every": 2}})
+    assert [window_for_step(prog, s) for s in range(1, 9)] == [(0, 2), (0, 2), (2, 4), (2, 4), (4, 6), (4, 6),
+                                                                 (1, 3), (1, 3)]
+    rnd = load_config({**base, "trainer": {"prompts": ["a red car"], "prompts_per_step": 1,
+                                           "window_schedule": "random", "seed": 3}})
+    wins = [window_for_step(rnd, s) for s in range(1, 30)]
+    assert wins == [window_for_step(rnd, s) for s in range(1, 30)]  # a function of (seed, step): resumable
+    assert all(0 <= a and b == a + 2 and b <= 6 for a, b in wins) and len(set(wins)) > 1
+    fixed = load_config({**base, "trainer": {"prompts": ["a red car"], "prompts_per_step": 1}})
+    assert window_for_step(fixed, 5) is None
