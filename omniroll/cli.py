@@ -1,4 +1,4 @@
-"""Command line: `omniroll generate`, `omniroll demo`, `omniroll rollout`."""
+"""Command line: `omniroll generate`, `omniroll demo`, `omniroll rollout`, `omniroll serve`."""
 
 from __future__ import annotations
 
@@ -137,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--out", default="out/rollout")
     roll.add_argument("--override", action="append", help="dotted config override, e.g. reward.num_workers=2")
     roll.add_argument("--quiet", action="store_true")
+
+    srv = sub.add_parser("serve", help="serve the OpenAI images API (and /v1/rollout, /metrics) over HTTP")
+    srv.add_argument("--model", default="tiny", help="'tiny' or a local diffusers SD3 checkpoint directory")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
+    srv.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    srv.add_argument("--served-model-name", help="the model id in /v1/models (default: the model's name)")
+    srv.add_argument("--max-batch-size", type=int, default=16)
+    srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    srv.add_argument("--max-pending", type=int, default=1024, help="samples in flight before 503 overloaded")
     return parser
 
 
@@ -157,6 +166,12 @@ def main(argv=None) -> int:
             print(json.dumps({k: metrics[k] for k in ("num_images", "seconds", "images_per_second")}))
         elif args.command == "rollout":
             print(json.dumps(run_rollout(args)))
+        elif args.command == "serve":
+            from omniroll.rollout.serve import ServeConfig, serve
+
+            serve(ServeConfig(model=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+                              served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                              max_pending=args.max_pending))
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"omniroll: error: {e}", file=sys.stderr)
         return 2
