@@ -72,8 +72,8 @@ def _uvicorn(app, log_level: str):
 
 
 def serve(config: ServeConfig) -> None:
-    """Listen, load the model, print the URL, serve until Ctrl-C / SIGTERM (then stop accepting, abort what runs,
-    return)."""
+    """Listen, load the model, print the URL, serve until Ctrl-C (KeyboardInterrupt, after uvicorn's graceful
+    shutdown) or SIGTERM; the engine is shut down on the way out."""
     sock = _bind(config.host, config.port)
     engine, app = build_app(config)
     host, port = sock.getsockname()[:2]
@@ -81,9 +81,7 @@ def serve(config: ServeConfig) -> None:
           f"(POST /v1/images/generations, /v1/rollout, /v1/generate; GET /v1/models, /health, /metrics)",
           file=sys.stderr, flush=True)
     try:
-        _uvicorn(app, config.log_level).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled gracefully
-        pass
+        _uvicorn(app, config.log_level).run(sockets=[sock])  # re-raises the Ctrl-C it handled gracefully
     finally:
         print("omniroll serve: stopped", file=sys.stderr, flush=True)
         engine.shutdown()
