@@ -73,7 +73,7 @@ def classify(error: BaseException, texts: Iterable[Any] = ()) -> ApiError:
         return error
     texts = list(texts)
     if isinstance(error, ValidationError):
-        return ApiError(400, "; ".join(_describe(e) for e in error.errors()), param=_param(error.errors()))
+        return validation_error(error)
     if isinstance(error, (ValueError, TypeError)):  # raised by validation, before anything is queued
         return ApiError(400, scrub(str(error), texts), param=_field_in(str(error)))
     if isinstance(error, EngineAsleepError):
@@ -92,24 +92,21 @@ def _is_shut_down(error: BaseException) -> bool:
     return isinstance(error, EngineError) and "shut down" in str(error)
 
 
-def _describe(err: dict) -> str:
-    """A pydantic / FastAPI validation error as 'field: rule' (never the input value)."""
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    if err.get("type") == "json_invalid":
-        return "the body is not valid JSON"
-    if err.get("type") == "extra_forbidden":
-        return f"{'.'.join(loc)}: unknown field"
-    if err.get("type") == "missing":
-        return f"{'.'.join(loc)}: field required"
-    return f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}"
+def validation_error(error, locate=None) -> ApiError:
+    """A pydantic (or FastAPI request) validation error -> 400 naming the fields and rules, never the values."""
+    from omniroll.errors import validation_messages
+
+    errors = list(error.errors())
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return ApiError(400, "the body is not valid JSON")
+    locate = locate or _body_key
+    lines = validation_messages(error, with_input=False, locate=locate, empty_loc="body")
+    param = next((locate(tuple(e["loc"])) for e in errors if e.get("loc")), None)
+    return ApiError(400, "; ".join(lines), param=param or None)
 
 
-def _param(errors: list[dict]) -> Optional[str]:
-    for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        if loc and err.get("type") != "json_invalid":
-            return ".".join(loc)
-    return None
+def _body_key(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if p != "body")
 
 
 def _field_in(message: str) -> Optional[str]:
@@ -148,9 +145,7 @@ def install_contract(app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics=
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
-        errors = list(exc.errors())
-        return error_response(ApiError(400, "; ".join(_describe(e) for e in errors), param=_param(errors)),
-                              request_id_of(request))
+        return error_response(validation_error(exc), request_id_of(request))
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):

@@ -26,7 +26,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omniroll.engine.params import GenerationRequest, SamplingParams
-from omniroll.rollout.http_contract import ApiError, classify, request_id_of
+from omniroll.rollout.http_contract import ApiError, classify, request_id_of, validation_error
 
 #: SamplingParams fields a caller may set as extra body fields (size sets height and width; images are pixels).
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields) - {"height", "width", "output_type"}
@@ -88,11 +88,9 @@ def build_requests(body: ImagesBody, rid: str, model_name: str, max_n: int,
                        param=unknown[0])
     try:
         params = SamplingParams(**extra, **parse_size(body.size, multiple))
-    except ValidationError as e:
-        errors = [{**err, "loc": ("size",) if err["loc"] and err["loc"][0] in ("height", "width") else err["loc"]}
-                  for err in e.errors()]
-        raise ApiError(400, "; ".join(f"{'.'.join(map(str, err['loc'])) or 'sampling'}: {err['msg']}"
-                                      for err in errors), param=".".join(map(str, errors[0]["loc"])) or None)
+    except ValidationError as e:  # height and width came from `size`
+        raise validation_error(e, locate=lambda loc: "size" if loc and loc[0] in ("height", "width")
+                               else ".".join(map(str, loc))) from None
     seed = body.seed if body.seed is not None else secrets.randbits(62)
     if seed + body.n > 2**63:
         raise ApiError(400, f"seed must be < 2**63 - n (image k uses seed + k), got {seed}", param="seed")
