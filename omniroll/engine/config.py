@@ -20,6 +20,10 @@ class EngineConfig:
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
     prefix_sharing: run the common ODE prefix of samples that share `latent_seed` (and prompt, shape, schedule,
         guidance) once per group and fork it at the SDE window's start (see `omniroll.engine.prefix`).
+    max_prompt_chars: the longest prompt (and negative prompt) accepted, in characters; longer ones are refused at
+        submission, naming the request, before any encoding. Default 8192: T5 reads at most 512 tokens (a few
+        thousand characters of English); text past that is truncated anyway, and tokenizing megabytes on the engine
+        thread would stall every other request.
     num_threads: torch intra-op threads for this process (None leaves torch's setting). CPU kernels (oneDNN
         convolutions in particular) can pick other algorithms at another thread count, so engines that must give
         bitwise-identical samples (replicas of one rollout) must run with the same num_threads.
@@ -35,6 +39,7 @@ class EngineConfig:
     asleep_policy: str = "error"
     num_threads: int | None = None
     prefix_sharing: bool = True
+    max_prompt_chars: int = 8192
 
     def __post_init__(self):
         if self.max_batch_size < 2:
@@ -47,5 +52,7 @@ class EngineConfig:
             raise ValueError(f"decode_batch_size must be >= 1, got {self.decode_batch_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.asleep_policy not in ("error", "wait"):
             raise ValueError(f"asleep_policy must be 'error' or 'wait', got {self.asleep_policy!r}")

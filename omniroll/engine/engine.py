@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from omniroll.engine.config import EngineConfig
+from omniroll.engine.errors import RequestError
 from omniroll.engine.lifecycle import EngineLifecycleMixin
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.packaging import aborted_output, build_output
@@ -49,6 +50,8 @@ class DiffusionEngine(EngineLifecycleMixin):
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque[RequestState] = deque()
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._live_ids: set[str] = set()  # request ids queued or running (unique; `abort(id)` names one request)
+        self._ids_lock = threading.Lock()  # taken inside `_lock` or alone, never the other way round
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
         self.admission_paused = False
@@ -139,26 +142,57 @@ class DiffusionEngine(EngineLifecycleMixin):
     # ------------------------------------------------------------------ submission (caller threads)
     def _submit_futures(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
         """Validate every request (errors raise here, in the caller's thread, before any is queued), then queue them
-        all at once, so the first step already sees the whole batch."""
+        all at once, so the first step already sees the whole batch. A request id already queued or running (or
+        twice in `requests`) is refused with `RequestError`: ids name requests for `abort`, so they must be unique."""
         futures, states = [], []
         for request in requests:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            states.append(self._make_state(request, _resolver(future)))
+            state = self._make_state(request, None)
+            state.on_done = self._resolver(future, state.request_id)
+            states.append(state)
             futures.append(future)
         self._check_awake()
         with self._lock:
             if self._stopped:
                 raise EngineError("engine is shut down")
+            with self._ids_lock:
+                ids = [s.request_id for s in states]
+                seen: set[str] = set()
+                for rid in ids:
+                    if rid in self._live_ids or rid in seen:
+                        raise RequestError(rid, "request_id is already in flight in this engine; request ids must "
+                                                "be unique among queued and running requests")
+                    seen.add(rid)
+                self._live_ids.update(ids)
             self._ensure_thread()
             self._inbox.extend(states)
             self._wakeup.notify()
         return futures
 
+    def _resolver(self, future: concurrent.futures.Future, request_id: str):
+        """The RequestState callback that frees the request id, then settles `future` exactly once."""
+
+        def on_done(output, error):
+            with self._ids_lock:
+                self._live_ids.discard(request_id)
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(output)
+
+        return on_done
+
     def _make_state(self, request: GenerationRequest, on_done) -> RequestState:
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
-        p = request.sampling_params
-        self.adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
+        p, rid = request.sampling_params, request.request_id
+        try:
+            self.adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
+        except ValueError as e:
+            raise RequestError(rid, str(e)) from None
+        limit = self.config.max_prompt_chars
+        for name, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
+            if isinstance(text, str) and len(text) > limit:
+                raise RequestError(rid, f"{name} has {len(text)} characters, more than max_prompt_chars={limit} "
+                                        f"(EngineConfig.max_prompt_chars)")
         latent_shape = self.adapter.latent_shape(p.height, p.width)
         sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width)
         return RequestState(request, sigmas, latent_shape, on_done)
@@ -223,7 +257,7 @@ class DiffusionEngine(EngineLifecycleMixin):
             if admitted:
                 try:
                     self._encode(admitted)
-                except Exception as e:  # noqa: BLE001 - fails the requests being admitted, not the running ones
+                except Exception as e:  # noqa: BLE001 - a bug: fails the requests being admitted, not the running
                     self._fail(admitted, e)
         batch = self.scheduler.schedule()
         if not batch:
@@ -242,17 +276,27 @@ class DiffusionEngine(EngineLifecycleMixin):
         return self._finish(finished)
 
     def _encode(self, states: list[RequestState]) -> None:
+        """Attach prompt encodings. Each prompt is encoded in its own guard (`PromptCache.get_many`): a request whose
+        prompt fails to encode fails alone, naming its id, the field and the reason; the others go on."""
         by_len: dict[int, list[RequestState]] = {}
         for s in states:
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
+        failed: dict[int, tuple[RequestState, BaseException]] = {}
         for length, group in by_len.items():
             conds = self.prompt_cache.get_many([s.request.prompt for s in group], length)
             cfg = [s for s in group if s.params.do_cfg]
             negs = self.prompt_cache.get_many([s.request.negative_prompt or "" for s in cfg], length)
-            for s, c in zip(group, conds):
-                s.cond = c
-            for s, c in zip(cfg, negs):
-                s.uncond = c
+            for field, members, encodings in (("prompt", group, conds), ("negative_prompt", cfg, negs)):
+                for s, c in zip(members, encodings):
+                    if isinstance(c, Exception):
+                        failed.setdefault(id(s), (s, _encode_error(s.request_id, field, c)))
+                    elif field == "prompt":
+                        s.cond = c
+                    else:
+                        s.uncond = c
+        for s, error in failed.values():
+            self.scheduler.finish([s])
+            s.on_done(None, error)
 
     def _finish(self, states: list[RequestState]) -> list[DiffusionOutput]:
         need_pixels = [s for s in states if s.params.output_type in ("pixel", "both")]
@@ -299,11 +343,10 @@ class DiffusionEngine(EngineLifecycleMixin):
         return [s.request_id for s in states]
 
 
-def _resolver(future: concurrent.futures.Future):
-    """The RequestState callback that settles `future` exactly once."""
-
-    def on_done(output, error):
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(output)
-
-    return on_done
+def _encode_error(request_id: str, field: str, error: Exception) -> Exception:
+    """A tokenizer's refusal (ValueError / TypeError / UnicodeError) is the request's fault: `RequestError`, never
+    retried. Anything else (out of memory, a broken encoder) is the engine's: `EngineError`."""
+    reason = f"{field} could not be encoded: {type(error).__name__}: {error}"
+    if isinstance(error, (ValueError, TypeError, UnicodeError)):
+        return RequestError(request_id, reason)
+    return EngineError(f"request {request_id!r} failed: {reason}")

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from omniroll.engine.errors import RequestError
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
 from omniroll.rollout.transfer import output_to_wire
@@ -50,13 +51,15 @@ class RolloutReplica:
         self._started_at = time.time()
 
     async def generate(self, request: dict | GenerationRequest) -> dict:
-        """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A malformed request raises ValueError
-        naming the field (and never reaches the engine, so it cannot disturb other requests)."""
+        """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A request the engine will not serve (bad
+        field, unencodable or too long prompt, duplicate id) raises `RequestError` (a ValueError) naming the request
+        and the reason; it never disturbs other requests."""
         if not isinstance(request, GenerationRequest):
             try:
                 request = GenerationRequest.model_validate(request)
-            except ValidationError as e:  # re-raised as ValueError: pydantic errors do not pickle reliably
-                raise ValueError(f"bad GenerationRequest: {_describe(e)}") from None
+            except ValidationError as e:  # re-raised as RequestError: pydantic errors do not pickle reliably
+                rid = request.get("request_id") if isinstance(request, dict) else None
+                raise RequestError(str(rid), f"bad GenerationRequest: {_describe(e)}") from None
         self._in_flight += 1
         try:
             out = await self.engine.generate_async(request)
