@@ -253,3 +253,19 @@ def test_cli_serve_binds_127_0_0_1_and_serves(tiny_sd3_path, tmp_path):
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=30)
     assert status == 130  # Ctrl-C: a graceful stop, then the CLI's exit status for SIGINT
+
+
+@pytest.mark.parametrize("prompt", ["a \ud800 lone surrogate " + MARKER, MARKER * 600], ids=["surrogate", "too_long"])
+def test_bad_prompt_is_400_naming_prompt(live, prompt):
+    url, engine = live
+    served = engine.stats()["served"]
+    def post(path, body):  # json.dumps escapes a lone surrogate as \\ud800, as a JSON client would send it
+        return http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = post("/v1/images/generations", {"prompt": prompt, "size": "64x64", **EXTRA})
+        g = post("/v1/generate", {"prompt": prompt, "seed": 1, "sampling_params": {**EXTRA, "height": 64, "width": 64}})
+    for resp in (r, g):
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+        assert MARKER not in resp.text
+    assert engine.stats()["served"] == served
