@@ -74,7 +74,7 @@ def classify(error: BaseException, texts: Iterable[Any] = ()) -> ApiError:
     texts = list(texts)
     if isinstance(error, ValidationError):
         return validation_error(error)
-    if isinstance(error, (ValueError, TypeError)):  # raised by validation, before anything is queued
+    if isinstance(error, ValueError):  # validation (RequestError included): this request only, nothing ran
         return ApiError(400, scrub(str(error), texts), param=_field_in(str(error)))
     if isinstance(error, EngineAsleepError):
         return ApiError(503, scrub(str(error), texts), retry_after=5)
@@ -154,10 +154,11 @@ def install_contract(app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics=
         return error_response(ApiError(exc.status_code, message), request_id_of(request))
 
     @app.exception_handler(Exception)
-    async def _bug(request, exc: Exception):
+    async def _bug(request, exc: Exception):  # routes classify what they expect; what reaches here is a bug
         rid = request_id_of(request)
-        logger.exception("request %s failed with a bug", rid)
-        return error_response(classify(exc), rid)
+        logger.error("request %s failed with a bug", rid, exc_info=exc)
+        return error_response(ApiError(500, f"internal error ({type(exc).__name__}); this is a bug, the traceback "
+                                            "is in the server log"), rid)
 
     routes = {getattr(r, "path", None) for r in app.routes}
     app.add_middleware(_ContractMiddleware, max_body_bytes=max_body_bytes, metrics=metrics, routes=routes)
