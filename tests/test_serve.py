@@ -224,7 +224,7 @@ def test_status_codes_are_classified_in_one_place():
     from omniroll.rollout.client import RequestError, RolloutError
 
     secret = "my secret prompt"
-    assert classify(RequestError(f"request 'r': bad prompt {secret!r}"), [secret]).status == 400
+    assert classify(RequestError("r", f"prompt {secret!r} is bad"), [secret]).status == 400
     assert secret not in classify(ValueError(f"prompt {secret!r} is too long"), [secret]).message
     assert classify(EngineAsleepError("asleep")).status == 503
     assert classify(RolloutError("every replica failed")).status == 503
