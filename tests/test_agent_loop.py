@@ -240,6 +240,16 @@ def test_prompt_length_is_checked_at_config_load(tiny_sd3_path):
     assert cfg_for(tiny_sd3_path, prompt_length=77).prompt_length == 77
 
 
+def test_prompt_ids_longer_than_prompt_length_fail_their_row_not_the_batch(cfg, replicas):
+    """For a model the config load cannot look into (model_copy skips validation here), the row fails alone after
+    generation, naming prompt_length, instead of the whole batch failing at stacking."""
+    short = cfg.model_copy(update={"prompt_length": 64})
+    with pytest.raises(AgentLoopError, match=r"77 token ids .*more than prompt_length=64") as ei:
+        asyncio.run(DiffusionAgentLoopWorker(short, RolloutClient(replicas[:1])).generate_sequences(
+            make_batch([("p0", "a red cat")])))
+    assert [f["row"] for f in ei.value.failed_rows] == [0] and ei.value.batch is None
+
+
 def test_agent_loop_error_carries_the_rows_that_succeeded(cfg, replicas, baseline, ray_cluster):
     """Raise mode over two workers: one row fails; the error still carries the five good rows, assembled and merged
     across chunks, identical to the batch without the bad row. A row that cannot share the batch is refused before
@@ -275,3 +285,33 @@ def test_same_latent_groups_share_initial_noise_and_window(tiny_sd3_path, replic
         assert all(torch.equal(lat[group[0], 0], lat[i, 0]) and win[i] == win[group[0]] for i in group)
         assert not torch.equal(lat[group[0], 1], lat[group[1], 1])
     assert not torch.equal(lat[0, 0], lat[3, 0])  # another group (uid), another initial noise
+
+
+def test_reward_worker_killed_mid_batch_every_row_scored(cfg, replicas, ray_cluster):
+    """One of two reward workers dies while it scores: its samples are re-scored on the other, no row fails."""
+    from omniroll.reward import create_reward_workers
+    from tests.test_reward_worker import _actor_options
+
+    functions = {"jpeg": {"fn": "jpeg_compressibility"},
+                 "slow": {"fn": "tests.reward_fns:slow_async", "kwargs": {"delay": 1.0}, "weight": 0.0}}
+    handles = create_reward_workers({"functions": functions, "max_wait_ms": 20}, 2, num_cpus=0, **_actor_options())
+    ray_cluster.get([h.ping.remote() for h in handles])
+    rows = [(f"k{i}", f"a {w} boat") for i, w in enumerate(["red", "blue", "green", "pink", "gray", "gold"])]
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]), reward_loop_worker_handles=handles)
+
+    async def go():
+        task = asyncio.create_task(worker.generate_sequences(make_batch(rows)))
+        for _ in range(600):  # until worker 0 is scoring (bounded)
+            if ray_cluster.get(handles[0].stats.remote())["batches"] >= 1:
+                break
+            await asyncio.sleep(0.02)
+        ray_cluster.kill(handles[0], no_restart=True)
+        return await task
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        ray_cluster.kill(handles[1], no_restart=True)
+    assert list(out.non_tensor_batch["status"]) == ["ok"] * len(rows)
+    assert out.batch["rm_scores"].shape == (len(rows), 1) and torch.isfinite(out.batch["rm_scores"]).all()
+    assert worker.reward_pool.stats()["dead"] == [0] and worker.reward_pool.stats()["rescored"] >= 1

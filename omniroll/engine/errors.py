@@ -1,4 +1,5 @@
-"""Errors a caller can act on: `RequestError` is the request's own fault (never retry it elsewhere)."""
+"""Errors a caller can act on. `RequestError` is the request's own fault (never retry it elsewhere); the others name
+the engine state or the operation that refused the call."""
 
 from __future__ import annotations
 
@@ -15,3 +16,15 @@ class RequestError(ValueError):
 
     def __reduce__(self):
         return (type(self), (self.request_id, self.reason))
+
+
+class EngineError(RuntimeError):
+    """A request or a call the engine could not serve."""
+
+
+class EngineAsleepError(EngineError):
+    """The engine sleeps, or its denoiser's weights were dropped by sleep(level=2) and no full update landed yet."""
+
+
+class EngineShutdownError(EngineError):
+    """The engine was shut down (or its loop died): every call raises at once."""

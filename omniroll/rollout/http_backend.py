@@ -54,13 +54,16 @@ class HttpBackend:
             self.pending -= n
 
     def state(self) -> str:
-        """"ok", "asleep" or "shut down"."""
+        """"ok", or why the engine cannot serve now: "shut down", "asleep", or its weights' state."""
         if self.is_client:
             return "ok"
-        if getattr(self.target, "_stopped", False):
+        st = self.target.stats()
+        if st.get("shut_down"):
             return "shut down"
-        if getattr(self.target, "asleep_level", 0) or getattr(self.target, "needs_weight_sync", False):
+        if st.get("asleep_level"):
             return "asleep"
+        if st.get("weights_unusable"):
+            return f"not serving: {st['weights_unusable']}"
         return "ok"
 
     def stats(self) -> dict:

@@ -66,7 +66,7 @@ def classify(error: BaseException, texts: Iterable[Any] = ()) -> ApiError:
     """The one place where an exception becomes a status code."""
     from pydantic import ValidationError
 
-    from omniroll.engine.lifecycle import EngineAsleepError
+    from omniroll.engine.errors import EngineAsleepError, EngineShutdownError
     from omniroll.rollout.client import RolloutError
 
     if isinstance(error, ApiError):
@@ -80,16 +80,10 @@ def classify(error: BaseException, texts: Iterable[Any] = ()) -> ApiError:
         return ApiError(503, scrub(str(error), texts), retry_after=5)
     if isinstance(error, (RolloutError, TimeoutError, asyncio.TimeoutError)):
         return ApiError(503, scrub(str(error) or "timed out", texts), retry_after=1)
-    if _is_shut_down(error):
+    if isinstance(error, EngineShutdownError):
         return ApiError(503, scrub(str(error), texts))
     return ApiError(500, f"internal error ({type(error).__name__}): {scrub(str(error), texts)}; "
                          "this is a bug, the traceback is in the server log")
-
-
-def _is_shut_down(error: BaseException) -> bool:
-    from omniroll.engine.engine import EngineError
-
-    return isinstance(error, EngineError) and "shut down" in str(error)
 
 
 def validation_error(error, locate=None) -> ApiError:

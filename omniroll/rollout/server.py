@@ -85,7 +85,7 @@ class Server:
         disconnect or on the first failure, metrics, and every error classified (its message scrubbed of `texts`)."""
         state = self.backend.state()
         if state != "ok":
-            raise ApiError(503, f"engine is {state}; retry later", retry_after=5)
+            raise ApiError(503, f"the engine is {state}; retry later", retry_after=5)
         self.metrics.samples_started(len(requests))
         try:
             with self.backend.reserve(len(requests)):
