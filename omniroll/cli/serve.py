@@ -21,12 +21,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-pending", type=int,
                         help="samples in flight over HTTP before requests get 503, overloaded (default 1024)")
     parser.add_argument("--max-n", type=int, help="images per request (default 64)")
+    parser.add_argument("--request-timeout-s", type=float,
+                        help="a request still running after this is aborted and answered 503 (default 600)")
 
 
 def run(args) -> int:
     from omniroll.rollout.serve import ServeConfig, serve
 
     optional = {k: getattr(args, k) for k in ("served_model_name", "max_batch_size", "max_body_bytes", "max_pending",
-                                              "max_n") if getattr(args, k) is not None}
+                                              "max_n", "request_timeout_s") if getattr(args, k) is not None}
     serve(ServeConfig(model=args.model, host=args.host, port=args.port, **optional))
     return 0
