@@ -32,6 +32,7 @@ from omniroll.agent_loop.registry import get_agent_loop_class
 from omniroll.agent_loop.single_turn import prompt_text
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.engine.params import SamplingParams
+from omniroll.errors import format_validation_error
 from omniroll.sampling.seeds import derive_group_seed, derive_seed
 
 
@@ -68,6 +69,15 @@ def group_indices(uids: list[str]) -> list[int]:
 
 def default_uid(raw_prompt: Any) -> str:
     return "prompt-" + hashlib.sha256(repr(raw_prompt).encode("utf-8")).hexdigest()[:16]
+
+
+def row_uids(non_tensor_batch: dict, n: int) -> list[str]:
+    """Each row's prompt group: `uid` as a string, or `default_uid(raw_prompt)` where missing. The one place that
+    requires `raw_prompt` and defaults `uid` (the manager and every worker call it)."""
+    if "raw_prompt" not in non_tensor_batch:
+        raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(non_tensor_batch)})")
+    return [str(u) if u is not None else default_uid(p)
+            for u, p in zip(non_tensor_batch.get("uid", [None] * n), non_tensor_batch["raw_prompt"])]
 
 
 class DiffusionAgentLoopWorker:
@@ -115,9 +125,8 @@ class DiffusionAgentLoopWorker:
         try:
             SamplingParams.model_validate(sp)
         except ValidationError as e:
-            raise ValueError("bad sampling params: " + "; ".join(
-                f"meta_info.sampling_params.{'.'.join(map(str, err['loc'])) or '<all>'}: {err['msg']}"
-                for err in e.errors())) from None
+            raise ValueError("bad sampling params: " + format_validation_error(
+                e, "meta_info.sampling_params", with_input=False, empty_loc="meta_info.sampling_params")) from None
         return sp
 
     def plan(self, batch: DataBatch) -> list[dict]:
@@ -125,16 +134,13 @@ class DiffusionAgentLoopWorker:
         raise ValueError naming the field."""
         nt, meta = batch.non_tensor_batch, batch.meta_info
         n = len(batch)
-        if "raw_prompt" not in nt:
-            raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(nt)})")
+        uids = row_uids(nt, n)
         validate = bool(meta.get("validate", False))
         steps = meta.get("global_steps")
         if steps is None:
             if not validate:
                 raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
             steps = 0
-        uids = [str(u) if u is not None else default_uid(p)
-                for u, p in zip(nt.get("uid", [None] * n), nt["raw_prompt"])]
         if "_group_index" in nt:
             idx = [int(i) for i in nt["_group_index"]]
         else:

@@ -19,7 +19,7 @@ import torch
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.lifecycle import EngineLifecycleMixin
 from omniroll.engine.output import DiffusionOutput
-from omniroll.engine.outputs import aborted_output, build_output
+from omniroll.engine.packaging import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.prompt_cache import PromptCache
 from omniroll.engine.request import RequestState
@@ -157,13 +157,7 @@ class DiffusionEngine(EngineLifecycleMixin):
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
         p = request.sampling_params
-        m = self.adapter.spatial_multiple
-        for name, value in (("height", p.height), ("width", p.width)):
-            if value % m:
-                raise ValueError(f"sampling_params.{name} must be a multiple of {m}, got {value}")
-        if p.max_sequence_length > self.adapter.max_sequence_length_limit:
-            raise ValueError(f"sampling_params.max_sequence_length must be <= "
-                             f"{self.adapter.max_sequence_length_limit}, got {p.max_sequence_length}")
+        self.adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
         latent_shape = self.adapter.latent_shape(p.height, p.width)
         sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width)
         return RequestState(request, sigmas, latent_shape, on_done)
@@ -223,6 +217,8 @@ class DiffusionEngine(EngineLifecycleMixin):
         """Admit, run one denoising step for one batch, finish what completed. Returns finished outputs."""
         if not self.admission_paused:
             admitted = self.scheduler.admit()
+            for s in admitted:
+                s.weight_version = self.weight_version  # admission fixes the weights a sample is made with
             if admitted:
                 try:
                     self._encode(admitted)
@@ -247,7 +243,6 @@ class DiffusionEngine(EngineLifecycleMixin):
     def _encode(self, states: list[RequestState]) -> None:
         by_len: dict[int, list[RequestState]] = {}
         for s in states:
-            s.weight_version = self.weight_version
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
         for length, group in by_len.items():
             conds = self.prompt_cache.get_many([s.request.prompt for s in group], length)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from omniroll.sampling.window import sde_window_bounds
 
 SDE_TYPES = ("sde", "cps", "dance_sde", "ode")
 OUTPUT_TYPES = ("pixel", "latent", "both")
@@ -40,33 +42,13 @@ class SamplingParams(BaseModel):
     output_type: Literal["pixel", "latent", "both"] = "pixel"
     latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 
-    @field_validator("sde_window_range")
-    @classmethod
-    def _check_range(cls, v):
-        if v is not None and not (0 <= v[0] < v[1]):
-            raise ValueError(f"sde_window_range must be (lo, hi) with 0 <= lo < hi, got {v}")
-        return v
-
     @model_validator(mode="after")
     def _check_window(self):
-        T = self.num_inference_steps
-        lo, hi = self.window_range()
-        if hi > T:
-            raise ValueError(f"sde_window_range hi must be <= num_inference_steps ({T}), got {hi}")
-        if self.sde_window_size is not None and self.sde_window_size > hi - lo:
-            raise ValueError(
-                f"sde_window_size must be in [1, {hi - lo}] (the width of sde_window_range {(lo, hi)}), "
-                f"got {self.sde_window_size}"
-            )
-        if self.sde_window_size is None and self.sde_window_range is not None:
-            raise ValueError("sde_window_range needs sde_window_size (the window's length within the range)")
+        sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
         return self
 
     def window_range(self) -> tuple[int, int]:
-        if self.sde_window_range is not None:
-            return tuple(self.sde_window_range)
-        T = self.num_inference_steps
-        return (0, max(T - 1, 1))
+        return sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
 
     @property
     def do_cfg(self) -> bool:

@@ -38,7 +38,7 @@ class RequestState:
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
         self.uncond: Optional[Conditioning] = None
-        self.weight_version: Optional[int] = None
+        self.weight_version: Optional[int] = None  # the engine's weight version, set when the request is admitted
         # Recorded over the SDE window.
         self.rec_latents: list[torch.Tensor] = []
         self.rec_log_probs: list[torch.Tensor] = []
@@ -69,8 +69,10 @@ class RequestState:
     def batch_key(self) -> tuple:
         return self.params.batch_key()
 
-    def step_params(self) -> tuple[float, str, Optional[torch.Tensor]]:
-        """(noise_level, sde_type, noise) for the current step; ODE and no draw outside the window."""
+    def draw_step_noise(self) -> tuple[float, str, Optional[torch.Tensor]]:
+        """Draw this step's noise from the request's generator (advancing it) and return (noise_level, sde_type,
+        noise). Outside the SDE window (or for an ODE request) nothing is drawn: (0.0, "ode", None). Call exactly
+        once per step, in step order: the draws are what make the sample reproducible."""
         if not (self.in_window and self.params.stochastic):
             return 0.0, "ode", None
         noise = torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32)
