@@ -18,15 +18,18 @@ recorded over the window, one VAE decode per image, uint8 pixels. Same bench SD3
     `sde_step` with the per-sample sigma lookup (`scheduler.index_for_timestep` per batch element) and a noise draw
     every step (as `sde_step_with_logprob`), ODE (eta 0) outside the window, latents / log-probs / timesteps of the
     window recorded and stacked, `vae.decode` of the batch, `image_processor.postprocess` -> uint8.
-(c) bound: only the work that cannot be avoided, timed directly on the adapter's modules: the same transformer
-    forwards the engine runs (same row counts per forward), one text encode per unique prompt (+1 negative), one VAE
-    decode per image (in blocks of the engine's decode_batch_size). No sampler, no bookkeeping, no invariance.
+(c) bound: the fastest configuration of the same work, timed directly on the adapter's modules: every forward row
+    the workload needs (P*n images x T steps x 2 CFG rows) in forwards of R* rows, the row count with the lowest
+    measured cost per row, one text encode per unique prompt (+1 negative), the VAE decodes in blocks of D* images,
+    the block size with the lowest measured cost per image. R* and D* are picked by a sweep in this very run
+    (printed). No sampler, no bookkeeping, no per-request overhead, no invariance. efficiency = (a) / (c).
 
-Each contender is warmed up once (every forward / decode shape of its timed runs, with fewer images and steps), then
-the contenders run interleaved, `--repeats` times, in a rotated order. The machine may be shared and noisy: medians
-are the headline figures, best-of-repeats (noise only ever adds time) are printed beside them. Then a per-row forward
-sweep (rows per forward vs ms per row, plain and batch-invariant) justifies the engine batch size. The last line of
-output is one JSON object.
+First the sweeps (rows per forward vs ms per row, plain and batch-invariant; images per decode vs s per image) pick
+the bound's R* and D*. Each contender is then warmed up once (every forward / decode shape of its timed runs, with
+fewer images and steps), and the contenders run interleaved, `--repeats` times, in a rotated order. The machine may
+be shared and noisy: medians are the headline figures, best-of-repeats (noise only ever adds time) are printed beside
+them; the load average at start and end is recorded. `--smoke` runs a tiny setting in about a minute (checks the
+script, not the speed). The last line of output is one JSON object.
 """
 
 from __future__ import annotations
@@ -52,16 +55,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap, prompts=4, steps=10, size=256)
     ap.add_argument("--batch-size", type=int, default=4, help="flow_grpo's fixed sampling batch (images)")
-    ap.add_argument("--engine-batch", type=int, default=16, help="omniroll max_batch_size (forward rows)")
+    ap.add_argument("--engine-batch", default="auto",
+                    help='omniroll max_batch_size (forward rows per batch key), or "auto" (the engine measures)')
     ap.add_argument("--layers", type=int, default=4, help="transformer layers of the bench model")
     add_run_args(ap, threads=2)
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--sweep-decode", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--sweep-repeats", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="tiny setting (1 prompt x 2, 64 px, 1 repeat): checks the script")
     ap.add_argument("--skip", nargs="*", default=[], choices=["omniroll", "omniroll_noninvariant", "flowgrpo", "bound"],
                     help="contenders to leave out (quick experiments)")
     args = ap.parse_args(argv)
-    if args.engine_batch < 2 or args.batch_size < 1:
-        ap.error("--engine-batch must be >= 2 and --batch-size >= 1")
+    if args.smoke:
+        args.prompts, args.n, args.height, args.width, args.repeats, args.max_sequence_length = 1, 2, 64, 64, 1, 16
+        args.sweep_rows, args.sweep_decode, args.sweep_repeats = [2, 4], [1, 2], 1
+    if args.engine_batch != "auto":
+        args.engine_batch = int(args.engine_batch)
+        if args.engine_batch < 2:
+            ap.error("--engine-batch must be >= 2 or auto")
+    if args.batch_size < 1:
+        ap.error("--batch-size must be >= 1")
     return args
 
 
@@ -98,30 +111,22 @@ def omniroll_rollout(engine, prompts: list[str], args, run: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- (c) bound
-def engine_forward_plan(num_requests: int, engine_batch: int, steps: int, rows_per_request: int) -> list[int]:
-    """Rows of every forward the engine runs for this workload: FCFS waves of as many requests as fit, T steps each
-    (all requests of the rollout share T, so a wave finishes together and the next wave is admitted)."""
-    per_wave = max(1, engine_batch // rows_per_request)
-    plan, left = [], num_requests
-    while left > 0:
-        wave = min(per_wave, left)
-        plan += [wave * rows_per_request] * steps
-        left -= wave
-    return plan
+def bound_forward_plan(total_rows: int, rows: int) -> list[int]:
+    """Forwards of `rows` rows (the last one takes the rest) covering `total_rows`."""
+    return [rows] * (total_rows // rows) + ([total_rows % rows] if total_rows % rows else [])
 
 
 @torch.no_grad()
-def bound_rollout(adapter, prompts: list[str], args, run: int, decode_batch: int) -> dict:
+def bound_rollout(adapter, prompts: list[str], args, run: int, rows: int, decode_batch: int) -> dict:
     pipe, tr, vae = adapter.pipeline, adapter.transformer, adapter.vae
     L = args.max_sequence_length
-    rows_per_request = 2 if args.guidance > 1.0 else 1
-    plan = engine_forward_plan(len(prompts) * args.n, args.engine_batch, args.steps, rows_per_request)
-    R = max(plan)
+    rows_per_image = 2 if args.guidance > 1.0 else 1
+    n_img = len(prompts) * args.n
+    plan = bound_forward_plan(n_img * rows_per_image * args.steps, rows)
     g = torch.Generator().manual_seed(run)
     C, h, w = adapter.latent_shape(args.height, args.width)
-    lat = torch.randn(R, C, h, w, generator=g)
-    t = torch.linspace(1000.0, 100.0, R)
-    n_img = len(prompts) * args.n
+    lat = torch.randn(rows, C, h, w, generator=g)
+    t = torch.linspace(1000.0, 100.0, rows)
     dec_in = torch.randn(n_img, C, h, w, generator=g) / vae.config.scaling_factor + vae.config.shift_factor
     phases = {"encode": 0.0, "denoise": 0.0, "decode": 0.0}
 
@@ -130,19 +135,36 @@ def bound_rollout(adapter, prompts: list[str], args, run: int, decode_batch: int
     enc = [pipe.encode_prompt(prompt=[p], prompt_2=None, prompt_3=None, device=adapter.device,
                               num_images_per_prompt=1, do_classifier_free_guidance=False, max_sequence_length=L)
            for p in list(dict.fromkeys(prompts)) + [""]]
-    pe = torch.cat([e[0] for e in enc]).repeat((R + len(enc) - 1) // len(enc), 1, 1)[:R]
-    ppe = torch.cat([e[2] for e in enc]).repeat((R + len(enc) - 1) // len(enc), 1)[:R]
+    pe = torch.cat([e[0] for e in enc]).repeat((rows + len(enc) - 1) // len(enc), 1, 1)[:rows]
+    ppe = torch.cat([e[2] for e in enc]).repeat((rows + len(enc) - 1) // len(enc), 1)[:rows]
     phases["encode"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for rows in plan:
-        tr(hidden_states=lat[:rows], timestep=t[:rows], encoder_hidden_states=pe[:rows],
-           pooled_projections=ppe[:rows], return_dict=False)
+    for r in plan:
+        tr(hidden_states=lat[:r], timestep=t[:r], encoder_hidden_states=pe[:r], pooled_projections=ppe[:r],
+           return_dict=False)
     phases["denoise"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     for chunk in dec_in.split(decode_batch):
         vae.decode(chunk, return_dict=False)
     phases["decode"] = time.perf_counter() - t0
     return {"seconds": time.perf_counter() - t_start, "images": n_img, "phases": phases, "forwards": len(plan)}
+
+
+@torch.no_grad()
+def decode_sweep(adapter, args, blocks: list[int], repeats: int) -> dict:
+    """Seconds per image of one VAE decode vs images per decode (plain), interleaved; warm-up first."""
+    vae = adapter.vae
+    C, h, w = adapter.latent_shape(args.height, args.width)
+    x = torch.randn(max(blocks), C, h, w, generator=torch.Generator().manual_seed(0))
+    for b in blocks:
+        vae.decode(x[:b], return_dict=False)
+    samples = {b: [] for b in blocks}
+    for rep in range(repeats):
+        for b in (blocks if rep % 2 == 0 else list(reversed(blocks))):
+            t0 = time.perf_counter()
+            vae.decode(x[:b], return_dict=False)
+            samples[b].append((time.perf_counter() - t0) / b)
+    return {b: min(v) for b, v in samples.items()}
 
 
 # --------------------------------------------------------------------------------------------------- sweep
