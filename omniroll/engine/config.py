@@ -11,8 +11,9 @@ import torch
 class EngineConfig:
     """Knobs of one engine (one model replica).
 
-    max_batch_size: forward rows per denoising step; a CFG request takes two rows. On CPU a forward does not get
-        cheaper per row with batching, so the default is the fastest measured size, not the largest.
+    max_batch_size: forward rows per denoising step and batch key (latent shape and text length); a CFG request takes
+        two rows. "auto" (the default): measured per batch key at its first request, the row count with the lowest
+        cost per row, cached on disk per model, shape and thread count (see `omniroll.engine.calibrate`).
     batch_invariant: run linear layers in fixed row blocks so a request's output is bitwise independent of what
         else shares its batch (see `omniroll.engine.invariant`).
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
@@ -27,7 +28,7 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
-    max_batch_size: int = 16
+    max_batch_size: int | str = "auto"
     batch_invariant: bool = True
     invariant_block_rows: int = 64
     prompt_cache_size: int = 1024
@@ -37,8 +38,10 @@ class EngineConfig:
     prefix_sharing: bool = True
 
     def __post_init__(self):
-        if self.max_batch_size < 2:
-            raise ValueError(f"max_batch_size must be >= 2 (one CFG request takes two rows), got {self.max_batch_size}")
+        if self.max_batch_size != "auto" and (isinstance(self.max_batch_size, bool)
+                                              or not isinstance(self.max_batch_size, int) or self.max_batch_size < 2):
+            raise ValueError(f"max_batch_size must be an int >= 2 (one CFG request takes two rows) or 'auto', "
+                             f"got {self.max_batch_size!r}")
         if self.invariant_block_rows < 1:
             raise ValueError(f"invariant_block_rows must be >= 1, got {self.invariant_block_rows}")
         if self.prompt_cache_size < 1:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.lifecycle import EngineLifecycleMixin
 from omniroll.engine.output import DiffusionOutput
@@ -39,7 +40,13 @@ class DiffusionEngine(EngineLifecycleMixin):
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.runner = ModelRunner(adapter, self.config)
-        self.scheduler = Scheduler(self.config.max_batch_size, prefix_sharing=self.config.prefix_sharing)
+        self.calibrator = None
+        rows = self.config.max_batch_size
+        if rows == "auto":
+            self.calibrator = RowCalibrator(adapter, self.runner.execution_mode, self.config.device, self.config.dtype,
+                                            self.config.batch_invariant)
+            rows = self.calibrator.rows_for
+        self.scheduler = Scheduler(rows, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.weight_version = 0
         self.served = 0
@@ -56,7 +63,7 @@ class DiffusionEngine(EngineLifecycleMixin):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        max_batch_size: int = 16, **config_kwargs) -> "DiffusionEngine":
+                        max_batch_size: int | str = "auto", **config_kwargs) -> "DiffusionEngine":
         from omniroll.models import load_adapter
 
         config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, **config_kwargs)
