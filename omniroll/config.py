@@ -45,7 +45,7 @@ class ReplicasSection(_Strict):
 class EngineSection(_Strict):
     model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, or "tiny" (built on demand)')
     max_batch_size: Union[Literal["auto"], Annotated[int, Field(ge=2, le=4096)]] = Field(
-        "auto", description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
+        16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")

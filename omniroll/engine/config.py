@@ -12,12 +12,17 @@ class EngineConfig:
     """Knobs of one engine (one model replica).
 
     max_batch_size: forward rows per denoising step and batch key (latent shape and text length); a CFG request takes
-        two rows. "auto" (the default): measured per batch key at its first request, the row count with the lowest
-        cost per row, cached on disk per model, shape and thread count (see `omniroll.engine.calibrate`).
+        two rows. "auto": measured per batch key at its first request (a calibration of a few forwards, ~1-5 s,
+        cached on disk per model, shape and thread count; see `omniroll.engine.calibrate`), the row count with the
+        lowest cost per row. The default, 16, is the rule for CPU: the cost per row is flat from 8 to 16 rows and
+        ~10% higher at 32 (measured, README); on a GPU use "auto".
     batch_invariant: run linear layers in fixed row blocks so a request's output is bitwise independent of what
         else shares its batch (see `omniroll.engine.invariant`).
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
-    decode_batch_size: finished samples decoded per VAE call.
+    decode_batch_size: finished samples decoded per VAE call (4: a block of 4 costs less per image than one at a time
+        on CPU). In batch-invariant mode every call decodes exactly this many (zero-padded), so, like num_threads, it
+        is part of what makes a sample's pixels: replicas of one rollout must share it. A partial block waits up to
+        this many steps for more finished samples while other requests run.
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
     prefix_sharing: run the common ODE prefix of samples that share `latent_seed` (and prompt, shape, schedule,
         guidance) once per group and fork it at the SDE window's start (see `omniroll.engine.prefix`).
@@ -28,11 +33,11 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
-    max_batch_size: int | str = "auto"
+    max_batch_size: int | str = 16
     batch_invariant: bool = True
     invariant_block_rows: int = 64
     prompt_cache_size: int = 1024
-    decode_batch_size: int = 8
+    decode_batch_size: int = 4
     asleep_policy: str = "error"
     num_threads: int | None = None
     prefix_sharing: bool = True

@@ -55,6 +55,7 @@ class DiffusionEngine(EngineLifecycleMixin):
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque[RequestState] = deque()
+        self._to_decode: list[tuple[RequestState, int]] = []  # finished, waiting for a full decode block (+ step)
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
@@ -63,7 +64,7 @@ class DiffusionEngine(EngineLifecycleMixin):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        max_batch_size: int | str = "auto", **config_kwargs) -> "DiffusionEngine":
+                        max_batch_size: int | str = 16, **config_kwargs) -> "DiffusionEngine":
         from omniroll.models import load_adapter
 
         config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, **config_kwargs)
@@ -138,8 +139,9 @@ class DiffusionEngine(EngineLifecycleMixin):
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for state in self.scheduler.drain_all() + list(self._inbox):
+        for state in self.scheduler.drain_all() + list(self._inbox) + [s for s, _ in self._to_decode]:
             state.on_done(None, EngineError("engine shut down"))
+        self._to_decode.clear()
         self._inbox.clear()
 
     # ------------------------------------------------------------------ submission (caller threads)
@@ -188,10 +190,14 @@ class DiffusionEngine(EngineLifecycleMixin):
                 self._inbox.clear()
             for state in arrivals:
                 self.scheduler.add(state)
+            if controls and self._to_decode:
+                self._finish([], flush=True)  # a control call never sees a finished sample waiting for its decode
             for fn, future in controls:
                 self._run_control(fn, future)
             if self._runnable():
                 self._step_safely()
+            if self._to_decode and not self._runnable():
+                self._finish([], flush=True)
 
     def _runnable(self) -> bool:
         if self.asleep_level or self.needs_weight_sync:
@@ -242,9 +248,8 @@ class DiffusionEngine(EngineLifecycleMixin):
         self.steps_run += 1
         self.rows_run += sum(s.num_rows for s in batch)
         finished = [s for s in batch if s.done]
-        if not finished:
-            return []
-        self.scheduler.finish(finished)
+        if finished:
+            self.scheduler.finish(finished)
         return self._finish(finished)
 
     def _encode(self, states: list[RequestState]) -> None:
@@ -260,23 +265,37 @@ class DiffusionEngine(EngineLifecycleMixin):
             for s, c in zip(cfg, negs):
                 s.uncond = c
 
-    def _finish(self, states: list[RequestState]) -> list[DiffusionOutput]:
-        need_pixels = [s for s in states if s.params.output_type in ("pixel", "both")]
-        pixels = {}
-        if need_pixels:
-            decoded = self.runner.decode(torch.stack([s.latents for s in need_pixels]))
-            pixels = {id(s): decoded[i] for i, s in enumerate(need_pixels)}
-        outputs = []
-        for s in states:
+    def _finish(self, states: list[RequestState], flush: bool = False) -> list[DiffusionOutput]:
+        """Deliver finished requests. Pixels are decoded in blocks of `decode_batch_size`; a partial block waits for
+        more finished samples while requests are running, for at most `decode_batch_size` steps (`flush` decodes now).
+        A failed decode fails its block's requests only."""
+        outputs = [self._deliver(s, None) for s in states if s.params.output_type == "latent"]
+        self._to_decode += [(s, self.steps_run) for s in states if s.params.output_type != "latent"]
+        block = self.config.decode_batch_size
+        while self._to_decode:
+            if (len(self._to_decode) < block and not flush and self.scheduler.running
+                    and self.steps_run - self._to_decode[0][1] < block):
+                break
+            states_ = [s for s, _ in self._to_decode[:block]]
+            del self._to_decode[:block]
             try:
-                out = build_output(s, pixels.get(id(s)))
-            except Exception as e:  # e.g. NaN pixels: this request fails loudly, the others go on
-                s.on_done(None, e)
+                decoded = self.runner.decode(torch.stack([s.latents for s in states_]))
+            except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
+                for s in states_:
+                    s.on_done(None, EngineError(f"request {s.request_id} failed: {e!r}"))
                 continue
-            self.served += 1
-            outputs.append(out)
-            s.on_done(out, None)
-        return outputs
+            outputs += [self._deliver(s, decoded[i]) for i, s in enumerate(states_)]
+        return [o for o in outputs if o is not None]
+
+    def _deliver(self, s: RequestState, pixels: Optional[torch.Tensor]) -> Optional[DiffusionOutput]:
+        try:
+            out = build_output(s, pixels)
+        except Exception as e:  # noqa: BLE001 - e.g. NaN pixels: this request fails loudly, the others go on
+            s.on_done(None, e)
+            return None
+        self.served += 1
+        s.on_done(out, None)
+        return out
 
     def _abort_now(self, request_id: str) -> bool:
         with self._lock:
