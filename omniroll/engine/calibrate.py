@@ -83,7 +83,7 @@ class RowCalibrator:
         arch = json.dumps(dict(getattr(den, "config", {})), sort_keys=True, default=str)
         cpu = platform.processor() or platform.machine()
         ident = (f"{type(den).__name__}|{hashlib.sha256(arch.encode()).hexdigest()[:16]}|"
-                 f"{tuple(state.latents.shape)}|L{state.params.max_sequence_length}|threads{torch.get_num_threads()}|"
+                 f"{tuple(state.latents.shape)}|L{state.params.max_sequence_length}|expert{state.expert}|threads{torch.get_num_threads()}|"
                  f"{self.device.type}|{self.dtype}|{'invariant' if self.invariant else 'plain'}|{cpu}|"
                  f"torch{torch.__version__}|{'|'.join(map(str, self.candidates))}")
         return ident
@@ -110,16 +110,19 @@ class RowCalibrator:
     @torch.no_grad()
     def _measure(self, key: str, state: RequestState) -> int:
         cond = self.adapter.encode_prompts([""], state.params.max_sequence_length)[0]
-        x = state.latents.new_zeros((max(self.candidates),) + tuple(state.latents.shape)).normal_(
-            generator=torch.Generator().manual_seed(0)).to(self.device)
-        t = torch.full((x.shape[0],), 500.0, device=self.device)
-        tensors = {k: v.unsqueeze(0).expand(x.shape[0], *v.shape).contiguous().to(self.device)
-                   for k, v in cond.tensors.items()}
+        n = max(self.candidates)
+        x = torch.randn((n,) + tuple(state.latents.shape), generator=torch.Generator().manual_seed(0)).to(self.device)
+        t = torch.full((n,), 500.0, device=self.device)
+        tensors = {k: v.unsqueeze(0).expand(n, *v.shape).contiguous().to(self.device) for k, v in cond.tensors.items()}
+        guidance = None
+        if getattr(self.adapter, "guidance_kind", None) == "distilled":
+            guidance = torch.full((n,), 3.5, device=self.device)
         times = {r: float("inf") for r in self.candidates}
 
         def forward(rows):
             with self.execution_mode():
-                self.adapter.velocity(x[:rows], t[:rows], {k: v[:rows] for k, v in tensors.items()})
+                self.adapter.velocity(x[:rows], t[:rows], {k: v[:rows] for k, v in tensors.items()},
+                                      guidance=None if guidance is None else guidance[:rows], expert=state.expert)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
 
