@@ -163,6 +163,10 @@ class DiffusionEngine(EngineLifecycleMixin):
         if p.max_sequence_length > self.adapter.max_sequence_length_limit:
             raise ValueError(f"sampling_params.max_sequence_length must be <= "
                              f"{self.adapter.max_sequence_length_limit}, got {p.max_sequence_length}")
+        for field, ids in (("prompt_token_ids", request.prompt_token_ids),
+                           ("negative_prompt_token_ids", request.negative_prompt_token_ids)):
+            if ids is not None:
+                self.adapter.check_token_ids(ids, p.max_sequence_length, field)
         latent_shape = self.adapter.latent_shape(p.height, p.width)
         sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width)
         return RequestState(request, sigmas, latent_shape, on_done)
@@ -249,9 +253,9 @@ class DiffusionEngine(EngineLifecycleMixin):
             s.weight_version = self.weight_version
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
         for length, group in by_len.items():
-            conds = self.prompt_cache.get_many([s.request.prompt for s in group], length)
+            conds = self.prompt_cache.get_many([s.request.prompt_input() for s in group], length)
             cfg = [s for s in group if s.params.do_cfg]
-            negs = self.prompt_cache.get_many([s.request.negative_prompt or "" for s in cfg], length)
+            negs = self.prompt_cache.get_many([s.request.negative_input() for s in cfg], length)
             for s, c in zip(group, conds):
                 s.cond = c
             for s, c in zip(cfg, negs):
