@@ -7,9 +7,10 @@ hash of the prompt), `data_source`, `agent_name`, `reward_model` ({"ground_truth
 `rollout_seed`, `validate`, `sampling_params` (batch-level override).
 
 Seeds: `derive_seed(rollout_seed, global_steps, uid, index)` where index is the row's position within its group (the
-manager's `_group_index`, else the order of appearance of the uid in this batch), so a sample's seed never depends on
-how the batch was chunked. Validation: `derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step),
-ODE (noise_level 0) and no log-probs.
+manager's `_group_index`, else the trainer's `_rollout_seed_global_idx % n`, else the order of appearance of the uid in
+this batch; see `group_index_column`), so a sample's seed never depends on how the batch was chunked. Validation:
+`derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step), or `val_kwargs.seed` itself for every
+row with `val_kwargs.seed_mode: shared` (VeRL-Omni's semantics); ODE (noise_level 0) and no log-probs.
 
 Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
 disappears: by default the worker raises ONE `AgentLoopError` listing every failed row; with `agent.on_failure: mark`
@@ -63,6 +64,18 @@ def group_indices(uids: list[str]) -> list[int]:
         out.append(seen.get(u, 0))
         seen[u] = out[-1] + 1
     return out
+
+
+def group_index_column(non_tensor_batch: dict, uids: list[str], n: int) -> list[int]:
+    """Each row's index within its prompt group: `_group_index` when given; else from the trainer's global row index
+    `_rollout_seed_global_idx` (VeRL-Omni: an arange over the batch after its n-fold interleaved repeat, so the
+    index is `global % n`), which holds however the batch was chunked; else the order of appearance of the uid in
+    THIS batch (right only for a whole batch, which is what omniroll's AgentLoopManager hands out)."""
+    if "_group_index" in non_tensor_batch:
+        return [int(i) for i in non_tensor_batch["_group_index"]]
+    if "_rollout_seed_global_idx" in non_tensor_batch:
+        return [int(g) % n for g in non_tensor_batch["_rollout_seed_global_idx"]]
+    return group_indices(uids)
 
 
 def default_uid(raw_prompt: Any) -> str:
@@ -134,16 +147,16 @@ class DiffusionAgentLoopWorker:
             steps = 0
         uids = [str(u) if u is not None else default_uid(p)
                 for u, p in zip(nt.get("uid", [None] * n), nt["raw_prompt"])]
-        if "_group_index" in nt:
-            idx = [int(i) for i in nt["_group_index"]]
-        else:
-            idx = group_indices(uids)
+        group_size = self.config.val_kwargs.n if validate else self.config.n
+        idx = group_index_column(nt, uids, group_size)
         seen: dict[tuple, int] = {}
         for r, key in enumerate(zip(uids, idx)):
             if key in seen:
                 raise ValueError(f"rows {seen[key]} and {r} have the same (uid, _group_index) {key}: each sample of a "
-                                 f"group needs its own index")
+                                 f"group needs its own index (with _rollout_seed_global_idx the index is global % n, "
+                                 f"n = {group_size}: is n the batch's repeat count?)")
             seen[key] = r
+        shared_val_seed = validate and self.config.val_kwargs.seed_mode == "shared"
         if validate:
             base, step_for_seed, tag = self.config.val_kwargs.seed, 0, "val"
         else:
@@ -152,7 +165,8 @@ class DiffusionAgentLoopWorker:
         rows = []
         for r in range(n):
             fields = {k: v[r] for k, v in nt.items()}
-            fields.update(uid=uids[r], _group_index=idx[r], seed=derive_seed(base, step_for_seed, uids[r], idx[r]),
+            seed = int(base) if shared_val_seed else derive_seed(base, step_for_seed, uids[r], idx[r])
+            fields.update(uid=uids[r], _group_index=idx[r], seed=seed,
                           request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
             rows.append(fields)
         return rows
