@@ -8,6 +8,10 @@ key, e.g. `pipeline.heigth: Extra inputs are not permitted`.
     cfg = load_config("rollout.yaml", overrides=["pipeline.height=64", "replicas.count=2"])
     cfg.sampling_params()                # training sampling dict
     cfg.sampling_params(validate=True)   # validation: val_kwargs overlay, noise_level 0, logprobs False
+
+Naming: a YAML section is a `*Section` class (`EngineSection`, `RewardSection`, ...); `*Config` names belong to the
+components themselves (`omniroll.engine.config.EngineConfig`, `omniroll.reward.RewardConfig`), so each name means
+one thing.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from omniroll.engine.params import SamplingParams
-from omniroll.reward.manager import RewardConfig as RewardWorkerConfig
+from omniroll.errors import format_validation_error
+from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
 from omniroll.reward.manager import RewardFunctionConfig
 
 
@@ -30,14 +35,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ReplicasConfig(_Strict):
+class ReplicasSection(_Strict):
     count: int = Field(1, ge=1, le=1024)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_concurrency: int = Field(1000, ge=1)
 
 
-class EngineConfig(_Strict):
+class EngineSection(_Strict):
     model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, or "tiny" (built on demand)')
     max_batch_size: int = Field(16, ge=1, le=4096)
     device: str = "cpu"
@@ -52,7 +57,7 @@ class EngineConfig(_Strict):
         return kw
 
 
-class PipelineConfig(_Strict):
+class PipelineSection(_Strict):
     height: int = Field(512, ge=16, le=4096)
     width: int = Field(512, ge=16, le=4096)
     num_inference_steps: int = Field(10, ge=1, le=1000)
@@ -61,11 +66,13 @@ class PipelineConfig(_Strict):
     output_type: Literal["pixel", "latent", "both"] = "pixel"
 
 
-class AlgoConfig(_Strict):
+class AlgoSection(_Strict):
     noise_level: float = Field(0.7, ge=0.0, le=10.0)
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
     sde_window_size: Optional[int] = Field(None, ge=1)
     sde_window_range: Optional[tuple[int, int]] = None
+    same_latent: bool = Field(False, description="training samples of a prompt group share their initial noise and "
+                                                 "SDE window (flow_grpo's same_latent); their ODE prefix runs once")
 
 
 class _PartialPipeline(_Strict):
@@ -78,7 +85,7 @@ class _PartialPipeline(_Strict):
 
 class _PartialAlgo(_Strict):
     noise_level: float = Field(0.0, ge=0.0, le=10.0)
-    sde_type: Optional[Literal["sde", "cps", "ode"]] = None
+    sde_type: Optional[Literal["sde", "cps", "dance_sde", "ode"]] = None
     sde_window_size: Optional[int] = Field(None, ge=1)
     sde_window_range: Optional[tuple[int, int]] = None
 
@@ -94,7 +101,7 @@ class ValKwargs(_Strict):
     algo: _PartialAlgo = Field(default_factory=_PartialAlgo)
 
 
-class AgentConfig(_Strict):
+class AgentSection(_Strict):
     num_workers: int = Field(2, ge=1, le=1024)
     default_agent_loop: str = "diffusion_single_turn_agent"
     on_failure: Literal["raise", "mark"] = Field(
@@ -102,7 +109,7 @@ class AgentConfig(_Strict):
     )
 
 
-class RewardConfig(RewardWorkerConfig):
+class RewardSection(RewardWorkerConfig):
     """The reward workers' own config (`omniroll.reward.RewardConfig`: `functions` of `RewardFunctionConfig`,
     micro-batching knobs) plus how many workers to start; an empty `functions` means no streaming reward."""
 
@@ -118,12 +125,12 @@ class RewardConfig(RewardWorkerConfig):
 
 
 class OmniRollConfig(_Strict):
-    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    algo: AlgoConfig = Field(default_factory=AlgoConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
+    replicas: ReplicasSection = Field(default_factory=ReplicasSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    algo: AlgoSection = Field(default_factory=AlgoSection)
+    agent: AgentSection = Field(default_factory=AgentSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     n: int = Field(1, ge=1, description="samples per prompt (the group size)")
     seed: Optional[int] = Field(None, ge=0, description="rollout seed base; None = 0")
@@ -140,16 +147,16 @@ class OmniRollConfig(_Strict):
             try:
                 SamplingParams.model_validate(self.sampling_params(validate=validate))
             except ValidationError as e:
-                raise ValueError("; ".join(
-                    f"{section}{_SECTION.get(str(err['loc'][0]), '') if err['loc'] else ''}"
-                    f"{'.'.join(map(str, err['loc'])) or 'algo'}: {err['msg'].removeprefix('Value error, ')}"
-                    for err in e.errors()
-                )) from None
+                raise ValueError(format_validation_error(
+                    e, with_input=False, empty_loc=f"{section}algo",
+                    locate=lambda loc: (f"{section}{_SECTION.get(str(loc[0]), '')}{'.'.join(map(str, loc))}"
+                                        if loc else ""))) from None
         return self
 
     def sampling_params(self, validate: bool = False) -> dict:
         """The per-request sampling dict (SamplingParams fields)."""
-        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(), "logprobs": self.calculate_log_probs}
+        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(exclude={"same_latent"}),
+              "logprobs": self.calculate_log_probs}
         if validate:
             sp.update({k: v for k, v in self.val_kwargs.pipeline.model_dump().items() if v is not None})
             algo = self.val_kwargs.algo.model_dump()
@@ -159,7 +166,7 @@ class OmniRollConfig(_Strict):
         return sp
 
 
-_SECTION = {k: "pipeline." for k in PipelineConfig.model_fields} | {k: "algo." for k in AlgoConfig.model_fields}
+_SECTION = {k: "pipeline." for k in PipelineSection.model_fields} | {k: "algo." for k in AlgoSection.model_fields}
 
 
 def load_config(
@@ -196,9 +203,4 @@ def validate_config(raw: dict) -> OmniRollConfig:
     try:
         return OmniRollConfig.model_validate(raw)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "<root>"
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(msg if not err["loc"] else f"{key}: {msg} (got {err.get('input')!r})")
-        raise ConfigError("invalid config: " + "; ".join(lines)) from None
+        raise ConfigError("invalid config: " + format_validation_error(e)) from None

@@ -203,3 +203,16 @@ def test_validation_is_ode_without_logprobs(cfg, replicas):
     assert "rollout_log_probs" not in out1.batch.keys() and out1.batch["noise_level"].tolist() == [0.0, 0.0]
     assert out1.non_tensor_batch["seed"][0] != out1.non_tensor_batch["seed"][1]  # one seed per row
     assert torch.equal(out1.batch["responses"], out2.batch["responses"])  # the same validation images every step
+
+
+def test_same_latent_groups_share_initial_noise_and_window(tiny_sd3_path, replicas):
+    cfg = cfg_for(tiny_sd3_path, algo={"same_latent": True, "sde_window_size": 1, "sde_window_range": (1, 3)})
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]))
+    rows = [("u0", "a red cat")] * 3 + [("u1", "a red cat")] * 2
+    out = asyncio.run(worker.generate_sequences(make_batch(rows, global_steps=4)))
+    lat, win = out.batch["all_latents"], out.batch["sde_window"].tolist()
+    assert len(set(out.non_tensor_batch["seed"])) == 5  # every sample keeps its own seed (window noise)
+    for group in ([0, 1, 2], [3, 4]):
+        assert all(torch.equal(lat[group[0], 0], lat[i, 0]) and win[i] == win[group[0]] for i in group)
+        assert not torch.equal(lat[group[0], 1], lat[group[1], 1])
+    assert not torch.equal(lat[0, 0], lat[3, 0])  # another group (uid), another initial noise

@@ -150,3 +150,53 @@ def test_log_prob_of_a_row_is_bitwise_independent_of_its_batch():
             for i in range(16):
                 alone = sde_step(x[i:i + 1], v[i:i + 1], 0.7, 0.6, 0.8, kind, noise=eps[i:i + 1], reduce=reduce)
                 assert torch.equal(batch[i], alone.log_prob[0]), (kind, reduce, i)
+
+
+def test_dance_sde_matches_hand_computation():
+    # VeRL-Omni's dance_sde: mean = x + dt v - 0.5 eta^2 score dt, score = -(x - (1 - s) x0) / s^2, std = eta sqrt(s - sn)
+    x, v, s, sn, eta, eps = 1.0, 0.5, 0.8, 0.6, 0.7, 0.5
+    dt = sn - s
+    x0 = x - s * v
+    score = -(x - (1 - s) * x0) / s**2
+    mean = x + dt * v - 0.5 * eta**2 * score * dt
+    std = eta * math.sqrt(s - sn)
+    prev = mean + std * eps
+    logp = -((prev - mean) ** 2) / (2 * std**2) - math.log(std) - math.log(math.sqrt(2 * math.pi))
+    out = sde_step(one(x), one(v), s, sn, eta, "dance_sde", noise=one(eps))
+    assert out.mean.item() == pytest.approx(mean, rel=1e-6)
+    assert out.std.item() == pytest.approx(std, rel=1e-6)
+    assert out.prev_sample.item() == pytest.approx(prev, rel=1e-6)
+    assert out.log_prob.item() == pytest.approx(logp, rel=1e-5)
+    # at sigma == 1 it needs no sigma_max (no 1 / (1 - sigma) term); recompute is exact; eta == 0 is Euler
+    top = sde_step(one(x), one(v), 1.0, 0.9, eta, "dance_sde", noise=one(eps))
+    assert torch.isfinite(top.log_prob).all()
+    again = sde_step(one(x), one(v), 1.0, 0.9, eta, "dance_sde", prev_sample=top.prev_sample)
+    assert torch.equal(again.log_prob, top.log_prob)
+    assert sde_step(one(x), one(v), s, sn, 0.0, "dance_sde").prev_sample.item() == pytest.approx(x + dt * v)
+
+
+def test_dance_sde_rows_mix_with_other_types():
+    g = torch.Generator().manual_seed(3)
+    x, v = torch.randn(3, 2, 4, 4, generator=g), torch.randn(3, 2, 4, 4, generator=g)
+    eps = torch.randn(3, 2, 4, 4, generator=g)
+    types = ["sde", "dance_sde", "cps"]
+    both = sde_step(x, v, 0.7, 0.5, 0.8, types, noise=eps)
+    for i, t in enumerate(types):
+        alone = sde_step(x[i:i + 1], v[i:i + 1], 0.7, 0.5, 0.8, t, noise=eps[i:i + 1])
+        assert torch.equal(both.prev_sample[i], alone.prev_sample[0]), t
+        assert torch.equal(both.log_prob[i], alone.log_prob[0]), t
+
+
+def test_zero_noise_cps_scored_away_from_its_mean_is_minus_squared_error():
+    # the last CPS step (sigma_next == 0: std == 0) and eta == 0 are deterministic; scoring a sample that is not the
+    # mean must give what flow_grpo / VeRL-Omni give, -mean((x' - mu)^2), not a constant 0 (which would hide the move)
+    g = torch.Generator().manual_seed(4)
+    x, v = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
+    for sn, eta in ((0.0, 0.8), (0.4, 0.0)):
+        at_mean = sde_step(x, v, 0.6, sn, eta, "cps")
+        assert torch.equal(at_mean.log_prob, torch.zeros(2))
+        moved = at_mean.prev_sample + 0.1
+        scored = sde_step(x, v, 0.6, sn, eta, "cps", prev_sample=moved)
+        expected = -((moved - at_mean.mean) ** 2).reshape(2, -1).mean(1)
+        assert torch.allclose(scored.log_prob, expected, rtol=0, atol=1e-7)
+        assert (scored.log_prob < 0).all()

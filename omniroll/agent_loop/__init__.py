@@ -17,7 +17,6 @@ __all__ = [
     "get_agent_loop_class",
     "register",
     "registered_names",
-    "run_rollout",
 ]
 
 
@@ -26,8 +25,4 @@ def __getattr__(name):
         from omniroll.agent_loop.manager import AgentLoopManager
 
         return AgentLoopManager
-    if name == "run_rollout":
-        from omniroll.agent_loop.runner import run_rollout
-
-        return run_rollout
     raise AttributeError(name)

@@ -16,7 +16,7 @@ import numpy as np
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.agent_loop.postprocess import is_embed_key
-from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker, as_config, default_uid, group_indices
+from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker, as_config, group_indices, row_uids
 
 _PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_weight_version", "worker_seconds")
 
@@ -52,10 +52,8 @@ class AgentLoopManager:
         (unless the trainer gave `_rollout_seed_global_idx`, from which each worker derives it, see
         `group_index_column`)."""
         nt = batch.non_tensor_batch
-        if "raw_prompt" not in nt:
-            raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(nt)})")
         n = len(batch)
-        uids = [str(u) if u is not None else default_uid(p) for u, p in zip(nt.get("uid", [None] * n), nt["raw_prompt"])]
+        uids = row_uids(nt, n)
         out = DataBatch(batch.batch, dict(nt), dict(batch.meta_info), n)
         out.non_tensor_batch["uid"] = to_object_array(uids)
         if "_group_index" not in nt and "_rollout_seed_global_idx" not in nt:

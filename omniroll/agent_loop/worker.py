@@ -10,7 +10,9 @@ Seeds: `derive_seed(rollout_seed, global_steps, uid, index)` where index is the 
 manager's `_group_index`, else the trainer's `_rollout_seed_global_idx % n`, else the order of appearance of the uid in
 this batch; see `group_index_column`), so a sample's seed never depends on how the batch was chunked. Validation:
 `derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step), or `val_kwargs.seed` itself for every
-row with `val_kwargs.seed_mode: shared` (VeRL-Omni's semantics); ODE (noise_level 0) and no log-probs.
+row with `val_kwargs.seed_mode: shared` (VeRL-Omni's semantics); ODE (noise_level 0) and no log-probs. With
+`algo.same_latent` a training row also gets `latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the
+group shares its initial noise and window.
 
 Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
 disappears: by default the worker raises ONE `AgentLoopError` listing every failed row; with `agent.on_failure: mark`
@@ -32,7 +34,8 @@ from omniroll.agent_loop.registry import get_agent_loop_class
 from omniroll.agent_loop.single_turn import prompt_text
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.engine.params import SamplingParams
-from omniroll.sampling.seeds import derive_seed
+from omniroll.errors import format_validation_error
+from omniroll.sampling.seeds import derive_group_seed, derive_seed
 
 
 class AgentLoopError(RuntimeError):
@@ -82,6 +85,15 @@ def default_uid(raw_prompt: Any) -> str:
     return "prompt-" + hashlib.sha256(repr(raw_prompt).encode("utf-8")).hexdigest()[:16]
 
 
+def row_uids(non_tensor_batch: dict, n: int) -> list[str]:
+    """Each row's prompt group: `uid` as a string, or `default_uid(raw_prompt)` where missing. The one place that
+    requires `raw_prompt` and defaults `uid` (the manager and every worker call it)."""
+    if "raw_prompt" not in non_tensor_batch:
+        raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(non_tensor_batch)})")
+    return [str(u) if u is not None else default_uid(p)
+            for u, p in zip(non_tensor_batch.get("uid", [None] * n), non_tensor_batch["raw_prompt"])]
+
+
 class DiffusionAgentLoopWorker:
     """Diffusion agent loop worker: takes a batch of prompts and runs each row in an agent loop.
 
@@ -127,9 +139,8 @@ class DiffusionAgentLoopWorker:
         try:
             SamplingParams.model_validate(sp)
         except ValidationError as e:
-            raise ValueError("bad sampling params: " + "; ".join(
-                f"meta_info.sampling_params.{'.'.join(map(str, err['loc'])) or '<all>'}: {err['msg']}"
-                for err in e.errors())) from None
+            raise ValueError("bad sampling params: " + format_validation_error(
+                e, "meta_info.sampling_params", with_input=False, empty_loc="meta_info.sampling_params")) from None
         return sp
 
     def plan(self, batch: DataBatch) -> list[dict]:
@@ -137,16 +148,13 @@ class DiffusionAgentLoopWorker:
         raise ValueError naming the field."""
         nt, meta = batch.non_tensor_batch, batch.meta_info
         n = len(batch)
-        if "raw_prompt" not in nt:
-            raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(nt)})")
+        uids = row_uids(nt, n)
         validate = bool(meta.get("validate", False))
         steps = meta.get("global_steps")
         if steps is None:
             if not validate:
                 raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
             steps = 0
-        uids = [str(u) if u is not None else default_uid(p)
-                for u, p in zip(nt.get("uid", [None] * n), nt["raw_prompt"])]
         group_size = self.config.val_kwargs.n if validate else self.config.n
         idx = group_index_column(nt, uids, group_size)
         seen: dict[tuple, int] = {}
@@ -168,6 +176,8 @@ class DiffusionAgentLoopWorker:
             seed = int(base) if shared_val_seed else derive_seed(base, step_for_seed, uids[r], idx[r])
             fields.update(uid=uids[r], _group_index=idx[r], seed=seed,
                           request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
+            if self.config.algo.same_latent and not validate:
+                fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
             rows.append(fields)
         return rows
 
@@ -202,6 +212,8 @@ class DiffusionAgentLoopWorker:
         res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
         try:
             sp = dict(base_sp)
+            if fields.get("latent_seed") is not None:
+                sp["latent_seed"] = fields["latent_seed"]
             override = fields.get("sampling_params")
             if override is not None:
                 if not isinstance(override, dict):

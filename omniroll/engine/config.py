@@ -18,6 +18,8 @@ class EngineConfig:
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
     decode_batch_size: finished samples decoded per VAE call.
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
+    prefix_sharing: run the common ODE prefix of samples that share `latent_seed` (and prompt, shape, schedule,
+        guidance) once per group and fork it at the SDE window's start (see `omniroll.engine.prefix`).
     num_threads: torch intra-op threads for this process (None leaves torch's setting). CPU kernels (oneDNN
         convolutions in particular) can pick other algorithms at another thread count, so engines that must give
         bitwise-identical samples (replicas of one rollout) must run with the same num_threads.
@@ -32,6 +34,7 @@ class EngineConfig:
     decode_batch_size: int = 8
     asleep_policy: str = "error"
     num_threads: int | None = None
+    prefix_sharing: bool = True
 
     def __post_init__(self):
         if self.max_batch_size < 2:

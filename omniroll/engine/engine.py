@@ -19,7 +19,7 @@ import torch
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.lifecycle import EngineLifecycleMixin
 from omniroll.engine.output import DiffusionOutput
-from omniroll.engine.outputs import aborted_output, build_output
+from omniroll.engine.packaging import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.prompt_cache import PromptCache
 from omniroll.engine.request import RequestState
@@ -39,7 +39,7 @@ class DiffusionEngine(EngineLifecycleMixin):
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.runner = ModelRunner(adapter, self.config)
-        self.scheduler = Scheduler(self.config.max_batch_size)
+        self.scheduler = Scheduler(self.config.max_batch_size, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.weight_version = 0
         self.served = 0
@@ -109,6 +109,7 @@ class DiffusionEngine(EngineLifecycleMixin):
             "lora": self._lora_manager.active_lora if self._lora_manager is not None else None,
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
+            "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
             "prompt_cache": {"size": len(self.prompt_cache), "hits": self.prompt_cache.hits,
                              "misses": self.prompt_cache.misses},
         }
@@ -156,13 +157,7 @@ class DiffusionEngine(EngineLifecycleMixin):
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
         p = request.sampling_params
-        m = self.adapter.spatial_multiple
-        for name, value in (("height", p.height), ("width", p.width)):
-            if value % m:
-                raise ValueError(f"sampling_params.{name} must be a multiple of {m}, got {value}")
-        if p.max_sequence_length > self.adapter.max_sequence_length_limit:
-            raise ValueError(f"sampling_params.max_sequence_length must be <= "
-                             f"{self.adapter.max_sequence_length_limit}, got {p.max_sequence_length}")
+        self.adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
         for field, ids in (("prompt_token_ids", request.prompt_token_ids),
                            ("negative_prompt_token_ids", request.negative_prompt_token_ids)):
             if ids is not None:
@@ -226,6 +221,8 @@ class DiffusionEngine(EngineLifecycleMixin):
         """Admit, run one denoising step for one batch, finish what completed. Returns finished outputs."""
         if not self.admission_paused:
             admitted = self.scheduler.admit()
+            for s in admitted:
+                s.weight_version = self.weight_version  # admission fixes the weights a sample is made with
             if admitted:
                 try:
                     self._encode(admitted)
@@ -250,7 +247,6 @@ class DiffusionEngine(EngineLifecycleMixin):
     def _encode(self, states: list[RequestState]) -> None:
         by_len: dict[int, list[RequestState]] = {}
         for s in states:
-            s.weight_version = self.weight_version
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
         for length, group in by_len.items():
             conds = self.prompt_cache.get_many([s.request.prompt_input() for s in group], length)

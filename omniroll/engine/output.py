@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 
@@ -34,11 +33,3 @@ class DiffusionOutput(BaseModel):
     @property
     def weight_version(self) -> int:
         return int(self.extra_fields.get("weight_version", 0))
-
-
-def quantize_pixels(pixels: torch.Tensor) -> torch.Tensor:
-    """Float pixels in [-1, 1] -> uint8, once: clamp, scale to [0, 255], round. NaN / Inf raise."""
-    if not torch.isfinite(pixels).all():
-        raise FloatingPointError("decoded pixels contain NaN or Inf; refusing to quantize a corrupt sample")
-    x = (pixels.float() / 2 + 0.5).clamp(0.0, 1.0)  # the same expression as diffusers postprocess
-    return (x * 255.0).round().to(torch.uint8)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SDE_TYPES = ("sde", "cps", "ode")
+from omniroll.sampling.window import sde_window_bounds
+
+SDE_TYPES = ("sde", "cps", "dance_sde", "ode")
 OUTPUT_TYPES = ("pixel", "latent", "both")
 
 
@@ -17,6 +19,12 @@ class SamplingParams(BaseModel):
     are plain ODE (Euler) steps and record nothing. `sde_window_size=None` means every step but the last
     (Flow-GRPO's default: the last step's Gaussian is too sharp). With a size, `start` is drawn uniformly from
     `[lo, hi - size]` using the request's own generator, where `(lo, hi) = sde_window_range or (0, T - 1)`.
+
+    `latent_seed` (flow_grpo's `same_latent`): when set, the initial noise and the SDE window are drawn from this
+    seed instead of the request's; the noise inside the window still comes from the request's own seed. Give every
+    sample of a group the same `latent_seed`: their steps before the window are then one deterministic ODE
+    trajectory, which the engine computes once per group and forks at the window's start (every output stays
+    bitwise identical to running the sample alone).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -27,39 +35,20 @@ class SamplingParams(BaseModel):
     guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale; <= 1 disables CFG")
     max_sequence_length: int = Field(128, ge=1, le=512, description="T5 tokens")
     noise_level: float = Field(0.7, ge=0.0, le=10.0, description="eta; 0 gives the ODE")
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
     sde_window_size: Optional[int] = Field(None, ge=1, le=1000)
     sde_window_range: Optional[tuple[int, int]] = None
     logprobs: bool = True
     output_type: Literal["pixel", "latent", "both"] = "pixel"
-
-    @field_validator("sde_window_range")
-    @classmethod
-    def _check_range(cls, v):
-        if v is not None and not (0 <= v[0] < v[1]):
-            raise ValueError(f"sde_window_range must be (lo, hi) with 0 <= lo < hi, got {v}")
-        return v
+    latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 
     @model_validator(mode="after")
     def _check_window(self):
-        T = self.num_inference_steps
-        lo, hi = self.window_range()
-        if hi > T:
-            raise ValueError(f"sde_window_range hi must be <= num_inference_steps ({T}), got {hi}")
-        if self.sde_window_size is not None and self.sde_window_size > hi - lo:
-            raise ValueError(
-                f"sde_window_size must be in [1, {hi - lo}] (the width of sde_window_range {(lo, hi)}), "
-                f"got {self.sde_window_size}"
-            )
-        if self.sde_window_size is None and self.sde_window_range is not None:
-            raise ValueError("sde_window_range needs sde_window_size (the window's length within the range)")
+        sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
         return self
 
     def window_range(self) -> tuple[int, int]:
-        if self.sde_window_range is not None:
-            return tuple(self.sde_window_range)
-        T = self.num_inference_steps
-        return (0, max(T - 1, 1))
+        return sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
 
     @property
     def do_cfg(self) -> bool:

@@ -17,7 +17,9 @@ DoneCallback = Callable[[Optional[object], Optional[BaseException]], None]
 
 class RequestState:
     """One sample in flight. Everything random comes from its own generator, in a fixed order: initial latent,
-    window start, then one noise draw per SDE step, so the sample never depends on its batch mates."""
+    window start, then one noise draw per SDE step, so the sample never depends on its batch mates. With
+    `latent_seed` the initial latent and the window start come from a generator of that seed instead (shared by a
+    group), the window's noise still from the request's own."""
 
     def __init__(self, request: GenerationRequest, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
                  on_done: DoneCallback, num_train_timesteps: int = 1000):
@@ -28,14 +30,15 @@ class RequestState:
         self.sigmas = sigmas  # [T + 1] fp32, ends at 0
         self.timesteps = sigmas[:-1] * num_train_timesteps  # what the denoiser sees (as diffusers computes them)
         self.generator = make_generator(request.seed)
-        self.latents = torch.randn(latent_shape, generator=self.generator, dtype=torch.float32)
         p = self.params
-        self.window = draw_sde_window(p.num_inference_steps, p.sde_window_size, p.sde_window_range, self.generator)
+        prefix_gen = self.generator if p.latent_seed is None else make_generator(p.latent_seed)
+        self.latents = torch.randn(latent_shape, generator=prefix_gen, dtype=torch.float32)
+        self.window = draw_sde_window(p.num_inference_steps, p.sde_window_size, p.sde_window_range, prefix_gen)
         self.step_index = 0
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
         self.uncond: Optional[Conditioning] = None
-        self.weight_version: Optional[int] = None
+        self.weight_version: Optional[int] = None  # the engine's weight version, set when the request is admitted
         # Recorded over the SDE window.
         self.rec_latents: list[torch.Tensor] = []
         self.rec_log_probs: list[torch.Tensor] = []
@@ -66,8 +69,10 @@ class RequestState:
     def batch_key(self) -> tuple:
         return self.params.batch_key()
 
-    def step_params(self) -> tuple[float, str, Optional[torch.Tensor]]:
-        """(noise_level, sde_type, noise) for the current step; ODE and no draw outside the window."""
+    def draw_step_noise(self) -> tuple[float, str, Optional[torch.Tensor]]:
+        """Draw this step's noise from the request's generator (advancing it) and return (noise_level, sde_type,
+        noise). Outside the SDE window (or for an ODE request) nothing is drawn: (0.0, "ode", None). Call exactly
+        once per step, in step order: the draws are what make the sample reproducible."""
         if not (self.in_window and self.params.stochastic):
             return 0.0, "ode", None
         noise = torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32)

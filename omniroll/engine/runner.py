@@ -47,7 +47,7 @@ class ModelRunner:
         sigma = torch.stack([s.sigmas[s.step_index] for s in states])
         sigma_next = torch.stack([s.sigmas[s.step_index + 1] for s in states])
         sigma_max = torch.stack([s.sigma_max for s in states])
-        per_row = [s.step_params() for s in states]
+        per_row = [s.draw_step_noise() for s in states]
         noise = torch.stack([n if n is not None else torch.zeros_like(s.latents) for (_, _, n), s in zip(per_row, states)])
         out = sde_step(
             latents, v, sigma, sigma_next,

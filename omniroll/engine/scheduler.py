@@ -1,24 +1,35 @@
-"""Which rows run in the next denoising step (continuous, step-level batching)."""
+"""Which rows run in the next denoising step (continuous, step-level batching, fair across batch keys)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
+from omniroll.engine.prefix import PrefixSharing
 from omniroll.engine.request import RequestState
 
 
 class Scheduler:
-    """FCFS admission into a running set bounded by `max_rows` forward rows (a CFG request is two rows).
+    """Admission and the rows of each step.
 
-    Each step runs every running request whose batch key (latent shape and text length) matches the oldest running
-    request's, whatever their step index, step count, noise level, SDE type, window or guidance. Requests of another
-    key sit that step out (counted in `num_preempted`) and run when theirs is the oldest key.
+    Only rows of one batch key (latent shape and text length) can share a forward. Admission is FCFS per key: a
+    waiting request is admitted when its key's running rows plus its own fit in `max_rows` (a CFG request is two
+    rows); a request whose key is full never blocks a request of another key, and within a key nobody overtakes.
+
+    Each step runs every runnable request of one key, whatever their step index, step count, noise level, SDE type,
+    window or guidance. The key is the one served least recently (round robin over the active keys), so a running
+    request sits out at most one step per other active key before it runs again (counted in `num_preempted`).
+
+    With prefix sharing, followers of a group's leader (see `omniroll.engine.prefix`) are running but run no forward
+    until their fork; they keep their rows reserved, so a group never exceeds `max_rows` once it forks.
     """
 
-    def __init__(self, max_rows: int):
+    def __init__(self, max_rows: int, prefix_sharing: bool = True):
         self.max_rows = max_rows
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
+        self.prefix = PrefixSharing() if prefix_sharing else None
+        self._served_at: dict[tuple, int] = {}  # batch key -> the step it last ran
+        self._step = 0
 
     def add(self, state: RequestState) -> None:
         self.waiting.append(state)
@@ -31,41 +42,75 @@ class Scheduler:
         return sum(s.num_rows for s in self.running)
 
     def admit(self) -> list[RequestState]:
-        """Move waiting requests into the running set while they fit; return the newly admitted ones."""
-        admitted = []
-        rows = self.running_rows
-        while self.waiting and rows + self.waiting[0].num_rows <= self.max_rows:
-            state = self.waiting.popleft()
-            rows += state.num_rows
-            self.running.append(state)
-            admitted.append(state)
+        """Move waiting requests into the running set while their key has room; return the newly admitted ones."""
+        if not self.waiting:
+            return []
+        rows = Counter()
+        for s in self.running:
+            rows[s.batch_key] += s.num_rows
+        admitted, kept, full = [], deque(), set()
+        for state in self.waiting:
+            key = state.batch_key
+            if key not in full and rows[key] + state.num_rows <= self.max_rows:
+                rows[key] += state.num_rows
+                admitted.append(state)
+            else:
+                full.add(key)  # FCFS within a key: nothing of this key overtakes the request that did not fit
+                kept.append(state)
+        self.waiting = kept
+        self.running.extend(admitted)
         return admitted
 
     def schedule(self) -> list[RequestState]:
-        """The rows for the next forward (all of one batch key)."""
-        if not self.running:
+        """The rows for the next forward: every runnable request of the least recently served key."""
+        if self.prefix is not None:
+            self.prefix.update(self.running)
+            runnable = [s for s in self.running if not self.prefix.is_following(s)]
+        else:
+            runnable = self.running
+        if not runnable:
             return []
-        key = self.running[0].batch_key
-        batch = [s for s in self.running if s.batch_key == key]
-        for s in self.running:
-            if s.batch_key != key:
+        keys = list(dict.fromkeys(s.batch_key for s in runnable))  # in order of their oldest request
+        key = min(keys, key=lambda k: self._served_at.get(k, -1))  # ties: the oldest key
+        self._step += 1
+        self._served_at[key] = self._step
+        batch = []
+        for s in runnable:
+            if s.batch_key == key:
+                batch.append(s)
+            else:
                 s.num_preempted += 1
         return batch
 
     def finish(self, states: list[RequestState]) -> None:
         ids = {id(s) for s in states}
+        left = [s for s in self.running if id(s) in ids]
         self.running = [s for s in self.running if id(s) not in ids]
+        self._left(left)
 
     def remove(self, request_id: str) -> RequestState | None:
-        for queue in (self.running, self.waiting):
-            for s in list(queue):
-                if s.request_id == request_id:
-                    queue.remove(s)
-                    return s
+        for s in list(self.running):
+            if s.request_id == request_id:
+                self.running.remove(s)
+                self._left([s])
+                return s
+        for s in list(self.waiting):
+            if s.request_id == request_id:
+                self.waiting.remove(s)
+                return s
         return None
 
     def drain_all(self) -> list[RequestState]:
         states = list(self.running) + list(self.waiting)
         self.running.clear()
         self.waiting.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
         return states
+
+    def _left(self, states: list[RequestState]) -> None:
+        if self.prefix is not None:
+            self.prefix.leave(states)
+        active = {s.batch_key for s in self.running}
+        for key in [k for k in self._served_at if k not in active]:
+            del self._served_at[key]  # a key that comes back later starts as the least recently served

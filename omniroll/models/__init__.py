@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
+from omniroll.models.checkpoint import INDEX_FILE, ModelLimits, pipeline_class_name, read_limits, require_checkpoint
 from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
 from omniroll.models.sd3 import SD3Adapter
 from omniroll.models.tiny import build_tiny_sd3
@@ -18,18 +18,10 @@ ADAPTERS: dict[str, type[DiffusionAdapter]] = {"StableDiffusion3Pipeline": SD3Ad
 def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionAdapter:
     """Load the adapter for a local diffusers checkpoint directory, chosen by model_index.json's `_class_name`."""
     path = os.fspath(path)
-    index = os.path.join(path, "model_index.json")
-    if not os.path.isfile(index):
-        raise FileNotFoundError(f"path {path!r} is not a diffusers checkpoint directory (no model_index.json)")
-    try:
-        with open(index) as f:
-            class_name = json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"cannot read _class_name from {index}: {e}") from e
+    class_name = pipeline_class_name(path)
     if class_name not in ADAPTERS:
-        raise ValueError(
-            f"unsupported pipeline _class_name {class_name!r} in {index}; supported: {sorted(ADAPTERS)}"
-        )
+        raise ValueError(f"unsupported pipeline _class_name {class_name!r} in {os.path.join(path, INDEX_FILE)}; "
+                         f"supported: {sorted(ADAPTERS)}")
     return ADAPTERS[class_name].from_pretrained(path, device=device, dtype=dtype)
 
 
@@ -40,14 +32,30 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
     if model == "tiny":
         root = cache_dir or os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")
         return build_tiny_sd3(os.path.join(root, "tiny-sd3"), seed=0)
-    if not os.path.isfile(os.path.join(model, "model_index.json")):
+    if not os.path.isfile(os.path.join(model, INDEX_FILE)):
+        if _looks_like_hub_id(model):
+            raise FileNotFoundError(
+                f"model {model!r} looks like a Hugging Face hub id, and omniroll loads local checkpoints only "
+                f"(nothing is downloaded at run time). Download it first, e.g. "
+                f"`hf download {model} --local-dir checkpoints/{model.split('/')[-1]}` (gated models need "
+                f"`hf auth login` and an accepted license), then pass that directory as the model")
         raise FileNotFoundError(f"model {model!r} is neither 'tiny' nor a diffusers checkpoint directory "
-                                "(no model_index.json); nothing is downloaded at run time")
+                                f"(no {INDEX_FILE}); nothing is downloaded at run time")
     return model
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    """`org/name` with no such local directory (a hub repository id, not a path)."""
+    parts = model.split("/")
+    return (len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and not os.path.exists(model)
+            and all(c.isalnum() or c in "-_." for c in model.replace("/", "")))
 
 
 __all__ = [
     "resolve_model",
+    "read_limits",
+    "require_checkpoint",
+    "ModelLimits",
     "ADAPTERS",
     "Conditioning",
     "DiffusionAdapter",

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits
+
 
 @dataclass
 class Conditioning:
@@ -93,5 +95,16 @@ class DiffusionAdapter(ABC):
         return 16
 
     @property
+    def max_resolution(self):
+        """Largest height / width (None: unbounded)."""
+        return None
+
+    @property
     def max_sequence_length_limit(self) -> int:
-        return 512
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What a request may ask of this model; `ModelLimits.check` is the one check of resolution and text length
+        (`omniroll.models.read_limits` gives the same object from the checkpoint's config files alone)."""
+        return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit)

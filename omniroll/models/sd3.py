@@ -7,6 +7,7 @@ import os
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, require_checkpoint, tokenizer_max_length
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -44,8 +45,7 @@ class SD3Adapter(DiffusionAdapter):
         from diffusers import StableDiffusion3Pipeline
 
         path = os.fspath(path)
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise FileNotFoundError(f"path {path!r} is not a diffusers checkpoint directory (no model_index.json)")
+        require_checkpoint(path)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         from diffusers.utils import deprecation_utils
@@ -86,12 +86,9 @@ class SD3Adapter(DiffusionAdapter):
 
     @property
     def max_sequence_length_limit(self) -> int:
-        limit = 512
-        if self.tokenizer_3 is not None:
-            model_max = getattr(self.tokenizer_3, "model_max_length", limit)
-            if isinstance(model_max, int) and 0 < model_max < limit:
-                limit = model_max
-        return limit
+        if self.tokenizer_3 is None:
+            return DEFAULT_MAX_SEQUENCE_LENGTH
+        return tokenizer_max_length(getattr(self.tokenizer_3, "model_max_length", None))
 
     def modules(self) -> dict[str, torch.nn.Module]:
         mods = {
@@ -104,12 +101,6 @@ class SD3Adapter(DiffusionAdapter):
         return {k: v for k, v in mods.items() if v is not None}
 
     # ------------------------------------------------------------------ prompts
-    def _check_sequence_length(self, max_sequence_length: int) -> None:
-        limit = self.max_sequence_length_limit
-        if not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool) \
-                or not 1 <= max_sequence_length <= limit:
-            raise ValueError(f"max_sequence_length must be an int in [1, {limit}], got {max_sequence_length!r}")
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
         """One Conditioning per prompt via diffusers' `encode_prompt`.
@@ -119,7 +110,7 @@ class SD3Adapter(DiffusionAdapter):
         """
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
-        self._check_sequence_length(max_sequence_length)
+        self.limits.check(max_sequence_length=max_sequence_length)
         device = next(self.text_encoder.parameters()).device
         encoded: dict[str, Conditioning] = {}
         for prompt in dict.fromkeys(prompts):
@@ -147,7 +138,7 @@ class SD3Adapter(DiffusionAdapter):
         """`{"clip", "t5"}` ids (unpadded, with special tokens) exactly as the text path tokenizes `prompt`; a
         `"clip_2"` entry only where the second CLIP tokenizer gives other ids (never, when the two share a vocabulary,
         as in SD3 / SD3.5: one CLIP tokenization then feeds both CLIP encoders, as VeRL-Omni sends it)."""
-        self._check_sequence_length(max_sequence_length)
+        self.limits.check(max_sequence_length=max_sequence_length)
         clip_len = self.pipeline.tokenizer_max_length
         clip, clip_2 = (tok(prompt, max_length=clip_len, truncation=True).input_ids for tok in self._clip_tokenizers())
         ids = {"clip": [int(i) for i in clip]}
@@ -159,7 +150,7 @@ class SD3Adapter(DiffusionAdapter):
         return ids
 
     def check_token_ids(self, token_ids: dict, max_sequence_length: int, field: str = "prompt_token_ids") -> None:
-        self._check_sequence_length(max_sequence_length)
+        self.limits.check(max_sequence_length=max_sequence_length)
         if not isinstance(token_ids, dict):
             raise ValueError(f"{field} must be a dict of per-encoder token ids, got {type(token_ids).__name__}")
         required = ("clip", "t5") if self.tokenizer_3 is not None else ("clip",)
@@ -255,18 +246,8 @@ class SD3Adapter(DiffusionAdapter):
         return vae.decode(z, return_dict=False)[0].float()
 
     # ------------------------------------------------------------------ shapes / schedule
-    def _check_resolution(self, height: int, width: int) -> None:
-        mult, max_res = self.spatial_multiple, self.max_resolution
-        for name, value in (("height", height), ("width", width)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % mult:
-                raise ValueError(f"{name} must be a positive multiple of {mult} (vae_scale_factor x patch_size), "
-                                 f"got {value!r}")
-            if max_res is not None and value > max_res:
-                raise ValueError(f"{name} must be <= {max_res} (pos_embed_max_size "
-                                 f"{self.transformer.config.pos_embed_max_size} x {mult}), got {value}")
-
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        self._check_resolution(height, width)
+        self.limits.check(height, width)
         f = self.vae_scale_factor
         return (int(self.vae.config.latent_channels), height // f, width // f)
 
@@ -275,7 +256,7 @@ class SD3Adapter(DiffusionAdapter):
         if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) \
                 or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
-        self._check_resolution(height, width)
+        self.limits.check(height, width)
         key = (num_inference_steps, height, width)
         if key not in self._sigma_cache:
             from diffusers import FlowMatchEulerDiscreteScheduler

@@ -26,6 +26,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from omniroll.engine.output import DiffusionOutput
+from omniroll.errors import format_validation_error
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.rollout.transfer import output_from_wire
 
@@ -73,11 +74,7 @@ def build_request(
 
 
 def _describe(e: ValidationError, prefix: str = "") -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(err["loc"]))
-        parts.append(f"{loc or '<request>'}: {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(parts)
+    return format_validation_error(e, prefix, empty_loc=prefix or "<request>")
 
 
 class RolloutClient:
@@ -209,13 +206,13 @@ class RolloutClient:
                     self._abort_on(idx, engine_id)
                     self._bench(idx, dead=False)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                    err = f"replica unavailable: {type(e).__name__}: {_first_line(e)}"
+                    err = f"replica unavailable: {type(e).__name__}: {_last_line(e)}"
                     self._bench(idx, dead=isinstance(e, ray.exceptions.ActorDiedError))
                 except asyncio.CancelledError:
                     self._abort_on(idx, engine_id)
                     raise
                 except Exception as e:  # engine crash, OOM, ...: try elsewhere
-                    err = f"{type(e).__name__}: {_first_line(e)}"
+                    err = f"{type(e).__name__}: {_last_line(e)}"
                     self._abort_on(idx, engine_id)
                     self._bench(idx, dead=False)
                 finally:
@@ -275,9 +272,10 @@ async def _await_ref(ref: Any) -> Any:
 
 def _cause(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
-    return f"{type(cause or e).__name__}: {cause if cause is not None else _first_line(e)}"
+    return f"{type(cause or e).__name__}: {cause if cause is not None else _last_line(e)}"
 
 
-def _first_line(e: BaseException) -> str:
+def _last_line(e: BaseException) -> str:
+    """The last line of the error's text: a Ray task error is a remote traceback that ends with the exception."""
     s = str(e).strip().splitlines()
     return s[-1] if s else repr(e)

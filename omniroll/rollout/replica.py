@@ -16,6 +16,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from omniroll.engine.params import GenerationRequest
+from omniroll.errors import format_validation_error
 from omniroll.rollout.transfer import output_to_wire
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -133,7 +134,7 @@ def _torch_threads() -> int:
 
 
 def _describe(e: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<request>'}: {err['msg']}" for err in e.errors())
+    return format_validation_error(e, with_input=False, empty_loc="<request>")
 
 
 def create_replicas(

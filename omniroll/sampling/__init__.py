@@ -1,17 +1,22 @@
-"""Pure fp32 sampling math shared by rollout and the trainer's recompute."""
+"""Pure fp32 sampling math shared by rollout and the trainer's recompute.
 
-from omniroll.sampling.schedule import flow_match_sigmas, shift_sigmas, time_shift_mu
-from omniroll.sampling.sde import SDEStepOutput, sde_step
-from omniroll.sampling.seeds import derive_seed, make_generator
-from omniroll.sampling.window import draw_sde_window
+Names resolve lazily, so importing a torch-free part (e.g. `omniroll.sampling.window.sde_window_bounds`, which
+`SamplingParams` validation uses) does not import torch.
+"""
 
-__all__ = [
-    "SDEStepOutput",
-    "sde_step",
-    "derive_seed",
-    "make_generator",
-    "draw_sde_window",
-    "flow_match_sigmas",
-    "shift_sigmas",
-    "time_shift_mu",
-]
+import importlib
+
+_WHERE = {
+    "flow_match_sigmas": "schedule", "shift_sigmas": "schedule", "time_shift_mu": "schedule",
+    "SDE_TYPES": "sde", "SDEStepOutput": "sde", "sde_step": "sde",
+    "derive_seed": "seeds", "derive_group_seed": "seeds", "make_generator": "seeds",
+    "draw_sde_window": "window", "sde_window_bounds": "window",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"omniroll.sampling.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'omniroll.sampling' has no attribute {name!r}")

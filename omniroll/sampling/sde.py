@@ -18,8 +18,17 @@ Notation: x = latents at sigma, v = velocity (after CFG), dt = sigma_next - sigm
     log p = -(x' - mean)^2      (as published: no 1/(2 s^2) scaling and no normaliser, so it is NOT a density;
                                  ratios exp(logp - logp_old) are still exact for the same s)
 
+`dance_sde` (DanceGRPO, as VeRL-Omni defines it):
+    x0    = x - sigma v;   score = -(x - (1 - sigma) x0) / sigma^2
+    mean  = x + dt * v - 0.5 * eta^2 * score * dt
+    s     = eta * sqrt(sigma - sigma_next);   x' = mean + s * eps
+    log p = -(x' - mean)^2 / (2 s^2) - log s - log sqrt(2 pi)               (per element)
+
 `ode`, or eta == 0: the Euler step x' = x + dt * v, identical to diffusers' FlowMatchEulerDiscreteScheduler.step.
-Deterministic rows (ode, eta == 0, or s == 0 such as the last CPS step) report log p = 0.
+Deterministic rows (s == 0: ode, eta == 0, or the last CPS step where sigma_next == 0) move to their mean. Their log p
+is 0 at the mean; a `cps` row scored away from its mean (trainer recompute with other weights) reports
+-(x' - mean)^2 like every other CPS step (what flow_grpo and VeRL-Omni return), never a constant 0. Gaussian rows
+(`sde`, `dance_sde`) have no density at s == 0 and report 0.
 
 Reduction: per row over all non-batch dims, `mean` (Flow-GRPO's convention, the default) or `sum`, each row reduced
 on its own so its log-prob is bitwise the same in any batch.
@@ -34,7 +43,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 ScalarOrRows = Union[float, torch.Tensor]
-_SDE_CODES = {"ode": 0, "sde": 1, "cps": 2}
+_SDE_CODES = {"ode": 0, "sde": 1, "cps": 2, "dance_sde": 3}
+SDE_TYPES = tuple(_SDE_CODES)
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -109,10 +119,11 @@ def sde_step(
     code = _codes(sde_type, B).to(device)
     if (eta < 0).any():
         raise ValueError("noise_level must be >= 0")
+    cps_rows = code == 2  # scored as CPS even where deterministic (see the module docstring)
     code = torch.where(eta == 0, torch.zeros_like(code), code)
     dt = s_n - s_t
 
-    is_sde, is_cps = code == 1, code == 2
+    is_sde, is_cps, is_dance = code == 1, code == 2, code == 3
     # ODE (Euler) everywhere first; SDE and CPS rows overwrite their mean and std.
     mean = x + dt.view(view) * v
     std = torch.zeros(B, dtype=torch.float32, device=device)
@@ -139,6 +150,14 @@ def sde_step(
         mean = torch.where(is_cps.view(view), cps_mean, mean)
         std = torch.where(is_cps, s_cps, std)
 
+    if is_dance.any():
+        safe_s = torch.where(is_dance, s_t, torch.ones_like(s_t)).view(view)
+        x0 = x - safe_s * v
+        score = -(x - (1 - safe_s) * x0) / safe_s**2
+        dance_mean = x + dt.view(view) * v - 0.5 * (eta**2).view(view) * score * dt.view(view)
+        mean = torch.where(is_dance.view(view), dance_mean, mean)
+        std = torch.where(is_dance, eta * torch.sqrt(torch.clamp(-dt, min=0.0)), std)
+
     if prev_sample is None:
         if noise is None:
             noise = _draw_noise(tuple(x.shape), generator, device)
@@ -154,8 +173,8 @@ def sde_step(
     safe_std = torch.where(stochastic, std, torch.ones_like(std)).view(view)
     sq = (prev.detach() - mean) ** 2
     gauss = -sq / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
-    per_elem = torch.where(is_cps.view(view), -sq, gauss)
-    per_elem = torch.where(stochastic.view(view), per_elem, torch.zeros_like(per_elem))
+    per_elem = torch.where(stochastic.view(view), gauss, torch.zeros_like(gauss))
+    per_elem = torch.where(cps_rows.view(view), -sq, per_elem)
     # One reduction per row: a reduction over [B, ...] changes its summation order with B (measured: ~1e-9 on a
     # mean), which would make a row's log-prob depend on its batch mates and break bitwise recompute.
     rows = per_elem.reshape(B, -1).unbind(0)

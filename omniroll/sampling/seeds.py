@@ -24,6 +24,13 @@ def derive_seed(base_seed: Optional[int], global_step: int, uid: str, index: int
     return int.from_bytes(digest[:8], "little") & _MAX
 
 
+def derive_group_seed(base_seed: Optional[int], global_step: int, uid: str) -> int:
+    """The seed a whole prompt group shares under `same_latent` (its initial noise and SDE window): like
+    `derive_seed` without the index, in its own domain so it never equals a sample's seed by construction."""
+    key = f"omniroll/v1/group|{0 if base_seed is None else int(base_seed)}|{int(global_step)}|{uid}"
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") & _MAX
+
+
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """The single generator a request uses for its initial latent, its window draw and every noise draw."""
     g = torch.Generator(device=device)

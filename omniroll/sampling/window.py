@@ -4,14 +4,33 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
+
+def sde_window_bounds(num_steps: int, window_size: Optional[int],
+                      window_range: Optional[tuple[int, int]]) -> tuple[int, int]:
+    """The range `(lo, hi)` a window of `window_size` steps is drawn from, after checking the window rules (the one
+    place they are checked: `SamplingParams` validation and `draw_sde_window` both call this). ValueError names the
+    field: the range must satisfy 0 <= lo < hi <= num_steps, the size must fit in it, a range needs a size."""
+    if window_range is not None:
+        lo, hi = window_range
+        if not (0 <= lo < hi):
+            raise ValueError(f"sde_window_range must be (lo, hi) with 0 <= lo < hi, got {tuple(window_range)}")
+        if hi > num_steps:
+            raise ValueError(f"sde_window_range hi must be <= num_inference_steps ({num_steps}), got {hi}")
+        if window_size is None:
+            raise ValueError("sde_window_range needs sde_window_size (the window's length within the range)")
+    else:
+        lo, hi = 0, max(num_steps - 1, 1)
+    if window_size is not None and not (1 <= window_size <= hi - lo):
+        raise ValueError(f"sde_window_size must be in [1, {hi - lo}] (the width of sde_window_range {(lo, hi)}), "
+                         f"got {window_size}")
+    return lo, hi
 
 
 def draw_sde_window(
     num_steps: int,
     window_size: Optional[int],
     window_range: Optional[tuple[int, int]],
-    generator: Optional[torch.Generator],
+    generator: Optional["torch.Generator"],
 ) -> tuple[int, int]:
     """Return [start, end) of the SDE window.
 
@@ -19,14 +38,10 @@ def draw_sde_window(
     Otherwise start ~ U{lo, ..., hi - size} drawn from the request's own generator, with (lo, hi) = window_range or
     (0, T - 1). The draw happens once per request, so rows packed together never share a window by accident.
     """
+    import torch
+
+    lo, hi = sde_window_bounds(num_steps, window_size, window_range)
     if window_size is None:
-        if window_range is not None:
-            raise ValueError("sde_window_range needs sde_window_size")
-        return (0, max(num_steps - 1, 1))
-    lo, hi = window_range if window_range is not None else (0, max(num_steps - 1, 1))
-    if not (0 <= lo < hi <= num_steps):
-        raise ValueError(f"sde_window_range must satisfy 0 <= lo < hi <= {num_steps}, got {(lo, hi)}")
-    if not (1 <= window_size <= hi - lo):
-        raise ValueError(f"sde_window_size must be in [1, {hi - lo}], got {window_size}")
+        return (lo, hi)
     start = int(torch.randint(lo, hi - window_size + 1, (1,), generator=generator).item())
     return (start, start + window_size)

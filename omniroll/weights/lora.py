@@ -17,6 +17,11 @@ under a fresh name, loaded and checked; only then is it activated and the old on
 With ``request.load_inplace`` and an active adapter of identical config, keys and shapes
 (the usual case between RL steps) the tensors are copied into the live LoRA parameters
 instead (no re-injection; all checks happen before the first copy).
+Injected LoRA layers are put in eval mode (their ``lora_dropout`` is inactive: the same request and seed give the same
+pixels), and the adapter computes in ``adapter_dtype``: by default the dtype of the tensors the trainer sent, so both
+sides compute the adapter in the same dtype (PEFT injects adapters in the base layer's dtype, which for a bf16 engine
+and an fp32 trainer adapter is 1e-4 off from the first sync; PEFT's LoRA forward casts the input to the adapter's dtype
+and the sum back to the base layer's).
 On any error the new adapter is deleted, wrappers left empty are unwrapped and the previous
 adapter stays active (or the base model, if there was none).  Base weights are never
 written: ``init_lora_weights`` is forced to ``False`` (so PiSSA/OLoRA-style initialisers
@@ -172,8 +177,13 @@ class LoRAManager:
 
     _PREFIX = "lora_"
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, adapter_dtype: torch.dtype | None = None):
+        """adapter_dtype: the dtype LoRA weights are kept and computed in; None (the default) takes the dtype of the
+        tensors each update carries (the trainer's), so trainer and engine compute the adapter alike."""
+        if adapter_dtype is not None and not adapter_dtype.is_floating_point:
+            raise ValueError(f"adapter_dtype must be a floating dtype, got {adapter_dtype}")
         self.module = module
+        self.adapter_dtype = adapter_dtype
         self._adapter: str | None = None  # internal PEFT adapter name
         self._config: LoraConfig | None = None
         self._request: OmniTensorLoRARequest | None = None
@@ -223,7 +233,8 @@ class LoRAManager:
         """Build ``request``'s adapter next to the active one, verify it, then swap."""
         cfg, tensors = self._resolve(request)
         cfg_dict = peft_config_to_dict(cfg)  # before PEFT gets to normalise cfg in place
-        if request.load_inplace and self._same_structure(cfg_dict, tensors):
+        dtype = self._compute_dtype(request, tensors)
+        if request.load_inplace and self._same_structure(cfg_dict, tensors, dtype):
             self._copy_inplace(tensors)
             self._request = request
             return
@@ -237,6 +248,7 @@ class LoRAManager:
                 # two adapters coexist on purpose for the duration of the swap
                 warnings.filterwarnings("ignore", message=".*peft_config.*multiple adapters.*")
                 inject_adapter_in_model(cfg, self.module, adapter_name=new)
+            self._prepare_layers(new, dtype)
             try:
                 result = set_peft_model_state_dict(self.module, tensors, adapter_name=new)
             except RuntimeError as e:  # size mismatches from load_state_dict
@@ -279,9 +291,36 @@ class LoRAManager:
         suffix = m.group("suffix") or m.group("adapter")
         return self.module.get_parameter(f"{m.group('mod')}.{m.group('p')}.{adapter}" + (f".{suffix}" if suffix else ""))
 
-    def _same_structure(self, cfg_dict: dict, tensors: dict[str, torch.Tensor]) -> bool:
-        """Same config, same keys, same shapes as the active adapter: update it in place."""
+    def _compute_dtype(self, request: OmniTensorLoRARequest, tensors: dict[str, torch.Tensor]) -> torch.dtype:
+        if self.adapter_dtype is not None:
+            return self.adapter_dtype
+        dtypes = sorted({str(t.dtype) for t in tensors.values() if t.is_floating_point()})
+        if len(dtypes) != 1:
+            raise LoRABindError(f"LoRA adapter {request.lora_name!r} mixes tensor dtypes {dtypes}: send one dtype "
+                                f"(the one the trainer computes the adapter in) or set LoRAManager(adapter_dtype=...)")
+        return next(t.dtype for t in tensors.values() if t.is_floating_point())
+
+    def _prepare_layers(self, adapter: str, dtype: torch.dtype) -> None:
+        """The new adapter's weights in `dtype`; every LoRA layer in eval mode (no dropout during rollout)."""
+        for layer in self.module.modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            for attr in layer.adapter_layer_names:
+                holder = getattr(layer, attr, None)
+                if holder is None or adapter not in holder:
+                    continue
+                item = holder[adapter]
+                if isinstance(item, nn.Parameter):
+                    item.data = item.data.to(dtype)
+                else:
+                    item.to(dtype)
+            layer.train(False)
+
+    def _same_structure(self, cfg_dict: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bool:
+        """Same config, same keys, shapes and compute dtype as the active adapter: update it in place."""
         if self._adapter is None or cfg_dict != self._config_dict:
+            return False
+        if any(p.dtype != dtype for p in self._params.values()):
             return False
         if tensors.keys() != self._params.keys():
             return False

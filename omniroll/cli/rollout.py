@@ -1,4 +1,6 @@
-"""`run_rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager), for `omniroll rollout`.
+"""`omniroll rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager) on local Ray.
+
+`run_rollout` is the same thing from Python.
 
 Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`, `trajectories.safetensors` (every tensor of the batch, as `omniroll generate` writes it),
 `rewards.jsonl` (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json`
@@ -15,14 +17,38 @@ from typing import Any, Optional
 
 import numpy as np
 
-from omniroll.agent_loop.batch import DataBatch
-from omniroll.config import OmniRollConfig, load_config
-from omniroll.models import resolve_model
+HELP = "the distributed path (replicas, agent loop, rewards) on local Ray"
+
+
+def add_arguments(roll) -> None:
+    roll.add_argument("--config", required=True, help="YAML rollout config (see examples/rollout.yaml)")
+    roll.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    roll.add_argument("--prompts-file", dest="prompts_file", help="one prompt per line")
+    roll.add_argument("--prompts", dest="prompts_file", help="alias of --prompts-file")
+    roll.add_argument("--n", type=int, default=8, help="samples per prompt")
+    roll.add_argument("--out", default="out/rollout", help="output directory")
+    roll.add_argument("--override", action="append", help="dotted config override, e.g. reward.num_workers=2")
+    roll.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args) -> int:
+    import asyncio
+
+    from omniroll.cli.generate import read_prompts
+    from omniroll.config import load_config
+
+    config = load_config(args.config, overrides=args.override or [])
+    prompts = read_prompts(args)
+    batch = asyncio.run(run_rollout(config, prompts, n=args.n, out_dir=args.out, progress=not args.quiet))
+    print(json.dumps({"num_samples": len(batch), "out": args.out}))
+    return 0
 
 
 def make_batch(prompts: list[str], n: int, global_steps: int = 1, rollout_seed: Optional[int] = None,
-               validate: bool = False) -> DataBatch:
+               validate: bool = False):
     """`n` rows per prompt (interleaved: p0, p0, ..., p1, ...), uid = prompt position."""
+    from omniroll.agent_loop.batch import DataBatch
+
     if not prompts:
         raise ValueError("prompts must not be empty")
     if n < 1:
@@ -37,10 +63,13 @@ def make_batch(prompts: list[str], n: int, global_steps: int = 1, rollout_seed: 
 
 
 async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional[str] = None,
-                      progress: bool = True) -> DataBatch:
+                      progress: bool = True):
+    """Generate (and score) `n` samples per prompt with the config's replicas and reward workers; a DataBatch."""
     import ray
 
     from omniroll.agent_loop.manager import AgentLoopManager
+    from omniroll.config import OmniRollConfig, load_config
+    from omniroll.models import resolve_model
     from omniroll.rollout.replica import create_replicas, kill_replicas
 
     cfg = config if isinstance(config, OmniRollConfig) else load_config(config)
@@ -76,7 +105,7 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
     return out
 
 
-def write_outputs(out: DataBatch, out_dir: str) -> None:
+def write_outputs(out, out_dir: str) -> None:
     import torch
     from PIL import Image
 

@@ -6,7 +6,7 @@ import os
 
 from safetensors.torch import load_file
 
-from omniroll.agent_loop.runner import run_rollout
+from omniroll.cli.rollout import run_rollout
 from omniroll.config import load_config
 
 

@@ -1,4 +1,4 @@
-"""Turn a finished (or aborted) RequestState into a DiffusionOutput."""
+"""Packaging: turn a finished (or aborted) RequestState into a DiffusionOutput (`omniroll.engine.output`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,16 @@ from typing import Optional
 
 import torch
 
-from omniroll.engine.output import DiffusionOutput, quantize_pixels
+from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.request import RequestState
+
+
+def quantize_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """Float pixels in [-1, 1] -> uint8, once: clamp, scale to [0, 255], round. NaN / Inf raise."""
+    if not torch.isfinite(pixels).all():
+        raise FloatingPointError("decoded pixels contain NaN or Inf; refusing to quantize a corrupt sample")
+    x = (pixels.float() / 2 + 0.5).clamp(0.0, 1.0)  # the same expression as diffusers postprocess
+    return (x * 255.0).round().to(torch.uint8)
 
 
 def _embedding_fields(state: RequestState) -> dict:

@@ -1,0 +1,93 @@
+"""The `omniroll` command line: one module per command under `omniroll/cli/`.
+
+A command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int` (the exit status), and is
+listed in `COMMANDS` below; that is all it takes to add one (`omniroll train`, `omniroll serve`, ...). Command modules
+import torch, Ray and models inside `run`, so `omniroll --help` stays fast.
+
+What `main` guarantees for every command:
+- a user error (a bad flag value, config key, file, prompt, model path) prints one line per problem,
+  `omniroll <command>: error: ...`, and exits 2; a traceback only with `--debug`;
+- Ctrl-C (SIGINT) exits 130; a command writes what already finished before it returns (see each command);
+- any other error is a bug: one line and exit 1 (`--debug` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand -> module under omniroll.cli
+COMMANDS = {
+    "demo": "omniroll.cli.demo",
+    "generate": "omniroll.cli.generate",
+    "rollout": "omniroll.cli.rollout",
+}
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UserError(ValueError):
+    """A problem in what the user gave (flag, config key, file): printed one line per entry of `problems`, exit 2."""
+
+    def __init__(self, problems):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+def _command(name: str):
+    return importlib.import_module(COMMANDS[name])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omniroll", description="omniroll: the rollout side of online RL on "
+                                     "flow-matching diffusion models. `omniroll <command> --help` for a command.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name in COMMANDS:
+        module = _command(name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(p)
+        p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    return parser
+
+
+def _say_error(command: str, lines) -> None:
+    for line in lines:
+        print(f"omniroll {command}: error: {line}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    try:
+        return int(_command(args.command).run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"\nomniroll {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UserError as e:
+        if debug:
+            raise
+        _say_error(args.command, e.problems)
+        return EXIT_USAGE
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        if debug:
+            raise
+        _say_error(args.command, _lines(e))
+        return EXIT_USAGE
+
+
+def _lines(e: BaseException) -> list[str]:
+    """An error in the user's words: a pydantic error one line per field (never pydantic's raw text)."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        from omniroll.errors import validation_messages
+
+        return validation_messages(e)
+    return [line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

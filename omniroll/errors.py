@@ -1,0 +1,45 @@
+"""One way to turn a pydantic `ValidationError` into the user's words (no pydantic URLs, no multi-line dumps).
+
+Every layer that validates with pydantic (sampling parameters, requests, the YAML config) formats its errors here, so
+a bad field reads the same wherever it was caught: `dotted.key: what is wrong (got value)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+#: a shown input longer than this is cut (errors must never echo a whole prompt or request body back)
+MAX_SHOWN_INPUT = 80
+
+
+def _shown(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= MAX_SHOWN_INPUT else r[:MAX_SHOWN_INPUT - 3] + "..."
+
+
+def validation_messages(error, prefix: str = "", with_input: bool = True, empty_loc: Optional[str] = None,
+                        locate: Optional[Callable[[tuple], str]] = None) -> list[str]:
+    """One line per error of `error` (a pydantic ValidationError): `prefix.loc: msg (got input)`.
+
+    prefix: dotted path the model sits at (e.g. "sampling_params"). with_input: append the offending value (cut to
+    MAX_SHOWN_INPUT characters; never for whole-model errors). empty_loc: the key named when pydantic gives no location
+    (a model-level validator); None prints the message alone. locate: maps pydantic's loc tuple to a dotted key
+    (default: the parts joined by dots).
+    """
+    lines = []
+    for err in error.errors():
+        loc = tuple(err.get("loc") or ())
+        key = locate(loc) if locate is not None else ".".join(str(p) for p in loc)
+        key = ".".join(p for p in (prefix, key) if p) if key else (empty_loc or "")
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        line = f"{key}: {msg}" if key else msg
+        if with_input and loc and "input" in err:
+            line += f" (got {_shown(err['input'])})"
+        lines.append(line)
+    return lines
+
+
+def format_validation_error(error, prefix: str = "", with_input: bool = True, empty_loc: Optional[str] = None,
+                            locate: Optional[Callable[[tuple], str]] = None, sep: str = "; ") -> str:
+    """`validation_messages` joined into one string (one error per `sep`)."""
+    return sep.join(validation_messages(error, prefix, with_input, empty_loc, locate))
