@@ -92,3 +92,38 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
 
 async def _generate(client, sampling, ids):
     return await client.generate("req-0", prompt_ids=[1, 2, 3], sampling_params=sampling, extra_prompt_ids=ids)
+
+
+def test_verl_omni_sampling_dict_is_mapped_with_unknown_keys_refused():
+    from omniroll.integrations.verl import map_sampling_params
+
+    fields, seed, dropped = map_sampling_params(
+        {"height": 64, "width": 64, "num_inference_steps": 10, "output_type": "image", "guidance_scale": None,
+         "true_cfg_scale": 1.0, "num_frames": 1, "noise_level": 1.0, "sde_type": "sde", "sde_window_size": 2,
+         "sde_window_range": None, "sde_contiguous": True, "sample_strategy": "random", "logprobs": True,
+         "global_steps": 7})
+    assert fields["output_type"] == "pixel" and fields["guidance_scale"] == 0.0
+    assert fields["sde_window_range"] == (0, 5) and seed is None  # VeRL-Omni's SD3 default range
+    assert dropped == ["global_steps", "num_frames", "sample_strategy", "sde_contiguous", "true_cfg_scale"]
+    for bad, message in (({"heigth": 64}, r"unknown key\(s\) \['heigth'\]"),
+                         ({"sample_strategy": "progressive"}, "MixGRPO"),
+                         ({"sde_contiguous": False}, "contiguous"),
+                         ({"num_inference_steps": 0}, "num_inference_steps"),
+                         ({"seed": -1}, r"seed must be an int in \[0, 2\*\*63\)")):
+        with pytest.raises(ValueError, match=message):
+            map_sampling_params(bad)
+
+
+def test_verl_omni_rollout_config_becomes_omniroll_config(tiny_sd3_path):
+    from omniroll.integrations.verl import omniroll_config_from_verl
+
+    cfg = verl_config(tiny_sd3_path)
+    r = cfg.actor_rollout_ref.rollout  # VeRL-Omni's DiffusionRolloutConfig sections
+    r.pipeline = {"height": 128, "width": 128, "num_inference_steps": 8, "output_type": "image",
+                  "guidance_scale": 4.5, "max_sequence_length": 32, "true_cfg_scale": 1.0}
+    r.algo = {"noise_level": 0.8, "sde_type": "cps", "sde_window_size": 3, "sde_window_range": None}
+    r.custom = {"omniroll": {"pipeline": {"height": 64}, "val_kwargs": {"seed_mode": "shared"}}}
+    oc = omniroll_config_from_verl(cfg)
+    assert (oc.pipeline.height, oc.pipeline.width, oc.pipeline.num_inference_steps) == (64, 128, 8)  # custom wins
+    assert (oc.algo.sde_type, oc.algo.sde_window_range, oc.n, oc.seed) == ("cps", (0, 5), N, 3)
+    assert oc.engine.model == tiny_sd3_path and oc.engine.dtype == "float32" and oc.val_kwargs.seed_mode == "shared"
