@@ -84,6 +84,15 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         out2 = asyncio.run(_generate(client, sampling, ids))
         assert out2.extra_fields["global_steps"] == 2
         assert not torch.equal(out2.diffusion_output, out0.diffusion_output)
+
+        # A stream with a name the model does not have changes nothing (omniroll's update is transactional).
+        weights = {n: (p + 1.0).numpy() for n, p in adapter.transformer.state_dict().items()}
+        weights["transformer_blocks.0.no_such_weight"] = weights.pop(next(iter(weights)))
+        ray.get(actor.set_weights.remote(weights))
+        with pytest.raises(Exception, match="no_such_weight"):
+            ckpt.update_weights(global_steps=3)
+        out3 = asyncio.run(_generate(client, sampling, ids))
+        assert out3.extra_fields["global_steps"] == 2 and torch.equal(out3.diffusion_output, out2.diffusion_output)
     finally:
         handles = (getattr(agent, "agent_loop_workers", None) or []) + [reward, llm.global_load_balancer]
         for h in handles + list(llm.server_handles):
