@@ -141,6 +141,16 @@ class OmniRollConfig(_Strict):
     max_retries: int = Field(2, ge=0, le=100)
 
     @model_validator(mode="after")
+    def _check_prompt_length(self):
+        from omniroll.models import prompt_ids_length
+
+        n = prompt_ids_length(self.engine.model)
+        if n is not None and self.prompt_length < n:
+            raise ValueError(f"prompt_length: must be >= {n}: the model's tokenizer pads prompt ids to {n} tokens "
+                             f"(engine.model={self.engine.model!r}), got {self.prompt_length}")
+        return self
+
+    @model_validator(mode="after")
     def _check_sampling(self):
         # the training and validation sampling dicts must both be valid SamplingParams
         for validate, section in ((False, ""), (True, "val_kwargs.")):

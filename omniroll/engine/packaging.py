@@ -20,12 +20,14 @@ def quantize_pixels(pixels: torch.Tensor) -> torch.Tensor:
 
 
 def _embedding_fields(state: RequestState) -> dict:
+    """The prompt encodings, as copies: the engine's prompt cache keeps the originals for later requests, so an
+    output never aliases them (a trainer normalising an output in place must not change later samples)."""
     fields = {}
     if state.cond is not None:
-        fields.update(state.cond.tensors)
+        fields.update({k: v.clone() for k, v in state.cond.tensors.items()})
         fields["prompt_ids"] = list(state.cond.prompt_ids)
     if state.uncond is not None:
-        fields.update({f"negative_{k}": v for k, v in state.uncond.tensors.items()})
+        fields.update({f"negative_{k}": v.clone() for k, v in state.uncond.tensors.items()})
     return fields
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omniroll.sampling.window import sde_window_bounds
 
@@ -98,3 +98,23 @@ class GenerationRequest(BaseModel):
         if self.negative_prompt_token_ids is not None:
             return self.negative_prompt_token_ids
         return self.negative_prompt or ""
+
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _check_encodable(cls, v):
+        if isinstance(v, str):
+            reason = unencodable_reason(v)
+            if reason is not None:
+                raise ValueError(reason)
+        return v
+
+
+def unencodable_reason(text: str) -> Optional[str]:
+    """Why `text` is not encodable text (None when it is). A lone surrogate (what a JSON `\\ud800` escape gives)
+    cannot be UTF-8 encoded and no tokenizer takes it. The message names the position, never echoes the text."""
+    try:
+        text.encode("utf-8", errors="strict")
+    except UnicodeEncodeError as e:
+        return (f"is not encodable text: character U+{ord(text[e.start]):04X} at position {e.start} "
+                f"({e.reason}); send valid UTF-8")
+    return None

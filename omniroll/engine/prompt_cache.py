@@ -29,26 +29,29 @@ class PromptCache:
         self.hits = 0
         self.misses = 0
 
-    def get_many(self, prompts: list[PromptInput], max_sequence_length: int) -> list[Conditioning]:
+    def get_many(self, prompts: list[PromptInput], max_sequence_length: int) -> list[Conditioning | Exception]:
         """Encodings for `prompts` (texts or token ids; duplicates allowed); only the missing unique ones are
-        encoded."""
+        encoded, each inside its own guard: a prompt that fails to encode gets its exception in its place (never
+        cached) and the others are unaffected. The returned tensors are the cache's own: callers must not hand them
+        out (see outputs)."""
         keys = [prompt_key(p) for p in prompts]
-        found: dict[Hashable, Conditioning] = {}
+        found: dict[Hashable, Conditioning | Exception] = {}
         for k in keys:
             if (k, max_sequence_length) in self._cache:
                 self._cache.move_to_end((k, max_sequence_length))
                 found[k] = self._cache[(k, max_sequence_length)]
         missing = {k: p for k, p in zip(keys, prompts) if k not in found}
-        texts = [(k, p) for k, p in missing.items() if isinstance(p, str)]
-        ids = [(k, p) for k, p in missing.items() if not isinstance(p, str)]
-        if texts:
-            conds = self.adapter.encode_prompts([p for _, p in texts], max_sequence_length)
-            found.update({k: c for (k, _), c in zip(texts, conds)})
-        if ids:
-            conds = self.adapter.encode_token_ids([p for _, p in ids], max_sequence_length)
-            found.update({k: c for (k, _), c in zip(ids, conds)})
-        for k in missing:
-            self._put((k, max_sequence_length), found[k])
+        for k, prompt in missing.items():
+            try:
+                if isinstance(prompt, str):
+                    cond = self.adapter.encode_prompts([prompt], max_sequence_length)[0]
+                else:
+                    cond = self.adapter.encode_token_ids([prompt], max_sequence_length)[0]
+            except Exception as e:  # noqa: BLE001 - this prompt's requests fail, nobody else's
+                found[k] = e
+                continue
+            found[k] = cond
+            self._put((k, max_sequence_length), cond)
         self.misses += len(missing)
         self.hits += len(prompts) - len(missing)
         return [found[k] for k in keys]

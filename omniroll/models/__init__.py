@@ -51,7 +51,22 @@ def _looks_like_hub_id(model: str) -> bool:
             and all(c.isalnum() or c in "-_." for c in model.replace("/", "")))
 
 
+def prompt_ids_length(model: str) -> int | None:
+    """The number of prompt token ids `model` ("tiny" or a checkpoint directory) reports per prompt, from its files
+    (nothing is loaded or built); None when unknown. `prompt_length` must be at least this."""
+    if model == "tiny":
+        from omniroll.models.tiny import CLIP_MAX_LENGTH
+
+        return CLIP_MAX_LENGTH
+    try:
+        adapter = ADAPTERS.get(pipeline_class_name(model))
+    except (FileNotFoundError, ValueError):
+        return None
+    return adapter.prompt_ids_length(model) if adapter is not None else None
+
+
 __all__ = [
+    "prompt_ids_length",
     "resolve_model",
     "read_limits",
     "require_checkpoint",

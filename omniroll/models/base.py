@@ -85,6 +85,12 @@ class DiffusionAdapter(ABC):
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every torch module the adapter holds (for sleep / wake and device moves)."""
 
+    @classmethod
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """How many prompt token ids this family reports per prompt (the main tokenizer's padded length), read from
+        the checkpoint's files without loading any model; None when it is not fixed or not known."""
+        return None
+
     @property
     def denoiser(self) -> torch.nn.Module:
         return self.modules()[self.trainable_module_name]

@@ -57,6 +57,18 @@ class SD3Adapter(DiffusionAdapter):
         pipe.to(device)
         return cls(pipe)
 
+    @classmethod
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """CLIP's `model_max_length` from `tokenizer/tokenizer_config.json`: `encode_prompts` pads ids to it."""
+        import json
+
+        try:
+            with open(os.path.join(path, "tokenizer", "tokenizer_config.json")) as f:
+                n = json.load(f).get("model_max_length")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return n if isinstance(n, int) and 0 < n <= 4096 else None
+
     # ------------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:

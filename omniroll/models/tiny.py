@@ -112,6 +112,10 @@ def _train_bpe(words: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[tuple[str
     return tuple(vocab_list), tuple(merges)
 
 
+#: the tiny CLIP tokenizers' model_max_length: prompt ids are padded to it (what `prompt_length` must hold)
+CLIP_MAX_LENGTH = 77
+
+
 def _train_clip_tokenizer():
     """CLIP byte-level BPE (normalizer, pre-tokenizer and `</w>` suffix come with `CLIPTokenizer`)."""
     from transformers import CLIPTokenizer
@@ -121,7 +125,7 @@ def _train_clip_tokenizer():
     eos = "<|endoftext|>"
     return CLIPTokenizer(
         vocab=vocab, merges=list(merges), bos_token="<|startoftext|>", eos_token=eos, unk_token=eos, pad_token=eos,
-        model_max_length=77,
+        model_max_length=CLIP_MAX_LENGTH,
     )
 
 
