@@ -74,8 +74,9 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         actor = ray.remote(StandInActor).options(num_cpus=0).remote(cfg.actor_rollout_ref.rollout,
                                                                     cfg.actor_rollout_ref.model)
         g = torch.Generator().manual_seed(0)
-        ray.get(actor.set_weights.remote({n: (p + 0.05 * torch.randn(p.shape, generator=g)).numpy()
-                                          for n, p in adapter.transformer.state_dict().items()}))
+        new_weights = {n: (p + 0.05 * torch.randn(p.shape, generator=g)).numpy()
+                       for n, p in adapter.transformer.state_dict().items()}
+        ray.get(actor.set_weights.remote(new_weights))
         ckpt = CheckpointEngineManager(omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine),
                                        StandInActorGroup(actor), llm.get_replicas())
         ckpt.sleep_replicas()
@@ -93,6 +94,12 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
             ckpt.update_weights(global_steps=3)
         out3 = asyncio.run(_generate(client, sampling, ids))
         assert out3.extra_fields["global_steps"] == 2 and torch.equal(out3.diffusion_output, out2.diffusion_output)
+
+        # verl re-syncs the same step (after a colocated reward model slept the rollout): applied, still tagged 2.
+        ray.get(actor.set_weights.remote(new_weights))
+        ckpt.update_weights(global_steps=2)
+        out4 = asyncio.run(_generate(client, sampling, ids))
+        assert out4.extra_fields["global_steps"] == 2 and torch.equal(out4.diffusion_output, out2.diffusion_output)
     finally:
         handles = (getattr(agent, "agent_loop_workers", None) or []) + [reward, llm.global_load_balancer]
         for h in handles + list(llm.server_handles):

@@ -8,7 +8,8 @@ and reward streaming, verl's manager and servers).
   equal chunking can never give two samples of one group the same seed.
 
 Output contract, on top of omniroll's (`agent_loop.postprocess`): `__num_turns__` int32, per-row `global_steps`,
-`min_global_steps`, `max_global_steps` (the weight version each sample was generated with), and `meta_info` reduced
+`min_global_steps`, `max_global_steps` (the trainer's step of the weights each sample was generated with, also its
+`weight_version` here), and `meta_info` reduced
 to what verl's manager merges across chunks without conflicts: `metrics` (with `tool_calls` = 0) and, when every row
 was scored, `reward_extra_keys`.
 """
@@ -47,8 +48,11 @@ class VerlClient:
             out = await self.llm_client.generate(str(request_id), prompt_ids=[], sampling_params=sp, prompt=prompt,
                                                  negative_prompt=negative_prompt)
             if out.stop_reason != "aborted":
+                ef = out.extra_fields
                 out.num_preempted = int(out.num_preempted or 0) + attempt
-                out.extra_fields["rollout_attempts"] = attempt + 1
+                ef["rollout_attempts"] = attempt + 1
+                # In verl's world a sample's weight version is the trainer's step of its weights.
+                ef["engine_weight_version"], ef["weight_version"] = ef.get("weight_version"), ef["global_steps"]
                 return out
         raise RuntimeError(f"request {request_id!r} was aborted {self.max_abort_retries + 1} times")
 

@@ -116,15 +116,12 @@ class OmnirollServerAdapter(BaseRollout):
         named = [(str(n), t.detach().to("cpu").contiguous()) for n, t in weights]
         if not named:
             raise ValueError("update_weights: the weight stream was empty")
-        version = int(global_steps) if global_steps is not None else int(
-            (await self.server.health.remote())["weight_version"]) + 1
         manifest = WeightManifest.from_named_tensors(named)
         refs = [RayBucketRef(ray.put(b.buffer), b.entries, b.index) for b in pack_buckets(named, self.bucket_bytes)]
         del named
         ack = await self.server.load_weight_buckets.remote(
             peft_config=_peft_dict(peft_config), base_sync_done=bool(base_sync_done), manifest=manifest,
-            buckets=refs, version=version)
-        await self.server.set_global_steps.remote(version)
+            buckets=refs, global_steps=global_steps)
         return ack
 
 

@@ -33,11 +33,12 @@ def _from_wire(wire: dict) -> VerlDiffusionOutput:
     return VerlDiffusionOutput(**output_from_wire(wire).model_dump())
 
 
-def to_verl_output(out: DiffusionOutput) -> VerlDiffusionOutput:
-    """Add VeRL-Omni's names: `global_steps` (the weight version the sample was generated with), `*_mask` for the
-    prompt embeddings (all ones: omniroll's embeddings carry no padding), `latents_clean` for output_type "both"."""
+def to_verl_output(out: DiffusionOutput, global_steps: int) -> VerlDiffusionOutput:
+    """Add VeRL-Omni's names: `global_steps` (the trainer's step of the weights the sample was generated with), `*_mask`
+    for the prompt embeddings (all ones: omniroll's embeddings carry no padding), `latents_clean` for output_type
+    "both"."""
     ef = dict(out.extra_fields)
-    ef["global_steps"] = int(ef.get("weight_version", 0))
+    ef["global_steps"] = int(global_steps)
     for key in [k for k, v in ef.items() if k.endswith("prompt_embeds") and "pooled" not in k
                 and isinstance(v, torch.Tensor)]:
         ef[f"{key}_mask"] = torch.ones(ef[key].shape[0], dtype=torch.int64)
@@ -61,6 +62,7 @@ class OmnirollServer:
         self._gate = asyncio.Event()
         self._gate.set()
         self._reject = False
+        self._global_steps: dict[int, int] = {}  # engine weight version -> the trainer's step (set_global_steps)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, prompt_ids: list[int], sampling_params: dict, request_id: str,
@@ -89,7 +91,8 @@ class OmnirollServer:
             await self._gate.wait()
         out = await self.engine.generate_async(request)
         out.extra_fields.setdefault("replica_rank", self.replica_rank)
-        return to_verl_output(out)
+        version = int(out.extra_fields.get("weight_version", 0))
+        return to_verl_output(out, self._global_steps.get(version, version))
 
     @staticmethod
     def _prompt_fields(prompt, negative_prompt, extra_ids, negative_extra_ids) -> dict:
@@ -157,19 +160,21 @@ class OmnirollServer:
         """No-op."""
 
     async def set_global_steps(self, global_steps: int) -> None:
-        """Samples admitted from now on record `global_steps` as their weight version."""
-        def apply():
-            self.engine.weight_version = int(global_steps)
-
-        await asyncio.to_thread(self.engine.call_between_steps, apply)
+        """Tag the current weights with the trainer's step: samples generated with them report it as
+        `global_steps`."""
+        self._global_steps[self.engine.weight_version] = int(global_steps)
 
     async def load_weight_buckets(self, peft_config: Optional[dict] = None, base_sync_done: bool = False, *,
-                                  manifest, buckets, version: int) -> dict:
-        """omniroll's transactional weight update (the engine validates every name and shape before the first byte
-        lands, and swaps between two denoising steps)."""
+                                  manifest, buckets, global_steps: Optional[int] = None) -> dict:
+        """omniroll's transactional weight update: the engine checks every name, shape and dtype before the first
+        byte lands and swaps between two denoising steps, so a bad stream changes nothing. The engine's own version
+        counts updates (it only rises; verl may re-sync the same step); `global_steps` tags the new weights."""
+        version = self.engine.weight_version + 1
         ack = await asyncio.to_thread(self.engine.update_weights_from_ipc, peft_config, base_sync_done, False,
                                       manifest=manifest, buckets=buckets, version=version)
-        return {**ack, "replica_rank": self.replica_rank}
+        if global_steps is not None:
+            self._global_steps[version] = int(global_steps)
+        return {**ack, "replica_rank": self.replica_rank, "global_steps": self._global_steps.get(version, version)}
 
     async def update_weights_from_ipc(self, *args, **kwargs):
         raise NotImplementedError("omniroll does not take VeRL-Omni's ZMQ / CUDA-IPC weight stream; use verl's "
@@ -185,8 +190,9 @@ class OmnirollServer:
         return [await asyncio.wait_for(calls[method](*args, **(kwargs or {})), timeout)]
 
     def health(self) -> dict:
-        return {"ok": True, "replica_rank": self.replica_rank, "pid": os.getpid(),
-                "weight_version": int(self.engine.weight_version)}
+        version = int(self.engine.weight_version)
+        return {"ok": True, "replica_rank": self.replica_rank, "pid": os.getpid(), "weight_version": version,
+                "global_steps": self._global_steps.get(version, version)}
 
     def stats(self) -> dict:
         return self.engine.stats()
