@@ -120,7 +120,8 @@ def test_verl_omni_sampling_dict_is_mapped_with_unknown_keys_refused():
          "global_steps": 7})
     assert fields["output_type"] == "pixel" and fields["guidance_scale"] == 0.0
     assert fields["sde_window_range"] == (0, 5) and seed is None  # VeRL-Omni's SD3 default range
-    assert dropped == ["global_steps", "num_frames", "sample_strategy", "sde_contiguous", "true_cfg_scale"]
+    assert fields["num_frames"] == 1 and fields["true_cfg_scale"] == 1.0
+    assert dropped == ["global_steps", "sample_strategy", "sde_contiguous"]
     for bad, message in (({"heigth": 64}, r"unknown key\(s\) \['heigth'\]"),
                          ({"sample_strategy": "progressive"}, "MixGRPO"),
                          ({"sde_contiguous": False}, "contiguous"),

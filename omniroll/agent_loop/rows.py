@@ -66,9 +66,12 @@ def output_signature(sp: dict) -> Optional[dict]:
     except ValidationError:
         return None
     lo, hi = p.window_range()
-    return {"height": p.height, "width": p.width,
+    # CFG rows carry negative-prompt embeddings; which scale adds them depends on the family (FLUX: true_cfg_scale),
+    # so rows must agree on both
+    return {"num_frames": p.num_frames, "height": p.height, "width": p.width,
             "recorded_steps": p.sde_window_size if p.sde_window_size is not None else hi - lo,
-            "cfg": p.do_cfg, "logprobs": p.logprobs, "output_type": p.output_type}
+            "cfg": p.guidance_scale > 1.0, "true_cfg": p.true_cfg_scale > 1.0, "logprobs": p.logprobs,
+            "output_type": p.output_type}
 
 
 def rows_that_cannot_share(base_sp: dict, overrides: list[Any], validate: bool) -> dict[int, str]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniroll.config import OmniRollConfig, load_config
+from omniroll.config import (AlgoSection, OmniRollConfig, PipelineSection, _PartialAlgo, _PartialPipeline,
+                             load_config)
 from omniroll.integrations.verl.sampling import flatten, map_sampling_params
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
            "float32": "float32", "fp32": "float32", "float": "float32"}
-PIPELINE_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length", "output_type")
-ALGO_KEYS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range")
+PIPELINE_KEYS = tuple(PipelineSection.model_fields)
+ALGO_KEYS = tuple(AlgoSection.model_fields)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -107,6 +108,6 @@ def omniroll_config_from_verl(config: Any) -> OmniRollConfig:
         if vp or va:
             v = flatten(vp, va)
             base["val_kwargs"].update(
-                pipeline={k: v[k] for k in PIPELINE_KEYS if k in v and k != "output_type" and v[k] is not None},
-                algo={k: v[k] for k in ALGO_KEYS if k in v and v[k] is not None})
+                pipeline={k: v[k] for k in _PartialPipeline.model_fields if k in v and v[k] is not None},
+                algo={k: v[k] for k in _PartialAlgo.model_fields if k in v and v[k] is not None})
     return load_config(_merge(base, _custom(rollout)))

@@ -3,14 +3,15 @@
 
 | VeRL-Omni key | omniroll | note |
 |---|---|---|
-| `height`, `width`, `num_inference_steps`, `max_sequence_length` | same name | |
+| `height`, `width`, `num_frames`, `num_inference_steps`, `max_sequence_length`, `true_cfg_scale` | same name | the model checks what it supports (e.g. `num_frames` > 1: video models only) |
+| `frame_rate` | `fps` | rounded to an int |
 | `guidance_scale` | `guidance_scale` | `null` becomes 0.0 (no CFG) |
 | `output_type` | `output_type` | `image` becomes `pixel`; `latent`, `both` as is |
 | `noise_level`, `sde_type`, `sde_window_size`, `sde_window_range` | same name | a window size without a range gets VeRL-Omni's SD3 default range (0, 5), capped at T - 1 |
 | `logprobs` | `logprobs` | |
 | `seed` | the request's seed | absent: a fresh random seed (VeRL-Omni with `rollout.seed: null`) |
 | `global_steps` | dropped | the sample is tagged with the weight version it was generated with |
-| `true_cfg_scale`, `num_frames`, `frame_rate`, `video_flow_shift`, `aspect_ratio` | dropped | no meaning for an image model with CFG through `guidance_scale` |
+| `video_flow_shift`, `aspect_ratio` | dropped | the model's own scheduler config and `height` / `width` decide these |
 | `sde_contiguous` (true), `sample_strategy` (`random`), `iters_per_group`, `sde_window_seed` | dropped | omniroll's windows are contiguous and drawn per sample from its seed; `sde_contiguous: false` and `sample_strategy: progressive` (MixGRPO) are refused |
 | `temperature`, `top_k`, `top_p`, `n`, `do_sample` | dropped | LLM sampling knobs (verl's `val_kwargs`) |
 
@@ -30,9 +31,10 @@ from omniroll.engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SAME_NAME = ("height", "width", "num_inference_steps", "max_sequence_length", "guidance_scale", "output_type",
-             "noise_level", "sde_type", "sde_window_size", "sde_window_range", "logprobs")
-DROPPED = ("global_steps", "true_cfg_scale", "num_frames", "frame_rate", "video_flow_shift", "aspect_ratio",
+SAME_NAME = ("height", "width", "num_frames", "num_inference_steps", "max_sequence_length", "guidance_scale",
+             "true_cfg_scale", "output_type", "noise_level", "sde_type", "sde_window_size", "sde_window_range",
+             "logprobs", "fps", "latent_seed")
+DROPPED = ("global_steps", "video_flow_shift", "aspect_ratio",
            "sde_contiguous", "sample_strategy", "iters_per_group", "sde_window_seed",
            "temperature", "top_k", "top_p", "n", "do_sample")
 OUTPUT_TYPES = {"image": "pixel", "pixel": "pixel", "latent": "latent", "both": "both"}
@@ -54,7 +56,7 @@ def map_sampling_params(sampling: dict) -> tuple[dict, Optional[int], list[str]]
     Raises ValueError naming the key for an unknown key, a value with no omniroll equivalent, or a bad value."""
     if not isinstance(sampling, dict):
         raise ValueError(f"sampling_params must be a dict, got {type(sampling).__name__}")
-    unknown = sorted(k for k in sampling if k not in SAME_NAME + DROPPED + ("seed",))
+    unknown = sorted(k for k in sampling if k not in SAME_NAME + DROPPED + ("seed", "frame_rate"))
     if unknown:
         raise ValueError(f"sampling_params: unknown key(s) {unknown}; omniroll understands {sorted(SAME_NAME)}, "
                          f"'seed', and drops {sorted(DROPPED)}")
@@ -64,6 +66,8 @@ def map_sampling_params(sampling: dict) -> tuple[dict, Optional[int], list[str]]
         raise ValueError(f"sampling_params.sample_strategy: {sampling['sample_strategy']!r} (MixGRPO) has no omniroll "
                          f"equivalent; only 'random' (a window drawn per sample) is supported")
     out = {k: sampling[k] for k in SAME_NAME if k in sampling}
+    if sampling.get("frame_rate") is not None:
+        out["fps"] = int(round(float(sampling["frame_rate"])))
     if "guidance_scale" in out and out["guidance_scale"] is None:
         out["guidance_scale"] = 0.0
     if "output_type" in out:
@@ -76,7 +80,7 @@ def map_sampling_params(sampling: dict) -> tuple[dict, Optional[int], list[str]]
         out["sde_window_range"] = (VERL_OMNI_WINDOW_RANGE[0], min(VERL_OMNI_WINDOW_RANGE[1], max(steps - 1, 1)))
     if out.get("sde_window_range") is not None:
         out["sde_window_range"] = tuple(int(v) for v in out["sde_window_range"])
-    for k in ("height", "width", "num_inference_steps", "max_sequence_length"):
+    for k in ("height", "width", "num_frames", "num_inference_steps", "max_sequence_length"):
         if k in out and out[k] is not None:
             out[k] = int(out[k])
     try:
