@@ -8,9 +8,10 @@ false) and refused otherwise, naming the field.
 
 Extra body fields, as vLLM-Omni accepts them (top-level JSON fields; `extra_body={...}` in the openai client):
 `negative_prompt`, `seed` (image k gets `seed + k`, so any image can be re-made alone with n=1; absent: a random
-seed, returned), `num_inference_steps`, `guidance_scale`, and every other `SamplingParams` field:
-`max_sequence_length`, `noise_level`, `sde_type`, `sde_window_size`, `sde_window_range`, `logprobs`.
-vLLM-Omni's `true_cfg_scale` has no meaning for the SD3 family and is refused. Unknown fields are refused.
+seed, returned), `num_inference_steps`, `guidance_scale`, `true_cfg_scale` (guidance-distilled models only; the
+model refuses it otherwise), and every other `SamplingParams` field: `max_sequence_length`, `noise_level`,
+`sde_type`, `sde_window_size`, `sde_window_range`, `logprobs`, `latent_seed`. Video fields (`num_frames`, `fps`)
+and unknown fields are refused, naming the field.
 
 Response: `{"created", "data": [{"b64_json", "revised_prompt": null, "seed", "request_id", "weight_version"}]}`.
 """
@@ -28,13 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.rollout.http_contract import ApiError, classify, request_id_of, validation_error
 
-#: SamplingParams fields a caller may set as extra body fields (size sets height and width; images are pixels).
-SAMPLING_FIELDS = frozenset(SamplingParams.model_fields) - {"height", "width", "output_type"}
+#: SamplingParams fields a caller may set as extra body fields (size sets height and width; this route makes
+#: still images as pixels: no frames, fps or output type).
+SAMPLING_FIELDS = frozenset(SamplingParams.model_fields) - {"height", "width", "output_type", "num_frames", "fps"}
 #: OpenAI fields with no meaning here, and the values that mean "the default" (accepted).
 _DEFAULT_ONLY = {"quality": (None, "auto", "standard"), "style": (None,), "background": (None, "auto"),
                  "moderation": (None, "auto"), "output_format": (None, "png"), "output_compression": (None,),
                  "partial_images": (None, 0), "stream": (None, False)}
-_NOT_FOR_THIS_MODEL = {"true_cfg_scale": "use guidance_scale (the SD3 family's classifier-free guidance)"}
 _SIZE_RE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 
 
@@ -79,9 +80,6 @@ def build_requests(body: ImagesBody, rid: str, model_name: str, max_n: int,
     for name, allowed in _DEFAULT_ONLY.items():
         if extra.pop(name, None) not in allowed:
             raise ApiError(400, f"{name}: not supported by omniroll (only its default is accepted)", param=name)
-    for name, hint in _NOT_FOR_THIS_MODEL.items():
-        if name in extra:
-            raise ApiError(400, f"{name}: not used by this model; {hint}", param=name)
     unknown = sorted(set(extra) - SAMPLING_FIELDS)
     if unknown:
         raise ApiError(400, f"{unknown[0]}: unknown field (sampling fields: {', '.join(sorted(SAMPLING_FIELDS))})",
