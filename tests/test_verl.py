@@ -144,3 +144,11 @@ def test_verl_omni_rollout_config_becomes_omniroll_config(tiny_sd3_path):
     assert (oc.pipeline.height, oc.pipeline.width, oc.pipeline.num_inference_steps) == (64, 128, 8)  # custom wins
     assert (oc.algo.sde_type, oc.algo.sde_window_range, oc.n, oc.seed) == ("cps", (0, 5), N, 3)
     assert oc.engine.model == tiny_sd3_path and oc.engine.dtype == "float32" and oc.val_kwargs.seed_mode == "shared"
+
+
+def test_import_omniroll_never_imports_verl():
+    import subprocess
+    import sys
+
+    code = "import sys, omniroll, omniroll.integrations; assert 'verl' not in sys.modules, 'verl was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
