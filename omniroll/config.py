@@ -170,6 +170,8 @@ class TrainerConfig(_Strict):
     seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
     weight_transport: Literal["ray", "shm"] = "ray"
     sync_timeout_s: float = Field(600.0, gt=0)
+    num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
+                                       "(None: torch's default); 1 is far faster on a busy small CPU")
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)

@@ -24,7 +24,7 @@ def train_config(model, **trainer):
         "reward": {"num_workers": 1, "functions": {"colour": {"fn": "prompt_colour"}}},
         "n": 4, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 2},
         "trainer": {"prompts": PROMPTS, "prompts_per_step": 2, "lr": 0.01, "micro_batch_size": 4, "steps": 4,
-                    **trainer},
+                    "num_threads": 1, **trainer},
     })
 
 
