@@ -132,8 +132,8 @@ class RewardSection(RewardWorkerConfig):
 class LoRASection(_Strict):
     rank: int = Field(8, ge=1, le=4096)
     alpha: float = Field(16.0, gt=0, le=1e6)
-    target_modules: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"], min_length=1,
-                                      description="module names (PEFT target_modules); default: attention projections")
+    target_modules: Optional[list[str]] = Field(None, min_length=1, description="module names (PEFT target_modules); "
+                                                "None: the family's default (its attention projections)")
 
 
 class TrainerConfig(_Strict):
