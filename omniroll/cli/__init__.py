@@ -8,6 +8,7 @@ What `main` guarantees for every command:
 - a user error (a bad flag value, config key, file, prompt, model path) prints one line per problem,
   `omniroll <command>: error: ...`, and exits 2; a traceback only with `--debug`;
 - Ctrl-C (SIGINT) exits 130; a command writes what already finished before it returns (see each command);
+- work that failed (some samples) after the rest was written: one line per failed row, exit 1;
 - any other error is a bug: one line and exit 1 (`--debug` shows the traceback).
 """
 
@@ -24,12 +25,21 @@ COMMANDS = {
     "rollout": "omniroll.cli.rollout",
 }
 
+EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
 class UserError(ValueError):
     """A problem in what the user gave (flag, config key, file): printed one line per entry of `problems`, exit 2."""
+
+    def __init__(self, problems):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class CommandFailed(RuntimeError):
+    """Some of the work failed (what finished was written): one line per entry of `problems`, exit 1."""
 
     def __init__(self, problems):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
@@ -71,11 +81,22 @@ def main(argv=None) -> int:
             raise
         _say_error(args.command, e.problems)
         return EXIT_USAGE
+    except CommandFailed as e:
+        if debug:
+            raise
+        _say_error(args.command, e.problems)
+        return EXIT_FAILED
     except (ValueError, TypeError, FileNotFoundError) as e:
         if debug:
             raise
         _say_error(args.command, _lines(e))
         return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback with --debug
+        if debug:
+            raise
+        _say_error(args.command, [f"internal error: {type(e).__name__}: {(_lines(e) or [''])[0]} "
+                                  f"(run with --debug for the traceback)"])
+        return EXIT_FAILED
 
 
 def _lines(e: BaseException) -> list[str]:

@@ -56,6 +56,7 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> Diffusi
         "sigma_max": float(state.sigma_max),
         "guidance_scale": float(p.guidance_scale),
         "seed": int(state.request.seed),
+        "sampling_params": p.model_dump(mode="json"),  # what this row was asked for, as given
         "weight_version": int(state.weight_version or 0),
         "generate_seconds": time.time() - state.submitted_at,
         **_embedding_fields(state),

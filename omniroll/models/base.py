@@ -93,4 +93,10 @@ class DiffusionAdapter(ABC):
     def limits(self) -> ModelLimits:
         """What a request may ask of this model; `ModelLimits.check` is the one check of resolution and text length
         (`omniroll.models.read_limits` gives the same object from the checkpoint's config files alone)."""
-        return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit)
+        return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit,
+                           self.prompt_token_length)
+
+    @property
+    def prompt_token_length(self):
+        """Token ids per prompt from the main tokenizer (padded), or None."""
+        return None

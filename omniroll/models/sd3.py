@@ -90,6 +90,10 @@ class SD3Adapter(DiffusionAdapter):
             return DEFAULT_MAX_SEQUENCE_LENGTH
         return tokenizer_max_length(getattr(self.tokenizer_3, "model_max_length", None))
 
+    @property
+    def prompt_token_length(self) -> int:
+        return int(self.pipeline.tokenizer_max_length)
+
     def modules(self) -> dict[str, torch.nn.Module]:
         mods = {
             "transformer": self.transformer,
