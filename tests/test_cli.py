@@ -108,11 +108,91 @@ def test_generate_keeps_finished_samples_on_ctrl_c(tiny_cache, tmp_path, monkeyp
     assert "interrupted" in capsys.readouterr().err
 
 
-def test_generate_bad_input_is_a_clear_error(tiny_cache, tmp_path, capsys):
-    rc = main(["generate", "--model", "tiny", "--prompt", "x", "--steps", "0", "--out", str(tmp_path), "--quiet"])
-    assert rc == 2 and "num_inference_steps" in capsys.readouterr().err
-    rc = main(["generate", "--model", str(tmp_path), "--prompt", "x", "--out", str(tmp_path), "--quiet"])
-    assert rc == 2 and "model_index.json" in capsys.readouterr().err
+@pytest.fixture()
+def nothing_starts(monkeypatch):
+    """Fail the test if a model is loaded or Ray replicas are started (errors must come before both)."""
+    import omniroll.cli.rollout
+    from omniroll.engine.engine import DiffusionEngine
+
+    def refuse(*a, **k):
+        raise AssertionError("started expensive work before reporting the input error")
+
+    monkeypatch.setattr(DiffusionEngine, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(omniroll.cli.rollout, "run_rollout", refuse)
+
+
+def _errors(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "pydantic.dev" not in err and "validation error" not in err
+    return err.strip().splitlines()
+
+
+def test_bad_input_fails_before_starting_one_line_per_error(tiny_cache, tmp_path, capsys, nothing_starts):
+    out = str(tmp_path)
+    assert main(["generate", "--prompt", "x", "--steps", "0", "--guidance", "-1", "--out", out]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 2 and lines[0].startswith("omniroll generate: error: --steps (pipeline.num_inference_steps)")
+    assert "--guidance (pipeline.guidance_scale)" in lines[1]
+    # limits read from the checkpoint's config files (no weights loaded): resolution multiple and maximum
+    assert main(["generate", "--prompt", "x", "--height", "100", "--width", "4096", "--out", out]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 2 and "--height (pipeline.height): must be a positive multiple of 16" in lines[0]
+    assert "--width (pipeline.width): must be <= 1024" in lines[1]
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--out", out]) == 2
+    assert "--model (engine.model)" in _errors(capsys)[0]
+    assert main(["generate", "--model", "stabilityai/stable-diffusion-3.5-medium", "--prompt", "x", "--out", out]) == 2
+    assert "hf download stabilityai/stable-diffusion-3.5-medium --local-dir" in _errors(capsys)[0]
+    assert main(["generate", "--prompts-file", str(tmp_path / "missing.txt"), "--out", out]) == 2
+    assert _errors(capsys) == [f"omniroll generate: error: --prompts-file: file not found: {tmp_path / 'missing.txt'}"]
+    assert main(["generate", "--prompt", "x", "--override", "pipeline.heigth=64", "--out", out]) == 2
+    assert "pipeline.heigth: Extra inputs are not permitted" in _errors(capsys)[0]
+
+
+def test_rollout_checks_rewards_prompt_length_and_sampling_before_ray(tiny_cache, tmp_path, capsys, nothing_starts):
+    base = ["rollout", "--config", "examples/rollout.yaml", "--prompts", "examples/prompts.txt", "--out", str(tmp_path)]
+    rc = main(base + ["--override", "reward.functions.compressibility.fn=jpeg_compresibility",
+                      "--override", "reward.functions.mine.fn=tests.reward_fns:no_such_fn",
+                      "--override", "prompt_length=10", "--override", "val_kwargs.pipeline.height=100", "--validate"])
+    assert rc == 2
+    lines = _errors(capsys)
+    assert len(lines) == 4, lines
+    assert any("val_kwargs.pipeline.height: must be a positive multiple of 16" in x for x in lines)
+    assert any(x.endswith("prompt_length: must be >= 77 (the model's tokenizer pads prompt ids to 77 tokens), got 10")
+               for x in lines)
+    assert any("reward.functions.compressibility.fn: unknown reward function 'jpeg_compresibility'" in x for x in lines)
+    assert any("reward.functions.mine.fn:" in x and "no_such_fn" in x for x in lines)
+
+
+def test_config_n_and_val_kwargs_n_are_honoured(tmp_path):
+    from omniroll.cli import build_parser
+    from omniroll.cli.common import build_config
+
+    (tmp_path / "c.yaml").write_text("n: 3\nval_kwargs: {n: 5}\nseed: 11\n")
+    args = build_parser().parse_args(["generate", "--config", str(tmp_path / "c.yaml"), "--prompt", "x"])
+    cfg = build_config(args)
+    assert (cfg.n, cfg.val_kwargs.n, cfg.seed) == (3, 5, 11)
+    args = build_parser().parse_args(["generate", "--config", str(tmp_path / "c.yaml"), "--n", "2", "--prompt", "x"])
+    assert build_config(args).n == 2  # a flag overrides the file
+
+
+def test_help_and_import_do_not_import_torch_and_every_flag_is_documented():
+    import subprocess
+    import sys
+
+    code = ("import sys, omniroll; from omniroll.cli import build_parser; build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'ray', 'diffusers') if m in sys.modules))")
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "[]"
+    from omniroll.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "generate" in a.choices)
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, (name, action.dest)
+            documented = action.default is not None or "default:" in action.help or action.required
+            assert documented, (name, action.dest)
 
 
 def test_demo(tiny_cache, tmp_path, capsys):

@@ -46,6 +46,16 @@ class CommandFailed(RuntimeError):
         super().__init__("; ".join(self.problems))
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default unless its help states it (flags that default to the config say which key)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or action.default in (None, argparse.SUPPRESS, False, []):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _command(name: str):
     return importlib.import_module(COMMANDS[name])
 
@@ -57,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = _command(name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_HelpFormatter)
         module.add_arguments(p)
         p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     return parser

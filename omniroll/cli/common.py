@@ -65,7 +65,8 @@ def schema_default(key: str) -> Any:
 
 def add_config_arguments(parser, config_help: str = "YAML config (see examples/rollout.yaml); flags override it",
                          config_required: bool = False) -> None:
-    parser.add_argument("--config", required=config_required, default=None, help=config_help)
+    parser.add_argument("--config", required=config_required, default=None,
+                        help=config_help + ("" if config_required else " (default: none: the schema's defaults)"))
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted config override (repeatable), e.g. reward.num_workers=2")
     for f in FLAGS:
@@ -78,9 +79,9 @@ def add_config_arguments(parser, config_help: str = "YAML config (see examples/r
 
 
 def add_prompt_arguments(parser) -> None:
-    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: none)")
     parser.add_argument("--prompts-file", "--prompts", dest="prompts_file", default=None,
-                        help="a text file, one prompt per line (blank lines skipped)")
+                        help="a text file, one prompt per line (blank lines skipped) (default: none)")
 
 
 def flag_overrides(args) -> list[str]:
