@@ -118,7 +118,8 @@ def run_info(command: str, model: str, device: str, dtype: str, batch_invariant:
     """What made a file: recorded in the trajectory file's `run` metadata and in metrics.json."""
     return {"command": command, "model": os.path.abspath(model) if os.path.isdir(model) else model,
             "device": device, "dtype": str(dtype).removeprefix("torch."), "batch_invariant": bool(batch_invariant),
-            "seed": seed, "versions": package_versions(), "machine": platform.machine(), **extra}
+            "seed": seed, "versions": package_versions(), "machine": platform.machine(),
+            "env_overrides": os.environ.get("OMNIROLL_OVERRIDES") or None, **extra}
 
 
 def write_trajectories(batch, path: str, run: dict) -> str:

@@ -3,7 +3,10 @@ and the checks that run before anything expensive starts.
 
 Flags are shorthands for config keys (`--height` is `pipeline.height`); a flag left out takes the value from
 `--config`, else the schema's default (`omniroll.config`), so there is one set of defaults. Order of precedence:
-flag > `--override key=value` > `--config` file > schema default.
+$OMNIROLL_OVERRIDES > flag > `--override key=value` > `--config` file > schema default.
+
+`OMNIROLL_OVERRIDES` (space-separated `key=value` config overrides, applied last and recorded in metrics.json) shrinks
+every command at once, e.g. to run the README's commands at toy size in CI.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from omniroll.cli import UserError
 #: as `derive_seed(seed, CLI_GLOBAL_STEP, uid, index)`, the agent loop's own derivation, so the same prompt, seed
 #: and settings give the same image in both commands.
 CLI_GLOBAL_STEP = 0
+ENV_OVERRIDES = "OMNIROLL_OVERRIDES"
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,13 @@ def flag_overrides(args) -> list[str]:
     return out
 
 
+def env_overrides() -> list[str]:
+    """`$OMNIROLL_OVERRIDES` as a list of `key=value` overrides."""
+    import shlex
+
+    return shlex.split(os.environ.get(ENV_OVERRIDES, ""))
+
+
 def build_config(args, base: Optional[dict] = None):
     """The validated config: schema defaults < `base` < --config < --override < flags. UserError, one line per bad
     key, naming the flag where a flag set it."""
@@ -108,6 +119,9 @@ def build_config(args, base: Optional[dict] = None):
     bad = [o for o in args.override if "=" not in o]
     if bad:
         raise UserError([f"--override: expected KEY=VALUE, got {o!r}" for o in bad])
+    bad = [o for o in env_overrides() if "=" not in o]
+    if bad:
+        raise UserError([f"${ENV_OVERRIDES}: expected KEY=VALUE, got {o!r}" for o in bad])
     raw = OmegaConf.create(base or {})
     if args.config is not None:
         try:
@@ -115,7 +129,7 @@ def build_config(args, base: Optional[dict] = None):
         except Exception as e:  # noqa: BLE001 - YAML syntax errors have many types
             raise UserError(f"--config: {args.config} is not valid YAML: {str(e).splitlines()[0]}") from None
     try:
-        cfg = load_config(raw, overrides=list(args.override) + flag_overrides(args))
+        cfg = load_config(raw, overrides=list(args.override) + flag_overrides(args) + env_overrides())
     except ConfigError as e:
         raise UserError(_name_flags(str(e).removeprefix("invalid config: ").split("; "))) from None
     except Exception as e:  # noqa: BLE001 - omegaconf's override parser errors

@@ -40,17 +40,24 @@ def print_files(result: dict) -> None:
         print(f"  {f}")
 
 
-def save_grid(images, path: Path) -> str:
-    """images: uint8 tensor [N, 3, H, W] -> one PNG row (0644)."""
+def save_grid(images, path: Path, caption: str = "") -> str:
+    """images: uint8 tensor [N, 3, H, W] -> one PNG (0644): the samples side by side on white, a gap between them,
+    and a caption line above (the prompt). The pixels of each sample are exactly the recorded ones."""
     import io
 
-    from PIL import Image
+    from PIL import Image, ImageDraw
 
     from omniroll.trajectory import write_bytes
 
-    grid = images.permute(2, 0, 3, 1).reshape(images.shape[2], -1, 3).numpy()  # H, N*W, 3
+    n, _, h, w = images.shape
+    gap, top = 4, 16 if caption else 0
+    sheet = Image.new("RGB", (n * w + (n + 1) * gap, h + 2 * gap + top), "white")
+    for k in range(n):
+        sheet.paste(Image.fromarray(images[k].permute(1, 2, 0).numpy()), (gap + k * (w + gap), gap + top))
+    if caption:
+        ImageDraw.Draw(sheet).text((gap, 2), caption, fill=(40, 40, 40))
     buf = io.BytesIO()
-    Image.fromarray(grid).save(buf, format="PNG")
+    sheet.save(buf, format="PNG")
     return write_bytes(str(path), buf.getvalue())
 
 
@@ -167,8 +174,9 @@ def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors
             by_prompt: dict[int, list[int]] = {}
             for k, r in enumerate(done):
                 by_prompt.setdefault(r // cfg.n, []).append(k)
+            tiny = "" if cfg.engine.model != "tiny" else "  (tiny model, random weights: noise-like by design)"
             for i, ks in sorted(by_prompt.items()):
-                files.append(save_grid(images[ks], out / f"prompt_{i:03d}.png"))
+                files.append(save_grid(images[ks], out / f"prompt_{i:03d}.png", prompts[i][:80] + tiny))
         files.append(write_trajectories(traj, str(out / FILE_NAME), run))
         if "rollout_log_probs" in traj.batch.keys():
             log_probs = traj.batch["rollout_log_probs"]
