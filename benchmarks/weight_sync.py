@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import sys
@@ -101,9 +102,10 @@ def main() -> int:
             targets = [ModuleReceiver(dst)]
         sender = WeightSender(targets, bucket_bytes=bucket_bytes, transport=transport.split("-")[0],
                               reuse_shm=transport == "shm-reuse")
-        acks = sender.send(src, version=0)  # warm-up (and actor start)
+        versions = itertools.count(1)  # a receiver's versions only go up
+        acks = sender.send(src, version=next(versions))  # warm-up (and actor start)
         hwm0 = vm("VmHWM")
-        t = best_of(lambda: sender.send(src, version=1), args.repeats)
+        t = best_of(lambda: sender.send(src, version=next(versions)), args.repeats)
         hwm_delta = vm("VmHWM") - hwm0
         alive = {"inproc": 1, "ray": acks[0]["num_buckets"]}.get(transport, sender.num_shm_slots)
         acct = alive * acks[0].get("max_bucket_bytes", bucket_bytes)
@@ -138,8 +140,9 @@ def main() -> int:
     for transport in ("inproc", "shm"):
         rx = ModuleReceiver(build(args.layers, args.heads, args.head_dim, seed=1))
         sender = WeightSender([rx], bucket_bytes=bucket_bytes, transport=transport, reuse_shm=True)
-        t_first = best_of(lambda: sender.send(pm, version=0), 1)  # first install: PEFT injection
-        t = best_of(lambda: sender.send(pm, version=1), max(args.repeats, 5))  # steady state: in place
+        versions = itertools.count(1)
+        t_first = best_of(lambda: sender.send(pm, version=next(versions)), 1)  # first install: PEFT injection
+        t = best_of(lambda: sender.send(pm, version=next(versions)), max(args.repeats, 5))  # steady state: in place
         rows.append((f"LoRA r{args.lora_rank} first install [{transport}]", t_first, lora_bytes / t_first / 1e9,
                      float("nan"), lora_bytes, "-"))
         results[f"lora_{transport}_first_ms"] = round(t_first * 1e3, 2)

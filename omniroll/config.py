@@ -17,7 +17,7 @@ one thing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -44,7 +44,8 @@ class ReplicasSection(_Strict):
 
 class EngineSection(_Strict):
     model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, or "tiny" (built on demand)')
-    max_batch_size: int = Field(16, ge=1, le=4096)
+    max_batch_size: Union[Literal["auto"], Annotated[int, Field(ge=2, le=4096)]] = Field(
+        16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
@@ -60,8 +61,11 @@ class EngineSection(_Strict):
 class PipelineSection(_Strict):
     height: int = Field(512, ge=16, le=4096)
     width: int = Field(512, ge=16, le=4096)
+    num_frames: int = Field(1, ge=1, le=1025, description="1 for images; video models: their rule (Wan: 4k + 1)")
+    fps: int = Field(16, ge=1, le=240)
     num_inference_steps: int = Field(10, ge=1, le=1000)
     guidance_scale: float = Field(4.5, ge=0.0, le=100.0)
+    true_cfg_scale: float = Field(1.0, ge=1.0, le=100.0, description="guidance-distilled models (FLUX.1) only")
     max_sequence_length: int = Field(128, ge=1, le=512)
     output_type: Literal["pixel", "latent", "both"] = "pixel"
 
@@ -78,6 +82,7 @@ class AlgoSection(_Strict):
 class _PartialPipeline(_Strict):
     height: Optional[int] = Field(None, ge=16, le=4096)
     width: Optional[int] = Field(None, ge=16, le=4096)
+    num_frames: Optional[int] = Field(None, ge=1, le=1025)
     num_inference_steps: Optional[int] = Field(None, ge=1, le=1000)
     guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
     max_sequence_length: Optional[int] = Field(None, ge=1, le=512)
@@ -137,6 +142,16 @@ class OmniRollConfig(_Strict):
     max_prompt_embed_length: Optional[int] = Field(None, ge=1)
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(2, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _check_prompt_length(self):
+        from omniroll.models import prompt_ids_length
+
+        n = prompt_ids_length(self.engine.model)
+        if n is not None and self.prompt_length < n:
+            raise ValueError(f"prompt_length: must be >= {n}: the model's tokenizer pads prompt ids to {n} tokens "
+                             f"(engine.model={self.engine.model!r}), got {self.prompt_length}")
+        return self
 
     @model_validator(mode="after")
     def _check_sampling(self):

@@ -205,6 +205,75 @@ def test_validation_is_ode_without_logprobs(cfg, replicas):
     assert torch.equal(out1.batch["responses"], out2.batch["responses"])  # the same validation images every step
 
 
+def test_rows_that_cannot_share_the_batch_are_refused_before_generation(cfg, replicas):
+    rows = [dict(uid="u0", raw_prompt="a red cat"),
+            dict(uid="h", raw_prompt="a cat", sampling_params={"height": 128}),
+            dict(uid="w", raw_prompt="a cat", sampling_params={"sde_window_size": 1}),  # 1 recorded step, batch: 2
+            dict(uid="c", raw_prompt="a cat", sampling_params={"guidance_scale": 1.0}),  # CFG off
+            dict(uid="l", raw_prompt="a cat", sampling_params={"logprobs": False}),
+            dict(uid="ok", raw_prompt="a cat", sampling_params={"noise_level": 0.3, "max_sequence_length": 8})]
+    client = RolloutClient(replicas[:1])
+    with pytest.raises(AgentLoopError) as ei:
+        asyncio.run(DiffusionAgentLoopWorker(cfg, client).generate_sequences(make_batch(rows)))
+    assert sum(client.served) == 0  # nothing was generated
+    assert [f["row"] for f in ei.value.failed_rows] == [1, 2, 3, 4] and ei.value.batch is None
+    msg = str(ei.value)
+    assert "4 of 6 rows failed before generation (nothing was generated)" in msg
+    for field in ("sampling_params.height gives height=128 where the batch has 64",
+                  "sampling_params.sde_window_size gives recorded_steps=1 where the batch has 2",
+                  "sampling_params.guidance_scale gives cfg=False", "sampling_params.logprobs gives logprobs=False"):
+        assert field in msg, field
+    marked = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"on_failure": "mark"})})
+    out = asyncio.run(DiffusionAgentLoopWorker(marked, client).generate_sequences(make_batch(rows)))
+    assert sum(client.served) == 2  # only the rows that fit were generated
+    assert list(out.non_tensor_batch["status"]) == ["ok", "failed", "failed", "failed", "failed", "ok"]
+    assert out.batch["responses"].shape == (6, 3, 64, 64) and out.batch["rollout_log_probs"].shape == (6, 2)
+    assert "sampling_params.height" in out.non_tensor_batch["error"][1]
+
+
+def test_prompt_length_is_checked_at_config_load(tiny_sd3_path):
+    from omniroll.config import ConfigError
+
+    for model in ("tiny", tiny_sd3_path):
+        with pytest.raises(ConfigError, match="prompt_length: must be >= 77: the model's tokenizer pads prompt ids"):
+            cfg_for(tiny_sd3_path, engine={"model": model}, prompt_length=76)
+    assert cfg_for(tiny_sd3_path, prompt_length=77).prompt_length == 77
+
+
+def test_prompt_ids_longer_than_prompt_length_fail_their_row_not_the_batch(cfg, replicas):
+    """For a model the config load cannot look into (model_copy skips validation here), the row fails alone after
+    generation, naming prompt_length, instead of the whole batch failing at stacking."""
+    short = cfg.model_copy(update={"prompt_length": 64})
+    with pytest.raises(AgentLoopError, match=r"77 token ids .*more than prompt_length=64") as ei:
+        asyncio.run(DiffusionAgentLoopWorker(short, RolloutClient(replicas[:1])).generate_sequences(
+            make_batch([("p0", "a red cat")])))
+    assert [f["row"] for f in ei.value.failed_rows] == [0] and ei.value.batch is None
+
+
+def test_agent_loop_error_carries_the_rows_that_succeeded(cfg, replicas, baseline, ray_cluster):
+    """Raise mode over two workers: one row fails; the error still carries the five good rows, assembled and merged
+    across chunks, identical to the batch without the bad row. A row that cannot share the batch is refused before
+    any chunk is sent."""
+    rows = ROWS5[:2] + [dict(uid="bad", raw_prompt=None)] + ROWS5[2:]
+    mgr = AgentLoopManager(cfg, replicas)
+    try:
+        with pytest.raises(AgentLoopError) as ei:
+            mgr.generate_sequences(make_batch(rows))
+        served = sum(ray_cluster.get(r.stats.remote())["served"] for r in replicas)
+        with pytest.raises(AgentLoopError, match="row 1 .*sampling_params.width gives width=128"):
+            mgr.generate_sequences(make_batch([("a", "x"), {"uid": "b", "raw_prompt": "y",
+                                                            "sampling_params": {"width": 128}}]))
+        assert sum(ray_cluster.get(r.stats.remote())["served"] for r in replicas) == served
+    finally:
+        mgr.shutdown()
+    err = ei.value
+    assert [f["row"] for f in err.failed_rows] == [2] and "raw_prompt is missing" in str(err)
+    assert err.succeeded_rows == [0, 1, 3, 4, 5] and len(err.batch) == 5
+    _same(err.batch, baseline)
+    assert list(err.batch.non_tensor_batch["uid"]) == ["u0", "u0", "u1", "u1", "u2"]
+    assert "5 row(s) succeeded: AgentLoopError.batch holds them" in str(err)
+
+
 def test_same_latent_groups_share_initial_noise_and_window(tiny_sd3_path, replicas):
     cfg = cfg_for(tiny_sd3_path, algo={"same_latent": True, "sde_window_size": 1, "sde_window_range": (1, 3)})
     worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]))
@@ -216,3 +285,33 @@ def test_same_latent_groups_share_initial_noise_and_window(tiny_sd3_path, replic
         assert all(torch.equal(lat[group[0], 0], lat[i, 0]) and win[i] == win[group[0]] for i in group)
         assert not torch.equal(lat[group[0], 1], lat[group[1], 1])
     assert not torch.equal(lat[0, 0], lat[3, 0])  # another group (uid), another initial noise
+
+
+def test_reward_worker_killed_mid_batch_every_row_scored(cfg, replicas, ray_cluster):
+    """One of two reward workers dies while it scores: its samples are re-scored on the other, no row fails."""
+    from omniroll.reward import create_reward_workers
+    from tests.test_reward_worker import _actor_options
+
+    functions = {"jpeg": {"fn": "jpeg_compressibility"},
+                 "slow": {"fn": "tests.reward_fns:slow_async", "kwargs": {"delay": 1.0}, "weight": 0.0}}
+    handles = create_reward_workers({"functions": functions, "max_wait_ms": 20}, 2, num_cpus=0, **_actor_options())
+    ray_cluster.get([h.ping.remote() for h in handles])
+    rows = [(f"k{i}", f"a {w} boat") for i, w in enumerate(["red", "blue", "green", "pink", "gray", "gold"])]
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]), reward_loop_worker_handles=handles)
+
+    async def go():
+        task = asyncio.create_task(worker.generate_sequences(make_batch(rows)))
+        for _ in range(600):  # until worker 0 is scoring (bounded)
+            if ray_cluster.get(handles[0].stats.remote())["batches"] >= 1:
+                break
+            await asyncio.sleep(0.02)
+        ray_cluster.kill(handles[0], no_restart=True)
+        return await task
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        ray_cluster.kill(handles[1], no_restart=True)
+    assert list(out.non_tensor_batch["status"]) == ["ok"] * len(rows)
+    assert out.batch["rm_scores"].shape == (len(rows), 1) and torch.isfinite(out.batch["rm_scores"]).all()
+    assert worker.reward_pool.stats()["dead"] == [0] and worker.reward_pool.stats()["rescored"] >= 1

@@ -224,10 +224,10 @@ def test_modules_and_load_adapter(adapter, tiny_sd3_path, tmp_path):
     assert adapter.denoiser is adapter.transformer
     loaded = load_adapter(tiny_sd3_path)
     assert isinstance(loaded, SD3Adapter)
-    other = tmp_path / "flux"
+    other = tmp_path / "ltx"
     other.mkdir()
-    (other / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(ValueError, match="FluxPipeline.*StableDiffusion3Pipeline"):
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline"}))
+    with pytest.raises(ValueError, match="LTXPipeline.*StableDiffusion3Pipeline"):
         load_adapter(str(other))
     with pytest.raises(FileNotFoundError, match="model_index.json"):
         load_adapter(str(tmp_path / "missing"))

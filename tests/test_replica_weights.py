@@ -31,8 +31,13 @@ def weights(base, seed):
     return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
 
 
-def reference(local, sd, rid, seed, version):
-    WeightSender([local]).send(sd, version=version)
+def load(local, sd):
+    """Give the in-process reference engine these weights (its own versions only go up)."""
+    WeightSender([local]).send(sd, version=local.weight_version + 1)
+
+
+def reference(local, sd, rid, seed):
+    load(local, sd)
     return local.generate([GenerationRequest(request_id=rid, prompt="a red car", seed=seed,
                                              sampling_params=SamplingParams(**SP))])[0]
 
@@ -49,7 +54,7 @@ def test_full_sync_to_every_replica(setup, transport, version):
     acks = WeightSender(handles, bucket_bytes=128 << 10, transport=transport).send(sd, version=version)
     assert sorted(a["replica_rank"] for a in acks) == [0, 1]
     assert all(a["version"] == version and a["mode"] == "full" and a["num_buckets"] > 1 for a in acks)
-    ref = reference(local, sd, "f", 3, version)
+    ref = reference(local, sd, "f", 3)
     for h in handles:
         out = gen(h, "f", 3)
         assert out.weight_version == version
@@ -96,7 +101,7 @@ def test_update_under_load_client_reruns_aborted_with_same_seed(setup):
     by_version = {20: base, 21: new}
     assert {o.weight_version for o in outs} <= {20, 21}
     for i, o in enumerate(outs):
-        WeightSender([local]).send(by_version[o.weight_version], version=o.weight_version)
+        load(local, by_version[o.weight_version])
         ref = local.generate([GenerationRequest(request_id=f"u{i}", prompt="a red car", seed=50 + i,
                                                 sampling_params=SamplingParams(**{**SP, "num_inference_steps": 8}))])[0]
         assert torch.equal(o.diffusion_output, ref.diffusion_output), i
@@ -112,3 +117,70 @@ def test_replica_sleep_wake(setup):
     assert ray.get(handles[0].stats.remote())["asleep_level"] == 1
     ray.get(handles[0].wake_up.remote())
     assert torch.equal(gen(handles[0], "s", 9).diffusion_output, before.diffusion_output)
+
+
+def test_replica_update_faults_change_nothing_then_a_good_update_lands(setup):
+    """Through Ray: a stream that ends early, a bucket that disagrees with the manifest, a shm sender that dies after
+    some buckets, a NaN, a version going backwards: each is refused, the replica keeps serving its weights and
+    version; then a good update gives the samples of an engine loaded with those weights, bitwise."""
+    from omniroll.weights import RayBucketRef, ShmChannel, WeightManifest, pack_buckets, plan_buckets
+    from omniroll.weights.buckets import BucketEntry
+
+    handles, local, base = setup
+    h = handles[0]
+    WeightSender([h], transport="ray").send(base, version=40)
+    before = gen(h, "x", 6)
+    target = weights(base, 41)
+    named = list(target.items())
+    manifest = WeightManifest.from_named_tensors(named)
+    refs = [RayBucketRef(ray.put(b.buffer), b.entries, b.index) for b in pack_buckets(named, 64 << 10)]
+    e = refs[1].entries[0]
+    wrong = [RayBucketRef(r.ref, [BucketEntry(e.name, e.dtype, (1, e.nbytes // 4), e.offset, e.nbytes)]
+                          + r.entries[1:], r.index) if i == 1 else r for i, r in enumerate(refs)]
+    nan = dict(target, **{"proj_out.weight": target["proj_out.weight"].clone().fill_(float("nan"))})
+
+    def call(buckets, version=41, use_shm=False, m=manifest):
+        return h.update_weights_from_ipc.remote(manifest=m, buckets=buckets, version=version, use_shm=use_shm)
+
+    for remote, match in ((call(refs[:-1]), "never received"), (call(wrong), "inconsistent with the manifest"),
+                          (call(refs, version=39), "> the current weight version 40"),
+                          (call(refs, version=41.0), "must be an int")):
+        with pytest.raises(ray.exceptions.RayTaskError, match=match):
+            ray.get(remote, timeout=120)
+    with pytest.raises(ray.exceptions.RayTaskError, match="non-finite.*proj_out.weight"):
+        WeightSender([h], transport="ray").send(nan, version=41)
+    plan = plan_buckets(manifest, 64 << 10)  # shm: the sender dies after 3 of its buckets
+    chan = ShmChannel(plan, 1, timeout_s=60)
+    try:
+        pending = call(chan.descriptor(0), use_shm=True)
+        chan.plan = plan[:3]
+        chan.stream(iter(named))
+        chan.abort()
+        with pytest.raises(ray.exceptions.RayTaskError, match="sender aborted"):
+            ray.get(pending, timeout=120)
+    finally:
+        chan.close()
+    st = ray.get(h.stats.remote())
+    assert st["weight_version"] == 40 and st["running"] == 0
+    again = gen(h, "x", 6)
+    assert again.weight_version == 40 and torch.equal(again.diffusion_output, before.diffusion_output)
+    WeightSender([h], transport="ray").send(target, version=41)
+    ref = reference(local, target, "x", 6)
+    out = gen(h, "x", 6)
+    assert out.weight_version == 41 and torch.equal(out.diffusion_output, ref.diffusion_output)
+    assert torch.equal(out.log_probs, ref.log_probs) and leftover_shm() == []
+
+
+def test_shut_down_replica_refuses_every_call_at_once(ray_cluster, tiny_sd3_path):
+    (h,) = create_replicas(1, tiny_sd3_path, {"max_batch_size": 4}, num_cpus=0)
+    ray.get(h.shutdown.remote())
+    assert ray.get(h.health.remote())["state"] == "shut down"
+    calls = {"abort": h.abort.remote("r"), "abort_all": h.abort_all.remote(), "sleep": h.sleep.remote(level=1),
+             "wake_up": h.wake_up.remote(), "remove_lora": h.remove_lora.remote(),
+             "update_weights_from_ipc": h.update_weights_from_ipc.remote(manifest=[], buckets=[], version=1),
+             "generate": h.generate.remote({"request_id": "g", "prompt": "a red car", "seed": 1,
+                                                 "sampling_params": SP})}
+    for name, ref in calls.items():
+        with pytest.raises(ray.exceptions.RayTaskError, match=f"{name}.*shut down"):
+            ray.get(ref, timeout=60)
+    kill_replicas([h])

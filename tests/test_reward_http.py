@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from omniroll.reward import (
     HttpScorer,
@@ -78,6 +78,24 @@ def _make_app(state: dict) -> FastAPI:
         hits[key] += 1
         await asyncio.sleep(0.3)
         return {"scores": [1.0]}
+
+    @app.post("/drip/{key}")
+    async def drip(key: str):  # a server that answers one byte every 0.2 s: no single read ever times out
+        hits[key] += 1
+
+        async def body():
+            yield b'{"scores": [1.0]'
+            for _ in range(50):
+                await asyncio.sleep(0.2)
+                yield b" "
+            yield b"}"
+
+        return StreamingResponse(body(), media_type="application/json")
+
+    @app.post("/notnumbers/{key}")
+    async def notnumbers(key: str):
+        hits[key] += 1
+        return {"scores": [True, False, "0.5", {"score": True}, 0.25]}
 
     return app
 
@@ -236,3 +254,32 @@ def test_manager_with_http_functions(server):
         assert r.score == pytest.approx(expected)
         assert r.extra_info["remote/attempts"] == 2  # HTTP-level attempts reported per row
         assert "status=500" in r.extra_info["down/error"] and r.extra_info["reward/missing"] == ["down"]
+
+
+def test_timeout_is_a_deadline_for_the_whole_request(server):
+    """The slow-drip server takes 10 s to finish its answer, never pausing 1 s between bytes: the attempt is still
+    cut off by its deadline (timeout_s=1), not held for the whole drip."""
+    url, state = server
+    scorer = HttpScorer(f"{url}/drip/t", timeout_s=1.0, max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(RewardHTTPError, match=r"after 1 attempt\(s\): status=None: timeout after 1.0s"):
+        _run(scorer, _samples(1))
+    assert time.monotonic() - t0 < 5.0  # bounded by the deadline, far below the 10 s drip
+    assert state["hits"]["t"] == 1
+
+
+def test_scores_must_be_finite_numbers(server):
+    url, _ = server
+    manager = RewardManager({"h": {"fn": "http", "kwargs": {"url": f"{url}/notnumbers/n"}, "max_retries": 0}})
+
+    async def go():
+        try:
+            return await manager.score(_samples(5))
+        finally:
+            await manager.aclose()
+
+    results = asyncio.run(go())
+    assert [r.status for r in results] == ["failed"] * 4 + ["ok"]
+    assert [r.score for r in results] == [None] * 4 + [0.25]  # never 1.0 / 0.0 for true / false
+    for r, kind in zip(results, ("bool", "bool", "str", "bool")):
+        assert f"returned a {kind}, expected a number" in r.error

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from omniroll.reward import (
     RewardLoopWorker,
+    RewardPoolError,
     RewardSample,
     RewardWorkerPool,
     create_reward_workers,
@@ -205,3 +206,35 @@ def test_pool_spreads_load_over_two_actors(ray_cluster):
     assert per_actor == [4, 4]
     for a in actors:
         ray.kill(a)
+
+
+def test_killed_worker_leaves_the_pool_and_its_samples_are_rescored(ray_cluster):
+    """Kill one of two reward workers while it scores: every row is still scored (on the live one), the dead worker
+    leaves the pool, and only when none is left does scoring fail, clearly."""
+    ray = ray_cluster
+    config = {"functions": {"slow": {"fn": f"{FNS}:slow_async", "kwargs": {"delay": 1.0}},
+                            "bright": {"fn": f"{FNS}:mean_pixel"}}, "max_wait_ms": 20}
+    actors = create_reward_workers(config, 2, **_actor_options())
+    ray.get([a.ping.remote() for a in actors])
+    pool = RewardWorkerPool(actors)
+    samples = _samples(8)
+
+    async def go():
+        task = asyncio.ensure_future(pool.score_many(samples))
+        for _ in range(200):  # until worker 0 is scoring its half (bounded)
+            if ray.get(actors[0].stats.remote())["batches"] >= 1:
+                break
+            await asyncio.sleep(0.02)
+        ray.kill(actors[0], no_restart=True)
+        return await task
+
+    results = asyncio.run(go())
+    assert [r.sample_id for r in results] == [s.sample_id for s in samples]
+    assert all(r.status == "ok" for r in results)
+    assert [r.components["bright"] for r in results] == pytest.approx([i / 255 for i in range(8)])
+    st = pool.stats()
+    assert st["dead"] == [0] and st["live"] == 1 and st["rescored"] == 4 and pool.load() == [0, 0]
+    assert pool.sent() == [4, 8]  # worker 0's four samples went to worker 1 as well
+    ray.kill(actors[1], no_restart=True)
+    with pytest.raises(RewardPoolError, match=r"'s0' cannot be scored: every reward worker \(2 of 2\) left the pool"):
+        asyncio.run(pool.score(samples[0]))

@@ -1,6 +1,7 @@
 """Rollout replicas (Ray actors around the real engine on the tiny SD3) and the routing client."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -104,3 +105,51 @@ def test_dead_replica_is_replaced_with_identical_output(ray_cluster, tiny_sd3_pa
     only_dead = RolloutClient([extra], max_retries=1)
     with pytest.raises(RolloutError, match="dead"):
         run(only_dead.generate("z", "x", SP, seed=1))
+
+
+def test_bad_request_through_a_replica_fails_alone_and_benches_nothing(replicas, ray_cluster):
+    """A request only the replica can refuse (its engine's max_prompt_chars) fails alone with RequestError naming it,
+    is not retried and benches no replica; the requests beside it complete."""
+    async def go(client):
+        good = [client.generate(f"ok{i}", "a red cat", SP, seed=i, group_id="g") for i in range(3)]
+        bad = client.generate("toolong", "x" * 9000, SP, seed=1, group_id="g")
+        return await asyncio.gather(*good, bad, return_exceptions=True)
+
+    client = RolloutClient(replicas, timeout_s=60)
+    *good, bad = run(go(client))
+    assert isinstance(bad, RequestError) and bad.request_id == "toolong"
+    assert "rejected by replica" in str(bad) and "max_prompt_chars=8192" in str(bad) and "xxxxx" not in str(bad)
+    assert all(o.stop_reason == "completed" and o.extra_fields["rollout_attempts"] == 1 for o in good)
+    st = client.stats()
+    assert st["healthy"] == [True, True] and st["dead"] == [] and st["in_flight"] == [0, 0]
+    # the engine's RequestError crosses Ray as itself (what the client relies on), with its request id
+    ref = replicas[0].generate.remote({"request_id": "r", "prompt": "y" * 9000, "seed": 0, "sampling_params": SP})
+    with pytest.raises(RequestError) as ei:
+        ray_cluster.get(ref)
+    assert "max_prompt_chars" in str(ei.value)
+    # an unencodable prompt is refused before any RPC, naming the field
+    with pytest.raises(RequestError, match=r"'sur'.*prompt.*U\+D800"):
+        run(client.generate("sur", "a \ud800", SP, seed=1))
+
+
+def test_duplicate_request_id_on_a_replica_is_refused_not_retried(replicas, ray_cluster):
+    long_sp = {**SP, "num_inference_steps": 400}
+    first = replicas[1].generate.remote({"request_id": "same", "prompt": "a cat", "seed": 0, "sampling_params": long_sp})
+    for _ in range(600):  # until the engine holds it (bounded: a broken replica fails the assert below)
+        if ray_cluster.get(replicas[1].stats.remote())["in_flight"] >= 1:
+            break
+        time.sleep(0.05)
+    client = RolloutClient([replicas[1]], timeout_s=60)  # another client: its own in-flight map does not know "same"
+    with pytest.raises(RequestError, match="'same'.*already in flight"):
+        run(client.generate("same", "a dog", SP, seed=1))
+    assert client.stats()["healthy"] == [True]
+    assert ray_cluster.get(replicas[1].abort.remote("same")) is True
+    assert ray_cluster.get(first)["stop_reason"] == "aborted"
+
+    async def twice():  # the same client refuses its own duplicate before any RPC
+        c = RolloutClient(replicas, timeout_s=60)
+        return await asyncio.gather(c.generate("d", "a cat", SP, seed=0), c.generate("d", "a cat", SP, seed=0),
+                                    return_exceptions=True)
+
+    a, b = run(twice())
+    assert a.stop_reason == "completed" and isinstance(b, RequestError) and "already in flight on this client" in str(b)

@@ -3,7 +3,9 @@
 Before splitting it fixes each row's `_group_index` (its position within its uid group over the WHOLE batch), so seeds
 do not depend on the chunking. Chunks are cut at group boundaries and may be uneven; results are concatenated in the
 original row order, prompt embeddings re-padded to one length across chunks, and failures of all chunks reported in
-ONE `AgentLoopError` with global row numbers.
+ONE `AgentLoopError` with global row numbers, carrying every chunk's succeeded rows merged into one batch
+(`error.batch`, `error.succeeded_rows`). In raise mode, rows that cannot share the output batch are refused for the
+whole batch before any chunk is sent (see `rows.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import numpy as np
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.agent_loop.postprocess import is_embed_key
-from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker, as_config, group_indices, row_uids
+from omniroll.agent_loop.rows import base_sampling, rows_that_cannot_share
+from omniroll.agent_loop.worker import (AgentLoopError, DiffusionAgentLoopWorker, as_config, failed_entries,
+                                        group_indices, plan_rows, row_uids)
 
 _PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_weight_version", "worker_seconds")
 
@@ -66,6 +70,14 @@ class AgentLoopManager:
     async def generate_sequences_async(self, batch: DataBatch) -> DataBatch:
         t0 = time.perf_counter()
         batch = self.prepare(batch)
+        if self.config.agent.on_failure == "raise":  # refuse the whole batch before any chunk generates anything
+            validate = bool(batch.meta_info.get("validate", False))
+            rows = plan_rows(self.config, batch)
+            rejected = rows_that_cannot_share(base_sampling(self.config, batch.meta_info, validate),
+                                              [f.get("sampling_params") for f in rows], validate)
+            if rejected:
+                raise AgentLoopError.from_rows(failed_entries(rows, rejected), len(rows),
+                                               note=" before generation (nothing was generated)")
         chunks = batch.split(group_chunk_sizes(list(batch.non_tensor_batch["uid"]), len(self.workers)))
         offsets = np.cumsum([0] + [len(c) for c in chunks])
         # rotate the first worker per call, so concurrent small calls (one prompt group each) spread over workers
@@ -76,15 +88,23 @@ class AgentLoopManager:
         refs = [w.generate_sequences.remote(c) for w, c, _ in jobs]
         results = await asyncio.gather(*[_await(r) for r in refs], return_exceptions=True)
         failed_rows: list[dict] = []
+        kept: list[DataBatch] = []
+        kept_rows: list[int] = []
         for (_, chunk, off), res in zip(jobs, results):
             if isinstance(res, BaseException):
                 cause = getattr(res, "cause", None) or res
-                if isinstance(cause, AgentLoopError):
-                    failed_rows += [{**f, "row": off + f["row"]} for f in cause.failed_rows]
-                else:
+                if not isinstance(cause, AgentLoopError):
                     raise cause
+                failed_rows += [{**f, "row": off + f["row"]} for f in cause.failed_rows]
+                if cause.batch is not None and len(cause.batch):
+                    kept.append(cause.batch)
+                    kept_rows += [off + r for r in cause.succeeded_rows]
+            else:
+                kept.append(res)
+                kept_rows += list(range(off, off + len(res)))
         if failed_rows:
-            raise AgentLoopError.from_rows(sorted(failed_rows, key=lambda f: f["row"]), len(batch))
+            raise AgentLoopError.from_rows(sorted(failed_rows, key=lambda f: f["row"]), len(batch),
+                                           batch=merge(kept) if kept else None, succeeded_rows=kept_rows)
         out = merge(list(results))
         out.meta_info["timing"] = _timing(out.meta_info["metrics"], time.perf_counter() - t0)
         return out

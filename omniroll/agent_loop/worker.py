@@ -13,8 +13,12 @@ ODE (noise_level 0) and no log-probs. With `algo.same_latent` a training row als
 `latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the group shares its initial noise and window.
 
 Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
-disappears: by default the worker raises ONE `AgentLoopError` listing every failed row; with `agent.on_failure: mark`
-it returns the batch with those rows marked (status "failed", zero tensors, `failed` mask, `error` column).
+disappears: by default the worker raises ONE `AgentLoopError` listing every failed row and carrying the rows that
+succeeded (`error.batch`, assembled as usual, and `error.succeeded_rows`), so a caller can keep them; with
+`agent.on_failure: mark` it returns the batch with those rows marked (status "failed", zero tensors, `failed` mask,
+`error` column). Rows whose override cannot share the output batch (another height, width, number of recorded SDE
+steps, CFG on/off, log-probs on/off, output_type: see `rows.py`) are refused before anything is generated: in raise
+mode the whole call fails at once, naming each such row and field; in mark mode only they are marked failed.
 """
 
 from __future__ import annotations
@@ -24,33 +28,38 @@ import hashlib
 import time
 from typing import Any, Optional
 
-from pydantic import ValidationError
-
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.agent_loop.postprocess import RowResult, assemble, embed_length_error
 from omniroll.agent_loop.registry import get_agent_loop_class
+from omniroll.agent_loop.rows import base_sampling, row_sampling, rows_that_cannot_share
 from omniroll.agent_loop.single_turn import prompt_text
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.engine.params import SamplingParams
-from omniroll.errors import format_validation_error
 from omniroll.sampling.seeds import derive_group_seed, derive_seed
 
 
 class AgentLoopError(RuntimeError):
-    """One or more rows failed. `failed_rows`: [{"row", "uid", "request_id", "error"}, ...]."""
+    """One or more rows failed. `failed_rows`: [{"row", "uid", "request_id", "error"}, ...]; `batch`: the rows that
+    succeeded, assembled like a normal output (a DataBatch in input order; None when none did); `succeeded_rows`:
+    their row numbers in the input batch. All three survive pickling (e.g. across Ray)."""
 
-    def __init__(self, message: str, failed_rows: Optional[list] = None):
-        super().__init__(message, failed_rows or [])
+    def __init__(self, message: str, failed_rows: Optional[list] = None, batch: Optional[DataBatch] = None,
+                 succeeded_rows: Optional[list[int]] = None):
+        super().__init__(message, failed_rows or [], batch, list(succeeded_rows or []))
         self.message, self.failed_rows = message, failed_rows or []
+        self.batch, self.succeeded_rows = batch, list(succeeded_rows or [])
 
     def __str__(self) -> str:
         return self.message
 
     @classmethod
-    def from_rows(cls, failed_rows: list[dict], total: int) -> "AgentLoopError":
+    def from_rows(cls, failed_rows: list[dict], total: int, batch: Optional[DataBatch] = None,
+                  succeeded_rows: Optional[list[int]] = None, note: str = "") -> "AgentLoopError":
         lines = "\n".join(f"  row {f['row']} (uid={f['uid']!r}, request_id={f['request_id']!r}): {f['error']}"
                           for f in failed_rows)
-        return cls(f"{len(failed_rows)} of {total} rows failed:\n{lines}", failed_rows)
+        kept = (f"\n{len(batch)} row(s) succeeded: AgentLoopError.batch holds them (rows {succeeded_rows})"
+                if batch is not None and len(batch) else "")
+        return cls(f"{len(failed_rows)} of {total} rows failed{note}:\n{lines}{kept}", failed_rows, batch,
+                   succeeded_rows)
 
 
 def as_config(config: Any) -> OmniRollConfig:
@@ -78,6 +87,50 @@ def row_uids(non_tensor_batch: dict, n: int) -> list[str]:
         raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(non_tensor_batch)})")
     return [str(u) if u is not None else default_uid(p)
             for u, p in zip(non_tensor_batch.get("uid", [None] * n), non_tensor_batch["raw_prompt"])]
+
+
+def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
+    """Per-row fields for the agent loop (uid, group index, seed, request_id, ...). Batch-level input errors raise
+    ValueError naming the field."""
+    nt, meta = batch.non_tensor_batch, batch.meta_info
+    n = len(batch)
+    uids = row_uids(nt, n)
+    validate = bool(meta.get("validate", False))
+    steps = meta.get("global_steps")
+    if steps is None:
+        if not validate:
+            raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
+        steps = 0
+    if "_group_index" in nt:
+        idx = [int(i) for i in nt["_group_index"]]
+    else:
+        idx = group_indices(uids)
+    seen: dict[tuple, int] = {}
+    for r, key in enumerate(zip(uids, idx)):
+        if key in seen:
+            raise ValueError(f"rows {seen[key]} and {r} have the same (uid, _group_index) {key}: each sample of a "
+                             f"group needs its own index")
+        seen[key] = r
+    if validate:
+        base, step_for_seed, tag = config.val_kwargs.seed, 0, "val"
+    else:
+        base = meta.get("rollout_seed", config.seed)
+        step_for_seed, tag = int(steps), "train"
+    rows = []
+    for r in range(n):
+        fields = {k: v[r] for k, v in nt.items()}
+        fields.update(uid=uids[r], _group_index=idx[r], seed=derive_seed(base, step_for_seed, uids[r], idx[r]),
+                      request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
+        if config.algo.same_latent and not validate:
+            fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
+        rows.append(fields)
+    return rows
+
+
+def failed_entries(rows: list[dict], errors: dict[int, str]) -> list[dict]:
+    """`AgentLoopError.failed_rows` entries for these rows (index -> error)."""
+    return [{"row": i, "uid": rows[i]["uid"], "request_id": rows[i]["request_id"], "error": e}
+            for i, e in sorted(errors.items())]
 
 
 class DiffusionAgentLoopWorker:
@@ -114,104 +167,64 @@ class DiffusionAgentLoopWorker:
             self._loops[name] = loop
         return loop
 
-    def _base_sampling(self, meta: dict, validate: bool) -> dict:
-        sp = self.config.sampling_params(validate=validate)
-        override = meta.get("sampling_params") or {}
-        if not isinstance(override, dict):
-            raise ValueError(f"meta_info['sampling_params'] must be a dict, got {type(override).__name__}")
-        sp.update(override)
-        if validate:
-            sp["logprobs"] = False
-        try:
-            SamplingParams.model_validate(sp)
-        except ValidationError as e:
-            raise ValueError("bad sampling params: " + format_validation_error(
-                e, "meta_info.sampling_params", with_input=False, empty_loc="meta_info.sampling_params")) from None
-        return sp
-
     def plan(self, batch: DataBatch) -> list[dict]:
-        """Per-row fields for the agent loop (uid, group index, seed, request_id, ...). Batch-level input errors
-        raise ValueError naming the field."""
-        nt, meta = batch.non_tensor_batch, batch.meta_info
-        n = len(batch)
-        uids = row_uids(nt, n)
-        validate = bool(meta.get("validate", False))
-        steps = meta.get("global_steps")
-        if steps is None:
-            if not validate:
-                raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
-            steps = 0
-        if "_group_index" in nt:
-            idx = [int(i) for i in nt["_group_index"]]
-        else:
-            idx = group_indices(uids)
-        seen: dict[tuple, int] = {}
-        for r, key in enumerate(zip(uids, idx)):
-            if key in seen:
-                raise ValueError(f"rows {seen[key]} and {r} have the same (uid, _group_index) {key}: each sample of a "
-                                 f"group needs its own index")
-            seen[key] = r
-        if validate:
-            base, step_for_seed, tag = self.config.val_kwargs.seed, 0, "val"
-        else:
-            base = meta.get("rollout_seed", self.config.seed)
-            step_for_seed, tag = int(steps), "train"
-        rows = []
-        for r in range(n):
-            fields = {k: v[r] for k, v in nt.items()}
-            fields.update(uid=uids[r], _group_index=idx[r], seed=derive_seed(base, step_for_seed, uids[r], idx[r]),
-                          request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
-            if self.config.algo.same_latent and not validate:
-                fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
-            rows.append(fields)
-        return rows
+        return plan_rows(self.config, batch)
 
     async def generate_sequences(self, batch: DataBatch) -> DataBatch:
         """Generate one sample per row. Returns the output batch described in `postprocess`."""
         t0 = time.perf_counter()
         validate = bool(batch.meta_info.get("validate", False))
-        base_sp = self._base_sampling(batch.meta_info, validate)
+        base_sp = base_sampling(self.config, batch.meta_info, validate)
         rows = self.plan(batch)
-        tasks = [asyncio.create_task(self._run_row(i, f, base_sp, validate)) for i, f in enumerate(rows)]
+        mark = self.config.agent.on_failure == "mark"
+        rejected = rows_that_cannot_share(base_sp, [f.get("sampling_params") for f in rows], validate)
+        if rejected and not mark:
+            raise AgentLoopError.from_rows(failed_entries(rows, rejected), len(rows),
+                                           note=" before generation (nothing was generated)")
+        tasks = {i: asyncio.create_task(self._run_row(i, f, base_sp, validate))
+                 for i, f in enumerate(rows) if i not in rejected}
         try:
-            results: list[RowResult] = list(await asyncio.gather(*tasks))
+            done = dict(zip(tasks, await asyncio.gather(*tasks.values())))
         except BaseException:
-            for t in tasks:
+            for t in tasks.values():
                 t.cancel()
             raise
-        failed = [r for r in results if r.status == "failed"]
-        mark = self.config.agent.on_failure == "mark"
+        results: list[RowResult] = [
+            done[i] if i in done else RowResult(index=i, request_id=f["request_id"], seed=f["seed"], error=rejected[i])
+            for i, f in enumerate(rows)]
+        failed = {r.index: r.error for r in results if r.status == "failed"}
         if failed and not mark:
-            raise AgentLoopError.from_rows(
-                [{"row": r.index, "uid": rows[r.index]["uid"], "request_id": r.request_id, "error": r.error}
-                 for r in failed], len(results))
-        out = assemble(results, batch, prompt_length=self.config.prompt_length,
+            ok = [r for r in results if r.status != "failed"]
+            partial = self._assemble(ok, batch[[r.index for r in ok]], [rows[r.index] for r in ok], False) if ok \
+                else None
+            raise AgentLoopError.from_rows(failed_entries(rows, failed), len(results), batch=partial,
+                                           succeeded_rows=[r.index for r in ok])
+        out = self._assemble(results, batch, rows, mark)
+        out.meta_info["worker_seconds"] = time.perf_counter() - t0
+        return out
+
+    def _assemble(self, results: list[RowResult], inputs: DataBatch, rows: list[dict], mark: bool) -> DataBatch:
+        out = assemble(results, inputs, prompt_length=self.config.prompt_length,
                        max_prompt_embed_length=self.config.max_prompt_embed_length, mark_failed=mark,
                        scored=self.reward_pool is not None)
         out.non_tensor_batch["uid"] = to_object_array(f["uid"] for f in rows)
         out.non_tensor_batch["_group_index"] = to_object_array(f["_group_index"] for f in rows)
-        out.meta_info["worker_seconds"] = time.perf_counter() - t0
         return out
 
     async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool) -> RowResult:
         res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
         try:
-            sp = dict(base_sp)
-            if fields.get("latent_seed") is not None:
-                sp["latent_seed"] = fields["latent_seed"]
-            override = fields.get("sampling_params")
-            if override is not None:
-                if not isinstance(override, dict):
-                    raise ValueError(f"sampling_params must be a dict, got {type(override).__name__}")
-                sp.update(override)
-                if validate:
-                    sp["logprobs"] = False
+            base = base_sp if fields.get("latent_seed") is None else {**base_sp, "latent_seed": fields["latent_seed"]}
+            sp = row_sampling(base, fields.get("sampling_params"), validate)
             loop = self._agent_loop(fields.get("agent_name") or self.config.agent.default_agent_loop)
             row_kwargs = {k: v for k, v in fields.items() if k != "sampling_params"}
             out = await loop.run(sp, **row_kwargs)
             err = embed_length_error(out, self.config.max_prompt_embed_length)
             if err is not None:
                 raise ValueError(err)
+            if len(out.prompt_ids) > self.config.prompt_length:  # a model the config load could not look into
+                raise ValueError(f"the prompt has {len(out.prompt_ids)} token ids (the tokenizer's padded length), "
+                                 f"more than prompt_length={self.config.prompt_length}")
         except Exception as e:  # this row fails; the others carry on
             res.error = f"{type(e).__name__}: {e}"
             return res

@@ -3,21 +3,34 @@
 A background thread owns the model and runs the loop; callers submit requests (sync `generate`, or
 `await generate_async`) and control calls (`call_between_steps`, used for aborts, weight updates and sleep), which
 run on the loop thread between two denoising steps, so they never race a forward.
+
+No call hangs: every control call has a finite default timeout and raises TimeoutError naming the operation; after
+`shutdown()` (or if the loop ever died) every call raises EngineShutdownError at once, and pending requests and
+control calls fail with it. An engine the program never shut down is shut down at interpreter exit (an atexit hook
+stops the loop after its current step and joins it), so a script may simply end.
+The weights and memory state (version, sleep level, LoRA) is the `lifecycle` component (`engine/lifecycle.py`);
+the engine serialises lifecycle calls and drains / aborts around them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
+import math
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
-from omniroll.engine.lifecycle import EngineLifecycleMixin
+from omniroll.engine.errors import EngineError, EngineShutdownError, RequestError
+from omniroll.engine.lifecycle import SLEEP_LEVELS, Lifecycle
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.packaging import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
@@ -28,35 +41,74 @@ from omniroll.engine.scheduler import Scheduler
 from omniroll.models.base import DiffusionAdapter
 
 
-class EngineError(RuntimeError):
-    pass
+__all__ = ["DiffusionEngine", "EngineError", "EngineShutdownError"]
+
+_LIVE_ENGINES: "weakref.WeakSet[DiffusionEngine]" = weakref.WeakSet()
 
 
-class DiffusionEngine(EngineLifecycleMixin):
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """At interpreter exit, stop every engine whose loop still runs: a daemon thread killed inside a torch kernel
+    aborts the process ("terminate called without an active exception", exit status 134)."""
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway; one engine's error must not keep the others running
+            pass
+
+
+def _seconds(name: str, value: Any, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number of seconds, "
+                         f"got {value!r}")
+    return float(value)
+
+
+class DiffusionEngine:
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
         self.config = config or EngineConfig()
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.runner = ModelRunner(adapter, self.config)
-        self.scheduler = Scheduler(self.config.max_batch_size, prefix_sharing=self.config.prefix_sharing)
+        self.calibrator = None
+        rows = self.config.max_batch_size
+        if rows == "auto":
+            self.calibrator = RowCalibrator(adapter, self.runner.execution_mode, self.config.device, self.config.dtype,
+                                            self.config.batch_invariant)
+            rows = self.calibrator.rows_for
+        self.scheduler = Scheduler(rows, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
-        self.weight_version = 0
+        self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update)
         self.served = 0
         self.steps_run = 0
         self.rows_run = 0
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque[RequestState] = deque()
+        self._to_decode: list[tuple[RequestState, int]] = []  # finished, waiting for a full decode block (+ step)
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._live_ids: set[str] = set()  # request ids queued or running (unique; `abort(id)` names one request)
+        self._ids_lock = threading.Lock()  # taken inside `_lock` or alone, never the other way round
         self._thread: Optional[threading.Thread] = None
-        self._stopped = False
+        self._closed: Optional[str] = None  # why every call is refused: "shut down" or "shut down (its loop died: ..)"
         self.admission_paused = False
+        self._lifecycle_lock = threading.Lock()  # one lifecycle call (update, LoRA, sleep, wake) at a time
+        self._lifecycle_op: Optional[str] = None
+
+    @property
+    def weight_version(self) -> int:
+        return self.lifecycle.version
+
+    @property
+    def asleep_level(self) -> int:
+        return self.lifecycle.asleep_level
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        max_batch_size: int = 16, **config_kwargs) -> "DiffusionEngine":
+                        max_batch_size: int | str = 16, **config_kwargs) -> "DiffusionEngine":
         from omniroll.models import load_adapter
 
         config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, **config_kwargs)
@@ -85,17 +137,18 @@ class DiffusionEngine(EngineLifecycleMixin):
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            self.abort(request.request_id)
+            with contextlib.suppress(EngineShutdownError):  # a shut-down engine already failed the request
+                self.abort(request.request_id)
             raise
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
         """Abort a waiting or running request; it completes with stop_reason="aborted". Returns whether it existed.
         Blocks until the request has stopped (the abort is acknowledged, never fire-and-forget)."""
-        return self.call_between_steps(lambda: self._abort_now(request_id))
+        return self.call_between_steps(lambda: self._abort_now(request_id), timeout_s, op="abort")
 
-    def abort_all(self) -> list[str]:
+    def abort_all(self, timeout_s: float = 60.0) -> list[str]:
         """Abort every request in the engine (acknowledged). Returns their ids."""
-        return self.call_between_steps(self._abort_all_now)
+        return self.call_between_steps(self._abort_all_now, timeout_s, op="abort_all")
 
     def stats(self) -> dict:
         with self._lock:
@@ -104,9 +157,11 @@ class DiffusionEngine(EngineLifecycleMixin):
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + inbox,
             "served": self.served,
-            "weight_version": self.weight_version,
-            "asleep_level": self.asleep_level,
-            "lora": self._lora_manager.active_lora if self._lora_manager is not None else None,
+            "weight_version": self.lifecycle.version,
+            "asleep_level": self.lifecycle.asleep_level,
+            "weights_unusable": self.lifecycle.unusable,
+            "lora": self.lifecycle.active_lora,
+            "shut_down": self._closed is not None,
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
             "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
@@ -114,66 +169,268 @@ class DiffusionEngine(EngineLifecycleMixin):
                              "misses": self.prompt_cache.misses},
         }
 
-    def call_between_steps(self, fn: Callable[[], Any], timeout: Optional[float] = None) -> Any:
-        """Run `fn` on the engine thread between two denoising steps and return its result (or raise its error)."""
+    def call_between_steps(self, fn: Callable[[], Any], timeout_s: float = 60.0, op: str = "call_between_steps") -> Any:
+        """Run `fn` on the engine thread between two denoising steps and return its result (or raise its error).
+        Raises TimeoutError naming `op` if it has not finished within `timeout_s` (a call that had not started by
+        then never runs), EngineShutdownError at once on a shut-down engine."""
+        timeout_s = _seconds("timeout_s", timeout_s)
         if self._thread is not None and threading.current_thread() is self._thread:
             return fn()
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            self._check_open(op)
             self._ensure_thread()
             self._controls.append((fn, future))
             self._wakeup.notify()
-        return future.result(timeout=timeout)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.done() and not future.cancelled():
+                raise  # fn itself raised a TimeoutError
+            future.cancel()
+            raise TimeoutError(f"{op} did not finish within {timeout_s:g}s (the engine thread was busy with a step "
+                               f"or an earlier call)") from None
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop after its current step; pending requests and control calls fail with EngineShutdownError,
+        and so does every later call, at once. Idempotent."""
         with self._lock:
-            self._stopped = True
+            self._closed = self._closed or "shut down"
             self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        for state in self.scheduler.drain_all() + list(self._inbox):
-            state.on_done(None, EngineError("engine shut down"))
-        self._inbox.clear()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout_s)
+        if thread is None or not thread.is_alive():
+            self._fail_pending()
+        _LIVE_ENGINES.discard(self)
+
+    def _check_open(self, op: str) -> None:
+        if self._closed is not None:
+            raise EngineShutdownError(f"{op}: the engine is {self._closed}; create a new engine")
+
+    def _fail_pending(self) -> None:
+        """Fail every queued control call and every request with EngineShutdownError (loop stopped)."""
+        with self._lock:
+            controls, arrivals = list(self._controls), list(self._inbox)
+            self._controls.clear()
+            self._inbox.clear()
+        for _, future in controls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineShutdownError(f"the engine is {self._closed}"))
+        undecoded = [st for st, _ in self._to_decode]
+        self._to_decode.clear()
+        for state in self.scheduler.drain_all() + arrivals + undecoded:
+            state.on_done(None, EngineShutdownError(f"request {state.request_id}: the engine is {self._closed}"))
+
+    # ------------------------------------------------------------------ lifecycle calls (weights, LoRA, sleep)
+    def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
+                                use_shm: bool = False, *, manifest, buckets, version: int,
+                                name_map: Optional[Callable[[str], str]] = None, drain_timeout_s: float = 10.0,
+                                timeout_s: float = 600.0) -> dict:
+        """Apply one update from a stream of named-tensor buckets (see omniroll.weights.WeightSender), as a
+        transaction (see engine/lifecycle.py): version (an int > the current one), names, shapes and dtypes are
+        checked first, before anything is drained or aborted; values (finite) as they arrive; no sample is ever
+        produced from a partly updated model. With `peft_config` it is a LoRA update, else full weights. Every
+        sample admitted afterwards records `version`. Returns the acknowledgement (with the aborted request ids)."""
+        op = "update_weights_from_ipc"
+        with self._lifecycle_call(op, timeout_s) as deadline:
+            update = self.lifecycle.prepare_update(manifest, peft_config, version, name_map, buckets, use_shm)
+            if update.staged:
+                update.receive(buckets, use_shm)  # the engine keeps serving the old weights meanwhile
+                return self._quiesced(op, lambda: self.lifecycle.commit_update(update), drain_timeout_s, deadline)
+            return self._quiesced(op, lambda: self._apply_in_place(update, buckets, use_shm), drain_timeout_s,
+                                  deadline)
+
+    def add_lora(self, request, version: Optional[int] = None, drain_timeout_s: float = 10.0,
+                 timeout_s: float = 120.0) -> dict:
+        """Load an adapter (in-memory tensors or a saved PEFT directory) atomically between steps."""
+        with self._lifecycle_call("add_lora", timeout_s) as deadline:
+            version = None if version is None else self.lifecycle.check_version(version)
+            return self._quiesced("add_lora", lambda: self.lifecycle.add_lora(request, version), drain_timeout_s,
+                                  deadline)
+
+    def remove_lora(self, version: Optional[int] = None, drain_timeout_s: float = 10.0,
+                    timeout_s: float = 120.0) -> dict:
+        with self._lifecycle_call("remove_lora", timeout_s) as deadline:
+            version = None if version is None else self.lifecycle.check_version(version)
+            return self._quiesced("remove_lora", lambda: self.lifecycle.remove_lora(version), drain_timeout_s,
+                                  deadline)
+
+    def sleep(self, level: int = 1, drain_timeout_s: float = 0.0, timeout_s: float = 120.0) -> dict:
+        """Free the device (see Lifecycle.sleep). Running requests are aborted (acknowledged). Sleeping at the current
+        level or lower changes nothing and aborts nothing (sleep never makes the engine less asleep)."""
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
+        op = f"sleep(level={level})"
+        with self._lifecycle_call(op, timeout_s) as deadline:
+            if level <= self.lifecycle.asleep_level:
+                return {"level": self.lifecycle.asleep_level, "changed": False, "aborted": []}
+
+            def go():
+                result = self.lifecycle.sleep(level)
+                self.prompt_cache.clear()
+                return result
+
+            return self._quiesced(op, go, drain_timeout_s, deadline)
+
+    def wake_up(self, timeout_s: float = 120.0) -> dict:
+        """Bring the weights back to the device (a no-op when awake). After a level-2 sleep a full weight update must
+        come before requests run. Errors (e.g. out of memory) reach the caller; a wake that does not finish within
+        `timeout_s` raises TimeoutError instead of hanging."""
+        with self._lifecycle_call("wake_up", timeout_s) as deadline:
+            return self.call_between_steps(self.lifecycle.wake_up, self._left("wake_up", deadline), op="wake_up")
+
+    @contextlib.contextmanager
+    def _lifecycle_call(self, op: str, timeout_s: float):
+        """One lifecycle call at a time; yields its deadline."""
+        timeout_s = _seconds("timeout_s", timeout_s)
+        deadline = time.monotonic() + timeout_s
+        self._check_open(op)
+        if not self._lifecycle_lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"{op} did not start within {timeout_s:g}s: {self._lifecycle_op} was still running")
+        self._lifecycle_op = op
+        try:
+            self._check_open(op)
+            yield deadline
+        finally:
+            self._lifecycle_op = None
+            self._lifecycle_lock.release()
+
+    @staticmethod
+    def _left(op: str, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{op} ran out of its timeout")
+        return left
+
+    def _quiesced(self, op: str, fn: Callable[[], Any], drain_timeout_s: float, deadline: float) -> dict:
+        """Close admission, let running requests finish for up to `drain_timeout_s`, abort the rest (acknowledged:
+        each comes back with stop_reason="aborted"), run `fn` between steps, reopen admission (also on error)."""
+        drain_timeout_s = _seconds("drain_timeout_s", drain_timeout_s, allow_zero=True)
+        self.call_between_steps(lambda: setattr(self, "admission_paused", True), self._left(op, deadline), op=op)
+        try:
+            drain_until = min(time.monotonic() + drain_timeout_s, deadline)
+            while self.scheduler.running and time.monotonic() < drain_until and self._closed is None:
+                time.sleep(0.002)
+
+            def swap():
+                aborted = self._abort_running_now()
+                return {"aborted": aborted, **(fn() or {})}
+
+            return self.call_between_steps(swap, self._left(op, deadline), op=op)
+        finally:
+            with self._lock:
+                self.admission_paused = False
+                self._wakeup.notify()
+
+    def _apply_in_place(self, update, buckets, use_shm: bool) -> dict:
+        try:
+            return self.lifecycle.apply_in_place(update, buckets, use_shm)
+        except BaseException:
+            if self.lifecycle.unusable is not None:  # nothing may run on these weights: fail what waits for them
+                error = self.lifecycle.unusable_error()
+                with self._lock:
+                    waiting = list(self._inbox)
+                    self._inbox.clear()
+                for s in self.scheduler.drain_all() + waiting:
+                    s.on_done(None, type(error)(f"request {s.request_id}: {error}"))
+            raise
+
+    def _abort_running_now(self) -> list[str]:
+        states = list(self.scheduler.running)
+        self.scheduler.finish(states)
+        return self._settle_aborted(states)
 
     # ------------------------------------------------------------------ submission (caller threads)
     def _submit_futures(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
         """Validate every request (errors raise here, in the caller's thread, before any is queued), then queue them
-        all at once, so the first step already sees the whole batch."""
+        all at once, so the first step already sees the whole batch. A request id already queued or running (or
+        twice in `requests`) is refused with `RequestError`: ids name requests for `abort`, so they must be unique."""
+        self._check_open("generate")
         futures, states = [], []
         for request in requests:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            states.append(self._make_state(request, _resolver(future)))
+            state = self._make_state(request, None)
+            state.on_done = self._resolver(future, state.request_id)
+            states.append(state)
             futures.append(future)
-        self._check_awake()
+        error = self.lifecycle.admission_error(self.config.asleep_policy)
+        if error is not None:
+            raise error
         with self._lock:
-            if self._stopped:
-                raise EngineError("engine is shut down")
+            self._check_open("generate")
+            with self._ids_lock:
+                ids = [s.request_id for s in states]
+                seen: set[str] = set()
+                for rid in ids:
+                    if rid in self._live_ids or rid in seen:
+                        raise RequestError(rid, "request_id is already in flight in this engine; request ids must "
+                                                "be unique among queued and running requests")
+                    seen.add(rid)
+                self._live_ids.update(ids)
             self._ensure_thread()
             self._inbox.extend(states)
             self._wakeup.notify()
         return futures
 
+    def _resolver(self, future: concurrent.futures.Future, request_id: str):
+        """The RequestState callback that frees the request id, then settles `future` exactly once."""
+
+        def on_done(output, error):
+            with self._ids_lock:
+                self._live_ids.discard(request_id)
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(output)
+
+        return on_done
+
     def _make_state(self, request: GenerationRequest, on_done) -> RequestState:
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
-        p = request.sampling_params
-        self.adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
-        latent_shape = self.adapter.latent_shape(p.height, p.width)
-        sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width)
-        return RequestState(request, sigmas, latent_shape, on_done)
+        p, rid = request.sampling_params, request.request_id
+        adapter = self.adapter
+        try:
+            adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
+            adapter.check_num_frames(p.num_frames)
+            adapter.check_guidance(p.guidance_scale, p.true_cfg_scale)
+        except ValueError as e:
+            raise RequestError(rid, str(e)) from None
+        limit = self.config.max_prompt_chars
+        for name, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
+            if isinstance(text, str) and len(text) > limit:
+                raise RequestError(rid, f"{name} has {len(text)} characters, more than max_prompt_chars={limit} "
+                                        f"(EngineConfig.max_prompt_chars)")
+        latent_shape = adapter.latent_shape(p.height, p.width, p.num_frames)
+        sigmas = adapter.sigmas(p.num_inference_steps, p.height, p.width, p.num_frames)
+        state = RequestState(request, sigmas, latent_shape, on_done, device=self.runner.device,
+                             cfg_scale=adapter.cfg_scale(p.guidance_scale, p.true_cfg_scale))
+        if adapter.num_experts > 1:
+            state.experts = [adapter.expert_index(float(t)) for t in state.timesteps]
+        return state
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="omniroll-engine", daemon=True)
             self._thread.start()
+            _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ the loop (engine thread)
     def _loop(self) -> None:
+        try:
+            self._run_loop()
+        except BaseException as e:  # a bug in the loop itself: refuse every call from now on, fail what is pending
+            with self._lock:
+                self._closed = f"shut down (its loop died: {e!r})"
+            raise
+        finally:
+            self._fail_pending()
+
+    def _run_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopped and not self._controls and not self._inbox and not self._runnable():
+                while self._closed is None and not self._controls and not self._inbox and not self._runnable():
                     self._wakeup.wait()
-                if self._stopped:
+                if self._closed is not None:
                     return
                 controls = list(self._controls)
                 self._controls.clear()
@@ -181,13 +438,17 @@ class DiffusionEngine(EngineLifecycleMixin):
                 self._inbox.clear()
             for state in arrivals:
                 self.scheduler.add(state)
+            if controls and self._to_decode:
+                self._finish([], flush=True)  # a control call never sees a finished sample waiting for its decode
             for fn, future in controls:
                 self._run_control(fn, future)
             if self._runnable():
                 self._step_safely()
+            if self._to_decode and not self._runnable():
+                self._finish([], flush=True)
 
     def _runnable(self) -> bool:
-        if self.asleep_level or self.needs_weight_sync:
+        if not self.lifecycle.can_step:
             return False  # requests wait (asleep_policy="wait") until wake_up and, after level 2, a weight sync
         if self.admission_paused:
             return bool(self.scheduler.running)
@@ -195,6 +456,8 @@ class DiffusionEngine(EngineLifecycleMixin):
 
     @staticmethod
     def _run_control(fn, future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # its caller timed out before it started: it never runs
         try:
             future.set_result(fn())
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
@@ -222,7 +485,7 @@ class DiffusionEngine(EngineLifecycleMixin):
             if admitted:
                 try:
                     self._encode(admitted)
-                except Exception as e:  # noqa: BLE001 - fails the requests being admitted, not the running ones
+                except Exception as e:  # noqa: BLE001 - a bug: fails the requests being admitted, not the running
                     self._fail(admitted, e)
         batch = self.scheduler.schedule()
         if not batch:
@@ -235,41 +498,64 @@ class DiffusionEngine(EngineLifecycleMixin):
         self.steps_run += 1
         self.rows_run += sum(s.num_rows for s in batch)
         finished = [s for s in batch if s.done]
-        if not finished:
-            return []
-        self.scheduler.finish(finished)
+        if finished:
+            self.scheduler.finish(finished)
         return self._finish(finished)
 
     def _encode(self, states: list[RequestState]) -> None:
+        """Attach prompt encodings. Each prompt is encoded in its own guard (`PromptCache.get_many`): a request whose
+        prompt fails to encode fails alone, naming its id, the field and the reason; the others go on."""
         by_len: dict[int, list[RequestState]] = {}
         for s in states:
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
+        failed: dict[int, tuple[RequestState, BaseException]] = {}
         for length, group in by_len.items():
             conds = self.prompt_cache.get_many([s.request.prompt for s in group], length)
-            cfg = [s for s in group if s.params.do_cfg]
+            cfg = [s for s in group if s.cfg_scale is not None]
             negs = self.prompt_cache.get_many([s.request.negative_prompt or "" for s in cfg], length)
-            for s, c in zip(group, conds):
-                s.cond = c
-            for s, c in zip(cfg, negs):
-                s.uncond = c
+            for field, members, encodings in (("prompt", group, conds), ("negative_prompt", cfg, negs)):
+                for s, c in zip(members, encodings):
+                    if isinstance(c, Exception):
+                        failed.setdefault(id(s), (s, _encode_error(s.request_id, field, c)))
+                    elif field == "prompt":
+                        s.cond = c
+                    else:
+                        s.uncond = c
+        for s, error in failed.values():
+            self.scheduler.finish([s])
+            s.on_done(None, error)
 
-    def _finish(self, states: list[RequestState]) -> list[DiffusionOutput]:
-        need_pixels = [s for s in states if s.params.output_type in ("pixel", "both")]
-        pixels = {}
-        if need_pixels:
-            decoded = self.runner.decode(torch.stack([s.latents for s in need_pixels]))
-            pixels = {id(s): decoded[i] for i, s in enumerate(need_pixels)}
-        outputs = []
-        for s in states:
+    def _finish(self, states: list[RequestState], flush: bool = False) -> list[DiffusionOutput]:
+        """Deliver finished requests. Pixels are decoded in blocks of `decode_batch_size`; a partial block waits for
+        more finished samples while requests are running, for at most `decode_batch_size` steps (`flush` decodes now).
+        A failed decode fails its block's requests only."""
+        outputs = [self._deliver(s, None) for s in states if s.params.output_type == "latent"]
+        self._to_decode += [(s, self.steps_run) for s in states if s.params.output_type != "latent"]
+        block = self.config.decode_batch_size
+        while self._to_decode:
+            if (len(self._to_decode) < block and not flush and self.scheduler.running
+                    and self.steps_run - self._to_decode[0][1] < block):
+                break
+            states_ = [s for s, _ in self._to_decode[:block]]
+            del self._to_decode[:block]
             try:
-                out = build_output(s, pixels.get(id(s)))
-            except Exception as e:  # e.g. NaN pixels: this request fails loudly, the others go on
-                s.on_done(None, e)
+                decoded = self.runner.decode(torch.stack([s.latents for s in states_]))
+            except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
+                for s in states_:
+                    s.on_done(None, EngineError(f"request {s.request_id} failed: {e!r}"))
                 continue
-            self.served += 1
-            outputs.append(out)
-            s.on_done(out, None)
-        return outputs
+            outputs += [self._deliver(s, decoded[i]) for i, s in enumerate(states_)]
+        return [o for o in outputs if o is not None]
+
+    def _deliver(self, s: RequestState, pixels: Optional[torch.Tensor]) -> Optional[DiffusionOutput]:
+        try:
+            out = build_output(s, pixels)
+        except Exception as e:  # noqa: BLE001 - e.g. NaN pixels: this request fails loudly, the others go on
+            s.on_done(None, e)
+            return None
+        self.served += 1
+        s.on_done(out, None)
+        return out
 
     def _abort_now(self, request_id: str) -> bool:
         with self._lock:
@@ -298,11 +584,10 @@ class DiffusionEngine(EngineLifecycleMixin):
         return [s.request_id for s in states]
 
 
-def _resolver(future: concurrent.futures.Future):
-    """The RequestState callback that settles `future` exactly once."""
-
-    def on_done(output, error):
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(output)
-
-    return on_done
+def _encode_error(request_id: str, field: str, error: Exception) -> Exception:
+    """A tokenizer's refusal (ValueError / TypeError / UnicodeError) is the request's fault: `RequestError`, never
+    retried. Anything else (out of memory, a broken encoder) is the engine's: `EngineError`."""
+    reason = f"{field} could not be encoded: {type(error).__name__}: {error}"
+    if isinstance(error, (ValueError, TypeError, UnicodeError)):
+        return RequestError(request_id, reason)
+    return EngineError(f"request {request_id!r} failed: {reason}")

@@ -9,6 +9,11 @@ Convolutions (oneDNN picks its algorithm by batch size), GroupNorm (its reductio
 attention at some shapes (the VAE's single-head mid-block) are not row-independent (the tiny VAE's pixels move by
 ~1e-5): they run one sample at a time, so every sample takes the batch-1 path.
 
+Element-wise transcendental activations (SiLU, GELU, sigmoid, tanh) have a vectorized kernel and a scalar one for
+the tail of a buffer that does not fill a vector pair, and the two round differently (measured: ~7e-9 in Qwen-Image's
+48-wide timestep embedding, whose row is a tail alone and vectorized inside a batch). They run on a buffer padded to
+a multiple of 64 elements, so every element takes the vectorized path whatever the batch.
+
 Implemented as a `TorchFunctionMode` active around the forward: no library code is patched.
 """
 
@@ -21,6 +26,9 @@ from torch.overrides import TorchFunctionMode
 
 #: ops that run one sample at a time -> the input rank at which dim 0 is the batch (None: any rank >= 2).
 _PER_SAMPLE = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, F.conv_transpose2d: 4, F.group_norm: None}
+#: element-wise ops whose vectorized and scalar-tail kernels round differently.
+_ELEMENTWISE = {F.silu, F.gelu, F.mish, torch.sigmoid, torch.tanh, torch.Tensor.sigmoid, torch.Tensor.tanh}
+_VECTOR_ELEMENTS = 64
 
 
 class BatchInvariantMode(TorchFunctionMode):
@@ -38,6 +46,8 @@ class BatchInvariantMode(TorchFunctionMode):
             return self._per_sample(func, *args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
+        if func in _ELEMENTWISE:
+            return self._elementwise(func, *args, **kwargs)
         return func(*args, **kwargs)
 
     @staticmethod
@@ -52,6 +62,15 @@ class BatchInvariantMode(TorchFunctionMode):
             outs.append(F.scaled_dot_product_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], mask,
                                                        *args, **kwargs))
         return torch.cat(outs)
+
+    @staticmethod
+    def _elementwise(func, input: torch.Tensor, *args, inplace: bool = False, **kwargs):
+        flat = input.reshape(-1)
+        pad = (-flat.numel()) % _VECTOR_ELEMENTS
+        if pad:
+            flat = F.pad(flat, (0, pad))
+        out = func(flat, *args, **kwargs)[:input.numel()].reshape(input.shape)
+        return input.copy_(out) if inplace else out
 
     @staticmethod
     def _per_sample(func, input: torch.Tensor, *args, **kwargs):

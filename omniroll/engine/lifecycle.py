@@ -1,158 +1,162 @@
-"""Weight updates, weight versions and sleep / wake for the engine.
+"""The weights and memory state of one engine: weight version, sleep level, LoRA adapter, whether the weights can
+serve. A component the engine owns (`engine.lifecycle`); it holds no reference to the engine.
 
-Consistency rule: no sample ever mixes weights. An update (1) pauses admission, (2) lets running requests finish for
-up to `drain_timeout_s`, (3) aborts the rest and waits until they have stopped (each comes back with
-stop_reason="aborted"; clients re-run it with the same seed), (4) swaps the weights on the engine thread between two
-steps, (5) bumps the weight version and resumes admission. Requests that were waiting (not yet admitted) have run no
-step: they start on the new weights and record the new version.
+State (explicit, nothing else):
+  version        the weight version every admitted sample records (0: the checkpoint's weights)
+  asleep_level   0 awake, 1 weights offloaded to host memory, 2 the denoiser's weights dropped
+  unusable       None, or why the denoiser's weights cannot serve: dropped by sleep(level=2), or an in-place update
+                 that failed midway. Cleared only by a complete full update.
+  lora           the LoRAManager of the denoiser (built on first use)
+
+Threads: `check_*`, `admission_error` and `prepare_update` only read state and may run on any thread (the engine
+serialises lifecycle calls, so the state they read does not change under them); `commit_update`, `apply_in_place`,
+`sleep`, `wake_up`, `add_lora` and `remove_lora` change the model and run on the engine thread between two steps,
+with nothing running (the engine drained or aborted it first).
+
+Weight update mechanism (see `omniroll.weights.update`): every check that the manifest allows (version, names,
+shapes, dtypes, LoRA binding) happens in `prepare_update`, before the engine drains or aborts anything. A full
+update is staged by default (`EngineConfig.weight_update="staged"`): buckets are read and checked into a copy while
+the engine keeps serving the old weights, and only a complete, finite update is copied in, between two steps (memory
+cost: one extra copy of the denoiser, on its device, during the update). `weight_update="in_place"` needs no extra
+memory: the engine stops serving first, writes bucket by bucket, and if the stream fails midway after a byte landed,
+the weights are `unusable`: every request is refused with an error naming the failed version until a complete full
+update lands. A LoRA update is always staged; the previous adapter stays active on any failure.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from omniroll.weights import LoRAManager, OmniTensorLoRARequest, apply_weight_update
+from omniroll.engine.errors import EngineAsleepError, EngineError
+from omniroll.models.base import DiffusionAdapter
+from omniroll.weights import LoRAManager, OmniTensorLoRARequest, check_version, prepare_update
+from omniroll.weights.transport import check_descriptor
+
+__all__ = ["Lifecycle", "EngineAsleepError"]
+
+SLEEP_LEVELS = (1, 2)
 
 
-class EngineAsleepError(RuntimeError):
-    pass
-
-
-class EngineLifecycleMixin:
-    """Mixed into DiffusionEngine; relies on its scheduler, call_between_steps and admission flag."""
-
-    asleep_level: int = 0
-    needs_weight_sync: bool = False
-    _lora_manager: Optional[LoRAManager] = None
+class Lifecycle:
+    def __init__(self, adapter: DiffusionAdapter, device: str, weight_update: str = "staged"):
+        self.adapter = adapter
+        self.device = torch.device(device)
+        self.stage = weight_update == "staged"
+        self.version = 0
+        self.asleep_level = 0
+        self.unusable: Optional[str] = None
+        self._dropped = False  # unusable because sleep(level=2) dropped the weights (an EngineAsleepError)
+        self._lora: Optional[LoRAManager] = None
 
     @property
-    def lora_manager(self) -> LoRAManager:
-        if self._lora_manager is None:
-            self._lora_manager = LoRAManager(self.adapter.denoiser)
-        return self._lora_manager
+    def lora(self) -> LoRAManager:
+        if self._lora is None:
+            self._lora = LoRAManager(self.adapter.denoiser)
+        return self._lora
 
-    # ------------------------------------------------------------------ draining
-    def _pause_and_drain(self, drain_timeout_s: float) -> None:
-        self.call_between_steps(lambda: setattr(self, "admission_paused", True))
-        deadline = time.monotonic() + max(drain_timeout_s, 0.0)
-        while self.scheduler.running and time.monotonic() < deadline:
-            time.sleep(0.002)
+    @property
+    def active_lora(self) -> Optional[str]:
+        return self._lora.active_lora if self._lora is not None else None
 
-    def _resume(self) -> None:
-        self.call_between_steps(lambda: setattr(self, "admission_paused", False))
+    # ------------------------------------------------------------------ reads (any thread)
+    @property
+    def can_step(self) -> bool:
+        return not self.asleep_level and self.unusable is None
 
-    def _quiesced(self, fn: Callable[[], Any], drain_timeout_s: float, timeout_s: Optional[float]) -> dict:
-        """Pause, drain, abort what is left (acknowledged), run `fn` between steps, resume (also on error)."""
-        self._pause_and_drain(drain_timeout_s)
-        try:
-            def swap():
-                aborted = self._abort_running_now()
-                return {"aborted": aborted, **(fn() or {})}
+    def admission_error(self, asleep_policy: str) -> Optional[EngineError]:
+        """Why a new request cannot be accepted now (None: it can; with asleep_policy="wait" it waits for wake)."""
+        if self.asleep_level and asleep_policy == "error":
+            return EngineAsleepError(f"engine is asleep (level {self.asleep_level}); call wake_up() first")
+        if not self.asleep_level and self.unusable is not None:
+            return self.unusable_error()
+        return None
 
-            return self.call_between_steps(swap, timeout=timeout_s)
-        finally:
-            self._resume()
+    def unusable_error(self) -> EngineError:
+        return (EngineAsleepError if self._dropped else EngineError)(self.unusable)
 
-    def _abort_running_now(self) -> list[str]:
-        states = list(self.scheduler.running)
-        self.scheduler.finish(states)
-        return self._settle_aborted(states)
+    def check_version(self, version: Any) -> int:
+        return check_version(version, self.version)
 
-    # ------------------------------------------------------------------ weight updates
-    def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
-                                use_shm: bool = False, *, manifest, buckets, version: int,
-                                name_map: Optional[Callable[[str], str]] = None, drain_timeout_s: float = 10.0,
-                                timeout_s: Optional[float] = 600.0) -> dict:
-        """Apply one update from a stream of named-tensor buckets (see omniroll.weights.WeightSender).
-
-        With `peft_config` it is a LoRA update (all buckets accumulated, the adapter swapped atomically), else full
-        weights (every name validated before the first copy, then bucket by bucket in place). `version` is the
-        trainer's global step; every sample admitted afterwards records it. Returns the acknowledgement.
-        """
+    def prepare_update(self, manifest, peft_config: Optional[dict], version: Any, name_map, buckets, use_shm: bool):
+        """Every check that needs no tensor value; raises before anything is touched. Returns the update."""
+        version = self.check_version(version)
+        check_descriptor(buckets, use_shm)
         if self.asleep_level:
-            raise EngineAsleepError("engine is asleep: call wake_up() before a weight update")
+            raise EngineAsleepError(f"engine is asleep (level {self.asleep_level}): call wake_up() before a weight "
+                                    f"update; nothing applied")
+        lora = self.lora if peft_config is not None else None
+        update = prepare_update(self.adapter.denoiser, lora, manifest=manifest, peft_config=peft_config,
+                                name_map=name_map, stage=self.stage, version=version)
+        update.version = version
+        return update
 
-        def apply():
-            ack = apply_weight_update(self.adapter.denoiser, self.lora_manager, manifest=manifest, buckets=buckets,
-                                      peft_config=peft_config, use_shm=use_shm, name_map=name_map, version=version)
-            self.weight_version = int(version)
-            if peft_config is None:
-                self.needs_weight_sync = False
-            return ack
+    # ------------------------------------------------------------------ changes (engine thread, nothing running)
+    def commit_update(self, update) -> dict:
+        """Land a received update (staged: copy in; cannot leave a partial model)."""
+        ack = update.commit()
+        self._landed(update)
+        return {**ack, "version": update.version}
 
-        return self._quiesced(apply, drain_timeout_s, timeout_s)
+    def apply_in_place(self, update, buckets, use_shm: bool) -> dict:
+        """Receive straight into the model; a failure after a byte landed marks the weights unusable."""
+        try:
+            update.receive(buckets, use_shm)
+        except BaseException as e:
+            if update.touched:
+                self._dropped = False
+                self.unusable = (f"weight update to version {update.version} failed midway ({e}); the model is "
+                                 f"partly updated: a complete full update must land before generation resumes")
+            raise
+        return self.commit_update(update)
 
-    def add_lora(self, request: OmniTensorLoRARequest, version: Optional[int] = None,
-                 drain_timeout_s: float = 10.0) -> dict:
-        """Load an adapter (in-memory tensors or a saved PEFT directory) atomically between steps."""
-        def apply():
-            self.lora_manager.add_lora(request)
-            if version is not None:
-                self.weight_version = int(version)
-            return {"lora_name": request.lora_name, "version": self.weight_version}
+    def _landed(self, update) -> None:
+        self.version = update.version
+        if update.mode == "full":
+            self.unusable, self._dropped = None, False
 
-        return self._quiesced(apply, drain_timeout_s, None)
+    def add_lora(self, request: OmniTensorLoRARequest, version: Optional[int]) -> dict:
+        self.lora.add_lora(request)  # atomic: the previous adapter stays on any error
+        if version is not None:
+            self.version = version
+        return {"lora_name": request.lora_name, "version": self.version}
 
-    def remove_lora(self, version: Optional[int] = None, drain_timeout_s: float = 10.0) -> dict:
-        def apply():
-            removed = self.lora_manager.remove_lora()
-            if version is not None:
-                self.weight_version = int(version)
-            return {"removed": removed, "version": self.weight_version}
+    def remove_lora(self, version: Optional[int]) -> dict:
+        removed = self._lora.remove_lora() if self._lora is not None else False
+        if version is not None:
+            self.version = version
+        return {"removed": removed, "version": self.version}
 
-        return self._quiesced(apply, drain_timeout_s, None)
-
-    # ------------------------------------------------------------------ sleep / wake
-    def sleep(self, level: int = 1, drain_timeout_s: float = 0.0, timeout_s: Optional[float] = 120.0) -> dict:
-        """Free the device. level 1: weights move to host memory. level 2: the denoiser's weights are dropped
-        (a full weight sync must come before the next generation); text encoders and VAE are offloaded as in
-        level 1, since trainers never sync them. Returns once done; running requests are aborted (acknowledged)."""
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, got {level}")
-
-        def go():
-            self.asleep_level = level  # on the engine thread: nothing is admitted from here on
-            for name, module in self.adapter.modules().items():
-                if level == 2 and module is self.adapter.denoiser:
-                    module.to_empty(device="meta")
-                else:
-                    module.to("cpu")
-            if level == 2:
-                self.needs_weight_sync = True
-            self.prompt_cache.clear()
-            self._empty_device_cache()
-            return {"level": level}
-
-        return self._quiesced(go, drain_timeout_s, timeout_s)
-
-    def wake_up(self, timeout_s: Optional[float] = 120.0) -> dict:
-        """Bring the weights back to the device. After a level-2 sleep the denoiser gets fresh storage that a full
-        weight sync must fill before requests run again. Errors (e.g. out of memory) reach the caller; a wake that
-        does not finish within `timeout_s` raises TimeoutError instead of hanging."""
-        device = torch.device(self.config.device)
-
-        def go():
-            for module in self.adapter.modules().values():
-                if any(p.is_meta for p in module.parameters()):
-                    module.to_empty(device=device)
-                else:
-                    module.to(device)
-            self.asleep_level = 0
-            return {"awake": True, "needs_weight_sync": self.needs_weight_sync}
-
-        return self.call_between_steps(go, timeout=timeout_s)
-
-    def _check_awake(self) -> None:
-        """Called when a request is submitted."""
-        if self.asleep_level and self.config.asleep_policy == "error":
-            raise EngineAsleepError(f"engine is asleep (level {self.asleep_level}); call wake_up() first")
-        if not self.asleep_level and self.needs_weight_sync:
-            raise EngineAsleepError("weights were dropped by sleep(level=2): a full weight sync must come first")
-
-    @staticmethod
-    def _empty_device_cache() -> None:
+    def sleep(self, level: int) -> dict:
+        """Free the device. level 1: every module moves to host memory. level 2: the denoiser's weights are dropped
+        (and its LoRA adapter removed: a full update, then the adapter, must be sent again); text encoders and VAE
+        are offloaded as in level 1. Never makes the engine less asleep: sleep(1) at level 2 stays at level 2."""
+        if level <= self.asleep_level:
+            return {"level": self.asleep_level, "changed": False}
+        removed_lora = None
+        if level == 2 and self.active_lora is not None:
+            removed_lora = self.active_lora
+            self._lora.remove_lora()
+        for module in self.adapter.modules().values():
+            if level == 2 and module is self.adapter.denoiser:
+                module.to_empty(device="meta")
+            elif not any(p.is_meta for p in module.parameters()):
+                module.to("cpu")
+        if level == 2:
+            self.unusable, self._dropped = "weights were dropped by sleep(level=2): a full weight sync must come first", True
+        self.asleep_level = level
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        return {"level": level, "changed": True, **({"removed_lora": removed_lora} if removed_lora else {})}
+
+    def wake_up(self) -> dict:
+        """Weights back to the device; after level 2 the denoiser gets fresh storage that a full update must fill."""
+        if self.asleep_level:
+            for module in self.adapter.modules().values():
+                if any(p.is_meta for p in module.parameters()):
+                    module.to_empty(device=self.device)
+                else:
+                    module.to(self.device)
+        changed, self.asleep_level = bool(self.asleep_level), 0
+        return {"awake": True, "changed": changed, "needs_weight_sync": self.unusable is not None}

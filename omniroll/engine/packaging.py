@@ -20,12 +20,14 @@ def quantize_pixels(pixels: torch.Tensor) -> torch.Tensor:
 
 
 def _embedding_fields(state: RequestState) -> dict:
+    """The prompt encodings, as copies: the engine's prompt cache keeps the originals for later requests, so an
+    output never aliases them (a trainer normalising an output in place must not change later samples)."""
     fields = {}
     if state.cond is not None:
-        fields.update(state.cond.tensors)
+        fields.update({k: v.to("cpu", copy=True) for k, v in state.cond.tensors.items()})
         fields["prompt_ids"] = list(state.cond.prompt_ids)
     if state.uncond is not None:
-        fields.update({f"negative_{k}": v for k, v in state.uncond.tensors.items()})
+        fields.update({f"negative_{k}": v.to("cpu", copy=True) for k, v in state.uncond.tensors.items()})
     return fields
 
 
@@ -34,15 +36,17 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> Diffusi
     never has to recover sigma from a timestep or mirror the sampling config."""
     p = state.params
     steps = torch.tensor(state.rec_steps, dtype=torch.long)
+    # The one device-to-host copy of the request's trajectory.
     if state.rec_latents:
-        all_latents = torch.stack(state.rec_latents)
+        all_latents = torch.stack(state.rec_latents).cpu()
     else:
         all_latents = torch.empty((0,) + tuple(state.latents.shape))
-    log_probs = torch.stack(state.rec_log_probs) if state.rec_log_probs else torch.empty(0)
+    log_probs = torch.stack(state.rec_log_probs).cpu() if state.rec_log_probs else torch.empty(0)
+    latents = state.latents.cpu()
     if p.output_type == "latent":
-        primary = state.latents
+        primary = latents
     else:
-        primary = quantize_pixels(pixels)
+        primary = quantize_pixels(pixels)  # [3, H, W] or, for video, [T, 3, H, W]
     extra = {
         "request_id": state.request_id,
         "all_latents": all_latents,
@@ -61,8 +65,12 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> Diffusi
         "generate_seconds": time.time() - state.submitted_at,
         **_embedding_fields(state),
     }
+    if state.experts is not None:  # which denoiser ran each recorded step (Wan 2.2: 0 high-noise, 1 low-noise)
+        extra["expert_indices"] = torch.tensor(state.experts, dtype=torch.long)[steps]
+    if p.num_frames > 1:
+        extra["fps"] = int(p.fps)
     if p.output_type == "both":
-        extra["latents"] = state.latents
+        extra["latents"] = latents
     return DiffusionOutput(
         diffusion_output=primary,
         log_probs=log_probs if p.logprobs else None,

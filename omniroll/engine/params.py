@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omniroll.sampling.window import sde_window_bounds
 
@@ -31,8 +31,15 @@ class SamplingParams(BaseModel):
 
     height: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
     width: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
+    num_frames: int = Field(1, ge=1, le=1025, description="1 for images; video models check their own rule "
+                                                          "(Wan: 4k + 1)")
+    fps: int = Field(16, ge=1, le=240, description="frames per second of a video output (metadata only)")
     num_inference_steps: int = Field(10, ge=1, le=1000)
-    guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale; <= 1 disables CFG")
+    guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale (<= 1 disables CFG); for "
+                                                                     "guidance-distilled models (FLUX.1) the "
+                                                                     "guidance the model is given")
+    true_cfg_scale: float = Field(1.0, ge=1.0, le=100.0, description="guidance-distilled models only: real CFG "
+                                                                     "on top (> 1 adds an unconditional row)")
     max_sequence_length: int = Field(128, ge=1, le=512, description="T5 tokens")
     noise_level: float = Field(0.7, ge=0.0, le=10.0, description="eta; 0 gives the ODE")
     sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
@@ -51,16 +58,12 @@ class SamplingParams(BaseModel):
         return sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
 
     @property
-    def do_cfg(self) -> bool:
-        return self.guidance_scale > 1.0
-
-    @property
     def stochastic(self) -> bool:
         return self.sde_type != "ode" and self.noise_level > 0.0
 
     def batch_key(self) -> tuple:
         """Rows that share this key can share a forward (same latent shape and text length)."""
-        return (self.height, self.width, self.max_sequence_length)
+        return (self.num_frames, self.height, self.width, self.max_sequence_length)
 
 
 class GenerationRequest(BaseModel):
@@ -73,3 +76,23 @@ class GenerationRequest(BaseModel):
     negative_prompt: Optional[str] = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     seed: int = Field(ge=0, lt=2**63)
+
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _check_encodable(cls, v):
+        if isinstance(v, str):
+            reason = unencodable_reason(v)
+            if reason is not None:
+                raise ValueError(reason)
+        return v
+
+
+def unencodable_reason(text: str) -> Optional[str]:
+    """Why `text` is not encodable text (None when it is). A lone surrogate (what a JSON `\\ud800` escape gives)
+    cannot be UTF-8 encoded and no tokenizer takes it. The message names the position, never echoes the text."""
+    try:
+        text.encode("utf-8", errors="strict")
+    except UnicodeEncodeError as e:
+        return (f"is not encodable text: character U+{ord(text[e.start]):04X} at position {e.start} "
+                f"({e.reason}); send valid UTF-8")
+    return None

@@ -30,7 +30,8 @@ def prefix_key(state: RequestState) -> Optional[tuple]:
     if p.latent_seed is None or state.window[0] == 0:
         return None
     return (p.latent_seed, repr(r.prompt), repr(r.negative_prompt), tuple(state.latents.shape), p.height, p.width,
-            p.num_inference_steps, p.guidance_scale, p.max_sequence_length, state.window[0], state.weight_version)
+            p.num_inference_steps, p.guidance_scale, p.true_cfg_scale, p.max_sequence_length, state.window[0],
+            state.weight_version)
 
 
 class _Group:

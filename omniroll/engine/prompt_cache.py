@@ -15,19 +15,25 @@ class PromptCache:
         self.hits = 0
         self.misses = 0
 
-    def get_many(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
-        """Encodings for `prompts` (duplicates allowed); only the missing unique prompts are encoded."""
-        found: dict[str, Conditioning] = {}
+    def get_many(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning | Exception]:
+        """Encodings for `prompts` (duplicates allowed); only the missing unique prompts are encoded, each inside its
+        own guard: a prompt that fails to encode gets its exception in its place (never cached) and the others
+        are unaffected. The returned tensors are the cache's own: callers must not hand them out (see outputs)."""
+        found: dict[str, Conditioning | Exception] = {}
         for p in prompts:
             key = (p, max_sequence_length)
             if key in self._cache:
                 self._cache.move_to_end(key)
                 found[p] = self._cache[key]
         missing = list(dict.fromkeys(p for p in prompts if p not in found))
-        if missing:
-            for prompt, cond in zip(missing, self.adapter.encode_prompts(missing, max_sequence_length)):
-                found[prompt] = cond
-                self._put((prompt, max_sequence_length), cond)
+        for prompt in missing:
+            try:
+                cond = self.adapter.encode_prompts([prompt], max_sequence_length)[0]
+            except Exception as e:  # noqa: BLE001 - this prompt's requests fail, nobody else's
+                found[prompt] = e
+                continue
+            found[prompt] = cond
+            self._put((prompt, max_sequence_length), cond)
         self.misses += len(missing)
         self.hits += len(prompts) - len(missing)
         return [found[p] for p in prompts]

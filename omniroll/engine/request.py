@@ -1,4 +1,9 @@
-"""Per-request state inside the engine: its generator, its latent, its step, what it has recorded."""
+"""Per-request state inside the engine: its generator, its latent, its step, what it has recorded.
+
+Everything a step reads or writes lives on the engine's device from admission on (latent, noise, per-step sigmas,
+timesteps and noise levels, recorded latents and log-probs), so the step loop never copies between host and
+device; host copies of the schedule serve the outputs and the engine's own decisions.
+"""
 
 from __future__ import annotations
 
@@ -10,36 +15,54 @@ import torch
 from omniroll.engine.params import GenerationRequest
 from omniroll.models.base import Conditioning
 from omniroll.sampling import draw_sde_window, make_generator
+from omniroll.sampling.sde import SDE_CODES
 
 #: callback(output, exception): exactly one of the two is set.
 DoneCallback = Callable[[Optional[object], Optional[BaseException]], None]
 
 
 class RequestState:
-    """One sample in flight. Everything random comes from its own generator, in a fixed order: initial latent,
-    window start, then one noise draw per SDE step, so the sample never depends on its batch mates. With
-    `latent_seed` the initial latent and the window start come from a generator of that seed instead (shared by a
-    group), the window's noise still from the request's own."""
+    """One sample in flight. Everything random comes from its own generator (on the engine's device), in a fixed
+    order: initial latent, window start, then one noise draw per SDE step, so the sample never depends on its batch
+    mates. With `latent_seed` the initial latent and the window start come from a generator of that seed instead
+    (shared by a group), the window's noise still from the request's own. `cfg_scale` (None: no unconditional row)
+    and `experts` (the denoiser of each step) come from the adapter."""
 
     def __init__(self, request: GenerationRequest, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
-                 on_done: DoneCallback, num_train_timesteps: int = 1000):
+                 on_done: DoneCallback, num_train_timesteps: int = 1000, device: torch.device | str = "cpu",
+                 cfg_scale: Optional[float] | str = "standard"):
         self.request = request
-        self.params = request.sampling_params
+        self.params = p = request.sampling_params
         self.on_done = on_done
         self.submitted_at = time.time()
-        self.sigmas = sigmas  # [T + 1] fp32, ends at 0
+        self.device = torch.device(device)
+        if cfg_scale == "standard":  # what SD3-style CFG does; the engine passes its adapter's answer
+            cfg_scale = float(p.guidance_scale) if p.guidance_scale > 1.0 else None
+        self.cfg_scale = cfg_scale
+        self.sigmas = sigmas  # [T + 1] fp32 on the host, ends at 0
         self.timesteps = sigmas[:-1] * num_train_timesteps  # what the denoiser sees (as diffusers computes them)
-        self.generator = make_generator(request.seed)
-        p = self.params
-        prefix_gen = self.generator if p.latent_seed is None else make_generator(p.latent_seed)
-        self.latents = torch.randn(latent_shape, generator=prefix_gen, dtype=torch.float32)
+        self.experts: Optional[list[int]] = None  # per step, set by the engine for multi-denoiser families
+        self.generator = make_generator(request.seed, self.device)
+        prefix_gen = self.generator if p.latent_seed is None else make_generator(p.latent_seed, self.device)
+        self.latents = torch.randn(latent_shape, generator=prefix_gen, dtype=torch.float32, device=self.device)
         self.window = draw_sde_window(p.num_inference_steps, p.sde_window_size, p.sde_window_range, prefix_gen)
+        # Device copies of everything a step reads (one transfer here, none per step).
+        T = p.num_inference_steps
+        stochastic = [self.window[0] <= k < self.window[1] and p.stochastic for k in range(T)]
+        self._stochastic = stochastic
+        self.dev_sigmas = sigmas.to(self.device)
+        self.dev_timesteps = self.timesteps.to(self.device)
+        self.dev_noise_level = torch.tensor([p.noise_level if s else 0.0 for s in stochastic],
+                                            dtype=torch.float32).to(self.device)
+        self.dev_sde_code = torch.tensor(SDE_CODES[p.sde_type if p.stochastic else "ode"]).to(self.device)
+        self.dev_sigma_max = self.sigma_max.to(self.device)
+        self.dev_guidance = torch.tensor(float(p.guidance_scale), dtype=torch.float32).to(self.device)
         self.step_index = 0
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
         self.uncond: Optional[Conditioning] = None
         self.weight_version: Optional[int] = None  # the engine's weight version, set when the request is admitted
-        # Recorded over the SDE window.
+        # Recorded over the SDE window (device tensors until the output is built).
         self.rec_latents: list[torch.Tensor] = []
         self.rec_log_probs: list[torch.Tensor] = []
         self.rec_steps: list[int] = []
@@ -50,7 +73,7 @@ class RequestState:
 
     @property
     def num_rows(self) -> int:
-        return 2 if self.params.do_cfg else 1
+        return 1 if self.cfg_scale is None else 2
 
     @property
     def done(self) -> bool:
@@ -66,17 +89,28 @@ class RequestState:
         return self.sigmas[min(1, len(self.sigmas) - 1)]
 
     @property
-    def batch_key(self) -> tuple:
-        return self.params.batch_key()
+    def expert(self) -> int:
+        """The denoiser this request's next step runs on."""
+        return 0 if self.experts is None or self.done else self.experts[self.step_index]
 
-    def draw_step_noise(self) -> tuple[float, str, Optional[torch.Tensor]]:
-        """Draw this step's noise from the request's generator (advancing it) and return (noise_level, sde_type,
-        noise). Outside the SDE window (or for an ODE request) nothing is drawn: (0.0, "ode", None). Call exactly
-        once per step, in step order: the draws are what make the sample reproducible."""
-        if not (self.in_window and self.params.stochastic):
-            return 0.0, "ode", None
-        noise = torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32)
-        return self.params.noise_level, self.params.sde_type, noise
+    @property
+    def batch_key(self) -> tuple:
+        """Rows of one forward share frames, resolution, text length and denoiser."""
+        return self.params.batch_key() + (self.expert,)
+
+    def step_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Device scalars of the current step: (timestep, sigma, sigma_next, noise_level, sde_code)."""
+        k = self.step_index
+        return (self.dev_timesteps[k], self.dev_sigmas[k], self.dev_sigmas[k + 1], self.dev_noise_level[k],
+                self.dev_sde_code)
+
+    def draw_step_noise(self) -> torch.Tensor:
+        """This step's noise on the device, drawn from the request's generator (advancing it) inside the SDE window;
+        outside it (or for an ODE request) zeros, and nothing is drawn. Call exactly once per step, in step order:
+        the draws are what make the sample reproducible."""
+        if not self._stochastic[self.step_index]:
+            return torch.zeros_like(self.latents)
+        return torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32, device=self.device)
 
     def advance(self, new_latents: torch.Tensor, log_prob: torch.Tensor) -> None:
         """Apply one step's result; record it when the step is in the window."""

@@ -1,4 +1,9 @@
-"""One denoising step for a batch of rows: a single batched forward (CFG rows included), then the SDE step."""
+"""One denoising step for a batch of rows: a single batched forward (CFG rows included), then the SDE step.
+
+Everything stays on the engine's device: the rows' latents, timesteps, sigmas, noise levels and noise are device
+tensors held by their RequestStates, the CFG mix and the SDE step run where the velocity is, and nothing is read
+back to the host, so a step queues its kernels without waiting for the previous step to finish.
+"""
 
 from __future__ import annotations
 
@@ -27,45 +32,50 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:
-        """Advance every state by one step. Each row keeps its own sigma, guidance, noise level, SDE type, window."""
+        """Advance every state by one step. Each row keeps its own sigma, guidance, noise level, SDE type, window.
+        All rows share a batch key, hence a latent shape and a denoiser (`expert`)."""
         B = len(states)
-        latents = torch.stack([s.latents for s in states])
-        timesteps = torch.stack([s.timesteps[s.step_index] for s in states])
-        cfg = [i for i, s in enumerate(states) if s.params.do_cfg]
+        inputs = [s.step_inputs() for s in states]  # (timestep, sigma, sigma_next, noise_level, sde_code)
+        cfg = [i for i, s in enumerate(states) if s.cfg_scale is not None]
+        rows = list(range(B)) + cfg  # forward rows: every state, then the unconditional rows
         conds = [s.cond for s in states] + [states[i].uncond for i in cfg]
-        model_latents = torch.cat([latents, latents[cfg]]) if cfg else latents
-        model_t = torch.cat([timesteps, timesteps[cfg]]) if cfg else timesteps
+        latents = torch.stack([s.latents for s in states])
+        model_latents = torch.stack([states[i].latents for i in rows]) if cfg else latents
+        guidance = None
+        if self.adapter.guidance_kind == "distilled":
+            guidance = torch.stack([states[i].dev_guidance for i in rows])
         with self.execution_mode():
             v_all = self.adapter.velocity(
-                model_latents.to(self.device), model_t.to(self.device), stack_conditioning(conds)
-            ).float().cpu()
-        v = v_all[:B].clone()
+                model_latents, torch.stack([inputs[i][0] for i in rows]), stack_conditioning(conds),
+                guidance=guidance, expert=states[0].expert,
+            ).float()
+        v = list(v_all[:B].unbind(0))
         for j, i in enumerate(cfg):
-            uncond = v_all[B + j]
-            v[i] = uncond + states[i].params.guidance_scale * (v_all[i] - uncond)
+            v[i] = self.adapter.mix_cfg(v[i], v_all[B + j], states[i].cfg_scale)
 
-        sigma = torch.stack([s.sigmas[s.step_index] for s in states])
-        sigma_next = torch.stack([s.sigmas[s.step_index + 1] for s in states])
-        sigma_max = torch.stack([s.sigma_max for s in states])
-        per_row = [s.draw_step_noise() for s in states]
-        noise = torch.stack([n if n is not None else torch.zeros_like(s.latents) for (_, _, n), s in zip(per_row, states)])
         out = sde_step(
-            latents, v, sigma, sigma_next,
-            noise_level=torch.tensor([eta for eta, _, _ in per_row], dtype=torch.float32),
-            sde_type=[t for _, t, _ in per_row],
-            noise=noise,
-            sigma_max=sigma_max,
+            latents, torch.stack(v),
+            torch.stack([x[1] for x in inputs]), torch.stack([x[2] for x in inputs]),
+            noise_level=torch.stack([x[3] for x in inputs]),
+            sde_type=torch.stack([x[4] for x in inputs]),
+            noise=torch.stack([s.draw_step_noise() for s in states]),
+            sigma_max=torch.stack([s.dev_sigma_max for s in states]),
         )
         for i, s in enumerate(states):
             s.advance(out.prev_sample[i].clone(), out.log_prob[i].clone())
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Float pixels [-1, 1] for latents [B, ...], in blocks of `decode_batch_size`; one image per call in
-        batch-invariant mode (the VAE's attention block is not row-independent across batch sizes on CPU)."""
+        """Float pixels [-1, 1] on the host for latents [B, ...] ([B, 3, H, W] or [B, T, 3, H, W]), in blocks of
+        `decode_batch_size` samples; the only device-to-host copy of a request's pixels. In batch-invariant mode every
+        block has exactly that many samples (zero latents pad the last one): at one fixed batch shape the VAE's
+        kernels give a sample the same bits whatever its position and block mates (tested), while another batch size
+        may move them (~1e-5), so a sample's pixels never depend on what finished with it."""
+        block = self.config.decode_batch_size
         outs = []
-        block = 1 if self.config.batch_invariant else self.config.decode_batch_size
-        with self.execution_mode():
-            for chunk in latents.split(block):
-                outs.append(self.adapter.decode(chunk.to(self.device)).float().cpu())
+        for chunk in latents.split(block):
+            n = chunk.shape[0]
+            if self.config.batch_invariant and n < block:
+                chunk = torch.cat([chunk, chunk.new_zeros((block - n,) + tuple(chunk.shape[1:]))])
+            outs.append(self.adapter.decode(chunk.to(self.device)).float().cpu()[:n])
         return torch.cat(outs)

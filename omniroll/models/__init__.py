@@ -6,13 +6,23 @@ import os
 
 import torch
 
-from omniroll.models.checkpoint import INDEX_FILE, ModelLimits, pipeline_class_name, read_limits, require_checkpoint
 from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
+from omniroll.models.checkpoint import INDEX_FILE, ModelLimits, pipeline_class_name, read_limits, require_checkpoint
+from omniroll.models.flux import FluxAdapter
+from omniroll.models.qwen_image import QwenImageAdapter
 from omniroll.models.sd3 import SD3Adapter
-from omniroll.models.tiny import build_tiny_sd3
+from omniroll.models.tiny import FAMILIES, build_tiny, build_tiny_sd3
+from omniroll.models.wan import WanAdapter
 
 #: model_index.json `_class_name` -> adapter class
-ADAPTERS: dict[str, type[DiffusionAdapter]] = {"StableDiffusion3Pipeline": SD3Adapter}
+ADAPTERS: dict[str, type[DiffusionAdapter]] = {
+    "StableDiffusion3Pipeline": SD3Adapter,
+    "FluxPipeline": FluxAdapter,
+    "QwenImagePipeline": QwenImageAdapter,
+    "WanPipeline": WanAdapter,
+}
+#: the `--model` names that build a tiny random checkpoint ("tiny" is the SD3 one)
+TINY_MODELS = {"tiny": "sd3", **{f"tiny-{f}": f for f in FAMILIES}}
 
 
 def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionAdapter:
@@ -26,12 +36,13 @@ def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
 
 
 def resolve_model(model: str, cache_dir: str | None = None) -> str:
-    """A checkpoint directory for `model`: "tiny" builds (once, cached) the deterministic tiny SD3 under `cache_dir`
-    (default: $OMNIROLL_CACHE or .omniroll_cache); anything else must be a local diffusers checkpoint directory
-    (nothing is downloaded at run time)."""
-    if model == "tiny":
+    """A checkpoint directory for `model`: "tiny" (SD3) or "tiny-<family>" (sd3, flux, qwen-image, wan, wan2.2)
+    builds (once, cached) that family's deterministic tiny checkpoint under `cache_dir` (default: $OMNIROLL_CACHE
+    or .omniroll_cache); anything else must be a local diffusers checkpoint directory (nothing is downloaded)."""
+    if model in TINY_MODELS:
+        family = TINY_MODELS[model]
         root = cache_dir or os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")
-        return build_tiny_sd3(os.path.join(root, "tiny-sd3"), seed=0)
+        return build_tiny(family, os.path.join(root, f"tiny-{family}"), seed=0)
     if not os.path.isfile(os.path.join(model, INDEX_FILE)):
         if _looks_like_hub_id(model):
             raise FileNotFoundError(
@@ -39,8 +50,8 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
                 f"(nothing is downloaded at run time). Download it first, e.g. "
                 f"`hf download {model} --local-dir checkpoints/{model.split('/')[-1]}` (gated models need "
                 f"`hf auth login` and an accepted license), then pass that directory as the model")
-        raise FileNotFoundError(f"model {model!r} is neither 'tiny' nor a diffusers checkpoint directory "
-                                f"(no {INDEX_FILE}); nothing is downloaded at run time")
+        raise FileNotFoundError(f"model {model!r} is neither one of {sorted(TINY_MODELS)} nor a diffusers checkpoint "
+                                f"directory (no {INDEX_FILE}); nothing is downloaded at run time")
     return model
 
 
@@ -51,15 +62,35 @@ def _looks_like_hub_id(model: str) -> bool:
             and all(c.isalnum() or c in "-_." for c in model.replace("/", "")))
 
 
+def prompt_ids_length(model: str) -> int | None:
+    """The number of prompt token ids `model` (a tiny name or a checkpoint directory) reports per prompt, from its
+    files (nothing is loaded or built); None when unknown or not fixed. `prompt_length` must be at least this."""
+    if model in TINY_MODELS:
+        from omniroll.models.tiny import CLIP_MAX_LENGTH
+
+        return CLIP_MAX_LENGTH if TINY_MODELS[model] in ("sd3", "flux") else None
+    try:
+        adapter = ADAPTERS.get(pipeline_class_name(model))
+    except (FileNotFoundError, ValueError):
+        return None
+    return adapter.prompt_ids_length(model) if adapter is not None else None
+
+
 __all__ = [
+    "prompt_ids_length",
     "resolve_model",
     "read_limits",
     "require_checkpoint",
     "ModelLimits",
     "ADAPTERS",
+    "TINY_MODELS",
     "Conditioning",
     "DiffusionAdapter",
+    "FluxAdapter",
+    "QwenImageAdapter",
     "SD3Adapter",
+    "WanAdapter",
+    "build_tiny",
     "build_tiny_sd3",
     "load_adapter",
     "stack_conditioning",

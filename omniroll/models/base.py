@@ -1,18 +1,26 @@
 """The model-adapter interface: everything the engine needs from a model family, nothing more.
 
 An adapter wraps one family's diffusers / transformers classes. The engine owns the denoise loop; an adapter only
-answers four questions: how to encode a prompt, what the velocity is for a batch of latents at per-row timesteps, how
-to decode latents to pixels, and which latent shape and sigma schedule a request gets.
+answers: how to encode a prompt, what the velocity is for a batch of latents at per-row timesteps, how to combine a
+conditional and an unconditional velocity (CFG), how to decode latents to pixels, and which latent shape and sigma
+schedule a request gets.
+
+Shapes are generic: one sample's latent is whatever `latent_shape(height, width, num_frames)` says (SD3 / FLUX /
+Qwen-Image: [C, h, w]; Wan: [C, t, h, w]), always unpacked (an adapter that packs 2x2 patches for its transformer
+packs and unpacks inside `velocity`, a pure permutation). `decode` gives [B, 3, H, W] for images and
+[B, T, 3, H, W] for video, floats in [-1, 1].
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, require_checkpoint
 
 
 @dataclass
@@ -41,35 +49,120 @@ def stack_conditioning(conds: list[Conditioning]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([c.tensors[k] for c in conds]) for k in keys}
 
 
+def check_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
+    """Raise ValueError naming `name` unless `value` is an int in [lo, hi]."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an int {rng}, got {value!r}")
+
+
+def load_pipeline(class_name: str, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a diffusers pipeline (by class name) from a local checkpoint directory, offline, onto `device`."""
+    import diffusers
+    from diffusers.utils import deprecation_utils
+
+    path = os.fspath(path)
+    require_checkpoint(path)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    # diffusers renamed `torch_dtype` to `dtype` (0.36+); use whichever this version understands.
+    dtype_key = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+    pipe = getattr(diffusers, class_name).from_pretrained(path, local_files_only=True, **{dtype_key: dtype})
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
+    return pipe
+
+
 class DiffusionAdapter(ABC):
-    """One model family. Subclasses keep their diffusers modules as attributes."""
+    """One model family. Subclasses keep their diffusers modules as attributes and set `pipeline_class`."""
+
+    #: the diffusers pipeline class (by name) whose components and helpers the adapter uses.
+    pipeline_class: str = ""
 
     #: modules whose weights the trainer may update (name -> module); the denoiser is always "transformer".
     trainable_module_name: str = "transformer"
+    #: PEFT `target_modules` of this family's denoiser (what a Flow-GRPO LoRA adapts); weight sync binds to them.
+    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    #: "cfg": guidance_scale > 1 adds an unconditional row and mixes (`mix_cfg`); "distilled": guidance_scale is an
+    #: input of the model (FLUX.1), no extra row unless `true_cfg_scale` > 1.
+    guidance_kind: str = "cfg"
+    #: how many denoisers the family switches between by timestep (Wan 2.2 A14B: 2).
+    num_experts: int = 1
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
         """Encode each prompt to its own Conditioning (the empty string is the unconditional branch)."""
 
     @abstractmethod
-    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Velocity v for latents [B, ...] at per-row timesteps [B] (sigma * 1000), fp32 out."""
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
+                 guidance: Optional[torch.Tensor] = None, expert: int = 0) -> torch.Tensor:
+        """Velocity v for latents [B, ...] at per-row timesteps [B] (sigma * 1000), fp32 out, on the latents'
+        device. `guidance` [B]: per-row distilled guidance (guidance_kind "distilled" only). `expert`: which
+        denoiser (every row of one call uses the same one; see `expert_index`)."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Decode latents [B, ...] to float pixels in [-1, 1] (un-quantized), [B, 3, H, W]."""
+        """Decode latents [B, ...] to float pixels in [-1, 1] (un-quantized): [B, 3, H, W] or [B, T, 3, H, W]."""
 
     @abstractmethod
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Shape of one sample's latent (no batch dimension) for a pixel resolution."""
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """Shape of one sample's latent (no batch dimension) for a pixel resolution and frame count."""
 
     @abstractmethod
-    def sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def sigmas(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """Sigma schedule [T + 1], fp32, from 1 (noise) down to 0 (data)."""
 
     @abstractmethod
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every torch module the adapter holds (for sleep / wake and device moves)."""
+
+    # ------------------------------------------------------------------ defaults most families keep
+    @classmethod
+    def from_pretrained(cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        """Load every component from a local diffusers checkpoint directory (offline)."""
+        return cls(load_pipeline(cls.pipeline_class, path, device=device, dtype=dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.denoiser.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.denoiser.parameters()).dtype
+
+    def check_num_frames(self, num_frames: int) -> None:
+        """Image families take exactly one frame."""
+        if num_frames != 1:
+            raise ValueError(f"num_frames must be 1 for the image model {type(self).__name__}, got {num_frames!r}")
+
+    def check_guidance(self, guidance_scale: float, true_cfg_scale: float) -> None:
+        """Only guidance-distilled families take a separate true CFG scale."""
+        if true_cfg_scale != 1.0 and self.guidance_kind != "distilled":
+            raise ValueError(f"true_cfg_scale must be 1.0 for {type(self).__name__} (its guidance_scale is the CFG "
+                             f"scale), got {true_cfg_scale}")
+
+    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float = 1.0) -> Optional[float]:
+        """The CFG mixing scale of a request, or None when it runs no unconditional row."""
+        scale = true_cfg_scale if self.guidance_kind == "distilled" else guidance_scale
+        return float(scale) if scale > 1.0 else None
+
+    def mix_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance for one row: uncond + scale * (cond - uncond)."""
+        return uncond + scale * (cond - uncond)
+
+    def expert_index(self, timestep: float) -> int:
+        """Which denoiser runs at this timestep (sigma * 1000); 0 for single-denoiser families."""
+        return 0
+
+    @property
+    def is_video(self) -> bool:
+        return False
+
+    @classmethod
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """How many prompt token ids this family reports per prompt (the main tokenizer's padded length), read from
+        the checkpoint's files without loading any model; None when it is not fixed or not known."""
+        return None
 
     @property
     def denoiser(self) -> torch.nn.Module:

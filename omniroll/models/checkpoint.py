@@ -88,6 +88,16 @@ def tokenizer_max_length(model_max_length) -> int:
     return DEFAULT_MAX_SEQUENCE_LENGTH
 
 
+def tokenizer_padded_length(path: str, subfolder: str = "tokenizer") -> Optional[int]:
+    """`model_max_length` of the checkpoint's `subfolder` tokenizer (CLIP: the length prompt ids are padded to), from
+    its tokenizer_config.json; None when missing or unusable."""
+    try:
+        n = _read_json(os.path.join(path, subfolder, "tokenizer_config.json")).get("model_max_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if _is_int(n) and 0 < n <= 4096 else None
+
+
 def read_limits(path: str) -> ModelLimits:
     """The limits of the SD3-family checkpoint at `path`, from its config files only (no weights are read)."""
     require_checkpoint(path)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter
-from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, require_checkpoint, tokenizer_max_length
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer_max_length, tokenizer_padded_length
 
 
 class SD3Adapter(DiffusionAdapter):
     """Wraps a loaded `StableDiffusion3Pipeline` (its `__call__` is never run).
 
     The pipeline object is kept only to reuse `encode_prompt` and to hold the components; the engine calls
-    `velocity` / `decode` and drives the sampler itself.
+    `velocity` / `decode` and drives the sampler itself. CFG: guidance_scale > 1 adds an unconditional row.
     """
+
+    pipeline_class = "StableDiffusion3Pipeline"
+    #: Flow-GRPO's SD3 LoRA: both streams' attention projections.
+    lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                           "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
     def __init__(self, pipeline):
         from diffusers import StableDiffusion3Pipeline
@@ -38,34 +41,12 @@ class SD3Adapter(DiffusionAdapter):
             m.eval()
         self._sigma_cache: dict[tuple[int, int, int], torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        """Load every component from a local diffusers SD3 / SD3.5 checkpoint directory (offline)."""
-        from diffusers import StableDiffusion3Pipeline
-
-        path = os.fspath(path)
-        require_checkpoint(path)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        from diffusers.utils import deprecation_utils
-
-        # diffusers renamed `torch_dtype` to `dtype` (0.36+); use whichever this version understands.
-        dtype_key = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, local_files_only=True, **{dtype_key: dtype})
-        pipe.set_progress_bar_config(disable=True)
-        pipe.to(device)
-        return cls(pipe)
+    def prompt_ids_length(cls, path: str) -> int | None:
+        """CLIP's `model_max_length` from `tokenizer/tokenizer_config.json`: `encode_prompts` pads ids to it."""
+        return tokenizer_padded_length(path)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -136,7 +117,8 @@ class SD3Adapter(DiffusionAdapter):
 
     # ------------------------------------------------------------------ denoiser / decoder
     @torch.no_grad()
-    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
+                 guidance=None, expert: int = 0) -> torch.Tensor:
         if latents.dim() != 4 or latents.shape[1] != self.transformer.config.in_channels:
             raise ValueError(
                 f"latents must be [B, {self.transformer.config.in_channels}, h, w], got {tuple(latents.shape)}"
@@ -167,12 +149,13 @@ class SD3Adapter(DiffusionAdapter):
         return vae.decode(z, return_dict=False)[0].float()
 
     # ------------------------------------------------------------------ shapes / schedule
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        self.check_num_frames(num_frames)
         self.limits.check(height, width)
         f = self.vae_scale_factor
         return (int(self.vae.config.latent_channels), height // f, width // f)
 
-    def sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def sigmas(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """`FlowMatchEulerDiscreteScheduler.set_timesteps(T)` sigmas (with SD3's dynamic-shift `mu` if enabled)."""
         if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) \
                 or num_inference_steps < 1:

@@ -2,7 +2,7 @@
 
 from omniroll.reward.http import HttpScorer, RewardHTTPError, decode_png_batch, decode_safetensors_batch
 from omniroll.reward.manager import RewardConfig, RewardFunctionConfig, RewardManager
-from omniroll.reward.pool import RewardWorkerPool, create_reward_workers
+from omniroll.reward.pool import RewardPoolError, RewardWorkerPool, create_reward_workers
 from omniroll.reward.scorers import (
     SCORER_REGISTRY,
     build_scorer,
@@ -22,6 +22,7 @@ __all__ = [
     "RewardHTTPError",
     "RewardLoopWorker",
     "RewardManager",
+    "RewardPoolError",
     "RewardResult",
     "RewardSample",
     "RewardWorkerPool",

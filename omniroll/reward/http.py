@@ -9,7 +9,8 @@ Wire format (one POST per batch of at most `batch_size` samples):
   `images` of shape `[B, 3, H, W]` (all images of a batch must share H and W); its `__metadata__` holds `prompts` and
   `metadata` as JSON strings. Mixed resolutions in one call are split into one request per shape.
 
-The server answers `{"scores": [...]}` with one entry per image (a number or a dict with `"score"`). Servers can
+The server answers `{"scores": [...]}` with one entry per image (a number or a dict with `"score"`); a score must be
+a finite number (`true` / `false`, strings, NaN are the scorer's errors, never 1.0 / 0.0: see `RewardManager`). Servers can
 decode requests with `decode_png_batch` / `decode_safetensors_batch`.
 """
 
@@ -124,7 +125,9 @@ def decode_safetensors_batch(body: bytes) -> tuple[np.ndarray, list[str], list[d
 class HttpScorer:
     """Batch scorer that POSTs to a reward server (see the module docstring for the wire format).
 
-    Each batch is retried on timeouts, connection errors, 408, 429 and 5xx with exponential backoff
+    `timeout_s` is a deadline for one whole attempt (connecting, sending and reading the complete response), so a
+    server that drips its answer byte by byte is cut off at `timeout_s` like a silent one. A call is bounded by
+    `(max_retries + 1) * timeout_s` plus the backoff sleeps. Each batch is retried on timeouts, connection errors, 408, 429 and 5xx with exponential backoff
     (`min(max_backoff_s, backoff_s * 2**k)`, or the server's numeric `Retry-After` when smaller than `max_backoff_s`),
     for at most `max_retries` retries (`max_retries + 1` attempts). Other 4xx and malformed responses fail at once.
     A final failure raises `RewardHTTPError` (url, status, attempts). Batches of one call are sent concurrently.
@@ -213,9 +216,10 @@ class HttpScorer:
             attempts += 1
             self.requests_sent += 1
             response = None
-            try:
-                response = await client.post(self.url, content=body, headers={"content-type": ctype})
-            except httpx.TimeoutException as e:
+            try:  # timeout_s is a deadline for the whole attempt (connect, send, every read), not per read
+                response = await asyncio.wait_for(
+                    client.post(self.url, content=body, headers={"content-type": ctype}), self.timeout_s)
+            except (httpx.TimeoutException, asyncio.TimeoutError) as e:
                 status, detail = None, f"timeout after {self.timeout_s}s ({type(e).__name__})"
             except httpx.TransportError as e:
                 status, detail = None, f"connection error ({type(e).__name__}: {e})"

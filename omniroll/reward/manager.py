@@ -11,7 +11,8 @@ Config (validated with pydantic; unknown keys and out-of-range values raise nami
 Combination (flow_grpo's `multi_score` convention): `score = sum(weight * component)`, weights are not normalized.
 Failure policy, per row (never a silent 0):
 
-- a function that raises, times out, returns the wrong number of values, or a non-finite / non-numeric value is
+- a function that raises, times out, returns the wrong number of values, or a value that is not a finite number
+  (NaN, Inf, `True` / `False`, a string) is
   retried (only on the rows that failed) up to `max_retries` times;
 - still failing and `required` -> the row is `status="failed"`, `score=None`, `error` names the function;
 - still failing and not required -> the row is `status="flagged"`, that component is `None`, its error is in
@@ -123,7 +124,7 @@ def _coerce(value: Any) -> tuple[Optional[float], dict, Optional[str]]:
         value = value.reshape(()).item()
     elif isinstance(value, np.generic) or (hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1):
         value = value.item()  # numpy / torch scalars
-    if not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # true / false are not scores
         return None, extras, f"returned a {type(value).__name__}, expected a number"
     f = float(value)
     if not math.isfinite(f):

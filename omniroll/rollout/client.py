@@ -13,7 +13,10 @@ Faults: a dead replica (RayActorError), a timed-out request, or any unexpected e
 the replica is benched for `unhealthy_s`, and the SAME request (same seed, so the output is identical) is re-run on
 another replica, at most `max_retries` times; then `RolloutError` names the request and every attempt. An output with
 stop_reason="aborted" (e.g. a weight update on the replica) is re-run too, at most `max_abort_retries` times.
-Malformed requests (ValueError / TypeError) are never retried: they raise `RequestError` naming the field.
+A bad request is told apart from a replica fault: it is refused here (local validation) or by the replica with the
+engine's `RequestError` (a bad field, a prompt that cannot be encoded or is too long, a duplicate request id),
+which crosses Ray as itself. It is never retried and never benches a replica: `generate` raises `RequestError`
+naming the request and the reason. Every other error is a fault of the replica.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from omniroll.engine.errors import RequestError
 from omniroll.engine.output import DiffusionOutput
-from omniroll.errors import format_validation_error
 from omniroll.engine.params import GenerationRequest, SamplingParams
+from omniroll.errors import format_validation_error
 from omniroll.rollout.transfer import output_from_wire
 
 
@@ -40,10 +44,6 @@ class RolloutError(RuntimeError):
 
     def __str__(self) -> str:
         return self.message
-
-
-class RequestError(ValueError):
-    """A malformed request (bad field); never retried."""
 
 
 def build_request(
@@ -62,15 +62,15 @@ def build_request(
         else:
             sp = SamplingParams.model_validate(dict(sampling_params))
     except ValidationError as e:
-        raise RequestError(f"request {request_id!r}: bad sampling_params: {_describe(e, 'sampling_params')}") from None
+        raise RequestError(request_id, f"bad sampling_params: {_describe(e, 'sampling_params')}") from None
     if not isinstance(prompt, str):
-        raise RequestError(f"request {request_id!r}: prompt must be a string, got {type(prompt).__name__}")
+        raise RequestError(request_id, f"prompt must be a string, got {type(prompt).__name__}")
     try:
         return GenerationRequest(
             request_id=request_id, prompt=prompt, negative_prompt=negative_prompt, sampling_params=sp, seed=seed
         )
     except ValidationError as e:
-        raise RequestError(f"request {request_id!r}: {_describe(e)}") from None
+        raise RequestError(request_id, _describe(e)) from None
 
 
 def _describe(e: ValidationError, prefix: str = "") -> str:
@@ -181,7 +181,7 @@ class RolloutClient:
 
         request = build_request(request_id, prompt, sampling_params, seed, negative_prompt)
         if request_id in self._running:
-            raise RequestError(f"request_id {request_id!r} is already in flight on this client")
+            raise RequestError(request_id, "request_id is already in flight on this client")
         attempts: list[tuple[int, str]] = []
         failed_on: set[int] = set()
         failures = aborts = 0
@@ -199,8 +199,9 @@ class RolloutClient:
                 try:
                     ref = self.replicas[idx].generate.remote(payload)
                     wire = await asyncio.wait_for(_await_ref(ref), timeout=self.timeout_s)
-                except (ValueError, TypeError) as e:  # the replica rejected the request itself: not retried
-                    raise RequestError(f"request {request_id!r} rejected by replica {idx}: {_cause(e)}") from None
+                except RequestError as e:  # the replica refused the request itself: not retried, not benched
+                    reason = getattr(getattr(e, "cause", None) or e, "reason", str(e))
+                    raise RequestError(request_id, f"rejected by replica {idx}: {reason}") from None
                 except asyncio.TimeoutError:
                     err = f"timed out after {self.timeout_s:g}s"
                     self._abort_on(idx, engine_id)
@@ -268,11 +269,6 @@ class RolloutClient:
 
 async def _await_ref(ref: Any) -> Any:
     return await ref
-
-
-def _cause(e: BaseException) -> str:
-    cause = getattr(e, "cause", None)
-    return f"{type(cause or e).__name__}: {cause if cause is not None else _last_line(e)}"
 
 
 def _last_line(e: BaseException) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from omniroll.engine.errors import RequestError
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
 from omniroll.rollout.transfer import output_to_wire
@@ -49,13 +50,15 @@ class RolloutReplica:
         self._started_at = time.time()
 
     async def generate(self, request: dict | GenerationRequest) -> dict:
-        """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A malformed request raises ValueError
-        naming the field (and never reaches the engine, so it cannot disturb other requests)."""
+        """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A request the engine will not serve (bad
+        field, unencodable or too long prompt, duplicate id) raises `RequestError` (a ValueError) naming the request
+        and the reason; it never disturbs other requests."""
         if not isinstance(request, GenerationRequest):
             try:
                 request = GenerationRequest.model_validate(request)
-            except ValidationError as e:  # re-raised as ValueError: pydantic errors do not pickle reliably
-                raise ValueError(f"bad GenerationRequest: {_describe(e)}") from None
+            except ValidationError as e:  # re-raised as RequestError: pydantic errors do not pickle reliably
+                rid = request.get("request_id") if isinstance(request, dict) else None
+                raise RequestError(str(rid), f"bad GenerationRequest: {_describe(e)}") from None
         self._in_flight += 1
         try:
             out = await self.engine.generate_async(request)
@@ -68,14 +71,20 @@ class RolloutReplica:
         out.extra_fields.setdefault("replica_rank", self.replica_rank)
         return output_to_wire(out)
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
         """Abort a running or queued request; its generate returns with stop_reason="aborted". Returns once the
         request has stopped (acknowledged), without blocking the actor's other calls."""
-        return bool(await asyncio.to_thread(self.engine.abort, request_id))
+        return bool(await asyncio.to_thread(self.engine.abort, request_id, timeout_s))
+
+    async def abort_all(self, timeout_s: float = 60.0) -> list[str]:
+        """Abort every running or queued request (acknowledged); returns their ids."""
+        return await asyncio.to_thread(self.engine.abort_all, timeout_s)
 
     def health(self) -> dict:
+        closed = self.engine.stats()["shut_down"]
         return {
-            "ok": True,
+            "ok": not closed,
+            "state": "shut down" if closed else "serving",
             "replica_rank": self.replica_rank,
             "weight_version": int(self.engine.weight_version),
             "pid": os.getpid(),
@@ -100,26 +109,30 @@ class RolloutReplica:
         }
 
     def shutdown(self) -> None:
+        """Stop the engine: pending requests fail, and every later call raises EngineShutdownError at once."""
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ weight sync and memory
-    # Each runs on a worker thread: the engine pauses, drains, aborts (acknowledged) and swaps on its own thread,
-    # while this actor's event loop keeps answering generate / stats calls.
+    # Each runs on a worker thread: the engine checks, receives, then pauses, drains, aborts (acknowledged) and swaps
+    # on its own thread, while this actor's event loop keeps answering generate / stats calls. Each has a finite
+    # timeout (TimeoutError naming the call) and raises EngineShutdownError at once after shutdown().
     async def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
                                       use_shm: bool = False, *, manifest, buckets, version: int,
-                                      drain_timeout_s: float = 10.0) -> dict:
+                                      drain_timeout_s: float = 10.0, timeout_s: float = 600.0) -> dict:
         """The specification's RPC: a LoRA update when `peft_config` is given, else full weights, fed by buckets
-        (in-process objects, Ray object refs, or a /dev/shm stream). Returns the acknowledgement."""
+        (in-process objects, Ray object refs, or a /dev/shm stream). A transaction: see
+        `DiffusionEngine.update_weights_from_ipc`. Returns the acknowledgement."""
         ack = await asyncio.to_thread(
             self.engine.update_weights_from_ipc, peft_config, base_sync_done, use_shm,
-            manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s)
+            manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
         return {**ack, "replica_rank": self.replica_rank}
 
-    async def remove_lora(self, version: Optional[int] = None) -> dict:
-        return await asyncio.to_thread(self.engine.remove_lora, version)
+    async def remove_lora(self, version: Optional[int] = None, timeout_s: float = 120.0) -> dict:
+        return await asyncio.to_thread(self.engine.remove_lora, version, 10.0, timeout_s)
 
     async def sleep(self, level: int = 1, timeout_s: float = 120.0) -> dict:
-        """Free the device (level 1: offload, level 2: drop the denoiser). Returns once done."""
+        """Free the device (level 1: offload, level 2: drop the denoiser). Returns once done. Sleeping at the
+        current level or lower changes nothing."""
         return await asyncio.to_thread(self.engine.sleep, level, 0.0, timeout_s)
 
     async def wake_up(self, timeout_s: float = 120.0) -> dict:

@@ -43,8 +43,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 ScalarOrRows = Union[float, torch.Tensor]
-_SDE_CODES = {"ode": 0, "sde": 1, "cps": 2, "dance_sde": 3}
-SDE_TYPES = tuple(_SDE_CODES)
+#: sde_type name -> the integer code `sde_step` also accepts (a tensor of codes keeps a device caller sync-free).
+SDE_CODES = {"ode": 0, "sde": 1, "cps": 2, "dance_sde": 3}
+SDE_TYPES = tuple(SDE_CODES)
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -65,14 +66,18 @@ def _rows(value: ScalarOrRows, batch: int, name: str) -> torch.Tensor:
     return t.float()
 
 
-def _codes(sde_type: Union[str, Sequence[str]], batch: int) -> torch.Tensor:
+def _codes(sde_type: Union[str, Sequence[str], torch.Tensor], batch: int) -> torch.Tensor:
+    if isinstance(sde_type, torch.Tensor):
+        if sde_type.shape != (batch,):
+            raise ValueError(f"sde_type codes must have shape [{batch}], got {tuple(sde_type.shape)}")
+        return sde_type.long()
     types = [sde_type] * batch if isinstance(sde_type, str) else list(sde_type)
     if len(types) != batch:
         raise ValueError(f"sde_type must be one string or a list of {batch}, got {len(types)}")
-    bad = [t for t in types if t not in _SDE_CODES]
+    bad = [t for t in types if t not in SDE_CODES]
     if bad:
-        raise ValueError(f"sde_type must be one of {sorted(_SDE_CODES)}, got {bad[0]!r}")
-    return torch.tensor([_SDE_CODES[t] for t in types])
+        raise ValueError(f"sde_type must be one of {sorted(SDE_CODES)}, got {bad[0]!r}")
+    return torch.tensor([SDE_CODES[t] for t in types])
 
 
 def _draw_noise(shape, generator, device) -> torch.Tensor:
@@ -117,7 +122,10 @@ def sde_step(
     s_n = _rows(sigma_next, B, "sigma_next").to(device)
     eta = _rows(noise_level, B, "noise_level").to(device)
     code = _codes(sde_type, B).to(device)
-    if (eta < 0).any():
+    # On an accelerator a data-dependent branch would stall the host until the device catches up, so there every
+    # branch is computed and selected per row (the same values row by row) and the caller owns the eta >= 0 check.
+    on_host = device.type == "cpu"
+    if on_host and (eta < 0).any():
         raise ValueError("noise_level must be >= 0")
     cps_rows = code == 2  # scored as CPS even where deterministic (see the module docstring)
     code = torch.where(eta == 0, torch.zeros_like(code), code)
@@ -128,11 +136,11 @@ def sde_step(
     mean = x + dt.view(view) * v
     std = torch.zeros(B, dtype=torch.float32, device=device)
 
-    if is_sde.any():
-        if bool(((s_t >= 1.0) & is_sde).any()):
-            if sigma_max is None:
-                raise ValueError("sigma_max (the schedule's second sigma) is required for 'sde' rows at sigma == 1")
+    if not on_host or is_sde.any():
+        if sigma_max is not None:
             denom_sigma = torch.where(s_t >= 1.0, _rows(sigma_max, B, "sigma_max").to(device), s_t)
+        elif bool(((s_t >= 1.0) & is_sde).any()):
+            raise ValueError("sigma_max (the schedule's second sigma) is required for 'sde' rows at sigma == 1")
         else:
             denom_sigma = s_t
         safe_s = torch.where(is_sde, s_t, torch.ones_like(s_t))
@@ -142,7 +150,7 @@ def sde_step(
         mean = torch.where(is_sde.view(view), x * a + v * b, mean)
         std = torch.where(is_sde, std_t * torch.sqrt(torch.clamp(-dt, min=0.0)), std)
 
-    if is_cps.any():
+    if not on_host or is_cps.any():
         s_cps = s_n * torch.sin(eta * math.pi / 2)
         x0 = x - s_t.view(view) * v
         x1 = x + (1 - s_t).view(view) * v
@@ -150,7 +158,7 @@ def sde_step(
         mean = torch.where(is_cps.view(view), cps_mean, mean)
         std = torch.where(is_cps, s_cps, std)
 
-    if is_dance.any():
+    if not on_host or is_dance.any():
         safe_s = torch.where(is_dance, s_t, torch.ones_like(s_t)).view(view)
         x0 = x - safe_s * v
         score = -(x - (1 - safe_s) * x0) / safe_s**2

@@ -27,6 +27,7 @@ from .lora import (
 )
 from .receiver import ModuleReceiver, apply_weight_update
 from .sender import WeightSender, named_tensors_for
+from .update import FullUpdate, LoRAUpdate, check_version, prepare_update
 from .transport import RayBucketRef, ShmChannel, ShmStream, iter_shm_buckets, leftover_shm, resolve_buckets
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "unpack_bucket", "FullWeightLoader", "peft_base_name", "LoRABindError", "LoRAManager", "OmniTensorLoRARequest",
     "load_lora_dir", "lora_config_from_dict", "lora_state_dict", "normalize_lora_keys", "peft_config_to_dict",
     "ModuleReceiver", "apply_weight_update", "WeightSender", "named_tensors_for", "RayBucketRef", "ShmChannel",
-    "ShmStream", "iter_shm_buckets", "leftover_shm", "resolve_buckets",
+    "ShmStream", "iter_shm_buckets", "leftover_shm", "resolve_buckets", "FullUpdate", "LoRAUpdate", "check_version",
+    "prepare_update",
 ]

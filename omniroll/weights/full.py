@@ -1,9 +1,21 @@
-"""Full-weight apply: validate a whole update up front, then copy bucket by bucket in place.
+"""Full-weight apply: validate a whole update up front, check values as they arrive, then commit.
 
-Memory: :meth:`FullWeightLoader.load_bucket` copies from zero-copy views over the bucket
-buffer straight into ``param.data`` (``copy_`` casts when dtypes differ), so the only extra
-memory the receiver holds is the bucket currently being applied (the transport decides how
-many buckets exist at once: one for in-process streaming, two for shared memory).
+Two ways to land the bytes (``stage``):
+
+* staged (the default): every received tensor is copied into a staging tensor (same device and
+  dtype as its parameter); the module changes only in :meth:`FullWeightLoader.commit`, after the
+  last bucket arrived and every check passed, which swaps each parameter's storage for its staged
+  one (no second copy). A stream that fails midway leaves the module
+  untouched. Memory: one extra copy of every tensor in the update (for a full update, the size of
+  the module) from the first bucket until the commit, plus the transport's bucket(s).
+* in place (``stage=False``): each bucket is copied straight into ``param.data`` once the whole
+  bucket passed its checks; no extra memory beyond the bucket being applied (one for in-process
+  streaming, two for shared memory). A stream that fails midway leaves the module partly
+  updated (:attr:`FullWeightLoader.touched` says whether anything was written): the caller must
+  stop using the module until a complete update lands (the engine does, see
+  ``omniroll.engine.lifecycle``).
+
+``copy_`` casts when dtypes differ (floating -> floating only).
 """
 
 from __future__ import annotations
@@ -46,17 +58,24 @@ def _dtype_compatible(src: torch.dtype, dst: torch.dtype) -> bool:
 class FullWeightLoader:
     """Applies one full (or ``allow_partial``) weight update to ``module`` in place.
 
-    Usage: ``begin(manifest)`` -> ``load_bucket(b)`` for every bucket -> ``finish()``.
+    Usage: ``begin(manifest)`` -> ``load_bucket(b)`` for every bucket -> ``finish()``
+    (= ``check_complete()`` then ``commit()``).
     ``begin`` validates every name (after ``name_map``), shape and dtype before anything is
     touched; a dtype mismatch is accepted only floating -> floating (cast by ``copy_``).
+    ``load_bucket`` checks the bucket against the manifest and every floating tensor for NaN / Inf
+    before any of its bytes land; a non-finite tensor rejects the update, naming the tensor.
     If the module carries an injected LoRA adapter, names address the base weights by their
     plain names (``to_q.weight``, not ``to_q.base_layer.weight``) and the adapter stays.
     """
 
-    def __init__(self, module: nn.Module, name_map: NameMap | None = None, *, allow_partial: bool = False):
+    def __init__(self, module: nn.Module, name_map: NameMap | None = None, *, allow_partial: bool = False,
+                 stage: bool = True):
         self.module = module
         self.name_map = name_map
         self.allow_partial = allow_partial
+        self.stage = stage
+        self._staged: dict[str, torch.Tensor] = {}  # target name -> staged value (stage=True)
+        self.touched = False  # whether any byte of the module was written (stage=False)
         self._targets: dict[str, torch.Tensor] = {}
         self._params: set[str] = set()
         # with a LoRA adapter injected, base weights live under ".base_layer." and the adapter's
@@ -119,6 +138,7 @@ class FullWeightLoader:
         self._plan = plan
         self._manifest = {e.name: e for e in manifest.entries}
         self._received = set()
+        self._staged = {}
         self.bytes_loaded = 0
 
     def load_bucket(self, bucket: Bucket) -> None:
@@ -136,19 +156,44 @@ class FullWeightLoader:
                 bad.append(f"{e.name} (bucket {e.dtype}{tuple(e.shape)} vs manifest {m.dtype}{tuple(m.shape)})")
         if bad:
             raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(bad)}")
+        views = unpack_bucket(bucket)
+        nonfinite = [name for name, src in views if src.is_floating_point() and not bool(torch.isfinite(src).all())]
+        if nonfinite:
+            raise WeightSyncError(f"weight update rejected: non-finite values (NaN or Inf) in tensor(s) "
+                                  f"{_fmt(nonfinite)} (bucket {bucket.index})")
         with torch.no_grad():
-            for name, src in unpack_bucket(bucket):
-                self._targets[self._plan[name]].data.copy_(src)
+            for name, src in views:
+                target = self._targets[self._plan[name]]
+                if self.stage:
+                    self._staged[self._plan[name]] = torch.empty_like(target.data).copy_(src)
+                else:
+                    self.touched = True
+                    target.data.copy_(src)
                 self._received.add(name)
         self.bytes_loaded += bucket.nbytes
         self.max_bucket_bytes = max(self.max_bucket_bytes, int(bucket.buffer.nbytes))
 
-    def finish(self) -> dict:
+    def check_complete(self) -> dict:
+        """Raise unless every manifest name arrived; returns the stats of the update."""
         if self._plan is None:
-            raise WeightSyncError("finish() before begin()")
+            raise WeightSyncError("check_complete() before begin()")
         never = sorted(set(self._plan) - self._received)
-        self._plan = None
         if never:
+            self._plan, self._staged = None, {}
             raise WeightSyncError(f"update incomplete: {len(never)} manifest name(s) never received: {_fmt(never)}")
         return {"num_tensors": len(self._received), "num_bytes": self.bytes_loaded,
                 "max_bucket_bytes": self.max_bucket_bytes}
+
+    def commit(self) -> None:
+        """Swap the staged tensors in (cannot fail: names, shapes and values were checked). Each parameter keeps its
+        identity and takes the staged storage (no second copy); the old storage is freed."""
+        with torch.no_grad():
+            for name, value in self._staged.items():
+                self._targets[name].data = value
+        self._staged = {}
+        self._plan = None
+
+    def finish(self) -> dict:
+        stats = self.check_complete()
+        self.commit()
+        return stats

@@ -215,8 +215,8 @@ class LoRAManager:
             raise LoRABindError(f"LoRA request {req.lora_name!r} carries no tensors")
         return lora_config_from_dict(cfg), normalize_lora_keys(tensors, self.module)
 
-    def _precheck(self, cfg: LoraConfig, tensors: dict[str, torch.Tensor]) -> None:
-        """Bind every key to a targeted module before touching anything."""
+    def _precheck(self, cfg: LoraConfig, tensors: dict[str, Any]) -> None:
+        """Bind every key to a targeted module before touching anything (values may be shapes or tensors)."""
         modules = dict(self.module.named_modules())
         unmatched = []
         for key in tensors:
@@ -228,6 +228,31 @@ class LoRAManager:
             what = "binds zero modules" if len(unmatched) == len(tensors) else "leaves tensors unmatched"
             raise LoRABindError(f"LoRA adapter {what}: {len(unmatched)} unmatched key(s): "
                                 f"{', '.join(sorted(unmatched)[:20])}", sorted(unmatched))
+
+    def check_update(self, peft_config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+        """Check an adapter from its config and its tensors' names and shapes alone (nothing is touched): the config
+        parses, every key binds to a targeted module, and a Linear's lora_A / lora_B fit its in / out features
+        and agree on the rank. Returns {sent name: normalised key}."""
+        cfg = lora_config_from_dict(peft_config)
+        keys = normalize_lora_keys({n: n for n in shapes}, self.module)  # normalised key -> sent name
+        self._precheck(cfg, keys)
+        bad, ranks = [], {}
+        for key, sent in keys.items():
+            m = _LORA_PARAM.match(key)
+            layer = self.module.get_submodule(m.group("mod"))
+            base = layer.get_base_layer() if isinstance(layer, BaseTunerLayer) else layer
+            shape = tuple(shapes[sent])
+            if not isinstance(base, nn.Linear) or m.group("p") not in ("lora_A", "lora_B") or len(shape) != 2:
+                continue
+            want = (None, base.in_features) if m.group("p") == "lora_A" else (base.out_features, None)
+            if any(w is not None and w != s for w, s in zip(want, shape)):
+                bad.append(f"{sent}: {shape} does not fit {m.group('mod')} ({base.in_features} -> {base.out_features})")
+            ranks.setdefault(m.group("mod"), set()).add(shape[0] if m.group("p") == "lora_A" else shape[1])
+        bad += [f"{mod}: lora_A and lora_B disagree on the rank ({sorted(r)})" for mod, r in ranks.items() if len(r) > 1]
+        if bad:
+            raise LoRABindError(f"LoRA adapter does not fit the module: {', '.join(sorted(bad)[:20])}",
+                                [b.split(':')[0] for b in bad])
+        return {sent: key for key, sent in keys.items()}
 
     def add_lora(self, request: OmniTensorLoRARequest) -> None:
         """Build ``request``'s adapter next to the active one, verify it, then swap."""

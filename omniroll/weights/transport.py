@@ -252,13 +252,19 @@ def resolve_buckets(buckets: Any, use_shm: bool = False) -> Iterator[Bucket]:
     :class:`Bucket`, :class:`RayBucketRef`, or raw Ray ``ObjectRef`` s resolving to a Bucket.
     The descriptor kind is checked eagerly; buckets are resolved lazily, one at a time.
     """
-    if isinstance(buckets, (list, tuple)) and len(buckets) == 1 and isinstance(buckets[0], ShmStream):
-        buckets = buckets[0]
+    buckets = check_descriptor(buckets, use_shm)
     if isinstance(buckets, ShmStream):
         return iter_shm_buckets(buckets)
-    if use_shm:
-        raise WeightSyncError(f"use_shm=True but buckets is a {type(buckets).__name__}, not a ShmStream")
     return _resolve_each(buckets)
+
+
+def check_descriptor(buckets: Any, use_shm: bool) -> Any:
+    """The descriptor's kind agrees with ``use_shm`` (checked before anything is read); returns it unwrapped."""
+    if isinstance(buckets, (list, tuple)) and len(buckets) == 1 and isinstance(buckets[0], ShmStream):
+        buckets = buckets[0]
+    if use_shm and not isinstance(buckets, ShmStream):
+        raise WeightSyncError(f"use_shm=True but buckets is a {type(buckets).__name__}, not a ShmStream")
+    return buckets
 
 
 def _resolve_each(buckets: Iterable[Any]) -> Iterator[Bucket]:
