@@ -150,15 +150,16 @@ def test_bad_input_fails_before_starting_one_line_per_error(tiny_cache, tmp_path
 
 def test_rollout_checks_rewards_prompt_length_and_sampling_before_ray(tiny_cache, tmp_path, capsys, nothing_starts):
     base = ["rollout", "--config", "examples/rollout.yaml", "--prompts", "examples/prompts.txt", "--out", str(tmp_path)]
+    assert main(base + ["--override", "prompt_length=10"]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and "prompt_length: must be >= 77" in lines[0] and lines[0].endswith("got 10")
     rc = main(base + ["--override", "reward.functions.compressibility.fn=jpeg_compresibility",
                       "--override", "reward.functions.mine.fn=tests.reward_fns:no_such_fn",
-                      "--override", "prompt_length=10", "--override", "val_kwargs.pipeline.height=100", "--validate"])
+                      "--override", "val_kwargs.pipeline.height=100", "--validate"])
     assert rc == 2
     lines = _errors(capsys)
-    assert len(lines) == 4, lines
+    assert len(lines) == 3, lines
     assert any("val_kwargs.pipeline.height: must be a positive multiple of 16" in x for x in lines)
-    assert any(x.endswith("prompt_length: must be >= 77 (the model's tokenizer pads prompt ids to 77 tokens), got 10")
-               for x in lines)
     assert any("reward.functions.compressibility.fn: unknown reward function 'jpeg_compresibility'" in x for x in lines)
     assert any("reward.functions.mine.fn:" in x and "no_such_fn" in x for x in lines)
 

@@ -59,12 +59,16 @@ FLAGS = [
 
 def schema_default(key: str) -> Any:
     """The config schema's default for a dotted key (the one set of defaults)."""
+    from pydantic_core import PydanticUndefined
+
     from omniroll.config import OmniRollConfig
 
-    model: Any = OmniRollConfig()
-    for part in key.split("."):
-        model = getattr(model, part)
-    return model
+    cls: Any = OmniRollConfig  # walk the classes: building the config would run its validators (which load models)
+    *sections, name = key.split(".")
+    for part in sections:
+        cls = cls.model_fields[part].annotation
+    field = cls.model_fields[name]
+    return field.default_factory() if field.default is PydanticUndefined and field.default_factory else field.default
 
 
 def add_config_arguments(parser, config_help: str = "YAML config (see examples/rollout.yaml); flags override it",
@@ -210,13 +214,10 @@ def preflight(cfg, prompts: list[str], validate: bool = False, check_rewards: bo
     except (ValueError, FileNotFoundError) as e:
         raise UserError(f"--model (engine.model): {e}") from None
     sections = [(False, "")] + ([(True, "val_kwargs.")] if validate else [])
-    for val, prefix in sections:
+    for val, prefix in sections if limits is not None else ():
         sp = cfg.sampling_params(validate=val)
         for p in limits.problems(sp["height"], sp["width"], sp["max_sequence_length"], prefix=prefix + "pipeline."):
             problems.extend(_name_flags([p.replace(" must", ": must", 1)]))
-    if limits.prompt_token_length is not None and cfg.prompt_length < limits.prompt_token_length:
-        problems.append(f"prompt_length: must be >= {limits.prompt_token_length} (the model's tokenizer pads prompt "
-                        f"ids to {limits.prompt_token_length} tokens), got {cfg.prompt_length}")
     if check_rewards:
         problems += reward_problems(cfg)
     if cfg.engine.device.startswith("cuda"):

@@ -185,11 +185,11 @@ class DiffusionAdapter(ABC):
     @property
     def limits(self) -> ModelLimits:
         """What a request may ask of this model; `ModelLimits.check` is the one check of resolution and text length
-        (`omniroll.models.read_limits` gives the same object from the checkpoint's config files alone)."""
-        return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit,
-                           self.prompt_token_length)
+        (`limits_from_files` / `omniroll.models.read_limits` give the same object from the config files alone)."""
+        return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit)
 
-    @property
-    def prompt_token_length(self):
-        """Token ids per prompt from the main tokenizer (padded), or None."""
+    @classmethod
+    def limits_from_files(cls, path: str) -> Optional[ModelLimits]:
+        """This family's `limits` read from the checkpoint's config files alone (no weights), or None when the family
+        does not implement it (then requests are checked when they reach the engine)."""
         return None

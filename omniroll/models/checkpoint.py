@@ -43,14 +43,11 @@ def _is_int(value) -> bool:
 class ModelLimits:
     """spatial_multiple: height and width must be multiples of it (VAE scale factor x patch size).
     max_resolution: largest height / width (positional embedding size x spatial_multiple); None: unbounded.
-    max_sequence_length: largest text length in tokens.
-    prompt_token_length: how many token ids the main tokenizer gives per prompt (padded), which a batch's
-        `prompt_length` must hold; None when the family does not pad to a fixed length."""
+    max_sequence_length: largest text length in tokens."""
 
     spatial_multiple: int
     max_resolution: Optional[int]
     max_sequence_length: int
-    prompt_token_length: Optional[int] = None
 
     def problems(self, height=None, width=None, max_sequence_length=None, prefix: str = "") -> list[str]:
         """One message per field that this model cannot take (fields given as None are not checked)."""
@@ -98,7 +95,7 @@ def tokenizer_padded_length(path: str, subfolder: str = "tokenizer") -> Optional
     return n if _is_int(n) and 0 < n <= 4096 else None
 
 
-def read_limits(path: str) -> ModelLimits:
+def read_sd3_limits(path: str) -> ModelLimits:
     """The limits of the SD3-family checkpoint at `path`, from its config files only (no weights are read)."""
     require_checkpoint(path)
     try:
@@ -115,13 +112,5 @@ def read_limits(path: str) -> ModelLimits:
             seq = tokenizer_max_length(_read_json(tok).get("model_max_length"))
         except (OSError, ValueError):
             pass
-    clip = os.path.join(path, "tokenizer", "tokenizer_config.json")
-    prompt_tokens = 77  # diffusers' SD3 pipeline default when the tokenizer states none
-    if os.path.isfile(clip):
-        try:
-            value = _read_json(clip).get("model_max_length")
-            prompt_tokens = value if _is_int(value) and 0 < value < 10**6 else prompt_tokens
-        except (OSError, ValueError):
-            pass
     return ModelLimits(spatial_multiple=mult, max_resolution=None if max_pos is None else int(max_pos) * mult,
-                       max_sequence_length=seq, prompt_token_length=prompt_tokens)
+                       max_sequence_length=seq)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter
-from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer_max_length, tokenizer_padded_length
+from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_sd3_limits, tokenizer_max_length,
+                                       tokenizer_padded_length)
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -42,6 +43,10 @@ class SD3Adapter(DiffusionAdapter):
         self._sigma_cache: dict[tuple[int, int, int], torch.Tensor] = {}
 
     @classmethod
+    def limits_from_files(cls, path: str) -> ModelLimits:
+        return read_sd3_limits(path)
+
+    @classmethod
     def prompt_ids_length(cls, path: str) -> int | None:
         """CLIP's `model_max_length` from `tokenizer/tokenizer_config.json`: `encode_prompts` pads ids to it."""
         return tokenizer_padded_length(path)
@@ -70,10 +75,6 @@ class SD3Adapter(DiffusionAdapter):
         if self.tokenizer_3 is None:
             return DEFAULT_MAX_SEQUENCE_LENGTH
         return tokenizer_max_length(getattr(self.tokenizer_3, "model_max_length", None))
-
-    @property
-    def prompt_token_length(self) -> int:
-        return int(self.pipeline.tokenizer_max_length)
 
     def modules(self) -> dict[str, torch.nn.Module]:
         mods = {
