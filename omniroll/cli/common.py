@@ -169,6 +169,16 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def quiet_libraries() -> None:
+    """Silence diffusers' and transformers' loading bars and warnings (for --quiet)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for lib in (diffusers_logging, transformers_logging):
+        lib.disable_progress_bar()
+        lib.set_verbosity_error()
+
+
 def prompt_uid(i: int) -> str:
     """The uid (prompt group) of the i-th prompt of a CLI batch."""
     return f"prompt{i:05d}"

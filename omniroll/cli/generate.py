@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, make_batch, preflight,
-                                 read_prompts, sample_seed)
+                                 quiet_libraries, read_prompts, sample_seed)
 
 HELP = "generate images with SDE log-probs on one in-process engine"
 
@@ -66,6 +66,8 @@ def run_generate(args, base: dict | None = None) -> dict:
     what finished when interrupted."""
     cfg = build_config(args, base)
     prompts = read_prompts(args)
+    if args.quiet:
+        quiet_libraries()
     model = preflight(cfg, prompts, check_rewards=False)
 
     import asyncio

@@ -48,6 +48,11 @@ def run(args) -> int:
     batch = asyncio.run(run_rollout(cfg, prompts, n=n, out_dir=args.out, progress=not args.quiet,
                                     validate=args.validate))
     print(json.dumps({"num_samples": len(batch), "out": args.out}))
+    nt = batch.non_tensor_batch
+    failed = [i for i, s in enumerate(nt.get("status", [])) if s == "failed"]
+    if failed:  # agent.on_failure: mark: the rows are in the files, marked; say so once each
+        raise CommandFailed([f"row {i} (uid={nt['uid'][i]!r}, request_id={nt['request_id'][i]!r}) failed: "
+                             f"{(nt.get('error') or [None] * len(batch))[i]}" for i in failed])
     return 0
 
 
@@ -122,6 +127,8 @@ def _collect(tasks: list, n: int) -> tuple[list, list[str], bool]:
         if e is None:
             parts.append(t.result())
         elif isinstance(e, AgentLoopError):
+            if e.batch is not None and len(e.batch):
+                parts.append(e.batch)  # the group's rows that succeeded are kept
             failures += [f"row {g * n + int(f.get('row', 0))} (uid={f.get('uid')!r}, request_id="
                          f"{f.get('request_id')!r}) failed: {f.get('error')}" for f in e.failed_rows]
         else:
