@@ -23,6 +23,8 @@ COMMANDS = {
     "demo": "omniroll.cli.demo",
     "generate": "omniroll.cli.generate",
     "rollout": "omniroll.cli.rollout",
+    "serve": "omniroll.cli.serve",
+    "train": "omniroll.cli.train",
 }
 
 EXIT_FAILED = 1

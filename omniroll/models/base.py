@@ -93,12 +93,28 @@ class DiffusionAdapter(ABC):
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
         """Encode each prompt to its own Conditioning (the empty string is the unconditional branch)."""
 
+    def tokenize(self, prompt: str, max_sequence_length: int) -> dict[str, list[int]]:
+        """The per-encoder token ids the text path encodes for `prompt` (unpadded, with special tokens): what a
+        trainer that tokenizes on its side sends as `prompt_token_ids`."""
+        raise NotImplementedError(f"{type(self).__name__} does not take token-id prompts")
+
+    def check_token_ids(self, token_ids: dict, max_sequence_length: int, field: str = "prompt_token_ids") -> None:
+        """Raise ValueError naming `field` when `token_ids` cannot be encoded (called before any work starts)."""
+        raise ValueError(f"{field}: {type(self).__name__} does not take token-id prompts; send text")
+
+    def encode_token_ids(self, token_ids: list[dict[str, list[int]]], max_sequence_length: int) -> list[Conditioning]:
+        """Encode prompts given as per-encoder token ids; bitwise what `encode_prompts` gives for the text those
+        ids came from (`tokenize`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take token-id prompts")
+
     @abstractmethod
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
                  guidance: Optional[torch.Tensor] = None, expert: int = 0) -> torch.Tensor:
         """Velocity v for latents [B, ...] at per-row timesteps [B] (sigma * 1000), fp32 out, on the latents'
         device. `guidance` [B]: per-row distilled guidance (guidance_kind "distilled" only). `expert`: which
-        denoiser (every row of one call uses the same one; see `expert_index`)."""
+        denoiser (every row of one call uses the same one; see `expert_index`). Differentiable: the engine calls it
+        under `torch.no_grad`; the trainer's recompute (`omniroll.train.recompute_log_probs`) with autograd on, through
+        the very same code."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
