@@ -17,7 +17,8 @@ pooled width; absent keys are absent for the whole file):
 | `sigmas`, `sigmas_next` | [N, W] | fp32 | sigma at each recorded step and the next one |
 | `step_indices` | [N, W] | int64 | which denoising steps were recorded |
 | `sde_window` | [N, 2] | int64 | [start, end) of the SDE window |
-| `noise_level`, `sigma_max`, `guidance_scale` | [N] | fp32 | per-row SDE noise level (0 for ODE), the `sde` step's sigma_max, CFG scale |
+| `noise_level`, `sigma_max`, `guidance_scale` | [N] | fp32 | per-row SDE noise level (0 for ODE), the `sde` step's sigma_max, the requested guidance |
+| `cfg_scale` | [N] | fp64 | the scale of the CFG mix `uncond + cfg_scale * (cond - uncond)` (0: no CFG rows); equals `guidance_scale` for SD3, `true_cfg_scale` for guidance-distilled models |
 | `prompt_embeds` (+ `_mask`) | [N, L, D] (+ [N, L] int64) | model dtype | text conditioning (mask 1 = real token) |
 | `pooled_prompt_embeds` | [N, P] | model dtype | pooled text conditioning |
 | `negative_prompt_embeds` (+ `_mask`), `negative_pooled_prompt_embeds` | as above | | the unconditional branch (CFG rows only) |
@@ -32,7 +33,7 @@ JSON-able meta, e.g. `global_steps`, weight versions); `run` (command, model, de
 seed base, package versions: `run_info`).
 
 To recompute row i's step k (see README): CFG rows are [uncond, cond] with the masked embeddings,
-`v = v_uncond + guidance_scale[i] * (v_cond - v_uncond)` from the model at `all_latents[i, k]`,
+`v = v_uncond + cfg_scale[i] * (v_cond - v_uncond)` from the model at `all_latents[i, k]`,
 `all_timesteps[i, k]`, then `sde_step(x, v, sigmas[i, k], sigmas_next[i, k], noise_level[i], sde_type[i],
 prev_sample=all_latents[i, k + 1], sigma_max=sigma_max[i]).log_prob`.
 """
@@ -52,7 +53,7 @@ FILE_MODE = 0o644
 #: keys the layout documents (a `*_mask` of a documented embedding key is documented with it)
 DOCUMENTED_KEYS = frozenset({
     "responses", "rollout_log_probs", "all_latents", "all_timesteps", "sigmas", "sigmas_next", "step_indices",
-    "sde_window", "noise_level", "sigma_max", "guidance_scale", "prompt_embeds", "pooled_prompt_embeds",
+    "sde_window", "noise_level", "sigma_max", "guidance_scale", "cfg_scale", "prompt_embeds", "pooled_prompt_embeds",
     "negative_prompt_embeds", "negative_pooled_prompt_embeds", "prompts", "attention_mask", "rm_scores", "failed",
     "latents",
 })

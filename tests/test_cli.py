@@ -76,7 +76,7 @@ def test_every_log_prob_recomputes_from_the_file_alone(tiny_cache, tmp_path):
             x = b["all_latents"][i, k]
             with mode:
                 v_uncond, v_cond = adapter.velocity(torch.stack([x, x]), b["all_timesteps"][i, k].repeat(2), rows)
-            v = v_uncond + b["guidance_scale"][i] * (v_cond - v_uncond)
+            v = v_uncond + b["cfg_scale"][i] * (v_cond - v_uncond)
             logp = sde_step(x[None], v[None], b["sigmas"][i, k], b["sigmas_next"][i, k], b["noise_level"][i],
                             nt["sde_type"][i], prev_sample=b["all_latents"][i, k + 1][None],
                             sigma_max=b["sigma_max"][i]).log_prob
