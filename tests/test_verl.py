@@ -210,3 +210,12 @@ def test_server_rpc_surface_in_process(tiny_sd3_path):
         asyncio.run(scenario())
     finally:
         server.engine.shutdown()
+
+
+def test_verl_worker_refuses_a_chunk_without_a_global_index(tiny_sd3_path):
+    from omniroll.integrations.verl import OmnirollVerlWorker
+
+    batch = trainer_batch(global_steps=1)
+    batch.non_tensor_batch.pop("_rollout_seed_global_idx")
+    with pytest.raises(ValueError, match="_rollout_seed_global_idx"):
+        asyncio.run(OmnirollVerlWorker(verl_config(tiny_sd3_path), llm_client=None).generate_sequences(batch[:4]))
