@@ -197,7 +197,6 @@ class SD3Adapter(DiffusionAdapter):
         return out
 
     # ------------------------------------------------------------------ denoiser / decoder
-    @torch.no_grad()
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
                  guidance=None, expert: int = 0) -> torch.Tensor:
         if latents.dim() != 4 or latents.shape[1] != self.transformer.config.in_channels:
