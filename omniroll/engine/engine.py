@@ -140,8 +140,9 @@ class DiffusionEngine:
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
+            # off the event loop: an abort waits for the current step, and the loop must keep serving meanwhile
             with contextlib.suppress(EngineShutdownError):  # a shut-down engine already failed the request
-                self.abort(request.request_id)
+                await asyncio.to_thread(self.abort, request.request_id)
             raise
 
     def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
