@@ -1,4 +1,8 @@
-"""`omniroll generate`: images with SDE log-probs on one in-process engine."""
+"""`omniroll generate`: images or videos with SDE log-probs on one in-process engine.
+
+Writes `prompt_{i}.png` (the prompt's samples in one row) for images; for video, per sample
+`prompt_{i}_s{j}.mp4` (or `.webp` without an H.264 encoder; `metrics.json` says which) and `prompt_{i}_s{j}_frames.png`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-HELP = "generate images with SDE log-probs on one engine"
+HELP = "generate images or videos with SDE log-probs on one engine"
 
 
 def read_prompts(args) -> list[str]:
@@ -18,21 +22,17 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def save_grid(images, path: Path) -> None:
-    """images: uint8 tensor [N, 3, H, W] -> one PNG row."""
-    from PIL import Image
-
-    grid = images.permute(2, 0, 3, 1).reshape(images.shape[2], -1, 3).numpy()  # H, N*W, 3
-    Image.fromarray(grid).save(path)
-
-
 def add_arguments(gen) -> None:
-    gen.add_argument("--model", default="tiny", help="'tiny' or a local diffusers SD3 checkpoint directory")
+    gen.add_argument("--model", default="tiny", help="'tiny' (SD3), 'tiny-<family>' (sd3, flux, qwen-image, wan, "
+                     "wan2.2) or a local diffusers checkpoint directory (SD3, FLUX.1, Qwen-Image, Wan)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="one prompt per line")
     gen.add_argument("--n", type=int, default=4, help="samples per prompt")
     gen.add_argument("--steps", type=int, default=10)
-    gen.add_argument("--guidance", type=float, default=4.5)
+    gen.add_argument("--guidance", type=float, default=4.5, help="CFG scale (FLUX.1: the distilled guidance)")
+    gen.add_argument("--true-cfg", type=float, default=1.0, help="FLUX.1 only: real CFG on top (> 1)")
+    gen.add_argument("--frames", type=int, default=1, help="video frames (Wan: 4k + 1); 1 for images")
+    gen.add_argument("--fps", type=int, default=16, help="frames per second of written videos")
     gen.add_argument("--noise-level", type=float, default=0.7)
     gen.add_argument("--sde-type", default="sde", choices=["sde", "cps", "ode"])
     gen.add_argument("--window-size", type=int, default=None)
@@ -48,7 +48,8 @@ def add_arguments(gen) -> None:
 
 def run(args) -> int:
     metrics = run_generate(args)
-    print(json.dumps({k: metrics[k] for k in ("num_images", "seconds", "images_per_second")}))
+    keys = ("num_images", "seconds", "images_per_second") + (("video_format",) if metrics["video_format"] else ())
+    print(json.dumps({k: metrics[k] for k in keys}))
     return 0
 
 
@@ -58,6 +59,7 @@ def run_generate(args) -> dict:
 
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.engine.engine import DiffusionEngine
+    from omniroll.cli.media import save_sample, save_strip, video_encoder
     from omniroll.models import resolve_model
     from omniroll.sampling import derive_seed
 
@@ -65,7 +67,8 @@ def run_generate(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     params = SamplingParams(
-        height=args.height, width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance,
+        height=args.height, width=args.width, num_frames=args.frames, fps=args.fps,
+        num_inference_steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
         max_sequence_length=args.max_sequence_length, noise_level=args.noise_level, sde_type=args.sde_type,
         sde_window_size=args.window_size, sde_window_range=tuple(args.window_range) if args.window_range else None,
     )
@@ -81,8 +84,13 @@ def run_generate(args) -> dict:
     engine.shutdown()
 
     images = torch.stack([o.diffusion_output for o in outputs])
+    written = []
     for i in range(len(prompts)):
-        save_grid(images[i * args.n:(i + 1) * args.n], out / f"prompt_{i:03d}.png")
+        if images.ndim == 4:  # images: one PNG row per prompt
+            written.append(save_strip(images[i * args.n:(i + 1) * args.n], out / f"prompt_{i:03d}.png"))
+        else:  # video: one file (and a PNG strip of its frames) per sample
+            for j in range(args.n):
+                written += save_sample(images[i * args.n + j], out / f"prompt_{i:03d}_s{j}", fps=args.fps)
     ef = [o.extra_fields for o in outputs]
     traj = {
         "images": images.contiguous(),
@@ -94,6 +102,8 @@ def run_generate(args) -> dict:
         "seeds": torch.tensor([e["seed"] for e in ef], dtype=torch.int64),
         "prompt_index": torch.tensor([i for i in range(len(prompts)) for _ in range(args.n)], dtype=torch.int64),
     }
+    if "expert_indices" in ef[0]:  # Wan 2.2: the denoiser of each recorded step
+        traj["expert_indices"] = torch.stack([e["expert_indices"] for e in ef]).contiguous()
     save_file(traj, str(out / "trajectories.safetensors"),
               metadata={"prompts": json.dumps(prompts), "sampling_params": params.model_dump_json()})
     metrics = {
@@ -104,6 +114,8 @@ def run_generate(args) -> dict:
         "sde_window": [list(e["sde_window"]) for e in ef],
         "engine": engine.stats(),
         "sampling_params": params.model_dump(),
+        "files": [p.name for p in written],
+        "video_format": video_encoder() if images.ndim == 5 else None,
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

@@ -2,7 +2,8 @@
 
 `run_rollout` is the same thing from Python.
 
-Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`, `trajectories.safetensors` (every tensor of the batch, as `omniroll generate` writes it),
+Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png` (video: `.mp4`, or `.webp` without an H.264
+encoder, plus `_frames.png`), `trajectories.safetensors` (every tensor of the batch, as `omniroll generate` writes it),
 `rewards.jsonl` (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json`
 (per-sample metrics, timing summary, weight versions).
 """
@@ -13,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -100,14 +102,15 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
             ray.kill(h, no_restart=True)
         kill_replicas(replicas)
     if out_dir:
-        write_outputs(out, out_dir)
+        write_outputs(out, out_dir, fps=cfg.pipeline.fps)
         say(f"wrote {out_dir}")
     return out
 
 
-def write_outputs(out, out_dir: str) -> None:
+def write_outputs(out, out_dir: str, fps: int = 16) -> None:
     import torch
-    from PIL import Image
+
+    from omniroll.cli.media import save_sample
 
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     nt = out.non_tensor_batch
@@ -115,8 +118,8 @@ def write_outputs(out, out_dir: str) -> None:
         for i, img in enumerate(out.batch["responses"]):
             if nt["status"][i] == "failed":
                 continue
-            name = f"{i:04d}_{_safe(nt['uid'][i])}_{nt['_group_index'][i]}.png"
-            Image.fromarray(img.permute(1, 2, 0).numpy()).save(os.path.join(out_dir, "images", name))
+            stem = f"{i:04d}_{_safe(nt['uid'][i])}_{nt['_group_index'][i]}"
+            save_sample(img, Path(out_dir) / "images" / stem, fps=fps)  # image: .png; video: .mp4 / .webp + strip
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in out.batch.items()}, os.path.join(out_dir, "trajectories.safetensors"),
