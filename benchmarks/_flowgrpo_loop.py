@@ -8,6 +8,7 @@ one VAE decode per batch, uint8 pixels. See the docstring of rollout_throughput.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 
@@ -21,6 +22,13 @@ def k_repeat_batches(prompts: list[str], n: int, batch_size: int, seed: int) -> 
     g = torch.Generator().manual_seed(seed)
     expanded = [expanded[i] for i in torch.randperm(len(expanded), generator=g).tolist()]
     return [expanded[i:i + batch_size] for i in range(0, len(expanded), batch_size)]
+
+
+def prompt_generators(prompts: list[str], base_seed: int) -> list[torch.Generator]:
+    """flow_grpo's `create_generator` (same_latent): one generator per image, seeded from sha256(prompt) + base seed,
+    so the samples of a prompt share their initial noise."""
+    return [torch.Generator().manual_seed((int(hashlib.sha256(p.encode()).hexdigest(), 16) + base_seed) % 2**63)
+            for p in prompts]
 
 
 @torch.no_grad()
@@ -59,8 +67,10 @@ def flowgrpo_rollout(pipe, prompts: list[str], args, run: int) -> dict:
 
         t0 = time.perf_counter()
         generator = torch.Generator(device=device).manual_seed(args.seed * 1_000_003 + run * 10_007 + b)
+        # same_latent: the initial noise of each image from its prompt's generator (identical within a group)
+        latent_gen = prompt_generators(batch_prompts, run) if getattr(args, "same_latent", False) else generator
         latents = pipe.prepare_latents(bs, pipe.transformer.config.in_channels, args.height, args.width,
-                                       pe.dtype, device, generator)
+                                       pe.dtype, device, latent_gen)
         sched = pipe.scheduler
         kwargs = {}
         if sched.config.get("use_dynamic_shifting", None):

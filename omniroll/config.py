@@ -17,7 +17,7 @@ one thing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -44,7 +44,8 @@ class ReplicasSection(_Strict):
 
 class EngineSection(_Strict):
     model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, or "tiny" (built on demand)')
-    max_batch_size: int = Field(16, ge=1, le=4096)
+    max_batch_size: Union[Literal["auto"], Annotated[int, Field(ge=2, le=4096)]] = Field(
+        16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")

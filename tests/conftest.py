@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# engines calibrate their forward rows (max_batch_size="auto") into this cache: one per test session, never ~/.cache
+os.environ.setdefault("OMNIROLL_CACHE_DIR", tempfile.mkdtemp(prefix="omniroll-test-cache-"))
 
 
 @pytest.fixture(scope="session")

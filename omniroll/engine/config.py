@@ -11,14 +11,20 @@ import torch
 class EngineConfig:
     """Knobs of one engine (one model replica).
 
-    max_batch_size: forward rows per denoising step; a CFG request takes two rows. On CPU a forward does not get
-        cheaper per row with batching, so the default is the fastest measured size, not the largest.
+    max_batch_size: forward rows per denoising step and batch key (latent shape and text length); a CFG request takes
+        two rows. "auto": measured per batch key at its first request (a calibration of a few forwards, ~1-5 s,
+        cached on disk per model, shape and thread count; see `omniroll.engine.calibrate`), the row count with the
+        lowest cost per row. The default, 16, is the rule for CPU: the cost per row is flat from 8 to 16 rows and
+        ~10% higher at 32 (measured, README); on a GPU use "auto".
     batch_invariant: run linear layers in fixed row blocks so a request's output is bitwise independent of what
         else shares its batch (see `omniroll.engine.invariant`). None (default): on for CPU, where it is measured
         and tested, off for other devices, where it is not verified (cuBLAS / cuDNN pick kernels by shape, so
         padding rows does not pin one kernel; see README "Device state and batch invariance").
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
-    decode_batch_size: finished samples decoded per VAE call.
+    decode_batch_size: finished samples decoded per VAE call (4: a block of 4 costs less per image than one at a time
+        on CPU). In batch-invariant mode every call decodes exactly this many (zero-padded), so, like num_threads, it
+        is part of what makes a sample's pixels: replicas of one rollout must share it. A partial block waits up to
+        this many steps for more finished samples while other requests run.
     asleep_policy: what a request does while the engine sleeps: "error" raises, "wait" waits for wake_up.
     weight_update: how a full weight update lands. "staged": received and checked into a copy while the engine keeps
         serving, then swapped in between two steps (a failed update changes nothing; costs one extra copy of the
@@ -37,11 +43,11 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
-    max_batch_size: int = 16
+    max_batch_size: int | str = 16
     batch_invariant: bool | None = None
     invariant_block_rows: int = 64
     prompt_cache_size: int = 1024
-    decode_batch_size: int = 8
+    decode_batch_size: int = 4
     asleep_policy: str = "error"
     num_threads: int | None = None
     weight_update: str = "staged"
@@ -51,8 +57,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.batch_invariant is None:
             self.batch_invariant = torch.device(self.device).type == "cpu"
-        if self.max_batch_size < 2:
-            raise ValueError(f"max_batch_size must be >= 2 (one CFG request takes two rows), got {self.max_batch_size}")
+        if self.max_batch_size != "auto" and (isinstance(self.max_batch_size, bool)
+                                              or not isinstance(self.max_batch_size, int) or self.max_batch_size < 2):
+            raise ValueError(f"max_batch_size must be an int >= 2 (one CFG request takes two rows) or 'auto', "
+                             f"got {self.max_batch_size!r}")
         if self.invariant_block_rows < 1:
             raise ValueError(f"invariant_block_rows must be >= 1, got {self.invariant_block_rows}")
         if self.prompt_cache_size < 1:

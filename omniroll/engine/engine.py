@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.errors import EngineError, EngineShutdownError, RequestError
 from omniroll.engine.lifecycle import SLEEP_LEVELS, Lifecycle
@@ -71,7 +72,13 @@ class DiffusionEngine:
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.runner = ModelRunner(adapter, self.config)
-        self.scheduler = Scheduler(self.config.max_batch_size, prefix_sharing=self.config.prefix_sharing)
+        self.calibrator = None
+        rows = self.config.max_batch_size
+        if rows == "auto":
+            self.calibrator = RowCalibrator(adapter, self.runner.execution_mode, self.config.device, self.config.dtype,
+                                            self.config.batch_invariant)
+            rows = self.calibrator.rows_for
+        self.scheduler = Scheduler(rows, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update)
         self.served = 0
@@ -80,6 +87,7 @@ class DiffusionEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque[RequestState] = deque()
+        self._to_decode: list[tuple[RequestState, int]] = []  # finished, waiting for a full decode block (+ step)
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._live_ids: set[str] = set()  # request ids queued or running (unique; `abort(id)` names one request)
         self._ids_lock = threading.Lock()  # taken inside `_lock` or alone, never the other way round
@@ -100,7 +108,7 @@ class DiffusionEngine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        max_batch_size: int = 16, **config_kwargs) -> "DiffusionEngine":
+                        max_batch_size: int | str = 16, **config_kwargs) -> "DiffusionEngine":
         from omniroll.models import load_adapter
 
         config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, **config_kwargs)
@@ -209,7 +217,9 @@ class DiffusionEngine:
         for _, future in controls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineShutdownError(f"the engine is {self._closed}"))
-        for state in self.scheduler.drain_all() + arrivals:
+        undecoded = [st for st, _ in self._to_decode]
+        self._to_decode.clear()
+        for state in self.scheduler.drain_all() + arrivals + undecoded:
             state.on_done(None, EngineShutdownError(f"request {state.request_id}: the engine is {self._closed}"))
 
     # ------------------------------------------------------------------ lifecycle calls (weights, LoRA, sleep)
@@ -428,10 +438,14 @@ class DiffusionEngine:
                 self._inbox.clear()
             for state in arrivals:
                 self.scheduler.add(state)
+            if controls and self._to_decode:
+                self._finish([], flush=True)  # a control call never sees a finished sample waiting for its decode
             for fn, future in controls:
                 self._run_control(fn, future)
             if self._runnable():
                 self._step_safely()
+            if self._to_decode and not self._runnable():
+                self._finish([], flush=True)
 
     def _runnable(self) -> bool:
         if not self.lifecycle.can_step:
@@ -484,9 +498,8 @@ class DiffusionEngine:
         self.steps_run += 1
         self.rows_run += sum(s.num_rows for s in batch)
         finished = [s for s in batch if s.done]
-        if not finished:
-            return []
-        self.scheduler.finish(finished)
+        if finished:
+            self.scheduler.finish(finished)
         return self._finish(finished)
 
     def _encode(self, states: list[RequestState]) -> None:
@@ -512,23 +525,37 @@ class DiffusionEngine:
             self.scheduler.finish([s])
             s.on_done(None, error)
 
-    def _finish(self, states: list[RequestState]) -> list[DiffusionOutput]:
-        need_pixels = [s for s in states if s.params.output_type in ("pixel", "both")]
-        pixels = {}
-        if need_pixels:
-            decoded = self.runner.decode(torch.stack([s.latents for s in need_pixels]))
-            pixels = {id(s): decoded[i] for i, s in enumerate(need_pixels)}
-        outputs = []
-        for s in states:
+    def _finish(self, states: list[RequestState], flush: bool = False) -> list[DiffusionOutput]:
+        """Deliver finished requests. Pixels are decoded in blocks of `decode_batch_size`; a partial block waits for
+        more finished samples while requests are running, for at most `decode_batch_size` steps (`flush` decodes now).
+        A failed decode fails its block's requests only."""
+        outputs = [self._deliver(s, None) for s in states if s.params.output_type == "latent"]
+        self._to_decode += [(s, self.steps_run) for s in states if s.params.output_type != "latent"]
+        block = self.config.decode_batch_size
+        while self._to_decode:
+            if (len(self._to_decode) < block and not flush and self.scheduler.running
+                    and self.steps_run - self._to_decode[0][1] < block):
+                break
+            states_ = [s for s, _ in self._to_decode[:block]]
+            del self._to_decode[:block]
             try:
-                out = build_output(s, pixels.get(id(s)))
-            except Exception as e:  # e.g. NaN pixels: this request fails loudly, the others go on
-                s.on_done(None, e)
+                decoded = self.runner.decode(torch.stack([s.latents for s in states_]))
+            except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
+                for s in states_:
+                    s.on_done(None, EngineError(f"request {s.request_id} failed: {e!r}"))
                 continue
-            self.served += 1
-            outputs.append(out)
-            s.on_done(out, None)
-        return outputs
+            outputs += [self._deliver(s, decoded[i]) for i, s in enumerate(states_)]
+        return [o for o in outputs if o is not None]
+
+    def _deliver(self, s: RequestState, pixels: Optional[torch.Tensor]) -> Optional[DiffusionOutput]:
+        try:
+            out = build_output(s, pixels)
+        except Exception as e:  # noqa: BLE001 - e.g. NaN pixels: this request fails loudly, the others go on
+            s.on_done(None, e)
+            return None
+        self.served += 1
+        s.on_done(out, None)
+        return out
 
     def _abort_now(self, request_id: str) -> bool:
         with self._lock:

@@ -67,11 +67,15 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Float pixels [-1, 1] on the host for latents [B, ...] ([B, 3, H, W] or [B, T, 3, H, W]), in blocks of
-        `decode_batch_size`; one sample per call in batch-invariant mode (the VAE's attention block is not
-        row-independent across batch sizes on CPU). The only device-to-host copy of a request's pixels."""
+        `decode_batch_size` samples; the only device-to-host copy of a request's pixels. In batch-invariant mode every
+        block has exactly that many samples (zero latents pad the last one): at one fixed batch shape the VAE's
+        kernels give a sample the same bits whatever its position and block mates (tested), while another batch size
+        may move them (~1e-5), so a sample's pixels never depend on what finished with it."""
+        block = self.config.decode_batch_size
         outs = []
-        block = 1 if self.config.batch_invariant else self.config.decode_batch_size
-        with self.execution_mode():
-            for chunk in latents.split(block):
-                outs.append(self.adapter.decode(chunk.to(self.device)).float().cpu())
+        for chunk in latents.split(block):
+            n = chunk.shape[0]
+            if self.config.batch_invariant and n < block:
+                chunk = torch.cat([chunk, chunk.new_zeros((block - n,) + tuple(chunk.shape[1:]))])
+            outs.append(self.adapter.decode(chunk.to(self.device)).float().cpu()[:n])
         return torch.cat(outs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import Callable, Union
 
 from omniroll.engine.prefix import PrefixSharing
 from omniroll.engine.request import RequestState
@@ -12,8 +13,10 @@ class Scheduler:
     """Admission and the rows of each step.
 
     Only rows of one batch key (latent shape and text length) can share a forward. Admission is FCFS per key: a
-    waiting request is admitted when its key's running rows plus its own fit in `max_rows` (a CFG request is two
-    rows); a request whose key is full never blocks a request of another key, and within a key nobody overtakes.
+    waiting request is admitted when its key's running rows plus its own fit in the key's row budget (a CFG request is
+    two rows); a request whose key is full never blocks a request of another key, and within a key nobody overtakes.
+    The budget is `max_rows`: an int, or a function of a request giving its key's rows (asked once per key; the
+    engine's measured calibration, `omniroll.engine.calibrate`).
 
     Each step runs every runnable request of one key, whatever their step index, step count, noise level, SDE type,
     window or guidance. The key is the one served least recently (round robin over the active keys), so a running
@@ -23,8 +26,9 @@ class Scheduler:
     until their fork; they keep their rows reserved, so a group never exceeds `max_rows` once it forks.
     """
 
-    def __init__(self, max_rows: int, prefix_sharing: bool = True):
-        self.max_rows = max_rows
+    def __init__(self, max_rows: Union[int, Callable[[RequestState], int]], prefix_sharing: bool = True):
+        self._rows_of = max_rows if callable(max_rows) else (lambda state: max_rows)
+        self.key_rows: dict[tuple, int] = {}  # batch key -> its row budget
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.prefix = PrefixSharing() if prefix_sharing else None
@@ -51,7 +55,7 @@ class Scheduler:
         admitted, kept, full = [], deque(), set()
         for state in self.waiting:
             key = state.batch_key
-            if key not in full and rows[key] + state.num_rows <= self.max_rows:
+            if key not in full and rows[key] + state.num_rows <= self.rows_for(state):
                 rows[key] += state.num_rows
                 admitted.append(state)
             else:
@@ -60,6 +64,13 @@ class Scheduler:
         self.waiting = kept
         self.running.extend(admitted)
         return admitted
+
+    def rows_for(self, state: RequestState) -> int:
+        """The forward-row budget of this request's batch key (never below the request's own rows)."""
+        key = state.batch_key
+        if key not in self.key_rows:
+            self.key_rows[key] = max(int(self._rows_of(state)), 2)
+        return self.key_rows[key]
 
     def schedule(self) -> list[RequestState]:
         """The rows for the next forward: every runnable request of the least recently served key."""

@@ -1,0 +1,62 @@
+"""max_batch_size="auto": the engine measures its forward rows per batch key once, caches the choice on disk, and
+the choice never changes a sample (batch-invariant mode)."""
+
+import json
+
+import torch
+
+from omniroll import GenerationRequest, SamplingParams
+from omniroll.engine import calibrate
+from omniroll.engine.engine import DiffusionEngine
+
+
+def requests(n, height=32):
+    params = SamplingParams(height=height, width=32, num_inference_steps=3, max_sequence_length=16)
+    return [GenerationRequest(request_id=f"c{i}", prompt=f"a cat {i}", seed=i, sampling_params=params)
+            for i in range(n)]
+
+
+def test_auto_rows_are_measured_once_cached_and_change_no_sample(tiny_sd3_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIROLL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_memory", {})
+    auto = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size="auto")
+    fixed = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=4)
+    try:
+        outs = auto.generate(requests(6))
+        (rows,) = auto.scheduler.key_rows.values()  # one batch key
+        assert rows in calibrate.CPU_CANDIDATES
+        (key, ms_per_row), = auto.calibrator.measured.items()
+        assert set(ms_per_row) == set(calibrate.CPU_CANDIDATES) and rows == min(ms_per_row, key=ms_per_row.get)
+        assert json.loads((tmp_path / "calibration.json").read_text()) == {key: rows}
+        assert auto.stats()["mean_rows_per_step"] <= rows
+        for a, b in zip(outs, fixed.generate(requests(6))):
+            assert torch.equal(a.diffusion_output, b.diffusion_output) and torch.equal(a.log_probs, b.log_probs)
+    finally:
+        auto.shutdown()
+        fixed.shutdown()
+    monkeypatch.setattr(calibrate, "_memory", {})  # a new process: the choice comes from disk, nothing is measured
+    again = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size="auto")
+    try:
+        again.generate(requests(1))
+        assert again.calibrator.measured == {}
+        assert list(again.scheduler.key_rows.values()) == [rows]
+    finally:
+        again.shutdown()
+
+
+def test_invariant_decode_uses_fixed_padded_blocks(tiny_sd3_path):
+    """Every VAE call decodes exactly decode_batch_size images (zero-padded), so an image's pixels are the same bits
+    alone, with any block mates, at any position and split across blocks."""
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, decode_batch_size=4)
+    try:
+        shape = engine.adapter.latent_shape(32, 32)
+        x = torch.randn((7,) + shape, generator=torch.Generator().manual_seed(0))
+        seen = []
+        real_decode = engine.adapter.decode
+        engine.adapter.decode = lambda z: (seen.append(z.shape[0]), real_decode(z))[1]
+        alone = engine.runner.decode(x[3:4])[0]
+        for batch, pos in ((x[:4], 3), (x[1:6], 2), (x, 3), (torch.stack([x[3], x[0]]), 0)):
+            assert torch.equal(engine.runner.decode(batch)[pos], alone)
+        assert set(seen) == {4}
+    finally:
+        engine.shutdown()
