@@ -22,6 +22,7 @@ COMMANDS = {
     "demo": "omniroll.cli.demo",
     "generate": "omniroll.cli.generate",
     "rollout": "omniroll.cli.rollout",
+    "serve": "omniroll.cli.serve",
 }
 
 EXIT_USAGE = 2
