@@ -39,8 +39,8 @@ class RewardSample:
             raise ValueError(f"RewardSample.image must have dtype uint8 (values 0..255), got {self.image.dtype}")
         shape = self.image.shape
         if self.image.ndim not in (3, 4) or shape[-3] != 3 or min(shape) < 1:
-            raise ValueError(f"RewardSample.image must be CHW [3, H, W] or a video [T, 3, H, W] (T, H, W >= 1), got "
-                             f"shape {tuple(shape)}")
+            raise ValueError(f"RewardSample.image must be CHW with shape [3, H, W] (or a video [T, 3, H, W]; "
+                             f"T, H, W >= 1), got shape {tuple(shape)}")
         if not isinstance(self.prompt, str):
             raise TypeError(f"RewardSample.prompt must be a str, got {type(self.prompt).__name__}")
         if not isinstance(self.data_source, str):
