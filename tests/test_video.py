@@ -3,6 +3,7 @@ receive the whole video; the agent loop returns [B, T, 3, H, W] responses."""
 
 import asyncio
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,15 +37,17 @@ def test_generate_writes_videos_frame_strips_and_says_which_format(wan_cache, tm
                "--out", str(out), "--quiet"])
     assert rc == 0
     fmt = video_encoder()
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["video_format"] == fmt
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+    assert json.loads(line)["video_format"] == fmt
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["video_format"] == fmt and f"prompt_000_s1.{fmt}" in metrics["files"]
+    names = {Path(f).name for f in metrics["files"]}
+    assert metrics["video_format"] == fmt and {f"prompt_000_s1.{fmt}", "prompt_000_s1_frames.png"} <= names
     with Image.open(out / f"prompt_000_s0.{fmt}") as video:
         assert getattr(video, "n_frames", 1) == 5 and video.size == (32, 16)
     with Image.open(out / "prompt_000_s0_frames.png") as strip:
         assert strip.size == (5 * 32, 16)
     with safe_open(str(out / "trajectories.safetensors"), "pt") as f:
-        images = f.get_tensor("images")
+        images = f.get_tensor("responses")
         assert images.shape == (2, 5, 3, 16, 32) and images.dtype == torch.uint8
         assert f.get_tensor("all_latents").shape == (2, 2, 16, 2, 2, 4)  # W + 1 = 2 latents of [C, t, h, w]
     with Image.open(out / "prompt_000_s0_frames.png") as strip:  # the strip is the video's frames, left to right
