@@ -26,11 +26,14 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from omniroll.cli import UserError
+    from omniroll.cli.common import env_overrides, preflight
     from omniroll.config import load_config
 
-    cfg = load_config(args.config, overrides=args.override or [])  # names the bad key; nothing has started yet
+    # names the bad key; nothing has started yet ($OMNIROLL_OVERRIDES applies last, as for every command)
+    cfg = load_config(args.config, overrides=(args.override or []) + env_overrides())
     if cfg.trainer is None:
         raise UserError(f"{args.config}: no trainer section (see examples/train.yaml)")
+    preflight(cfg, cfg.trainer.all_prompts(), validate=True)  # model, resolution, text length, reward functions
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
     if args.resume:
