@@ -123,8 +123,32 @@ def run_info(command: str, model: str, device: str, dtype: str, batch_invariant:
             "env_overrides": os.environ.get("OMNIROLL_OVERRIDES") or None, **extra}
 
 
-def write_trajectories(batch, path: str, run: dict) -> str:
-    """Write a DataBatch (the agent loop's output, or `omniroll generate`'s) to `path` in the documented layout."""
+def batch_from_outputs(outputs: list, prompts: list[str], n: int, rows: Optional[list[int]] = None,
+                       prompt_length: Optional[int] = None, max_prompt_embed_length: Optional[int] = None,
+                       meta_info: Optional[dict] = None):
+    """Engine outputs (DiffusionOutput) of `n` samples per prompt -> the agent loop's DataBatch, so a command that
+    runs an engine directly writes the same layout as the agent loop. `rows`: which of the len(prompts) * n rows the
+    outputs are (default: all, in order; fewer when some did not finish). uid = `batch_prompt_uid(prompt index)`."""
+    from omniroll.agent_loop.batch import DataBatch
+    from omniroll.agent_loop.postprocess import RowResult, assemble
+    from omniroll.agent_loop.single_turn import agent_loop_output
+    from omniroll.sampling.seeds import batch_prompt_uid
+
+    rows = list(range(len(prompts) * n)) if rows is None else list(rows)
+    inputs = DataBatch.from_dict(non_tensors={
+        "raw_prompt": [prompts[r // n] for r in rows], "uid": [batch_prompt_uid(r // n) for r in rows],
+        "_group_index": [r % n for r in rows]}, meta_info=dict(meta_info or {}))
+    if prompt_length is None:
+        prompt_length = max([len(o.extra_fields.get("prompt_ids") or []) for o in outputs] + [1])
+    results = [RowResult(index=k, request_id=str(o.extra_fields.get("request_id")), seed=int(o.extra_fields["seed"]),
+                         out=agent_loop_output(o, float(o.extra_fields.get("generate_seconds", 0.0))))
+               for k, o in enumerate(outputs)]
+    return assemble(results, inputs, prompt_length=prompt_length, max_prompt_embed_length=max_prompt_embed_length,
+                    mark_failed=False, scored=False)
+
+
+def trajectory_bytes(batch, run: dict) -> bytes:
+    """A DataBatch as the bytes of a trajectory file (what `write_trajectories` writes)."""
     from safetensors.torch import save
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in batch.batch.items()}
@@ -132,21 +156,40 @@ def write_trajectories(batch, path: str, run: dict) -> str:
     meta = {k: v for k, v in batch.meta_info.items() if k != "metrics"}
     metadata = {"format": FORMAT, "non_tensor_batch": json.dumps(nt), "meta_info": json.dumps(jsonable(meta)),
                 "run": json.dumps(jsonable(run))}
-    return write_bytes(path, save(tensors, metadata=metadata))
+    return save(tensors, metadata=metadata)
 
 
-def read_trajectories(path: str):
-    """The DataBatch in a trajectory file; `meta_info["run"]` is what made it. ValueError if it is not one."""
+def write_trajectories(batch, path: str, run: dict) -> str:
+    """Write a DataBatch (the agent loop's output, or `omniroll generate`'s) to `path` in the documented layout."""
+    return write_bytes(path, trajectory_bytes(batch, run))
+
+
+def read_trajectories(path_or_bytes):
+    """The DataBatch in a trajectory file (a path, or the bytes `/v1/rollout` returns); `meta_info["run"]` is what
+    made it. ValueError if it is not one."""
     from safetensors import safe_open
+    from safetensors.torch import load
 
     from omniroll.agent_loop.batch import DataBatch
 
-    with safe_open(path, "pt") as f:
-        metadata = f.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path} is not an omniroll trajectory file (format {metadata.get('format')!r}, "
-                             f"expected {FORMAT!r})")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if isinstance(path_or_bytes, (bytes, bytearray)):
+        tensors = load(bytes(path_or_bytes))
+        metadata = _metadata_of_bytes(bytes(path_or_bytes))
+        where = "these bytes"
+    else:
+        with safe_open(path_or_bytes, "pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        where = str(path_or_bytes)
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{where} is not an omniroll trajectory file (format {metadata.get('format')!r}, "
+                         f"expected {FORMAT!r})")
     meta = json.loads(metadata["meta_info"])
     meta["run"] = json.loads(metadata["run"])
     return DataBatch.from_dict(tensors=tensors, non_tensors=json.loads(metadata["non_tensor_batch"]), meta_info=meta)
+
+
+def _metadata_of_bytes(data: bytes) -> dict:
+    """The string metadata of safetensors bytes (its JSON header's `__metadata__`)."""
+    header_len = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + header_len]).get("__metadata__") or {}

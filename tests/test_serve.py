@@ -24,6 +24,8 @@ from PIL import Image
 from omniroll import GenerationRequest, SamplingParams
 from omniroll.rollout.http_contract import ApiError, classify
 from omniroll.rollout.serve import run_in_background
+from omniroll.sampling import batch_prompt_uid
+from omniroll.trajectory import read_trajectories
 from omniroll.rollout.server import create_app
 from omniroll.sampling import derive_seed
 
@@ -181,7 +183,6 @@ def test_asleep_is_503_and_health_says_so(live):
 
 
 def test_rollout_endpoint_returns_trajectories_as_safetensors(live):
-    from safetensors.torch import load
 
     url, engine = live
     sp = {"height": 64, "width": 64, "num_inference_steps": 3, "max_sequence_length": 16, "guidance_scale": 4.5,
@@ -192,14 +193,15 @@ def test_rollout_endpoint_returns_trajectories_as_safetensors(live):
                                            "sampling_params": sp})
         bad = http.post("/v1/rollout", json={"prompts": prompts, "n": 2, "sampling_params": sp})
     assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
-    traj = load(r.content)
-    seeds = [derive_seed(5, 2, f"{i}:{p}", 0) for i, p in enumerate(prompts)]
-    assert traj["seeds"].tolist() == seeds and traj["prompt_index"].tolist() == [0, 1]
-    assert traj["images"].shape == (2, 3, 64, 64) and traj["all_latents"].shape[:2] == (2, 3)
+    traj = read_trajectories(r.content)  # the one trajectory layout (omniroll generate / rollout write the same)
+    seeds = [derive_seed(5, 2, batch_prompt_uid(i), 0) for i in range(len(prompts))]
+    assert list(traj.non_tensor_batch["seed"]) == seeds and list(traj.non_tensor_batch["raw_prompt"]) == prompts
+    assert traj.batch["responses"].shape == (2, 3, 64, 64) and traj.batch["all_latents"].shape[:2] == (2, 3)
     direct = engine.generate([GenerationRequest(request_id=f"r{i}", prompt=p, seed=s, sampling_params=sp)
                               for i, (p, s) in enumerate(zip(prompts, seeds))])
-    assert torch.equal(traj["log_probs"], torch.stack([o.log_probs for o in direct]))
-    assert torch.equal(traj["images"], torch.stack([o.diffusion_output for o in direct]))
+    assert torch.equal(traj.batch["rollout_log_probs"], torch.stack([o.log_probs for o in direct]))
+    assert torch.equal(traj.batch["responses"], torch.stack([o.diffusion_output for o in direct]))
+    assert traj.meta_info["run"]["global_step"] == 2
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"  # 4 samples > max_pending 3
 
 

@@ -185,8 +185,10 @@ def quiet_libraries() -> None:
 
 
 def prompt_uid(i: int) -> str:
-    """The uid (prompt group) of the i-th prompt of a CLI batch."""
-    return f"prompt{i:05d}"
+    """The uid (prompt group) of the i-th prompt of a CLI batch (`omniroll.sampling.seeds.batch_prompt_uid`)."""
+    from omniroll.sampling.seeds import batch_prompt_uid
+
+    return batch_prompt_uid(i)
 
 
 def make_batch(prompts: list[str], n: int, rollout_seed: Optional[int] = None, validate: bool = False):

@@ -5,11 +5,10 @@
 - `POST /v1/images/generations`: the OpenAI images API (see `omniroll.rollout.openai_images`).
 - `POST /v1/generate` {request_id?, prompt, negative_prompt?, seed, sampling_params?, return_trajectory?}
   -> {request_id, image_png_base64, log_probs, weight_version, seed, stop_reason[, trajectory]}: one sample, JSON.
-- `POST /v1/rollout` {prompts, n, seed, global_step?, negative_prompt?, sampling_params?} -> a safetensors file
-  (`application/octet-stream`) with the same tensors `omniroll generate` writes to trajectories.safetensors
-  (images, all_latents, all_timesteps, sigmas, sigmas_next, log_probs, seeds, prompt_index, weight_versions), and
-  the prompts, request id and sampling parameters in its metadata. Sample j of prompt i gets the seed
-  `derive_seed(seed, global_step, f"{i}:{prompt}", j)`, as in `omniroll generate`.
+- `POST /v1/rollout` {prompts, n, seed, global_step?, negative_prompt?, sampling_params?} -> a trajectory file
+  (`application/octet-stream`, the layout of `omniroll.trajectory`: what `omniroll generate` and `omniroll rollout`
+  write; `omniroll.trajectory.read_trajectories(response.content)` reads it). Sample j of prompt i gets the seed
+  `derive_seed(seed, global_step, batch_prompt_uid(i), j)`, as in `omniroll generate` / `rollout`.
 - `GET /v1/models`, `GET /health` (200 when it can serve, 503 asleep or shut down), `GET /stats` (JSON),
   `GET /metrics` (Prometheus text).
 
@@ -112,7 +111,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
 
     from omniroll.rollout.client import build_request
     from omniroll.rollout.openai_images import register_images_api
-    from omniroll.sampling import derive_seed
+    from omniroll.sampling import batch_prompt_uid, derive_seed
 
     if max_n < 1:
         raise ValueError(f"max_n must be >= 1, got {max_n}")
@@ -152,15 +151,15 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
                                 f"got {len(body.prompts) * body.n}", param="n")
         try:
             reqs = [build_request(f"{rid}-p{i}-s{j}", p, body.sampling_params,
-                                  derive_seed(body.seed, body.global_step, f"{i}:{p}", j), body.negative_prompt)
+                                  derive_seed(body.seed, body.global_step, batch_prompt_uid(i), j),
+                                  body.negative_prompt)
                     for i, p in enumerate(body.prompts) for j in range(body.n)]
         except Exception as e:  # noqa: BLE001
             raise classify(e, texts) from None
         outs = await server.run(request, "/v1/rollout", reqs, texts)
-        data = trajectory_file(outs, [i for i in range(len(body.prompts)) for _ in range(body.n)],
-                               metadata={"request_id": rid, "prompts": json.dumps(body.prompts),
-                                         "sampling_params": reqs[0].sampling_params.model_dump_json(),
-                                         "seed": str(body.seed), "global_step": str(body.global_step)})
+        data = trajectory_file(outs, list(body.prompts), body.n,
+                               run={"command": "serve /v1/rollout", "model": server.model_name, "request_id": rid,
+                                    "seed": body.seed, "global_step": body.global_step})
         return Response(data, media_type="application/octet-stream")
 
     @app.get("/v1/models")
@@ -186,21 +185,8 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     return app
 
 
-def trajectory_file(outputs: list, prompt_index: list[int], metadata: dict[str, str]) -> bytes:
-    """Completed outputs of one sampling configuration -> safetensors bytes (the `omniroll generate` tensors)."""
-    import torch
-    from safetensors.torch import save
+def trajectory_file(outputs: list, prompts: list[str], n: int, run: dict) -> bytes:
+    """Completed outputs (`n` per prompt, in order) -> the bytes of a trajectory file (`omniroll.trajectory`)."""
+    from omniroll.trajectory import batch_from_outputs, trajectory_bytes
 
-    ef = [o.extra_fields for o in outputs]
-    traj = {
-        "images": torch.stack([o.diffusion_output for o in outputs]),
-        "all_latents": torch.stack([e["all_latents"] for e in ef]),
-        "all_timesteps": torch.stack([e["all_timesteps"] for e in ef]),
-        "sigmas": torch.stack([e["sigmas"] for e in ef]),
-        "sigmas_next": torch.stack([e["sigmas_next"] for e in ef]),
-        "log_probs": torch.stack([o.log_probs for o in outputs]) if outputs[0].log_probs is not None else None,
-        "seeds": torch.tensor([e["seed"] for e in ef], dtype=torch.int64),
-        "prompt_index": torch.tensor(prompt_index, dtype=torch.int64),
-        "weight_versions": torch.tensor([o.weight_version for o in outputs], dtype=torch.int64),
-    }
-    return save({k: v.contiguous() for k, v in traj.items() if v is not None}, metadata=metadata)
+    return trajectory_bytes(batch_from_outputs(outputs, prompts, n), run)

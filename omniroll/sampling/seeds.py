@@ -31,6 +31,13 @@ def derive_group_seed(base_seed: Optional[int], global_step: int, uid: str) -> i
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") & _MAX
 
 
+def batch_prompt_uid(i: int) -> str:
+    """The uid (prompt group) of the i-th prompt of a batch whose caller names none: `omniroll generate`, `omniroll
+    rollout` and the HTTP `/v1/rollout` all use it, so the same prompt position, seed and settings give the same
+    sample (`derive_seed(seed, global_step, batch_prompt_uid(i), j)`) whichever way it was asked for."""
+    return f"prompt{int(i):05d}"
+
+
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """The single generator a request uses for its initial latent, its window draw and every noise draw."""
     g = torch.Generator(device=device)
