@@ -20,6 +20,7 @@ pickle over the network).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -137,7 +138,8 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         resp = {"request_id": rid, "stop_reason": out.stop_reason, "seed": ef.get("seed"),
                 "weight_version": out.weight_version,
                 "log_probs": out.log_probs.tolist() if out.log_probs is not None else None,
-                "image_png_base64": png_base64(out.diffusion_output) if out.stop_reason == "completed" else None}
+                "image_png_base64": (await asyncio.to_thread(png_base64, out.diffusion_output)
+                                     if out.stop_reason == "completed" else None)}
         if body.return_trajectory:
             resp["trajectory"] = {k: ef[k].tolist() for k in ("all_timesteps", "sigmas", "sigmas_next") if k in ef}
             resp["trajectory"]["sde_window"] = list(ef.get("sde_window", ()))
@@ -157,10 +159,10 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         except Exception as e:  # noqa: BLE001
             raise classify(e, texts) from None
         outs = await server.run(request, "/v1/rollout", reqs, texts)
-        data = trajectory_file(outs, [i for i in range(len(body.prompts)) for _ in range(body.n)],
-                               metadata={"request_id": rid, "prompts": json.dumps(body.prompts),
-                                         "sampling_params": reqs[0].sampling_params.model_dump_json(),
-                                         "seed": str(body.seed), "global_step": str(body.global_step)})
+        prompt_index = [i for i in range(len(body.prompts)) for _ in range(body.n)]
+        metadata = {"request_id": rid, "prompts": json.dumps(body.prompts), "seed": str(body.seed),
+                    "sampling_params": reqs[0].sampling_params.model_dump_json(), "global_step": str(body.global_step)}
+        data = await asyncio.to_thread(trajectory_file, outs, prompt_index, metadata)  # off the event loop
         return Response(data, media_type="application/octet-stream")
 
     @app.get("/v1/models")
