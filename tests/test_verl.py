@@ -69,6 +69,9 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         assert seeds == [r["seed"] for r in worker.plan(trainer_batch(global_steps=1))]  # = one worker's seeds
         for chunks in (2, 4, 8):
             assert [r["seed"] for part in trainer_batch(1).chunk(chunks) for r in worker.plan(part)] == seeds
+        alone = asyncio.run(ov.VerlClient(client).generate(  # row 5 on its own: the same sample
+            "alone", 'A Photo of the "OCR" text: Hello-World 42!', worker.config.sampling_params(), seeds[5]))
+        assert torch.equal(alone.diffusion_output, out.batch["responses"][5])
 
         # CheckpointEngineManager: sleep, naive update to step 2, wake; new weights change the same-seed image.
         actor = ray.remote(StandInActor).options(num_cpus=0).remote(cfg.actor_rollout_ref.rollout,
@@ -85,6 +88,9 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         out2 = asyncio.run(_generate(client, sampling, ids))
         assert out2.extra_fields["global_steps"] == 2
         assert not torch.equal(out2.diffusion_output, out0.diffusion_output)
+        after = agent.generate_sequences(trainer_batch(global_steps=2))
+        for key in ("global_steps", "min_global_steps", "max_global_steps", "weight_version"):
+            assert list(after.non_tensor_batch[key]) == [2] * B, key
 
         # A stream with a name the model does not have changes nothing (omniroll's update is transactional).
         weights = {n: (p + 1.0).numpy() for n, p in adapter.transformer.state_dict().items()}
@@ -144,3 +150,11 @@ def test_verl_omni_rollout_config_becomes_omniroll_config(tiny_sd3_path):
     assert (oc.pipeline.height, oc.pipeline.width, oc.pipeline.num_inference_steps) == (64, 128, 8)  # custom wins
     assert (oc.algo.sde_type, oc.algo.sde_window_range, oc.n, oc.seed) == ("cps", (0, 5), N, 3)
     assert oc.engine.model == tiny_sd3_path and oc.engine.dtype == "float32" and oc.val_kwargs.seed_mode == "shared"
+
+
+def test_import_omniroll_never_imports_verl():
+    import subprocess
+    import sys
+
+    code = "import sys, omniroll, omniroll.integrations; assert 'verl' not in sys.modules, 'verl was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

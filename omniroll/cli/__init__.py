@@ -23,6 +23,7 @@ COMMANDS = {
     "generate": "omniroll.cli.generate",
     "rollout": "omniroll.cli.rollout",
     "serve": "omniroll.cli.serve",
+    "train": "omniroll.cli.train",
 }
 
 EXIT_USAGE = 2

@@ -557,7 +557,7 @@ class DiffusionEngine:
 
     def _deliver(self, s: RequestState, pixels: Optional[torch.Tensor]) -> Optional[DiffusionOutput]:
         try:
-            out = build_output(s, pixels)
+            out = build_output(s, pixels, self.runner.execution_info())
         except Exception as e:  # noqa: BLE001 - e.g. NaN pixels: this request fails loudly, the others go on
             s.on_done(None, e)
             return None

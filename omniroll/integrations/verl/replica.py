@@ -32,8 +32,8 @@ def _check_one_device(config: Any) -> None:
              ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")}
     bad = {k: v for k, v in sizes.items() if v != 1}
     if bad:
-        raise ValueError(f"rollout.name=omniroll: one replica is one device; set {', '.join(f'rollout.{k}=1' for k in bad)}"
-                         f" (got {bad})")
+        settings = ", ".join(f"rollout.{k}=1" for k in bad)
+        raise ValueError(f"rollout.name=omniroll: one replica is one device; set {settings} (got {bad})")
 
 
 class OmnirollReplica(RolloutReplica):
