@@ -29,7 +29,7 @@ $(VERL_STAMP): $(PY)
 
 install: $(STAMP)
 
-# The generation demo, then a short Flow-GRPO training (examples/train.yaml; ~2-4 min on 2 cores, Ray start included):
+# The generation demo, then a short Flow-GRPO training (examples/train.yaml; ~1.5-2 min on 2 cores, Ray start included):
 # one line per step; out/train/ gets metrics.jsonl, reward_curve.png, val_before.png / val_after.png, checkpoints/.
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo

@@ -132,8 +132,8 @@ class RewardSection(RewardWorkerConfig):
 class LoRASection(_Strict):
     rank: int = Field(8, ge=1, le=4096)
     alpha: float = Field(16.0, gt=0, le=1e6)
-    target_modules: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"], min_length=1,
-                                      description="module names (PEFT target_modules); default: attention projections")
+    target_modules: Optional[list[str]] = Field(None, min_length=1, description="module names (PEFT target_modules); "
+                                                "None: the family's default (its attention projections)")
 
 
 class TrainerConfig(_Strict):
@@ -170,6 +170,8 @@ class TrainerConfig(_Strict):
     seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
     weight_transport: Literal["ray", "shm"] = "ray"
     sync_timeout_s: float = Field(600.0, gt=0)
+    num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
+                                       "(None: torch's default); 1 is far faster on a busy small CPU")
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)

@@ -22,7 +22,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Policy:
-    """mode "lora": a LoRA (rank, alpha, target_modules) on the denoiser, B initialised to zero (so the first rollout,
+    """mode "lora": a LoRA (rank, alpha, target_modules; default: the family's `lora_target_modules`, its attention
+    projections) on the denoiser, B initialised to zero (so the first rollout,
     on the base weights, is on-policy); mode "full": every denoiser weight is trained."""
 
     def __init__(self, model_path: str, mode: str = "lora", rank: int = 8, alpha: float = 16.0,
@@ -39,8 +40,8 @@ class Policy:
         if mode == "lora":
             from peft import LoraConfig
 
-            self.lora_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules or
-                                          ["to_q", "to_k", "to_v", "to_out.0"]), lora_dropout=0.0,
+            targets = list(target_modules or self.adapter.lora_target_modules)  # default: the family's choice
+            self.lora_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
                                           init_lora_weights=True)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)

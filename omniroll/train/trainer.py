@@ -60,6 +60,7 @@ class FlowGRPOTrainer:
         self._pending_interrupt = False
         self._critical = False
         self._checkpointing = False
+        self._threads_before: Optional[int] = None
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "FlowGRPOTrainer":
@@ -72,6 +73,9 @@ class FlowGRPOTrainer:
         from omniroll.weights import WeightSender
 
         cfg = self.config
+        if self.tc.num_threads is not None:  # restored by close()
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(self.tc.num_threads)
         os.makedirs(self.out_dir, exist_ok=True)
         if not self.resume_from:  # a fresh run starts fresh logs (a resumed one appends to them)
             for name in ("metrics.jsonl", "validation.jsonl"):
@@ -116,6 +120,9 @@ class FlowGRPOTrainer:
 
         kill_replicas(self.replicas)
         self.replicas = []
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def __enter__(self) -> "FlowGRPOTrainer":
         return self.start()

@@ -89,6 +89,7 @@ class OmnirollServerAdapter(BaseRollout):
         self.device_mesh = device_mesh
         _check_one_device(self.config)
         self.replica_rank = int(os.environ.get("RANK", 0)) if replica_rank == -1 else int(replica_rank)
+        self.is_leader_rank = True  # one device per replica: every rank leads its replica
         self.sleep_level = 1
         self.bucket_bytes = 256 << 20
         self._server = None
