@@ -195,11 +195,11 @@ def test_rollout_endpoint_returns_trajectories_as_safetensors(live):
     traj = load(r.content)
     seeds = [derive_seed(5, 2, f"{i}:{p}", 0) for i, p in enumerate(prompts)]
     assert traj["seeds"].tolist() == seeds and traj["prompt_index"].tolist() == [0, 1]
-    assert traj["images"].shape == (2, 3, 64, 64) and traj["all_latents"].shape[:2] == (2, 3)
+    assert traj["responses"].shape == (2, 3, 64, 64) and traj["all_latents"].shape[:2] == (2, 3)
     direct = engine.generate([GenerationRequest(request_id=f"r{i}", prompt=p, seed=s, sampling_params=sp)
                               for i, (p, s) in enumerate(zip(prompts, seeds))])
-    assert torch.equal(traj["log_probs"], torch.stack([o.log_probs for o in direct]))
-    assert torch.equal(traj["images"], torch.stack([o.diffusion_output for o in direct]))
+    assert torch.equal(traj["rollout_log_probs"], torch.stack([o.log_probs for o in direct]))
+    assert torch.equal(traj["responses"], torch.stack([o.diffusion_output for o in direct]))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"  # 4 samples > max_pending 3
 
 

@@ -6,10 +6,11 @@
 - `POST /v1/generate` {request_id?, prompt, negative_prompt?, seed, sampling_params?, return_trajectory?}
   -> {request_id, image_png_base64, log_probs, weight_version, seed, stop_reason[, trajectory]}: one sample, JSON.
 - `POST /v1/rollout` {prompts, n, seed, global_step?, negative_prompt?, sampling_params?} -> a safetensors file
-  (`application/octet-stream`) with the same tensors `omniroll generate` writes to trajectories.safetensors
-  (images, all_latents, all_timesteps, sigmas, sigmas_next, log_probs, seeds, prompt_index, weight_versions), and
-  the prompts, request id and sampling parameters in its metadata. Sample j of prompt i gets the seed
-  `derive_seed(seed, global_step, f"{i}:{prompt}", j)`, as in `omniroll generate`.
+  (`application/octet-stream`), one row per sample, tensors named as in `omniroll.trajectory`: responses,
+  rollout_log_probs, all_latents, all_timesteps, sigmas, sigmas_next, plus seeds, prompt_index, weight_versions;
+  the prompts, request id and sampling parameters in its metadata. (A compact file for external callers, not the
+  agent-loop batch that `read_trajectories` reads.) Sample j of prompt i gets the seed
+  `derive_seed(seed, global_step, f"{i}:{prompt}", j)`.
 - `GET /v1/models`, `GET /health` (200 when it can serve, 503 asleep or shut down), `GET /stats` (JSON),
   `GET /metrics` (Prometheus text).
 
@@ -189,18 +190,19 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
 
 
 def trajectory_file(outputs: list, prompt_index: list[int], metadata: dict[str, str]) -> bytes:
-    """Completed outputs of one sampling configuration -> safetensors bytes (the `omniroll generate` tensors)."""
+    """Completed outputs of one sampling configuration -> safetensors bytes (key names as in omniroll.trajectory)."""
     import torch
     from safetensors.torch import save
 
     ef = [o.extra_fields for o in outputs]
     traj = {
-        "images": torch.stack([o.diffusion_output for o in outputs]),
+        "responses": torch.stack([o.diffusion_output for o in outputs]),
         "all_latents": torch.stack([e["all_latents"] for e in ef]),
         "all_timesteps": torch.stack([e["all_timesteps"] for e in ef]),
         "sigmas": torch.stack([e["sigmas"] for e in ef]),
         "sigmas_next": torch.stack([e["sigmas_next"] for e in ef]),
-        "log_probs": torch.stack([o.log_probs for o in outputs]) if outputs[0].log_probs is not None else None,
+        "rollout_log_probs": (torch.stack([o.log_probs for o in outputs])
+                              if outputs[0].log_probs is not None else None),
         "seeds": torch.tensor([e["seed"] for e in ef], dtype=torch.int64),
         "prompt_index": torch.tensor(prompt_index, dtype=torch.int64),
         "weight_versions": torch.tensor([o.weight_version for o in outputs], dtype=torch.int64),
