@@ -1,8 +1,9 @@
 """Stack per-sample agent-loop outputs into one `DataBatch` (the worker's output contract).
 
 Tensors ([B, ...]): `prompts` / `attention_mask` (int64 [B, prompt_length], token ids right-padded with 0; mask 1 on
-real tokens), `responses` (uint8 [B, 3, H, W]), `rollout_log_probs` (fp32 [B, W], when requested), every tensor extra
-of the DiffusionOutput stacked as is (`all_latents` [B, W+1, C, h, w], `all_timesteps`, `sigmas`, `sigmas_next`,
+real tokens), `responses` (uint8 [B, 3, H, W]; video [B, T, 3, H, W]), `rollout_log_probs` (fp32 [B, W], when
+requested), every tensor extra of the DiffusionOutput stacked as is (`all_latents` [B, W+1, C, h, w] or video
+[B, W+1, C, t, h, w], `all_timesteps`, `sigmas`, `sigmas_next`,
 `step_indices`, `pooled_prompt_embeds`, ...), `*prompt_embeds` zero-padded on the right to Lmax with a `*_mask`
 ([B, Lmax] int64, 1 = real token), per-row scalars `noise_level`, `sigma_max`, `guidance_scale` (fp32 [B]), `cfg_scale` (fp64 [B], 0: no CFG) and
 `sde_window` (int64 [B, 2]); `rm_scores` (fp32 [B, 1]) only when every row was scored; `failed` (bool [B]) in mark mode.

@@ -37,7 +37,8 @@ class Flag:
 
 
 FLAGS = [
-    Flag("--model", "engine.model", str, "'tiny' (built offline) or a local diffusers SD3 / SD3.5 checkpoint directory"),
+    Flag("--model", "engine.model", str, "'tiny' or 'tiny-<family>' (sd3, flux, qwen-image, wan, wan2.2; built "
+         "offline) or a local diffusers SD3 / SD3.5, FLUX.1, Qwen-Image or Wan checkpoint directory"),
     Flag("--device", "engine.device", str, "torch device of the model, e.g. cpu, cuda, cuda:1"),
     Flag("--dtype", "engine.dtype", str, "model weights' dtype (the SDE math and log-probs are always fp32)",
          choices=("float32", "bfloat16", "float16")),
@@ -45,8 +46,12 @@ FLAGS = [
     Flag("--num-threads", "engine.num_threads", int, "torch CPU threads per engine (unset: torch's choice)"),
     Flag("--height", "pipeline.height", int, "image height in pixels (a multiple of the model's spatial factor)"),
     Flag("--width", "pipeline.width", int, "image width in pixels"),
+    Flag("--frames", "pipeline.num_frames", int, "video frames (Wan: 4k + 1); 1 for images"),
+    Flag("--fps", "pipeline.fps", int, "frames per second of written videos"),
     Flag("--steps", "pipeline.num_inference_steps", int, "denoising steps"),
-    Flag("--guidance", "pipeline.guidance_scale", float, "CFG scale (<= 1 turns CFG off)"),
+    Flag("--guidance", "pipeline.guidance_scale", float, "CFG scale (<= 1 turns CFG off); FLUX.1: the distilled "
+         "guidance given to the model"),
+    Flag("--true-cfg", "pipeline.true_cfg_scale", float, "FLUX.1 only: real CFG on top of the distilled guidance"),
     Flag("--max-sequence-length", "pipeline.max_sequence_length", int, "T5 text length in tokens"),
     Flag("--noise-level", "algo.noise_level", float, "SDE noise level eta (0: the ODE)"),
     Flag("--sde-type", "algo.sde_type", str, "SDE step", choices=("sde", "cps", "dance_sde", "ode")),

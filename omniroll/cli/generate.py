@@ -1,6 +1,7 @@
-"""`omniroll generate`: images with SDE log-probs on one in-process engine.
+"""`omniroll generate`: images or videos with SDE log-probs on one in-process engine.
 
-Writes into `--out`: `prompt_NNN.png` (one row of that prompt's samples), `trajectories.safetensors` (the layout of
+Writes into `--out`: `prompt_NNN.png` (one row of that prompt's samples; video: `prompt_NNN_sJ.mp4`, or `.webp`
+without an H.264 encoder, and `prompt_NNN_sJ_frames.png` per sample, `video_format` saying which), `trajectories.safetensors` (the layout of
 `omniroll.trajectory`, the same as `omniroll rollout` writes) and `metrics.json` (timing, run: model, device, dtype,
 batch invariance, seeds, package versions). Finished samples are written even when the run is interrupted (Ctrl-C,
 exit 130) or some samples fail (each failure is reported once, exit 1).
@@ -29,7 +30,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     result = run_generate(args)
-    print(json.dumps({k: result[k] for k in ("num_images", "seconds", "images_per_second")}))
+    keys = ("num_images", "seconds", "images_per_second") + (("video_format",) if result["video_format"] else ())
+    print(json.dumps({k: result[k] for k in keys}))
     print_files(result)
     return 1 if result["failed_rows"] else 0
 
@@ -155,6 +157,7 @@ def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors
     import torch
 
     from omniroll.agent_loop.postprocess import RowResult, assemble
+    from omniroll.cli.media import video_encoder
     from omniroll.agent_loop.single_turn import agent_loop_output
     from omniroll.trajectory import FILE_NAME, jsonable, run_info, write_json, write_trajectories
 
@@ -172,7 +175,13 @@ def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors
         traj = assemble(rows, batch[done], prompt_length=cfg.prompt_length,
                         max_prompt_embed_length=cfg.max_prompt_embed_length, mark_failed=False, scored=False)
         images = traj.batch["responses"]
-        if images.dtype == torch.uint8:
+        if images.dtype == torch.uint8 and images.ndim == 5:  # video: a file and a frame strip per sample
+            from omniroll.cli.media import save_sample
+
+            for k, r in enumerate(done):
+                stem = out / f"prompt_{r // cfg.n:03d}_s{r % cfg.n}"
+                files += [str(f) for f in save_sample(images[k], stem, fps=cfg.pipeline.fps)]
+        elif images.dtype == torch.uint8:
             by_prompt: dict[int, list[int]] = {}
             for k, r in enumerate(done):
                 by_prompt.setdefault(r // cfg.n, []).append(k)
@@ -193,6 +202,7 @@ def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors
         "seeds": [requests[r].seed for r in range(len(requests))],
         "prompts": prompts,
         "sde_window": [list(results[r].extra_fields["sde_window"]) for r in done],
+        "video_format": video_encoder() if cfg.pipeline.num_frames > 1 else None,
         "sampling_params": cfg.sampling_params(),
         "run": run,
         "engine": stats,

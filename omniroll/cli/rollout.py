@@ -1,6 +1,7 @@
 """`omniroll rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager) on local Ray.
 
-`run_rollout` is the same thing from Python. Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`,
+`run_rollout` is the same thing from Python. Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`
+(video: `.mp4`, or `.webp` without an H.264 encoder, plus `_frames.png`),
 `trajectories.safetensors` (the layout of `omniroll.trajectory`, as `omniroll generate` writes it), `rewards.jsonl`
 (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json` (per-sample metrics,
 timing summary, weight versions, run: model, device, dtype, batch invariance, seeds, package versions).
@@ -15,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from omniroll.cli import CommandFailed
@@ -103,7 +105,7 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
         kill_replicas(replicas)
         out = _merge(parts, time.perf_counter() - t0) if parts else None
         if out_dir and out is not None:
-            write_outputs(out, out_dir, run_info_for(cfg, model))
+            write_outputs(out, out_dir, run_info_for(cfg, model), fps=cfg.pipeline.fps)
             say(f"wrote {len(out)} of {len(batch)} samples to {out_dir}")
     if failures:
         raise CommandFailed(failures)
@@ -151,11 +153,11 @@ def run_info_for(cfg, model: str) -> dict:
     from omniroll.trajectory import run_info
 
     return run_info("rollout", model, cfg.engine.device, cfg.engine.dtype,
-                    bool(cfg.engine.kwargs.get("batch_invariant", True)), cfg.seed,
+                    bool(cfg.engine.kwargs.get("batch_invariant", str(cfg.engine.device).startswith("cpu"))), cfg.seed,
                     num_threads=cfg.engine.num_threads, replicas=cfg.replicas.count)
 
 
-def write_outputs(out, out_dir: str, run: Optional[dict] = None) -> list[str]:
+def write_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) -> list[str]:
     """Write a rollout batch into `out_dir` (files 0644); returns the paths written."""
     import io
 
@@ -172,6 +174,12 @@ def write_outputs(out, out_dir: str, run: Optional[dict] = None) -> list[str]:
             if nt["status"][i] == "failed":
                 continue
             name = f"{i:04d}_{_safe(nt['uid'][i])}_{nt['_group_index'][i]}.png"
+            if img.ndim == 4:  # video: .mp4 (or .webp) + a PNG strip of its frames
+                from omniroll.cli.media import save_sample
+
+                stem = Path(out_dir) / "images" / name[:-4]
+                files += [str(f) for f in save_sample(img, stem, fps=fps)]
+                continue
             buf = io.BytesIO()
             Image.fromarray(img.permute(1, 2, 0).numpy()).save(buf, format="PNG")
             files.append(write_bytes(os.path.join(out_dir, "images", name), buf.getvalue()))

@@ -10,12 +10,13 @@ from pydantic import BaseModel, ConfigDict
 class DiffusionOutput(BaseModel):
     """The specification's fields.
 
-    diffusion_output: uint8 [3, H, W] pixels (or fp32 latents for output_type="latent").
+    diffusion_output: uint8 [3, H, W] pixels, [T, 3, H, W] for video (or fp32 latents for output_type="latent").
     log_probs: fp32 [W] log-probs of the recorded SDE steps (None when not requested).
     stop_reason: "completed" | "aborted".
     num_preempted: times the request sat out a step it was ready for.
     extra_fields: all_latents [W+1, ...] fp32, all_timesteps [W], sigmas [W], sigmas_next [W], noise_level,
-        sde_type, sigma_max, window, seed, prompt embeddings, weight_version, ...
+        sde_type, sigma_max, window, seed, prompt embeddings, weight_version, ...; `expert_indices` [W] (the
+        denoiser of each recorded step) for multi-expert models (Wan 2.2 A14B); `fps` for video.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

@@ -39,6 +39,7 @@ class FluxAdapter(DiffusionAdapter):
         for m in self.modules().values():
             m.eval()
         self._sigma_cache: dict[tuple, torch.Tensor] = {}
+        self._img_ids: dict[tuple, torch.Tensor] = {}
 
     @classmethod
     def prompt_ids_length(cls, path: str) -> int | None:
@@ -83,7 +84,10 @@ class FluxAdapter(DiffusionAdapter):
         B, C, h, w = latents.shape
         device, dtype = self.device, self.dtype
         packed = FluxPipeline._pack_latents(latents, B, C, h, w)
-        img_ids = FluxPipeline._prepare_latent_image_ids(B, h // 2, w // 2, device, dtype)
+        key = (h, w, device, dtype)  # built on the host by diffusers: copy it to the device once per shape
+        if key not in self._img_ids:
+            self._img_ids[key] = FluxPipeline._prepare_latent_image_ids(B, h // 2, w // 2, device, dtype)
+        img_ids = self._img_ids[key]
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
         if self.transformer.config.guidance_embeds:
             if guidance is None:

@@ -6,8 +6,9 @@ Wire format (one POST per batch of at most `batch_size` samples):
   `{"images": [base64 PNG, ...], "prompts": [...], "metadata": [{"sample_id", "data_source", "ground_truth",
   "extra_info"}, ...]}`.
 - `encoding="safetensors"`: `Content-Type: application/octet-stream`, a safetensors file holding one uint8 tensor
-  `images` of shape `[B, 3, H, W]` (all images of a batch must share H and W); its `__metadata__` holds `prompts` and
-  `metadata` as JSON strings. Mixed resolutions in one call are split into one request per shape.
+  `images` of shape `[B, 3, H, W]` (video: `[B, T, 3, H, W]`; all samples of a batch must share a shape); its
+  `__metadata__` holds `prompts` and `metadata` as JSON strings. Mixed shapes in one call are split into one request
+  per shape. A video cannot go as `"png"` (one image per sample): that encoding refuses it with a clear error.
 
 The server answers `{"scores": [...]}` with one entry per image (a number or a dict with `"score"`); a score must be
 a finite number (`true` / `false`, strings, NaN are the scorer's errors, never 1.0 / 0.0: see `RewardManager`). Servers can
@@ -69,6 +70,10 @@ def encode_png(image_chw: np.ndarray) -> str:
 
 
 def encode_png_batch(samples) -> bytes:
+    videos = [s.sample_id for s in samples if s.image.ndim == 4]
+    if videos:
+        raise ValueError(f"HttpScorer encoding='png' sends one PNG image per sample; samples {videos[:4]} are videos "
+                         f"[T, 3, H, W]: use encoding='safetensors' (it sends [B, T, 3, H, W])")
     body = {"images": [encode_png(s.image) for s in samples], "prompts": [s.prompt for s in samples],
             "metadata": _metadata(samples)}
     return _dumps(body, "metadata").encode("utf-8")
@@ -101,7 +106,8 @@ def decode_png_batch(payload: dict) -> tuple[list[np.ndarray], list[str], list[d
 
 
 def decode_safetensors_batch(body: bytes) -> tuple[np.ndarray, list[str], list[dict]]:
-    """Server side: a safetensors body -> (uint8 images `[B, 3, H, W]`, prompts, metadata). Never unpickles."""
+    """Server side: a safetensors body -> (uint8 images `[B, 3, H, W]`, or videos `[B, T, 3, H, W]`, prompts,
+    metadata). Never unpickles."""
     from safetensors.numpy import load
 
     if len(body) < 8:
@@ -115,8 +121,9 @@ def decode_safetensors_batch(body: bytes) -> tuple[np.ndarray, list[str], list[d
     if "images" not in tensors:
         raise ValueError(f"safetensors body must hold a tensor 'images', got {sorted(tensors)}")
     images = tensors["images"]
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"'images' must be uint8 [B, 3, H, W], got {images.dtype} {tuple(images.shape)}")
+    if images.dtype != np.uint8 or images.ndim not in (4, 5) or images.shape[-3] != 3:
+        raise ValueError(f"'images' must be uint8 [B, 3, H, W] (video: [B, T, 3, H, W]), got {images.dtype} "
+                         f"{tuple(images.shape)}")
     prompts = json.loads(meta.get("prompts", "[]"))
     metadata = json.loads(meta.get("metadata", "[]"))
     return images, prompts, metadata

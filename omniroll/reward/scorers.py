@@ -53,9 +53,9 @@ def jpeg_size_kb(image_chw: np.ndarray, quality: int = 95) -> float:
 def jpeg_incompressibility(samples: list[RewardSample]) -> list[float]:
     """flow_grpo's `jpeg_incompressibility`: the JPEG (PIL, quality 95) size of each image in kB (bytes / 1000).
 
-    Larger (more detailed / noisier) images score higher.
+    Larger (more detailed / noisier) images score higher. A video scores the mean over its frames.
     """
-    return [jpeg_size_kb(s.image, 95) for s in samples]
+    return [float(np.mean([jpeg_size_kb(f, 95) for f in s.frames()])) for s in samples]
 
 
 def jpeg_compressibility(samples: list[RewardSample]) -> list[float]:

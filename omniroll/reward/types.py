@@ -14,10 +14,13 @@ STATUSES = ("ok", "flagged", "failed")
 
 @dataclass
 class RewardSample:
-    """One generated image to score.
+    """One generated image (or video) to score.
 
     `image` is uint8 CHW with 3 channels (`[3, H, W]`), the layout the engine emits; scorers that need HWC call
-    `sample.hwc()`. `ground_truth` and `extra_info` are passed through to scorers untouched (dataset-specific).
+    `sample.hwc()`. A video sample carries all its frames, `[T, 3, H, W]` (`is_video`; `frames()` gives `[T, 3, H, W]`
+    for both kinds): the builtin JPEG scorers score a video as the mean over its frames, the HTTP scorer sends it
+    whole with `encoding="safetensors"` and refuses it with `"png"`, and user functions receive it as is.
+    `ground_truth` and `extra_info` are passed through to scorers untouched (dataset-specific).
     """
 
     sample_id: str
@@ -34,10 +37,10 @@ class RewardSample:
             raise TypeError(f"RewardSample.image must be a numpy.ndarray, got {type(self.image).__name__}")
         if self.image.dtype != np.uint8:
             raise ValueError(f"RewardSample.image must have dtype uint8 (values 0..255), got {self.image.dtype}")
-        if self.image.ndim != 3 or self.image.shape[0] != 3 or self.image.shape[1] < 1 or self.image.shape[2] < 1:
-            raise ValueError(
-                f"RewardSample.image must be CHW with shape [3, H, W] (H, W >= 1), got shape {tuple(self.image.shape)}"
-            )
+        shape = self.image.shape
+        if self.image.ndim not in (3, 4) or shape[-3] != 3 or min(shape) < 1:
+            raise ValueError(f"RewardSample.image must be CHW with shape [3, H, W] (or a video [T, 3, H, W]; "
+                             f"T, H, W >= 1), got shape {tuple(shape)}")
         if not isinstance(self.prompt, str):
             raise TypeError(f"RewardSample.prompt must be a str, got {type(self.prompt).__name__}")
         if not isinstance(self.data_source, str):
@@ -45,8 +48,20 @@ class RewardSample:
         if not isinstance(self.extra_info, dict):
             raise TypeError(f"RewardSample.extra_info must be a dict, got {type(self.extra_info).__name__}")
 
+    @property
+    def is_video(self) -> bool:
+        return self.image.ndim == 4
+
+    def frames(self) -> np.ndarray:
+        """`[T, 3, H, W]`: a video's frames, or an image as one frame."""
+        return self.image if self.is_video else self.image[None]
+
     def hwc(self) -> np.ndarray:
-        """The image as a contiguous uint8 `[H, W, 3]` array (PIL / OpenCV layout)."""
+        """The image as a contiguous uint8 `[H, W, 3]` array (PIL / OpenCV layout). A video has no single image:
+        ValueError (score `frames()` instead)."""
+        if self.is_video:
+            raise ValueError(f"sample {self.sample_id!r} is a video {tuple(self.image.shape)}; hwc() is for images, "
+                             f"use frames()")
         return np.ascontiguousarray(self.image.transpose(1, 2, 0))
 
 

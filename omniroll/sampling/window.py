@@ -43,5 +43,6 @@ def draw_sde_window(
     lo, hi = sde_window_bounds(num_steps, window_size, window_range)
     if window_size is None:
         return (lo, hi)
-    start = int(torch.randint(lo, hi - window_size + 1, (1,), generator=generator).item())
+    device = generator.device if generator is not None else None  # a CUDA generator draws on its device
+    start = int(torch.randint(lo, hi - window_size + 1, (1,), generator=generator, device=device).item())
     return (start, start + window_size)
