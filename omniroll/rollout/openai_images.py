@@ -18,6 +18,7 @@ Response: `{"created", "data": [{"b64_json", "revised_prompt": null, "seed", "re
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
@@ -108,7 +109,7 @@ def register_images_api(app, server) -> None:
         requests = build_requests(body, rid, server.model_name, server.max_n, server.backend.spatial_multiple)
         outs = await server.run(request, "/v1/images/generations", requests,
                                 [body.prompt, body.negative_prompt])
+        images = await asyncio.to_thread(lambda: [png_base64(o.diffusion_output) for o in outs])  # off the loop
         return {"created": int(time.time()),
-                "data": [{"b64_json": png_base64(o.diffusion_output), "revised_prompt": None,
-                          "seed": r.seed, "request_id": r.request_id, "weight_version": o.weight_version}
-                         for r, o in zip(requests, outs)]}
+                "data": [{"b64_json": b64, "revised_prompt": None, "seed": r.seed, "request_id": r.request_id,
+                          "weight_version": o.weight_version} for r, o, b64 in zip(requests, outs, images)]}

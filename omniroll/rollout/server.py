@@ -19,9 +19,9 @@ pickle over the network).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
-import json
 import time
 from typing import Any, Optional
 
@@ -136,7 +136,8 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         resp = {"request_id": rid, "stop_reason": out.stop_reason, "seed": ef.get("seed"),
                 "weight_version": out.weight_version,
                 "log_probs": out.log_probs.tolist() if out.log_probs is not None else None,
-                "image_png_base64": png_base64(out.diffusion_output) if out.stop_reason == "completed" else None}
+                "image_png_base64": (await asyncio.to_thread(png_base64, out.diffusion_output)
+                                     if out.stop_reason == "completed" else None)}
         if body.return_trajectory:
             resp["trajectory"] = {k: ef[k].tolist() for k in ("all_timesteps", "sigmas", "sigmas_next") if k in ef}
             resp["trajectory"]["sde_window"] = list(ef.get("sde_window", ()))
@@ -157,9 +158,9 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         except Exception as e:  # noqa: BLE001
             raise classify(e, texts) from None
         outs = await server.run(request, "/v1/rollout", reqs, texts)
-        data = trajectory_file(outs, list(body.prompts), body.n,
-                               run={"command": "serve /v1/rollout", "model": server.model_name, "request_id": rid,
-                                    "seed": body.seed, "global_step": body.global_step})
+        run = {"command": "serve /v1/rollout", "model": server.model_name, "request_id": rid,
+               "seed": body.seed, "global_step": body.global_step}
+        data = await asyncio.to_thread(trajectory_file, outs, list(body.prompts), body.n, run)  # off the event loop
         return Response(data, media_type="application/octet-stream")
 
     @app.get("/v1/models")
