@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/prefix_sharing.py
 	$(PY) benchmarks/agent_loop_overhead.py
 	$(PY) benchmarks/weight_sync.py
 
