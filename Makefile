@@ -3,6 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+VERL_STAMP := $(VENV)/.verl-installed
+# verl for the integration tests: without its pins (they clash with ours; it is the optional extra omniroll[verl]),
+# plus what its imports need. Its wheel ships a top-level `tests` package that would shadow ours: removed.
+VERL := verl==0.9.1
+VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
 .PHONY: install demo test bench clean
 
@@ -16,12 +21,18 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
+$(VERL_STAMP): $(PY)
+	$(PIP) install -q --no-deps $(VERL)
+	$(PIP) install -q $(VERL_IMPORTS)
+	rm -rf "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
+	touch $(VERL_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
 
-test: $(STAMP)
+test: $(STAMP) $(VERL_STAMP)
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

@@ -96,10 +96,12 @@ class _PartialAlgo(_Strict):
 
 
 class ValKwargs(_Strict):
-    """Validation overlay. Every row gets its own seed derived from `seed` (not one seed for all rows)."""
+    """Validation overlay. By default every row gets its own seed derived from `seed`; `seed_mode: shared` gives
+    every row the seed `seed` itself (VeRL-Omni's validation semantics: the samples of one prompt are identical)."""
 
     n: int = Field(1, ge=1)
     seed: int = Field(42, ge=0)
+    seed_mode: Literal["per_row", "shared"] = "per_row"
     pipeline: _PartialPipeline = Field(default_factory=_PartialPipeline)
     algo: _PartialAlgo = Field(default_factory=_PartialAlgo)
 

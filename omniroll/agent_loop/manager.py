@@ -52,13 +52,15 @@ class AgentLoopManager:
 
     @staticmethod
     def prepare(batch: DataBatch) -> DataBatch:
-        """Set `uid` (default: a hash of the prompt) and `_group_index` over the whole batch, before any split."""
+        """Set `uid` (default: a hash of the prompt) and `_group_index` over the whole batch, before any split
+        (unless the trainer gave `_rollout_seed_global_idx`, from which each worker derives it, see
+        `group_index_column`)."""
         nt = batch.non_tensor_batch
         n = len(batch)
         uids = row_uids(nt, n)
         out = DataBatch(batch.batch, dict(nt), dict(batch.meta_info), n)
         out.non_tensor_batch["uid"] = to_object_array(uids)
-        if "_group_index" not in nt:
+        if "_group_index" not in nt and "_rollout_seed_global_idx" not in nt:
             out.non_tensor_batch["_group_index"] = to_object_array(group_indices(uids))
         return out
 

@@ -7,10 +7,12 @@ hash of the prompt), `data_source`, `agent_name`, `reward_model` ({"ground_truth
 `rollout_seed`, `validate`, `sampling_params` (batch-level override).
 
 Seeds: `derive_seed(rollout_seed, global_steps, uid, index)` where index is the row's position within its group (the
-manager's `_group_index`, else the order of appearance of the uid in this batch), so a sample's seed never depends on
-how the batch was chunked. Validation: `derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step),
-ODE (noise_level 0) and no log-probs. With `algo.same_latent` a training row also gets
-`latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the group shares its initial noise and window.
+manager's `_group_index`, else the trainer's `_rollout_seed_global_idx % n`, else the order of appearance of the uid in
+this batch; see `group_index_column`), so a sample's seed never depends on how the batch was chunked. Validation:
+`derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step), or `val_kwargs.seed` itself for every
+row with `val_kwargs.seed_mode: shared` (VeRL-Omni's semantics); ODE (noise_level 0) and no log-probs. With
+`algo.same_latent` a training row also gets `latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the
+group shares its initial noise and window.
 
 Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
 disappears: by default the worker raises ONE `AgentLoopError` listing every failed row and carrying the rows that
@@ -76,6 +78,18 @@ def group_indices(uids: list[str]) -> list[int]:
     return out
 
 
+def group_index_column(non_tensor_batch: dict, uids: list[str], n: int) -> list[int]:
+    """Each row's index within its prompt group: `_group_index` when given; else from the trainer's global row index
+    `_rollout_seed_global_idx` (VeRL-Omni: an arange over the batch after its n-fold interleaved repeat, so the
+    index is `global % n`), which holds however the batch was chunked; else the order of appearance of the uid in
+    THIS batch (right only for a whole batch, which is what omniroll's AgentLoopManager hands out)."""
+    if "_group_index" in non_tensor_batch:
+        return [int(i) for i in non_tensor_batch["_group_index"]]
+    if "_rollout_seed_global_idx" in non_tensor_batch:
+        return [int(g) % n for g in non_tensor_batch["_rollout_seed_global_idx"]]
+    return group_indices(uids)
+
+
 def default_uid(raw_prompt: Any) -> str:
     return "prompt-" + hashlib.sha256(repr(raw_prompt).encode("utf-8")).hexdigest()[:16]
 
@@ -101,16 +115,16 @@ def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
         if not validate:
             raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
         steps = 0
-    if "_group_index" in nt:
-        idx = [int(i) for i in nt["_group_index"]]
-    else:
-        idx = group_indices(uids)
+    group_size = config.val_kwargs.n if validate else config.n
+    idx = group_index_column(nt, uids, group_size)
     seen: dict[tuple, int] = {}
     for r, key in enumerate(zip(uids, idx)):
         if key in seen:
             raise ValueError(f"rows {seen[key]} and {r} have the same (uid, _group_index) {key}: each sample of a "
-                             f"group needs its own index")
+                             f"group needs its own index (with _rollout_seed_global_idx the index is global % n, "
+                             f"n = {group_size}: is n the batch's repeat count?)")
         seen[key] = r
+    shared_val_seed = validate and config.val_kwargs.seed_mode == "shared"
     if validate:
         base, step_for_seed, tag = config.val_kwargs.seed, 0, "val"
     else:
@@ -119,8 +133,8 @@ def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
     rows = []
     for r in range(n):
         fields = {k: v[r] for k, v in nt.items()}
-        fields.update(uid=uids[r], _group_index=idx[r], seed=derive_seed(base, step_for_seed, uids[r], idx[r]),
-                      request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
+        seed = int(base) if shared_val_seed else derive_seed(base, step_for_seed, uids[r], idx[r])
+        fields.update(uid=uids[r], _group_index=idx[r], seed=seed, request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
         if config.algo.same_latent and not validate:
             fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
         rows.append(fields)

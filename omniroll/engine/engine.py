@@ -400,6 +400,13 @@ class DiffusionEngine:
             if isinstance(text, str) and len(text) > limit:
                 raise RequestError(rid, f"{name} has {len(text)} characters, more than max_prompt_chars={limit} "
                                         f"(EngineConfig.max_prompt_chars)")
+        for field, ids in (("prompt_token_ids", request.prompt_token_ids),
+                           ("negative_prompt_token_ids", request.negative_prompt_token_ids)):
+            if ids is not None:
+                try:
+                    self.adapter.check_token_ids(ids, p.max_sequence_length, field)
+                except ValueError as e:
+                    raise RequestError(rid, str(e)) from None
         latent_shape = adapter.latent_shape(p.height, p.width, p.num_frames)
         sigmas = adapter.sigmas(p.num_inference_steps, p.height, p.width, p.num_frames)
         state = RequestState(request, sigmas, latent_shape, on_done, device=self.runner.device,
@@ -510,9 +517,9 @@ class DiffusionEngine:
             by_len.setdefault(s.params.max_sequence_length, []).append(s)
         failed: dict[int, tuple[RequestState, BaseException]] = {}
         for length, group in by_len.items():
-            conds = self.prompt_cache.get_many([s.request.prompt for s in group], length)
+            conds = self.prompt_cache.get_many([s.request.prompt_input() for s in group], length)
             cfg = [s for s in group if s.cfg_scale is not None]
-            negs = self.prompt_cache.get_many([s.request.negative_prompt or "" for s in cfg], length)
+            negs = self.prompt_cache.get_many([s.request.negative_input() for s in cfg], length)
             for field, members, encodings in (("prompt", group, conds), ("negative_prompt", cfg, negs)):
                 for s, c in zip(members, encodings):
                     if isinstance(c, Exception):

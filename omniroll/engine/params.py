@@ -67,15 +67,40 @@ class SamplingParams(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """One sample to generate. `seed` fixes the initial latent, the window draw and every noise draw."""
+    """One sample to generate. `seed` fixes the initial latent, the window draw and every noise draw.
+
+    The prompt is text (`prompt`) or, as a trainer that tokenizes on its side sends it, per-encoder token ids
+    (`prompt_token_ids`, e.g. SD3: `{"clip": [...], "t5": [...]}`, unpadded, with the tokenizers' special tokens; the
+    model adapter's `tokenize` gives exactly what the text path encodes). Exactly one of the two. The negative prompt
+    likewise (`negative_prompt` or `negative_prompt_token_ids`; neither means the empty prompt).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_id: str = Field(min_length=1)
-    prompt: str
+    prompt: Optional[str] = None
     negative_prompt: Optional[str] = None
+    prompt_token_ids: Optional[dict[str, list[int]]] = None
+    negative_prompt_token_ids: Optional[dict[str, list[int]]] = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     seed: int = Field(ge=0, lt=2**63)
+
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt (text) and prompt_token_ids (per-encoder token ids)")
+        if self.negative_prompt is not None and self.negative_prompt_token_ids is not None:
+            raise ValueError("give at most one of negative_prompt and negative_prompt_token_ids")
+        return self
+
+    def prompt_input(self) -> "str | dict[str, list[int]]":
+        """What the engine encodes: the text or the token ids."""
+        return self.prompt if self.prompt_token_ids is None else self.prompt_token_ids
+
+    def negative_input(self) -> "str | dict[str, list[int]]":
+        if self.negative_prompt_token_ids is not None:
+            return self.negative_prompt_token_ids
+        return self.negative_prompt or ""
 
     @field_validator("prompt", "negative_prompt")
     @classmethod

@@ -93,6 +93,20 @@ class DiffusionAdapter(ABC):
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
         """Encode each prompt to its own Conditioning (the empty string is the unconditional branch)."""
 
+    def tokenize(self, prompt: str, max_sequence_length: int) -> dict[str, list[int]]:
+        """The per-encoder token ids the text path encodes for `prompt` (unpadded, with special tokens): what a
+        trainer that tokenizes on its side sends as `prompt_token_ids`."""
+        raise NotImplementedError(f"{type(self).__name__} does not take token-id prompts")
+
+    def check_token_ids(self, token_ids: dict, max_sequence_length: int, field: str = "prompt_token_ids") -> None:
+        """Raise ValueError naming `field` when `token_ids` cannot be encoded (called before any work starts)."""
+        raise ValueError(f"{field}: {type(self).__name__} does not take token-id prompts; send text")
+
+    def encode_token_ids(self, token_ids: list[dict[str, list[int]]], max_sequence_length: int) -> list[Conditioning]:
+        """Encode prompts given as per-encoder token ids; bitwise what `encode_prompts` gives for the text those
+        ids came from (`tokenize`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take token-id prompts")
+
     @abstractmethod
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
                  guidance: Optional[torch.Tensor] = None, expert: int = 0) -> torch.Tensor:

@@ -111,6 +111,89 @@ class SD3Adapter(DiffusionAdapter):
             for p in prompts
         ]
 
+    # ------------------------------------------------------------------ prompts as token ids
+    def _clip_tokenizers(self) -> tuple:
+        return (self.tokenizer, self.pipeline.tokenizer_2)
+
+    def tokenize(self, prompt: str, max_sequence_length: int) -> dict[str, list[int]]:
+        """`{"clip", "t5"}` ids (unpadded, with special tokens) exactly as the text path tokenizes `prompt`; a
+        `"clip_2"` entry only where the second CLIP tokenizer gives other ids (never, when the two share a vocabulary,
+        as in SD3 / SD3.5: one CLIP tokenization then feeds both CLIP encoders, as VeRL-Omni sends it)."""
+        self.limits.check(max_sequence_length=max_sequence_length)
+        clip_len = self.pipeline.tokenizer_max_length
+        clip, clip_2 = (tok(prompt, max_length=clip_len, truncation=True).input_ids for tok in self._clip_tokenizers())
+        ids = {"clip": [int(i) for i in clip]}
+        if list(clip_2) != list(clip):
+            ids["clip_2"] = [int(i) for i in clip_2]
+        if self.tokenizer_3 is not None:
+            t5 = self.tokenizer_3(prompt, max_length=max_sequence_length, truncation=True, add_special_tokens=True)
+            ids["t5"] = [int(i) for i in t5.input_ids]
+        return ids
+
+    def check_token_ids(self, token_ids: dict, max_sequence_length: int, field: str = "prompt_token_ids") -> None:
+        self.limits.check(max_sequence_length=max_sequence_length)
+        if not isinstance(token_ids, dict):
+            raise ValueError(f"{field} must be a dict of per-encoder token ids, got {type(token_ids).__name__}")
+        required = ("clip", "t5") if self.tokenizer_3 is not None else ("clip",)
+        allowed = ("clip", "clip_2", "t5")
+        unknown = sorted(set(token_ids) - set(allowed))
+        if unknown or any(k not in token_ids for k in required):
+            raise ValueError(f"{field} must have the keys {list(required)} (optional 'clip_2'), got {sorted(token_ids)}")
+        clip_len = self.pipeline.tokenizer_max_length
+        tokenizers = {"clip": self.tokenizer, "clip_2": self.pipeline.tokenizer_2, "t5": self.tokenizer_3}
+        for key, ids in token_ids.items():
+            if key == "t5" and self.tokenizer_3 is None:
+                continue  # no T5 encoder: its embeddings are zeros, as in diffusers
+            limit = max_sequence_length if key == "t5" else clip_len
+            vocab = len(tokenizers[key])
+            if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= limit:
+                raise ValueError(f"{field}.{key} must be a list of 1 to {limit} token ids "
+                                 f"({'max_sequence_length' if key == 't5' else 'the CLIP context'}), "
+                                 f"got {len(ids) if isinstance(ids, (list, tuple)) else type(ids).__name__}")
+            bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
+            if bad:
+                raise ValueError(f"{field}.{key}: token ids must be ints in [0, {vocab}) (the tokenizer's vocabulary), "
+                                 f"got {bad[:3]}")
+
+    @staticmethod
+    def _padded(ids: list[int], length: int, tokenizer) -> torch.Tensor:
+        """[1, length] ids padded with `tokenizer`'s pad token on its padding side (what padding="max_length"
+        gives)."""
+        pad = [int(tokenizer.pad_token_id)] * (length - len(ids))
+        row = pad + list(ids) if tokenizer.padding_side == "left" else list(ids) + pad
+        return torch.tensor([row], dtype=torch.long)
+
+    @torch.no_grad()
+    def encode_token_ids(self, token_ids: list[dict[str, list[int]]], max_sequence_length: int) -> list[Conditioning]:
+        """The operations of diffusers' `encode_prompt`, from ids instead of text, one prompt at a time (so the
+        result is bitwise that of the text the ids came from)."""
+        out = []
+        for ids in token_ids:
+            self.check_token_ids(ids, max_sequence_length)
+            device = next(self.text_encoder.parameters()).device
+            clip_len = self.pipeline.tokenizer_max_length
+            embeds, pooled = [], []
+            for tok, enc, key in zip(self._clip_tokenizers(), (self.text_encoder, self.text_encoder_2),
+                                     ("clip", "clip_2")):
+                hidden = enc(self._padded(ids.get(key, ids["clip"]), clip_len, tok).to(device),
+                             output_hidden_states=True)
+                pooled.append(hidden[0])
+                embeds.append(hidden.hidden_states[-2].to(dtype=self.text_encoder.dtype, device=device))
+            if self.text_encoder_3 is None:
+                t5 = torch.zeros((1, max_sequence_length, self.transformer.config.joint_attention_dim),
+                                 device=device, dtype=self.text_encoder.dtype)
+            else:
+                t5 = self.text_encoder_3(self._padded(ids["t5"], max_sequence_length, self.tokenizer_3).to(device))[0]
+                t5 = t5.to(dtype=self.text_encoder_3.dtype, device=device)
+            clip = torch.cat(embeds, dim=-1)
+            clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+            prompt_embeds = torch.cat([clip, t5], dim=-2)
+            pooled_embeds = torch.cat(pooled, dim=-1)
+            prompt_ids = self._padded(ids["clip"], clip_len, self.tokenizer)[0].tolist()
+            out.append(Conditioning({"prompt_embeds": prompt_embeds[0].float(),
+                                     "pooled_prompt_embeds": pooled_embeds[0].float()}, prompt_ids))
+        return out
+
     # ------------------------------------------------------------------ denoiser / decoder
     @torch.no_grad()
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],

@@ -1,0 +1,146 @@
+"""omniroll driven by verl's own classes on CPU (the optional `omniroll[verl]` extra; skipped without verl):
+`LLMServerManager` (hybrid path, a stand-in worker group), `LLMServerClient`, `AgentLoopManager` with omniroll's
+worker, verl's `RewardLoopWorker`, and `CheckpointEngineManager` sleep -> naive weight update -> wake."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+
+from tests.verl_helpers import (N, PROMPTS, STEPS, W, StandInActor, StandInActorGroup,  # noqa: E402
+                                StandInWorkerGroup, trainer_batch, verl_config)
+
+
+def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
+    ray = ray_cluster
+    import omniroll.integrations.verl as ov
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    from omniroll.models.sd3 import SD3Adapter
+
+    cfg = verl_config(tiny_sd3_path)
+    reward = ray.remote(RewardLoopWorker).options(num_cpus=0).remote(cfg, None)
+    llm = LLMServerManager.create(cfg, worker_group=StandInWorkerGroup())
+    agent = None
+    try:
+        (replica,) = llm.get_replicas()
+        assert isinstance(replica, ov.OmnirollReplica) and llm.get_addresses()[0].startswith("omniroll_server_0_0@")
+        client = llm.get_client()
+
+        # Level A: vLLM-Omni's generate, with VeRL-Omni's sampling dict and SD3 token ids.
+        adapter = SD3Adapter.from_pretrained(tiny_sd3_path)
+        ids = adapter.tokenize("a red cat", 16)
+        sampling = {"height": 64, "width": 64, "num_inference_steps": STEPS, "output_type": "image",
+                    "true_cfg_scale": 1.0, "max_sequence_length": 16, "guidance_scale": 4.5, "num_frames": 1,
+                    "noise_level": 0.7, "sde_type": "sde", "sde_window_size": W, "sde_window_range": None,
+                    "sde_contiguous": True, "sample_strategy": "random", "logprobs": True, "global_steps": 1,
+                    "seed": 5}
+        out0 = asyncio.run(_generate(client, sampling, ids))
+        assert out0.stop_reason == "completed" and out0.diffusion_output.dtype == torch.uint8
+        assert out0.log_probs.dtype == torch.float32 and out0.log_probs.shape == (W,)
+        ef = out0.extra_fields
+        assert ef["global_steps"] == ef["min_global_steps"] == 0
+        for key in ("all_latents", "all_timesteps", "prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds",
+                    "negative_prompt_embeds", "negative_prompt_embeds_mask", "negative_pooled_prompt_embeds"):
+            assert isinstance(ef[key], torch.Tensor), key
+        with pytest.raises(Exception, match="unknown key"):
+            asyncio.run(_generate(client, {**sampling, "heigth": 64}, ids))
+
+        # Level B: verl's AgentLoopManager with omniroll's worker, streaming rewards to verl's RewardLoopWorker.
+        agent = ov.OmnirollAgentLoopManager.create(config=cfg, llm_client=client, reward_loop_worker_handles=[reward])
+        out = agent.generate_sequences(trainer_batch(global_steps=1))
+        B = N * PROMPTS
+        assert out.batch["responses"].dtype == torch.uint8 and out.batch["responses"].shape == (B, 3, 64, 64)
+        assert out.batch["rollout_log_probs"].dtype == torch.float32 and out.batch["rollout_log_probs"].shape == (B, W)
+        assert out.batch["all_latents"].shape[:2] == (B, W + 1) and out.batch["prompts"].dtype == torch.int64
+        assert out.batch["rm_scores"].shape == (B, 1) and out.batch["rm_scores"].dtype == torch.float32
+        assert out.non_tensor_batch["__num_turns__"].dtype == np.int32
+        assert list(out.non_tensor_batch["global_steps"]) == [0] * B
+        assert "timing" in out.meta_info and out.meta_info["reward_extra_keys"] == []
+        seeds = list(out.non_tensor_batch["seed"])
+        assert len(set(seeds)) == B  # no two rows of a group share a seed under verl's chunking
+        worker = ov.OmnirollVerlWorker(cfg, llm_client=None)
+        assert seeds == [r["seed"] for r in worker.plan(trainer_batch(global_steps=1))]  # = one worker's seeds
+        for chunks in (2, 4, 8):
+            assert [r["seed"] for part in trainer_batch(1).chunk(chunks) for r in worker.plan(part)] == seeds
+
+        # CheckpointEngineManager: sleep, naive update to step 2, wake; new weights change the same-seed image.
+        actor = ray.remote(StandInActor).options(num_cpus=0).remote(cfg.actor_rollout_ref.rollout,
+                                                                    cfg.actor_rollout_ref.model)
+        g = torch.Generator().manual_seed(0)
+        new_weights = {n: (p + 0.05 * torch.randn(p.shape, generator=g)).numpy()
+                       for n, p in adapter.transformer.state_dict().items()}
+        ray.get(actor.set_weights.remote(new_weights))
+        ckpt = CheckpointEngineManager(omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine),
+                                       StandInActorGroup(actor), llm.get_replicas())
+        ckpt.sleep_replicas()
+        ckpt.update_weights(global_steps=2)
+        ckpt.wake_up_replicas()
+        out2 = asyncio.run(_generate(client, sampling, ids))
+        assert out2.extra_fields["global_steps"] == 2
+        assert not torch.equal(out2.diffusion_output, out0.diffusion_output)
+
+        # A stream with a name the model does not have changes nothing (omniroll's update is transactional).
+        weights = {n: (p + 1.0).numpy() for n, p in adapter.transformer.state_dict().items()}
+        weights["transformer_blocks.0.no_such_weight"] = weights.pop(next(iter(weights)))
+        ray.get(actor.set_weights.remote(weights))
+        with pytest.raises(Exception, match="no_such_weight"):
+            ckpt.update_weights(global_steps=3)
+        out3 = asyncio.run(_generate(client, sampling, ids))
+        assert out3.extra_fields["global_steps"] == 2 and torch.equal(out3.diffusion_output, out2.diffusion_output)
+
+        # verl re-syncs the same step (after a colocated reward model slept the rollout): applied, still tagged 2.
+        ray.get(actor.set_weights.remote(new_weights))
+        ckpt.update_weights(global_steps=2)
+        out4 = asyncio.run(_generate(client, sampling, ids))
+        assert out4.extra_fields["global_steps"] == 2 and torch.equal(out4.diffusion_output, out2.diffusion_output)
+    finally:
+        handles = (getattr(agent, "agent_loop_workers", None) or []) + [reward, llm.global_load_balancer]
+        for h in handles + list(llm.server_handles):
+            ray.kill(h, no_restart=True)
+
+
+async def _generate(client, sampling, ids):
+    return await client.generate("req-0", prompt_ids=[1, 2, 3], sampling_params=sampling, extra_prompt_ids=ids)
+
+
+def test_verl_omni_sampling_dict_is_mapped_with_unknown_keys_refused():
+    from omniroll.integrations.verl import map_sampling_params
+
+    fields, seed, dropped = map_sampling_params(
+        {"height": 64, "width": 64, "num_inference_steps": 10, "output_type": "image", "guidance_scale": None,
+         "true_cfg_scale": 1.0, "num_frames": 1, "noise_level": 1.0, "sde_type": "sde", "sde_window_size": 2,
+         "sde_window_range": None, "sde_contiguous": True, "sample_strategy": "random", "logprobs": True,
+         "global_steps": 7})
+    assert fields["output_type"] == "pixel" and fields["guidance_scale"] == 0.0
+    assert fields["sde_window_range"] == (0, 5) and seed is None  # VeRL-Omni's SD3 default range
+    assert fields["num_frames"] == 1 and fields["true_cfg_scale"] == 1.0
+    assert dropped == ["global_steps", "sample_strategy", "sde_contiguous"]
+    for bad, message in (({"heigth": 64}, r"unknown key\(s\) \['heigth'\]"),
+                         ({"sample_strategy": "progressive"}, "MixGRPO"),
+                         ({"sde_contiguous": False}, "contiguous"),
+                         ({"num_inference_steps": 0}, "num_inference_steps"),
+                         ({"seed": -1}, r"seed must be an int in \[0, 2\*\*63\)")):
+        with pytest.raises(ValueError, match=message):
+            map_sampling_params(bad)
+
+
+def test_verl_omni_rollout_config_becomes_omniroll_config(tiny_sd3_path):
+    from omniroll.integrations.verl import omniroll_config_from_verl
+
+    cfg = verl_config(tiny_sd3_path)
+    r = cfg.actor_rollout_ref.rollout  # VeRL-Omni's DiffusionRolloutConfig sections
+    r.pipeline = {"height": 128, "width": 128, "num_inference_steps": 8, "output_type": "image",
+                  "guidance_scale": 4.5, "max_sequence_length": 32, "true_cfg_scale": 1.0}
+    r.algo = {"noise_level": 0.8, "sde_type": "cps", "sde_window_size": 3, "sde_window_range": None}
+    r.custom = {"omniroll": {"pipeline": {"height": 64}, "val_kwargs": {"seed_mode": "shared"}}}
+    oc = omniroll_config_from_verl(cfg)
+    assert (oc.pipeline.height, oc.pipeline.width, oc.pipeline.num_inference_steps) == (64, 128, 8)  # custom wins
+    assert (oc.algo.sde_type, oc.algo.sde_window_range, oc.n, oc.seed) == ("cps", (0, 5), N, 3)
+    assert oc.engine.model == tiny_sd3_path and oc.engine.dtype == "float32" and oc.val_kwargs.seed_mode == "shared"
