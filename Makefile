@@ -29,8 +29,11 @@ $(VERL_STAMP): $(PY)
 
 install: $(STAMP)
 
+# The generation demo, then a short Flow-GRPO training (examples/train.yaml; ~2-4 min on 2 cores, Ray start included):
+# one line per step; out/train/ gets metrics.jsonl, reward_curve.png, val_before.png / val_after.png, checkpoints/.
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
+	$(VENV)/bin/omniroll train --config examples/train.yaml --out out/train
 
 test: $(STAMP) $(VERL_STAMP)
 	$(PY) -m pytest tests
@@ -40,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/prefix_sharing.py
 	$(PY) benchmarks/agent_loop_overhead.py
 	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/train_step.py
 
 clean:
 	rm -rf $(VENV) .omniroll_cache

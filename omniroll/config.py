@@ -129,6 +129,66 @@ class RewardSection(RewardWorkerConfig):
                 "max_wait_ms": self.max_wait_ms}
 
 
+class LoRASection(_Strict):
+    rank: int = Field(8, ge=1, le=4096)
+    alpha: float = Field(16.0, gt=0, le=1e6)
+    target_modules: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"], min_length=1,
+                                      description="module names (PEFT target_modules); default: attention projections")
+
+
+class TrainerConfig(_Strict):
+    """The reference Flow-GRPO trainer (`omniroll train`). Group size is the top-level `n`; sampling comes from
+    `pipeline` / `algo`; rewards from `reward`; validation images from `val_kwargs` (ODE)."""
+
+    steps: int = Field(20, ge=1, le=10**7)
+    prompts: list[str] = Field(default_factory=list, description="training prompts (or prompts_file)")
+    prompts_file: Optional[str] = Field(None, description="one prompt per line, added to prompts")
+    val_prompts: list[str] = Field(default_factory=list, description="fixed validation prompts (default: the "
+                                                                     "first 4 training prompts)")
+    prompts_per_step: int = Field(4, ge=1, le=100_000)
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    clip_range: float = Field(1e-4, gt=0, le=10, description="PPO clip epsilon")
+    adv_clip_max: float = Field(5.0, gt=0, le=1e6)
+    global_std: bool = Field(False, description="normalise advantages by the whole batch's std, not the group's")
+    kl_beta: float = Field(0.0, ge=0, le=1e6, description="KL to the base model (LoRA: adapter disabled)")
+    num_inner_epochs: int = Field(1, ge=1, le=1000)
+    micro_batch_size: int = Field(8, ge=1, le=100_000, description="samples per forward")
+    micro_batches_per_update: Optional[int] = Field(None, ge=1, description="gradient accumulation: micro-batches "
+                                                    "per optimizer step; None: one step per inner epoch")
+    max_grad_norm: float = Field(1.0, gt=0)
+    mode: Literal["lora", "full"] = "lora"
+    lora: LoRASection = Field(default_factory=LoRASection)
+    window_schedule: Literal["fixed", "random", "progressive"] = Field(
+        "fixed", description="MixGRPO-style SDE window per step: fixed (algo.sde_window_*), random (from seed and "
+                             "step), progressive (advances by the window size every window_advance_every steps)")
+    window_advance_every: int = Field(1, ge=1)
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
+    val_every: int = Field(0, ge=0, description="steps between validation grids (0: before and after only)")
+    seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
+    weight_transport: Literal["ray", "shm"] = "ray"
+    sync_timeout_s: float = Field(600.0, gt=0)
+
+    def all_prompts(self) -> list[str]:
+        prompts = list(self.prompts)
+        if self.prompts_file:
+            prompts += [ln.strip() for ln in Path(self.prompts_file).read_text().splitlines() if ln.strip()]
+        return prompts
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.prompts_file is not None and not Path(self.prompts_file).is_file():
+            raise ValueError(f"prompts_file: file not found: {self.prompts_file}")
+        n = len(self.all_prompts())
+        if n == 0:
+            raise ValueError("prompts: training needs at least one prompt (prompts or prompts_file)")
+        if self.prompts_per_step > n:
+            raise ValueError(f"prompts_per_step: must be <= the number of prompts ({n}), got {self.prompts_per_step}")
+        return self
+
+
 class OmniRollConfig(_Strict):
     replicas: ReplicasSection = Field(default_factory=ReplicasSection)
     engine: EngineSection = Field(default_factory=EngineSection)
@@ -144,6 +204,25 @@ class OmniRollConfig(_Strict):
     max_prompt_embed_length: Optional[int] = Field(None, ge=1)
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(2, ge=0, le=100)
+    trainer: Optional[TrainerConfig] = None
+
+    @model_validator(mode="after")
+    def _check_training(self):
+        if self.trainer is None:
+            return self
+        if not self.reward.functions or self.reward.num_workers < 1:
+            raise ValueError("reward.functions: training needs at least one reward function and reward.num_workers >= 1")
+        if self.algo.sde_type == "ode" or self.algo.noise_level <= 0:
+            raise ValueError("algo.sde_type / algo.noise_level: training needs a stochastic step (sde, cps or "
+                             f"dance_sde with noise_level > 0), got {self.algo.sde_type} at {self.algo.noise_level}")
+        if not self.calculate_log_probs:
+            raise ValueError("calculate_log_probs: training needs the rollout's log-probs")
+        if self.n < 2:
+            raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
+        if self.trainer.window_schedule != "fixed" and self.algo.sde_window_size is None:
+            raise ValueError(f"trainer.window_schedule: {self.trainer.window_schedule!r} moves a window of "
+                             f"algo.sde_window_size steps; set algo.sde_window_size")
+        return self
 
     @model_validator(mode="after")
     def _check_prompt_length(self):

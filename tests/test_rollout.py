@@ -153,3 +153,42 @@ def test_duplicate_request_id_on_a_replica_is_refused_not_retried(replicas, ray_
 
     a, b = run(twice())
     assert a.stop_reason == "completed" and isinstance(b, RequestError) and "already in flight on this client" in str(b)
+
+
+def test_http_server_over_replicas_aborts_a_disconnected_clients_samples(replicas, ray_cluster):
+    """The HTTP contract over a RolloutClient: a client that goes away has its samples aborted on the replica."""
+    import json
+    import socket
+    import time
+
+    import httpx
+
+    from omniroll.rollout.serve import run_in_background
+    from omniroll.rollout.server import create_app
+
+    def totals():
+        stats = ray_cluster.get([r.stats.remote() for r in replicas])
+        return {k: sum(s[k] for s in stats) for k in ("in_flight", "served", "aborted")}
+
+    def wait(cond, what):
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline, f"gave up waiting for: {what}"
+            time.sleep(0.05)
+
+    with run_in_background(create_app(RolloutClient(replicas, timeout_s=120))) as url:
+        host, port = url.removeprefix("http://").split(":")
+        ok = httpx.post(f"{url}/v1/images/generations", timeout=60,
+                        json={"prompt": "a cat", "size": "64x64", "num_inference_steps": 2, "max_sequence_length": 16})
+        assert ok.status_code == 200, ok.text
+        before = totals()
+        body = json.dumps({"prompt": "a long one", "n": 2, "size": "64x64", "num_inference_steps": 1000,
+                           "max_sequence_length": 16}).encode()
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        wait(lambda: totals()["in_flight"] == 2, "both samples to reach the replicas")
+        sock.close()
+        wait(lambda: totals()["in_flight"] == 0, "the replicas to drop the disconnected client's samples")
+    after = totals()
+    assert after["served"] == before["served"] and after["aborted"] == before["aborted"] + 2

@@ -69,6 +69,9 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         assert seeds == [r["seed"] for r in worker.plan(trainer_batch(global_steps=1))]  # = one worker's seeds
         for chunks in (2, 4, 8):
             assert [r["seed"] for part in trainer_batch(1).chunk(chunks) for r in worker.plan(part)] == seeds
+        alone = asyncio.run(ov.VerlClient(client).generate(  # row 5 on its own: the same sample
+            "alone", 'A Photo of the "OCR" text: Hello-World 42!', worker.config.sampling_params(), seeds[5]))
+        assert torch.equal(alone.diffusion_output, out.batch["responses"][5])
 
         # CheckpointEngineManager: sleep, naive update to step 2, wake; new weights change the same-seed image.
         actor = ray.remote(StandInActor).options(num_cpus=0).remote(cfg.actor_rollout_ref.rollout,
@@ -85,6 +88,9 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         out2 = asyncio.run(_generate(client, sampling, ids))
         assert out2.extra_fields["global_steps"] == 2
         assert not torch.equal(out2.diffusion_output, out0.diffusion_output)
+        after = agent.generate_sequences(trainer_batch(global_steps=2))
+        for key in ("global_steps", "min_global_steps", "max_global_steps", "weight_version"):
+            assert list(after.non_tensor_batch[key]) == [2] * B, key
 
         # A stream with a name the model does not have changes nothing (omniroll's update is transactional).
         weights = {n: (p + 1.0).numpy() for n, p in adapter.transformer.state_dict().items()}
@@ -144,3 +150,72 @@ def test_verl_omni_rollout_config_becomes_omniroll_config(tiny_sd3_path):
     assert (oc.pipeline.height, oc.pipeline.width, oc.pipeline.num_inference_steps) == (64, 128, 8)  # custom wins
     assert (oc.algo.sde_type, oc.algo.sde_window_range, oc.n, oc.seed) == ("cps", (0, 5), N, 3)
     assert oc.engine.model == tiny_sd3_path and oc.engine.dtype == "float32" and oc.val_kwargs.seed_mode == "shared"
+
+
+def test_import_omniroll_never_imports_verl():
+    import subprocess
+    import sys
+
+    code = "import sys, omniroll, omniroll.integrations; assert 'verl' not in sys.modules, 'verl was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_server_rpc_surface_in_process(tiny_sd3_path):
+    """vLLM-Omni's server calls on one OmnirollServer (no Ray): prompt forms, abort / resume, no-ops, refusals."""
+    from omniroll.integrations.verl import OmnirollServer
+
+    server = OmnirollServer(tiny_sd3_path, engine_kwargs={"max_batch_size": 4})
+    ids = server.engine.adapter.tokenize("a red cat", 16)
+    sp = {"height": 64, "width": 64, "num_inference_steps": 2, "max_sequence_length": 16, "guidance_scale": 4.5,
+          "seed": 1}
+
+    async def scenario():
+        out = await server.generate([1], sp, "a", extra_prompt_ids=ids)
+        assert out.stop_reason == "completed" and out.extra_fields["global_steps"] == 0
+        for bad, message in (({}, "prompt_ids alone"), ({"image_data": [1]}, "text-to-image"),
+                             ({"extra_prompt_ids": ids, "negative_prompt_ids": [3]}, "negative_prompt_ids alone")):
+            with pytest.raises(ValueError, match=message):
+                await server.generate([1], sp, "bad", **bad)
+        slow = asyncio.create_task(server.generate([1], {**sp, "num_inference_steps": 200}, "slow", prompt="x"))
+        while not server.engine.stats()["running"]:
+            await asyncio.sleep(0.01)
+        await server.abort_all_requests()
+        assert (await slow).stop_reason == "aborted"
+        held = asyncio.create_task(server.generate([1], sp, "held", extra_prompt_ids=ids))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        stats = server.engine.stats()
+        assert not held.done() and stats["running"] == stats["waiting"] == 0  # held until resume_generation
+        await server.resume_generation()
+        assert torch.equal((await held).diffusion_output, out.diffusion_output)  # same seed, same sample
+        await server.abort_all_requests(reject_request=True)
+        with pytest.raises(RuntimeError, match="rejected"):
+            await server.generate([1], sp, "rejected", extra_prompt_ids=ids)
+        await server.resume_generation()
+        assert len(server.engine.prompt_cache)
+        await server.clear_kv_cache()
+        assert not len(server.engine.prompt_cache)
+        for noop in (server.release_kv_cache, server.resume_kv_cache, server.start_profile, server.stop_profile):
+            assert await noop() is None
+        await server.collective_rpc("sleep")
+        assert server.engine.asleep_level == 1
+        await server.wake_up(tags=["weights"])
+        assert server.engine.asleep_level == 0
+        with pytest.raises(NotImplementedError, match="collective_rpc"):
+            await server.collective_rpc("load_model")
+        with pytest.raises(NotImplementedError, match="naive"):
+            await server.update_weights_from_ipc(None, False, False)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.engine.shutdown()
+
+
+def test_verl_worker_refuses_a_chunk_without_a_global_index(tiny_sd3_path):
+    from omniroll.integrations.verl import OmnirollVerlWorker
+
+    batch = trainer_batch(global_steps=1)
+    batch.non_tensor_batch.pop("_rollout_seed_global_idx")
+    with pytest.raises(ValueError, match="_rollout_seed_global_idx"):
+        asyncio.run(OmnirollVerlWorker(verl_config(tiny_sd3_path), llm_client=None).generate_sequences(batch[:4]))

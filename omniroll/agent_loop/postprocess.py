@@ -4,7 +4,7 @@ Tensors ([B, ...]): `prompts` / `attention_mask` (int64 [B, prompt_length], toke
 real tokens), `responses` (uint8 [B, 3, H, W]), `rollout_log_probs` (fp32 [B, W], when requested), every tensor extra
 of the DiffusionOutput stacked as is (`all_latents` [B, W+1, C, h, w], `all_timesteps`, `sigmas`, `sigmas_next`,
 `step_indices`, `pooled_prompt_embeds`, ...), `*prompt_embeds` zero-padded on the right to Lmax with a `*_mask`
-([B, Lmax] int64, 1 = real token), per-row scalars `noise_level`, `sigma_max`, `guidance_scale` (fp32 [B]) and
+([B, Lmax] int64, 1 = real token), per-row scalars `noise_level`, `sigma_max`, `guidance_scale` (fp32 [B]), `cfg_scale` (fp64 [B], 0: no CFG) and
 `sde_window` (int64 [B, 2]); `rm_scores` (fp32 [B, 1]) only when every row was scored; `failed` (bool [B]) in mark mode.
 Lmax = `max_prompt_embed_length`, else the longest row of this batch (the manager re-pads across chunks).
 """
@@ -21,8 +21,8 @@ from omniroll.agent_loop.batch import DataBatch
 from omniroll.agent_loop.output import DiffusionAgentLoopOutput
 
 SCALAR_TENSORS = {"noise_level": torch.float32, "sigma_max": torch.float32, "guidance_scale": torch.float32,
-                  "sde_window": torch.int64}
-NON_TENSOR_EXTRAS = ("weight_version", "sde_type", "stop_reason", "replica_index", "rollout_attempts")
+                  "cfg_scale": torch.float64, "sde_window": torch.int64}
+NON_TENSOR_EXTRAS = ("weight_version", "sde_type", "stop_reason", "replica_index", "rollout_attempts", "execution")
 METRIC_EXTRAS = ("generate_seconds", "client_seconds", "generate_finished_at")
 
 

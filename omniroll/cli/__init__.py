@@ -22,6 +22,8 @@ COMMANDS = {
     "demo": "omniroll.cli.demo",
     "generate": "omniroll.cli.generate",
     "rollout": "omniroll.cli.rollout",
+    "serve": "omniroll.cli.serve",
+    "train": "omniroll.cli.train",
 }
 
 EXIT_USAGE = 2

@@ -132,13 +132,14 @@ class DiffusionEngine:
                 bar.close()
 
     async def generate_async(self, request: GenerationRequest) -> DiffusionOutput:
-        """Generate one request; cancelling the awaiting task aborts the request."""
+        """Generate one request; cancelling the awaiting task aborts the request (acknowledged, and without blocking
+        the event loop while the engine finishes its current step)."""
         future = self._submit_futures([request])[0]
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             with contextlib.suppress(EngineShutdownError):  # a shut-down engine already failed the request
-                self.abort(request.request_id)
+                await asyncio.shield(asyncio.to_thread(self.abort, request.request_id))
             raise
 
     def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
@@ -556,7 +557,7 @@ class DiffusionEngine:
 
     def _deliver(self, s: RequestState, pixels: Optional[torch.Tensor]) -> Optional[DiffusionOutput]:
         try:
-            out = build_output(s, pixels)
+            out = build_output(s, pixels, self.runner.execution_info())
         except Exception as e:  # noqa: BLE001 - e.g. NaN pixels: this request fails loudly, the others go on
             s.on_done(None, e)
             return None

@@ -31,7 +31,7 @@ def _embedding_fields(state: RequestState) -> dict:
     return fields
 
 
-def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> DiffusionOutput:
+def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution: Optional[dict] = None) -> DiffusionOutput:
     """Package what RL needs. The window's sigmas, noise level and SDE type travel with the trajectory, so a trainer
     never has to recover sigma from a timestep or mirror the sampling config."""
     p = state.params
@@ -59,8 +59,10 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor]) -> Diffusi
         "sde_type": p.sde_type if p.stochastic else "ode",
         "sigma_max": float(state.sigma_max),
         "guidance_scale": float(p.guidance_scale),
+        "cfg_scale": float(state.cfg_scale) if state.cfg_scale is not None else 0.0,  # the CFG mix's scale; 0: no CFG
         "seed": int(state.request.seed),
         "weight_version": int(state.weight_version or 0),
+        "execution": dict(execution or {}),  # batch_invariant, invariant_block_rows, dtype (ModelRunner)
         "generate_seconds": time.time() - state.submitted_at,
         **_embedding_fields(state),
     }

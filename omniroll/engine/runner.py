@@ -30,6 +30,13 @@ class ModelRunner:
             return BatchInvariantMode(self.config.invariant_block_rows)
         return contextlib.nullcontext()
 
+    def execution_info(self) -> dict:
+        """How this engine's model calls run; recorded in every trajectory (`extra_fields["execution"]`), so a
+        trainer's recompute enters the same mode with the same block size and dtype without copying them by hand."""
+        return {"batch_invariant": bool(self.config.batch_invariant),
+                "invariant_block_rows": int(self.config.invariant_block_rows),
+                "dtype": str(self.config.dtype).removeprefix("torch.")}
+
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:
         """Advance every state by one step. Each row keeps its own sigma, guidance, noise level, SDE type, window.

@@ -112,7 +112,9 @@ class DiffusionAdapter(ABC):
                  guidance: Optional[torch.Tensor] = None, expert: int = 0) -> torch.Tensor:
         """Velocity v for latents [B, ...] at per-row timesteps [B] (sigma * 1000), fp32 out, on the latents'
         device. `guidance` [B]: per-row distilled guidance (guidance_kind "distilled" only). `expert`: which
-        denoiser (every row of one call uses the same one; see `expert_index`)."""
+        denoiser (every row of one call uses the same one; see `expert_index`). Differentiable: the engine calls it
+        under `torch.no_grad`; the trainer's recompute (`omniroll.train.recompute_log_probs`) with autograd on, through
+        the very same code."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

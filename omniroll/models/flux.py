@@ -77,7 +77,6 @@ class FluxAdapter(DiffusionAdapter):
                 for p in prompts]
 
     # ------------------------------------------------------------------ denoiser / decoder
-    @torch.no_grad()
     def velocity(self, latents, timesteps, cond, guidance=None, expert: int = 0) -> torch.Tensor:
         from diffusers import FluxPipeline
 

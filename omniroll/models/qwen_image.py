@@ -99,7 +99,6 @@ class QwenImageAdapter(DiffusionAdapter):
         return self.pipeline._unpack_latents(packed, h * f, w * f, f)[:, :, 0]  # [B, C, 1, h, w] -> [B, C, h, w]
 
     # ------------------------------------------------------------------ denoiser / decoder / CFG
-    @torch.no_grad()
     def velocity(self, latents, timesteps, cond, guidance=None, expert: int = 0) -> torch.Tensor:
         B, C, h, w = latents.shape
         device, dtype = self.device, self.dtype

@@ -121,7 +121,8 @@ class SD3Adapter(DiffusionAdapter):
         as in SD3 / SD3.5: one CLIP tokenization then feeds both CLIP encoders, as VeRL-Omni sends it)."""
         self.limits.check(max_sequence_length=max_sequence_length)
         clip_len = self.pipeline.tokenizer_max_length
-        clip, clip_2 = (tok(prompt, max_length=clip_len, truncation=True).input_ids for tok in self._clip_tokenizers())
+        clip, clip_2 = (tok(prompt, max_length=clip_len, truncation=True).input_ids
+                        for tok in self._clip_tokenizers())
         ids = {"clip": [int(i) for i in clip]}
         if list(clip_2) != list(clip):
             ids["clip_2"] = [int(i) for i in clip_2]
@@ -138,7 +139,8 @@ class SD3Adapter(DiffusionAdapter):
         allowed = ("clip", "clip_2", "t5")
         unknown = sorted(set(token_ids) - set(allowed))
         if unknown or any(k not in token_ids for k in required):
-            raise ValueError(f"{field} must have the keys {list(required)} (optional 'clip_2'), got {sorted(token_ids)}")
+            raise ValueError(f"{field} must have the keys {list(required)} (optional 'clip_2'), "
+                             f"got {sorted(token_ids)}")
         clip_len = self.pipeline.tokenizer_max_length
         tokenizers = {"clip": self.tokenizer, "clip_2": self.pipeline.tokenizer_2, "t5": self.tokenizer_3}
         for key, ids in token_ids.items():
@@ -195,7 +197,6 @@ class SD3Adapter(DiffusionAdapter):
         return out
 
     # ------------------------------------------------------------------ denoiser / decoder
-    @torch.no_grad()
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
                  guidance=None, expert: int = 0) -> torch.Tensor:
         if latents.dim() != 4 or latents.shape[1] != self.transformer.config.in_channels:

@@ -98,7 +98,6 @@ class WanAdapter(DiffusionAdapter):
         return [Conditioning({"prompt_embeds": out[p][0].clone()}, [int(i) for i in out[p][1]]) for p in prompts]
 
     # ------------------------------------------------------------------ denoiser / decoder
-    @torch.no_grad()
     def velocity(self, latents, timesteps, cond, guidance=None, expert: int = 0) -> torch.Tensor:
         model = self.experts[expert]
         param = next(model.parameters())

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Sequence, Union
 import numpy as np
 from PIL import Image
 
+from omniroll.reward.colour import prompt_colour
 from omniroll.reward.http import HttpScorer, decode_png_batch, decode_safetensors_batch
 from omniroll.reward.types import RewardSample
 
@@ -138,6 +139,7 @@ SCORER_REGISTRY: dict[str, Callable[..., Scorer]] = {
     "jpeg_compressibility": _no_kwargs("jpeg_compressibility", jpeg_compressibility),
     "jpeg_incompressibility": _no_kwargs("jpeg_incompressibility", jpeg_incompressibility),
     "http": HttpScorer,
+    "prompt_colour": _no_kwargs("prompt_colour", prompt_colour),
 }
 
 

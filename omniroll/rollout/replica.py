@@ -47,6 +47,7 @@ class RolloutReplica:
         self._in_flight = 0
         self._served = 0
         self._failed = 0
+        self._aborted = 0
         self._started_at = time.time()
 
     async def generate(self, request: dict | GenerationRequest) -> dict:
@@ -67,7 +68,10 @@ class RolloutReplica:
             raise
         finally:
             self._in_flight -= 1
-        self._served += 1
+        if out.stop_reason == "aborted":
+            self._aborted += 1
+        else:
+            self._served += 1
         out.extra_fields.setdefault("replica_rank", self.replica_rank)
         return output_to_wire(out)
 
@@ -103,6 +107,7 @@ class RolloutReplica:
             "running": int(s.get("running", 0)),
             "served": self._served,
             "failed": self._failed,
+            "aborted": self._aborted,
             "weight_version": int(s.get("weight_version", self.engine.weight_version)),
             "asleep_level": int(s.get("asleep_level", 0)),
             "lora": s.get("lora"),

@@ -1,25 +1,51 @@
-"""A small HTTP front end (FastAPI) for debugging and external callers; not on the training path.
+"""omniroll's HTTP server (FastAPI): the OpenAI images API plus omniroll's own routes. Not on the training path.
 
-`create_app(backend)` where backend is a `RolloutClient` (replicas) or an in-process `DiffusionEngine`.
-POST /v1/generate {request_id?, prompt, negative_prompt?, seed, sampling_params?, return_trajectory?}
-  -> {request_id, image_png_base64, log_probs, weight_version, seed, stop_reason[, trajectory]}
-GET /health, GET /stats. JSON only (no pickle over the network); bad fields give 422/400 naming the field.
+`create_app(backend)` where backend is an in-process `DiffusionEngine` or a `RolloutClient` (replicas). Routes:
+
+- `POST /v1/images/generations`: the OpenAI images API (see `omniroll.rollout.openai_images`).
+- `POST /v1/generate` {request_id?, prompt, negative_prompt?, seed, sampling_params?, return_trajectory?}
+  -> {request_id, image_png_base64, log_probs, weight_version, seed, stop_reason[, trajectory]}: one sample, JSON.
+- `POST /v1/rollout` {prompts, n, seed, global_step?, negative_prompt?, sampling_params?} -> a safetensors file
+  (`application/octet-stream`) with the same tensors `omniroll generate` writes to trajectories.safetensors
+  (images, all_latents, all_timesteps, sigmas, sigmas_next, log_probs, seeds, prompt_index, weight_versions), and
+  the prompts, request id and sampling parameters in its metadata. Sample j of prompt i gets the seed
+  `derive_seed(seed, global_step, f"{i}:{prompt}", j)`, as in `omniroll generate`.
+- `GET /v1/models`, `GET /health` (200 when it can serve, 503 asleep or shut down), `GET /stats` (JSON),
+  `GET /metrics` (Prometheus text).
+
+Every route keeps the contract in `omniroll.rollout.http_contract` (body limit 413, JSON errors naming the request,
+400 / 503 / 500, never echoing the input, a disconnected client's samples aborted). JSON and safetensors only (no
+pickle over the network).
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import uuid
+import json
+import time
 from typing import Any, Optional
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
+
+from omniroll.rollout.http_backend import HttpBackend
+from omniroll.rollout.http_contract import (
+    DEFAULT_MAX_BODY_BYTES,
+    ApiError,
+    classify,
+    install_contract,
+    logger,
+    request_id_of,
+    run_until_disconnect,
+)
+from omniroll.rollout.metrics import ServerMetrics
 
 
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    request_id: Optional[str] = None
+    request_id: Optional[str] = Field(None, min_length=1, max_length=128)
     prompt: str
     negative_prompt: Optional[str] = None
     seed: int = Field(ge=0, lt=2**63)
@@ -27,7 +53,18 @@ class GenerateBody(BaseModel):
     return_trajectory: bool = False
 
 
-def _png(pixels) -> str:
+class RolloutBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[str] = Field(min_length=1)
+    n: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0, lt=2**63)
+    global_step: int = Field(0, ge=0)
+    negative_prompt: Optional[str] = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+
+
+def png_base64(pixels) -> str:
     from PIL import Image
 
     buf = io.BytesIO()
@@ -35,44 +72,135 @@ def _png(pixels) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def create_app(backend: Any):
-    from fastapi import FastAPI, HTTPException
+class Server:
+    """What the routes share: the backend, the metrics, the served model's name, and `run` (the contract)."""
 
-    from omniroll.rollout.client import RequestError, RolloutClient, RolloutError, build_request
+    def __init__(self, backend: HttpBackend, model_name: str, max_n: int):
+        self.backend, self.model_name, self.max_n = backend, model_name, max_n
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
 
-    app = FastAPI(title="omniroll rollout")
+    async def run(self, request, route: str, requests: list, texts: list) -> list:
+        """Generate `requests` (GenerationRequests) for one HTTP request, under the contract: capacity, abort on
+        disconnect or on the first failure, metrics, and every error classified (its message scrubbed of `texts`)."""
+        state = self.backend.state()
+        if state != "ok":
+            raise ApiError(503, f"the engine is {state}; retry later", retry_after=5)
+        self.metrics.samples_started(len(requests))
+        try:
+            with self.backend.reserve(len(requests)):
+                outs = await run_until_disconnect(request, [self.backend.generate(r) for r in requests])
+        except Exception as e:
+            err = classify(e, texts)
+            if err.status == 500:
+                logger.error("request %s failed with a bug", request_id_of(request), exc_info=e)
+            if err is not e:
+                raise err from None
+            raise
+        finally:
+            self.metrics.samples_finished(len(requests))
+        for out in outs:
+            self.metrics.sample_done(out.stop_reason)
+        return outs
 
-    async def generate(body: GenerateBody):
-        rid = body.request_id or uuid.uuid4().hex
-        if isinstance(backend, RolloutClient):
-            return await backend.generate(rid, body.prompt, body.sampling_params, body.seed, body.negative_prompt)
-        return await backend.generate_async(
-            build_request(rid, body.prompt, body.sampling_params, body.seed, body.negative_prompt))
+
+def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_pending: int = 1024, max_n: int = 64, request_timeout_s: float = 600.0):
+    """The FastAPI app over an engine or a RolloutClient (or an `HttpBackend` built from one)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+    from omniroll.rollout.client import build_request
+    from omniroll.rollout.openai_images import register_images_api
+    from omniroll.sampling import derive_seed
+
+    if max_n < 1:
+        raise ValueError(f"max_n must be >= 1, got {max_n}")
+    if not isinstance(backend, HttpBackend):
+        backend = HttpBackend(backend, max_pending=max_pending, request_timeout_s=request_timeout_s)
+    server = Server(backend, model_name, max_n)
+    app = FastAPI(title="omniroll", version="0.1.0")
+    app.state.server = server
+    register_images_api(app, server)
 
     @app.post("/v1/generate")
-    async def generate_route(body: GenerateBody):
+    async def generate(body: GenerateBody, request: Request):
+        rid = body.request_id or request_id_of(request)
+        request.scope["state"]["request_id"] = rid
+        texts = [body.prompt, body.negative_prompt]
         try:
-            out = await generate(body)
-        except (RequestError, ValueError) as e:
-            raise HTTPException(status_code=400, detail=str(e))
-        except RolloutError as e:
-            raise HTTPException(status_code=503, detail=str(e))
+            req = build_request(rid, body.prompt, body.sampling_params, body.seed, body.negative_prompt)
+        except Exception as e:  # noqa: BLE001 - classified: 400 for a bad field
+            raise classify(e, texts) from None
+        out = (await server.run(request, "/v1/generate", [req], texts))[0]
         ef = out.extra_fields
-        resp = {"request_id": ef.get("request_id"), "stop_reason": out.stop_reason, "seed": ef.get("seed"),
+        resp = {"request_id": rid, "stop_reason": out.stop_reason, "seed": ef.get("seed"),
                 "weight_version": out.weight_version,
                 "log_probs": out.log_probs.tolist() if out.log_probs is not None else None,
-                "image_png_base64": _png(out.diffusion_output) if out.stop_reason == "completed" else None}
+                "image_png_base64": png_base64(out.diffusion_output) if out.stop_reason == "completed" else None}
         if body.return_trajectory:
             resp["trajectory"] = {k: ef[k].tolist() for k in ("all_timesteps", "sigmas", "sigmas_next") if k in ef}
             resp["trajectory"]["sde_window"] = list(ef.get("sde_window", ()))
         return resp
 
+    @app.post("/v1/rollout")
+    async def rollout(body: RolloutBody, request: Request):
+        rid = request_id_of(request)
+        texts = list(body.prompts) + [body.negative_prompt]
+        if len(body.prompts) * body.n > backend.max_pending:
+            raise ApiError(400, f"len(prompts) * n must be <= {backend.max_pending} (the server's max_pending), "
+                                f"got {len(body.prompts) * body.n}", param="n")
+        try:
+            reqs = [build_request(f"{rid}-p{i}-s{j}", p, body.sampling_params,
+                                  derive_seed(body.seed, body.global_step, f"{i}:{p}", j), body.negative_prompt)
+                    for i, p in enumerate(body.prompts) for j in range(body.n)]
+        except Exception as e:  # noqa: BLE001
+            raise classify(e, texts) from None
+        outs = await server.run(request, "/v1/rollout", reqs, texts)
+        data = trajectory_file(outs, [i for i in range(len(body.prompts)) for _ in range(body.n)],
+                               metadata={"request_id": rid, "prompts": json.dumps(body.prompts),
+                                         "sampling_params": reqs[0].sampling_params.model_dump_json(),
+                                         "seed": str(body.seed), "global_step": str(body.global_step)})
+        return Response(data, media_type="application/octet-stream")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "omniroll"}]}
+
     @app.get("/health")
     async def health():
-        return {"ok": True}
+        state = backend.state()
+        return JSONResponse({"ok": state == "ok", "status": state}, status_code=200 if state == "ok" else 503)
 
     @app.get("/stats")
     async def stats():
         return backend.stats()
 
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics.render(backend.stats()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    install_contract(app, max_body_bytes, server.metrics)  # last: it labels metrics by the routes above
     return app
+
+
+def trajectory_file(outputs: list, prompt_index: list[int], metadata: dict[str, str]) -> bytes:
+    """Completed outputs of one sampling configuration -> safetensors bytes (the `omniroll generate` tensors)."""
+    import torch
+    from safetensors.torch import save
+
+    ef = [o.extra_fields for o in outputs]
+    traj = {
+        "images": torch.stack([o.diffusion_output for o in outputs]),
+        "all_latents": torch.stack([e["all_latents"] for e in ef]),
+        "all_timesteps": torch.stack([e["all_timesteps"] for e in ef]),
+        "sigmas": torch.stack([e["sigmas"] for e in ef]),
+        "sigmas_next": torch.stack([e["sigmas_next"] for e in ef]),
+        "log_probs": torch.stack([o.log_probs for o in outputs]) if outputs[0].log_probs is not None else None,
+        "seeds": torch.tensor([e["seed"] for e in ef], dtype=torch.int64),
+        "prompt_index": torch.tensor(prompt_index, dtype=torch.int64),
+        "weight_versions": torch.tensor([o.weight_version for o in outputs], dtype=torch.int64),
+    }
+    return save({k: v.contiguous() for k, v in traj.items() if v is not None}, metadata=metadata)

@@ -26,7 +26,8 @@ ROLLOUT_NAME = "omniroll"
 def register() -> None:
     """Register omniroll in verl's replica and async-rollout registries (idempotent; done on import)."""
     RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: OmnirollReplica)
-    _rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{OmnirollServerAdapter.__module__}.OmnirollServerAdapter"
+    adapter = f"{OmnirollServerAdapter.__module__}.{OmnirollServerAdapter.__name__}"
+    _rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = adapter
 
 
 register()

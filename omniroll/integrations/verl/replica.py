@@ -32,8 +32,8 @@ def _check_one_device(config: Any) -> None:
              ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")}
     bad = {k: v for k, v in sizes.items() if v != 1}
     if bad:
-        raise ValueError(f"rollout.name=omniroll: one replica is one device; set {', '.join(f'rollout.{k}=1' for k in bad)}"
-                         f" (got {bad})")
+        settings = ", ".join(f"rollout.{k}=1" for k in bad)
+        raise ValueError(f"rollout.name=omniroll: one replica is one device; set {settings} (got {bad})")
 
 
 class OmnirollReplica(RolloutReplica):
@@ -89,6 +89,7 @@ class OmnirollServerAdapter(BaseRollout):
         self.device_mesh = device_mesh
         _check_one_device(self.config)
         self.replica_rank = int(os.environ.get("RANK", 0)) if replica_rank == -1 else int(replica_rank)
+        self.is_leader_rank = True  # one device per replica: every rank leads its replica
         self.sleep_level = 1
         self.bucket_bytes = 256 << 20
         self._server = None

@@ -1,21 +1,19 @@
 """VeRL-Omni's sampling dict (its `rollout.pipeline.*` and `rollout.algo.*` fields, flattened, plus `logprobs`,
 `global_steps` and `seed`) mapped to omniroll's `SamplingParams`.
 
-| VeRL-Omni key | omniroll | note |
-|---|---|---|
-| `height`, `width`, `num_frames`, `num_inference_steps`, `max_sequence_length`, `true_cfg_scale` | same name | the model checks what it supports (e.g. `num_frames` > 1: video models only) |
-| `frame_rate` | `fps` | rounded to an int |
-| `guidance_scale` | `guidance_scale` | `null` becomes 0.0 (no CFG) |
-| `output_type` | `output_type` | `image` becomes `pixel`; `latent`, `both` as is |
-| `noise_level`, `sde_type`, `sde_window_size`, `sde_window_range` | same name | a window size without a range gets VeRL-Omni's SD3 default range (0, 5), capped at T - 1 |
-| `logprobs` | `logprobs` | |
-| `seed` | the request's seed | absent: a fresh random seed (VeRL-Omni with `rollout.seed: null`) |
-| `global_steps` | dropped | the sample is tagged with the weight version it was generated with |
-| `video_flow_shift`, `aspect_ratio` | dropped | the model's own scheduler config and `height` / `width` decide these |
-| `sde_contiguous` (true), `sample_strategy` (`random`), `iters_per_group`, `sde_window_seed` | dropped | omniroll's windows are contiguous and drawn per sample from its seed; `sde_contiguous: false` and `sample_strategy: progressive` (MixGRPO) are refused |
-| `temperature`, `top_k`, `top_p`, `n`, `do_sample` | dropped | LLM sampling knobs (verl's `val_kwargs`) |
+- same name: `height`, `width`, `num_frames`, `num_inference_steps`, `max_sequence_length`, `true_cfg_scale`,
+  `noise_level`, `sde_type`, `sde_window_size`, `sde_window_range`, `logprobs` (the model checks what it supports, e.g.
+  `num_frames` > 1 for video models only); a window size without a range gets VeRL-Omni's SD3 default range (0, 5),
+  capped at T - 1;
+- translated: `frame_rate` -> `fps` (rounded); `guidance_scale: null` -> 0.0 (no CFG); `output_type: image` -> `pixel`;
+- `seed` -> the request's seed; absent (VeRL-Omni with `rollout.seed: null`): a fresh random seed;
+- dropped: `global_steps` (a sample carries the weight version it was generated with), `video_flow_shift` and
+  `aspect_ratio` (the model's scheduler config and `height` / `width` decide them), `sde_contiguous: true`,
+  `sample_strategy: random`, `iters_per_group`, `sde_window_seed` (omniroll's windows are contiguous and drawn per
+  sample from its seed), `temperature`, `top_k`, `top_p`, `n`, `do_sample` (LLM knobs of verl's `val_kwargs`);
+- refused: `sde_contiguous: false`, `sample_strategy: progressive` (MixGRPO), and any other key.
 
-Any other key is refused with an error naming it. Dropped keys are named in the result (and logged once each).
+Errors name the key. Dropped keys are named in the result (and logged once each).
 """
 
 from __future__ import annotations

@@ -74,10 +74,14 @@ class OmnirollServer:
         """vLLM-Omni's `generate`. The prompt is `extra_prompt_ids` (per-encoder token ids, SD3: `{"clip", "t5"}`,
         what VeRL-Omni's agent loop sends with `extra_tokenizers` set) or the text `prompt` (omniroll's verl worker).
         `prompt_ids` alone (the chat-template tokens of a language tokenizer) cannot be encoded by a diffusion
-        model's own text encoders and is refused. Returns stop_reason "aborted" (and no pixels) on abort."""
+        model's own text encoders and is refused. `prompt_mask` and `priority` are accepted and unused (the engine
+        schedules fairly across requests). Returns stop_reason "aborted" (and no pixels) on abort."""
         if image_data is not None or video_data is not None or audio_data is not None:
             raise ValueError("omniroll serves text-to-image: image_data / video_data / audio_data must be None")
         fields, seed, _ = map_sampling_params(dict(sampling_params or {}))
+        if negative_prompt_ids and not negative_extra_prompt_ids and negative_prompt is None:
+            raise ValueError("negative_prompt_ids alone (a language tokenizer's ids) cannot be encoded: send "
+                             "negative_extra_prompt_ids (per-encoder ids) or negative_prompt (text)")
         prompt_kw = self._prompt_fields(prompt, negative_prompt, extra_prompt_ids, negative_extra_prompt_ids)
         try:
             request = GenerationRequest(request_id=str(request_id), sampling_params=SamplingParams(**fields),

@@ -1,0 +1,29 @@
+"""`omniroll.train`: the reference Flow-GRPO trainer (layer 8: it builds on agent_loop, weights, sampling; nothing
+below imports it).
+
+Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns), `recompute_log_probs` (the rollout's
+log-prob under the current weights, with autograd, bitwise equal with the rollout's weights), `group_advantages`,
+`ppo_clip_loss`, `kl_to_reference`, `Policy`, and `FlowGRPOTrainer` for the whole loop.
+"""
+
+from omniroll.train.grpo import Advantages, LossTerms, group_advantages, kl_to_reference, ppo_clip_loss
+from omniroll.train.recompute import enable_gradient_checkpointing, execution_mode, guided_velocity, recompute_log_probs
+from omniroll.train.trajectory import TrajectoryBatch
+
+__all__ = [
+    "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "enable_gradient_checkpointing",
+    "execution_mode", "guided_velocity", "recompute_log_probs", "TrajectoryBatch", "FlowGRPOTrainer", "Policy",
+    "WeightVersionError",
+]
+
+
+def __getattr__(name):  # the trainer pulls in Ray and the agent loop: import it on first use
+    if name in ("FlowGRPOTrainer", "WeightVersionError"):
+        from omniroll.train import trainer
+
+        return getattr(trainer, name)
+    if name == "Policy":
+        from omniroll.train.policy import Policy
+
+        return Policy
+    raise AttributeError(name)

@@ -1,0 +1,113 @@
+"""What a training run writes and reads: metrics.jsonl, the step line, reward_curve.png, validation grids,
+checkpoint lookup, and the MixGRPO-style SDE window of a step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Optional
+
+import torch
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_step(m: dict, total: int) -> str:
+    return (f"step {m['step']:>4}/{total}  reward {m['reward_mean']:+.4f} +- {m['reward_std']:.4f}  "
+            f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  kl {m['approx_kl']:.1e}  "
+            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  v{m['weight_version']}  "
+            f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
+            f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s")
+
+
+def find_checkpoint(path: str) -> str:
+    """A checkpoint directory: `path` itself (it holds trainer_state.pt) or a run directory's latest checkpoint."""
+    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        return path
+    latest = os.path.join(path, "checkpoints", "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            ckpt = os.path.join(path, "checkpoints", f.read().strip())
+        if os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
+            return ckpt
+    raise FileNotFoundError(f"--resume {path}: neither a checkpoint (trainer_state.pt) nor a run directory with "
+                            f"checkpoints/latest")
+
+
+def window_for_step(config: Any, step: int) -> Optional[tuple[int, int]]:
+    """The SDE window range to request at `step` (None: the config's own window). `random`: a start drawn from
+    (trainer.seed, step); `progressive`: advances by the window size every `window_advance_every` steps, wrapping."""
+    tc = config.trainer
+    if tc.window_schedule == "fixed":
+        return None
+    size = config.algo.sde_window_size
+    T = config.pipeline.num_inference_steps
+    lo, hi = config.algo.sde_window_range or (0, max(T - 1, 1))
+    starts = hi - lo - size + 1
+    if tc.window_schedule == "random":
+        g = torch.Generator().manual_seed(tc.seed * 7919 + step)
+        start = lo + int(torch.randint(starts, (1,), generator=g))
+    else:
+        start = lo + ((step - 1) // tc.window_advance_every * size) % starts
+    return (start, start + size)
+
+
+def save_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: int = 2) -> None:
+    """uint8 [rows * cols, 3, H, W] -> one PNG, a row per prompt (nearest-neighbour upscaled by `scale`)."""
+    from PIL import Image
+
+    n, _, H, W = images.shape
+    grid = images.reshape(rows, cols, 3, H, W).permute(0, 3, 1, 4, 2).reshape(rows * H, cols * W, 3)
+    img = Image.fromarray(grid.numpy())
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    img.save(path)
+
+
+def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None) -> None:
+    """reward_curve.png: mean training reward per step with a +-1 std band (and validation points if any)."""
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in history]
+    mean = [m["reward_mean"] for m in history]
+    std = [m["reward_std"] for m in history]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    ax.fill_between(steps, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)], alpha=0.2,
+                    label="+-1 std (samples)")
+    ax.plot(steps, mean, marker="o", ms=3, label="mean reward (training rollouts)")
+    val = val if val is not None else read_jsonl(os.path.join(os.path.dirname(path), "validation.jsonl"))
+    pts = [(v["step"], v["val_reward_mean"]) for v in val if v.get("val_reward_mean") is not None]
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("reward")
+    ax.set_title("Flow-GRPO on the tiny SD3 (omniroll train)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def standard_error(values: list[float]) -> float:
+    n = len(values)
+    if n < 2:
+        return float("inf")
+    mu = sum(values) / n
+    return math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1) / n)

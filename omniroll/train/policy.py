@@ -1,0 +1,138 @@
+"""The trainer's policy: the same family's denoiser, loaded from the same checkpoint, with a PEFT LoRA or all of its
+weights trainable; the KL reference (the base model: the adapter disabled, no second copy for LoRA); saving and
+loading (LoRA in PEFT's `save_pretrained` format, loadable with `PeftModel.from_pretrained` onto the diffusers
+transformer).
+
+The model stays in eval mode (no dropout anywhere): the rollout's engine runs it in eval mode, and a ratio is exact
+only if both sides compute the same function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from omniroll.models import load_adapter
+from omniroll.models.base import DiffusionAdapter
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Policy:
+    """mode "lora": a LoRA (rank, alpha, target_modules) on the denoiser, B initialised to zero (so the first rollout,
+    on the base weights, is on-policy); mode "full": every denoiser weight is trained."""
+
+    def __init__(self, model_path: str, mode: str = "lora", rank: int = 8, alpha: float = 16.0,
+                 target_modules: Optional[list[str]] = None, dtype: str = "float32", seed: int = 0):
+        if mode not in ("lora", "full"):
+            raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
+        self.model_path, self.mode, self.dtype = model_path, mode, dtype
+        self.adapter: DiffusionAdapter = load_adapter(model_path, dtype=_DTYPES[dtype])
+        for m in self.adapter.modules().values():
+            m.requires_grad_(False)
+            m.eval()
+        self.denoiser = self.adapter.denoiser
+        self._reference: Optional[DiffusionAdapter] = None
+        if mode == "lora":
+            from peft import LoraConfig
+
+            self.lora_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules or
+                                          ["to_q", "to_k", "to_v", "to_out.0"]), lora_dropout=0.0,
+                                          init_lora_weights=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.denoiser.add_adapter(self.lora_config)
+            self.denoiser.eval()
+        else:
+            self.lora_config = None
+            self.denoiser.requires_grad_(True)
+
+    # ------------------------------------------------------------------ what is trained and sent
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.denoiser.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.denoiser.named_parameters() if p.requires_grad]
+
+    def weights_to_send(self) -> torch.nn.Module:
+        """What `WeightSender.send` takes: the denoiser (with LoRA layers it sends only the adapter and its config)."""
+        return self.denoiser
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[DiffusionAdapter]:
+        """The base model for the KL term: LoRA disabled in place; for full fine-tuning a frozen copy loaded once."""
+        if self.mode == "lora":
+            self.denoiser.disable_adapters()
+            try:
+                yield self.adapter
+            finally:
+                self.denoiser.enable_adapters()
+        else:
+            if self._reference is None:
+                self._reference = load_adapter(self.model_path, dtype=_DTYPES[self.dtype])
+                for m in self._reference.modules().values():
+                    m.requires_grad_(False)
+            yield self._reference
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str) -> None:
+        """LoRA: `adapter_config.json` + `adapter_model.safetensors` (PEFT's save_pretrained layout and key names);
+        full: `transformer/` via diffusers' save_pretrained."""
+        os.makedirs(path, exist_ok=True)
+        if self.mode == "lora":
+            from safetensors.torch import save_file
+
+            from omniroll.weights import lora_state_dict
+
+            sd = {f"base_model.model.{k}": v.detach().contiguous() for k, v in lora_state_dict(self.denoiser).items()}
+            save_file(sd, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+            self.lora_config.save_pretrained(path)
+        else:
+            self.denoiser.save_pretrained(os.path.join(path, "transformer"), safe_serialization=True)
+
+    def load(self, path: str) -> None:
+        """Restore weights written by `save` (bit-exact)."""
+        from safetensors.torch import load_file
+
+        with torch.no_grad():
+            if self.mode == "lora":
+                from omniroll.weights import lora_state_dict, normalize_lora_keys
+
+                tensors = normalize_lora_keys(load_file(os.path.join(path, "adapter_model.safetensors")),
+                                              self.denoiser)
+                live = {k: p for k, p in zip(lora_state_dict(self.denoiser), self._lora_params())}
+                if tensors.keys() != live.keys():
+                    raise ValueError(f"checkpoint {path} does not match this LoRA config "
+                                     f"(missing {sorted(live.keys() - tensors.keys())[:5]}, "
+                                     f"extra {sorted(tensors.keys() - live.keys())[:5]})")
+                for k, p in live.items():
+                    p.copy_(tensors[k])
+            else:
+                f = os.path.join(path, "transformer", "diffusion_pytorch_model.safetensors")
+                sd = load_file(f)
+                own = dict(self.denoiser.named_parameters())
+                for k, v in sd.items():
+                    if k in own:
+                        own[k].copy_(v)
+
+    def _lora_params(self) -> list[torch.nn.Parameter]:
+        # the same order as lora_state_dict's keys (PEFT walks the module's state dict in order)
+        from omniroll.weights import lora_state_dict
+
+        named = dict(self.denoiser.named_parameters())
+        out = []
+        for k in lora_state_dict(self.denoiser):
+            mod, _, suffix = k.rpartition(".")  # "<mod>.lora_A", "weight"
+            out.append(named[f"{mod}.default.{suffix}"])
+        return out
+
+
+def describe(policy: Policy) -> dict:
+    from omniroll.weights import peft_config_to_dict
+
+    n = sum(p.numel() for p in policy.parameters())
+    return {"mode": policy.mode, "trainable_parameters": n,
+            "lora": peft_config_to_dict(policy.lora_config) if policy.lora_config is not None else None}

@@ -1,0 +1,287 @@
+"""`FlowGRPOTrainer`: Flow-GRPO end to end on omniroll's public pieces.
+
+One step: (1) roll out `prompts_per_step` prompts x `n` samples through the `AgentLoopManager` (replicas are Ray
+actors; rewards stream while generation runs); (2) GRPO advantages per prompt group; (3) inner epochs over shuffled
+micro-batches and every recorded window step (`train_on_batch`, recompute by `recompute_log_probs`); (4) push the new
+weights to every replica through `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
+
+Every sample's `weight_version` must equal the version pushed before its rollout (else `WeightVersionError`), and
+`ratio_max_abs_dev` (max |ratio - 1| before the step's first optimizer update) is logged every step: exactly 0.0 with
+the engine's batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from omniroll.agent_loop.batch import DataBatch
+from omniroll.config import OmniRollConfig, load_config
+from omniroll.train import artifacts
+from omniroll.train.grpo import group_advantages
+from omniroll.train.policy import Policy
+from omniroll.train.trajectory import TrajectoryBatch
+from omniroll.train.update import train_on_batch
+
+
+class WeightVersionError(RuntimeError):
+    """A sample was generated with weights other than the ones pushed before its rollout."""
+
+
+class FlowGRPOTrainer:
+    """config: an OmniRollConfig (or a path / dict) with a `trainer` section. out_dir: metrics.jsonl, reward_curve.png,
+    validation grids, checkpoints. resume: a run directory or one of its checkpoint directories."""
+
+    def __init__(self, config: Any, out_dir: str, resume: Optional[str] = None,
+                 log: Callable[[str], None] = print):
+        self.config: OmniRollConfig = config if isinstance(config, OmniRollConfig) else load_config(config)
+        if self.config.trainer is None:
+            raise ValueError("trainer: the config has no trainer section")
+        self.tc = self.config.trainer
+        self.out_dir = out_dir
+        self.resume_from = artifacts.find_checkpoint(resume) if resume else None  # fails before Ray starts
+        self.log = log
+        self.prompts = self.tc.all_prompts()
+        self.val_prompts = list(self.tc.val_prompts) or self.prompts[:4]
+        self.step_done = 0  # last completed training step
+        self.version = 0  # weights version on every replica
+        self.replicas: list = []
+        self.reward_handles: list = []
+        self.manager = None
+        self.history: list[dict] = []
+        self._pending_interrupt = False
+        self._critical = False
+        self._checkpointing = False
+
+    # ------------------------------------------------------------------ setup / teardown
+    def start(self) -> "FlowGRPOTrainer":
+        import ray
+
+        from omniroll.agent_loop.manager import AgentLoopManager
+        from omniroll.models import resolve_model
+        from omniroll.reward import create_reward_workers
+        from omniroll.rollout.replica import create_replicas
+        from omniroll.weights import WeightSender
+
+        cfg = self.config
+        os.makedirs(self.out_dir, exist_ok=True)
+        if not self.resume_from:  # a fresh run starts fresh logs (a resumed one appends to them)
+            for name in ("metrics.jsonl", "validation.jsonl"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.out_dir, name))
+        model = resolve_model(cfg.engine.model)
+        self.policy = Policy(model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha, self.tc.lora.target_modules,
+                             dtype=cfg.engine.dtype, seed=self.tc.seed)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
+                                           weight_decay=self.tc.weight_decay)
+        if self.resume_from:
+            self._load(self.resume_from)
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        self.replicas = create_replicas(cfg.replicas.count, model, cfg.engine.engine_kwargs(),
+                                        num_cpus=cfg.replicas.num_cpus, num_gpus=cfg.replicas.num_gpus,
+                                        max_concurrency=cfg.replicas.max_concurrency)
+        self.reward_handles = create_reward_workers(cfg.reward.worker_config(), cfg.reward.num_workers)
+        self.manager = AgentLoopManager(cfg, self.replicas, self.reward_handles)
+        self.sender = WeightSender(self.replicas, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+        current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
+                      for i in range(len(self.replicas)))
+        if current > self.step_done or (self.step_done > 0 and current == self.step_done):
+            raise WeightVersionError(f"replicas are at weight version {current}, ahead of this run's step "
+                                     f"{self.step_done}: start the trainer with fresh replicas")
+        if self.step_done > 0:  # resumed: the replicas start from the checkpoint's weights
+            self._sync(self.step_done)
+        self.version = self.step_done
+        return self
+
+    def close(self) -> None:
+        import ray
+
+        if self.manager is not None:
+            self.manager.shutdown()
+            self.manager = None
+        for h in self.reward_handles:
+            with contextlib.suppress(Exception):
+                ray.kill(h, no_restart=True)
+        self.reward_handles = []
+        from omniroll.rollout.replica import kill_replicas
+
+        kill_replicas(self.replicas)
+        self.replicas = []
+
+    def __enter__(self) -> "FlowGRPOTrainer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, steps: Optional[int] = None, progress: bool = False,
+              on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
+        """Run until step `steps` (default: trainer.steps). On Ctrl-C the state of the last completed step is written
+        as a checkpoint and KeyboardInterrupt is re-raised (a step's update and sync are never cut in half)."""
+        last = int(steps or self.tc.steps)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=last, initial=self.step_done, desc="train", unit="step", dynamic_ncols=True)
+        old = signal.getsignal(signal.SIGINT)
+        with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
+            signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            if self.step_done == 0 and not self.resume_from:
+                self.validate("before")
+            while self.step_done < last:
+                m = self.step(self.step_done + 1)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", dev=m["ratio_max_abs_dev"])
+                if on_step is not None:
+                    on_step(m)
+                if self.tc.checkpoint_every and self.step_done % self.tc.checkpoint_every == 0:
+                    self.save_checkpoint()
+                if self.tc.val_every and self.step_done % self.tc.val_every == 0 and self.step_done < last:
+                    self.validate(f"step{self.step_done:06d}")
+            self.validate("after")
+            self.save_checkpoint()
+        except KeyboardInterrupt:
+            self.log(f"interrupted: writing the checkpoint of step {self.step_done}")
+            self.save_checkpoint()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, old)
+            if bar is not None:
+                bar.close()
+            artifacts.plot_rewards(self.history_all(), os.path.join(self.out_dir, "reward_curve.png"))
+        return self.history
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._critical:
+            self._pending_interrupt = True  # raised once this step's update and sync are complete
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def _uninterruptible(self):
+        self._critical = True
+        try:
+            yield
+        finally:
+            self._critical = False
+        if self._pending_interrupt:
+            self._pending_interrupt = False
+            raise KeyboardInterrupt
+
+    def step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        wall0 = time.time()
+        out = self._rollout(step)
+        wall_back = time.time()
+        finished = [m.get("generate_finished_at") or wall_back for m in out.meta_info.get("metrics", [])]
+        last_gen = max(finished) if finished else wall_back
+        versions = [int(v) for v in out.non_tensor_batch["weight_version"]]
+        wrong = [(out.non_tensor_batch["request_id"][i], v) for i, v in enumerate(versions) if v != self.version]
+        if wrong:
+            raise WeightVersionError(f"step {step}: {len(wrong)} sample(s) were generated with weights other than "
+                                     f"version {self.version}: {wrong[:8]}")
+        rewards = out.batch["rm_scores"][:, 0].float()
+        adv = group_advantages(rewards, list(out.non_tensor_batch["uid"]), self.tc.global_std, self.tc.adv_clip_max)
+        traj = TrajectoryBatch.from_batch(out)
+        if self.tc.gradient_checkpointing and not self._checkpointing:  # in the mode the rollout recorded
+            from omniroll.train.recompute import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
+            self._checkpointing = True
+        t1 = time.perf_counter()
+        with self._uninterruptible():
+            stats = train_on_batch(
+                self.policy, self.optimizer, traj, adv.advantages, step=step, seed=self.tc.seed,
+                num_inner_epochs=self.tc.num_inner_epochs, micro_batch_size=self.tc.micro_batch_size,
+                micro_batches_per_update=self.tc.micro_batches_per_update, clip_range=self.tc.clip_range,
+                kl_beta=self.tc.kl_beta, max_grad_norm=self.tc.max_grad_norm)
+            t2 = time.perf_counter()
+            self._sync(step)
+            self.step_done = step
+            t3 = time.perf_counter()
+            m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+                 "tied_groups": adv.tied_groups, "num_groups": adv.num_groups, "num_samples": len(traj),
+                 "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
+                 "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
+                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
+                 "weight_version": versions[0], "synced_version": self.version,
+                 "rollout_s": max(last_gen - wall0, 0.0), "reward_wait_s": max(wall_back - last_gen, 0.0),
+                 "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0}
+            self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
+            artifacts.append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), m)
+            self.log(artifacts.format_step(m, self.tc.steps))
+        return m
+
+    def _rollout(self, step: int) -> DataBatch:
+        n, P = self.config.n, self.tc.prompts_per_step
+        g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
+        picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
+        rows = [i for i in picks for _ in range(n)]
+        meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
+        window = artifacts.window_for_step(self.config, step)
+        if window is not None:
+            meta["sampling_params"] = {"sde_window_range": window}
+        batch = DataBatch.from_dict(non_tensors={
+            "raw_prompt": [self.prompts[i] for i in rows], "uid": [f"prompt{i:05d}" for i in rows],
+            "data_source": ["train"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
+        return asyncio.run(self.manager.generate_sequences_async(batch))
+
+    def _sync(self, version: int) -> None:
+        acks = self.sender.send(self.policy.weights_to_send(), version=version)
+        bad = [a for a in acks if int(a.get("version", -1)) != version]
+        if len(acks) != len(self.replicas) or bad:
+            raise WeightVersionError(f"weight sync to version {version}: acks {acks}")
+        self.version = version
+
+    # ------------------------------------------------------------------ validation and checkpoints
+    def validate(self, tag: str) -> dict:
+        k = self.config.val_kwargs.n
+        rows = [i for i in range(len(self.val_prompts)) for _ in range(k)]
+        batch = DataBatch.from_dict(non_tensors={
+            "raw_prompt": [self.val_prompts[i] for i in rows], "uid": [f"val{i:04d}" for i in rows],
+            "data_source": ["val"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info={"validate": True})
+        out = asyncio.run(self.manager.generate_sequences_async(batch))
+        path = os.path.join(self.out_dir, f"val_{tag}.png")
+        artifacts.save_grid(out.batch["responses"], len(self.val_prompts), k, path)
+        score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
+        rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
+        artifacts.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
+        self.log(f"validation {tag}: reward {score:.4f} -> {path}" if score is not None else f"validation {tag}")
+        return rec
+
+    def save_checkpoint(self) -> str:
+        path = os.path.join(self.out_dir, "checkpoints", f"step_{self.step_done:06d}")
+        self.policy.save(path)
+        torch.save({"step": self.step_done, "version": self.version, "optimizer": self.optimizer.state_dict(),
+                    "mode": self.tc.mode, "config": self.config.model_dump(mode="json")},
+                   os.path.join(path, "trainer_state.pt"))
+        with open(os.path.join(self.out_dir, "checkpoints", "latest"), "w") as f:
+            f.write(os.path.basename(path) + "\n")
+        return path
+
+    def _load(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        if state["mode"] != self.tc.mode:
+            raise ValueError(f"trainer.mode: the checkpoint {path} was trained with mode {state['mode']!r}")
+        self.policy.load(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_done = int(state["step"])
+        self.log(f"resumed from {path} (step {self.step_done})")
+
+    def history_all(self) -> list[dict]:
+        """Every step's metrics in this out_dir (a resumed run appends to them)."""
+        return artifacts.read_jsonl(os.path.join(self.out_dir, "metrics.jsonl"))

@@ -1,0 +1,84 @@
+"""The training phase of one step: inner epochs over shuffled micro-batches and every recorded window step, PPO-clip
+loss (+ optional KL), gradient accumulation, grad-norm clip, optimizer step. Measures `ratio_max_abs_dev` before the
+step's first optimizer update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omniroll.train.grpo import kl_to_reference, ppo_clip_loss
+from omniroll.train.policy import Policy
+from omniroll.train.recompute import recompute_log_probs
+from omniroll.train.trajectory import TrajectoryBatch
+
+
+@dataclass
+class UpdateStats:
+    ratio_max_abs_dev: float
+    clip_frac: float
+    approx_kl: float
+    loss: float
+    policy_loss: float
+    kl: float
+    grad_norm: float
+    optimizer_steps: int
+
+
+def shuffle_generator(seed: int, step: int, epoch: int) -> torch.Generator:
+    """Shuffling depends only on (seed, step, epoch): a resumed run shuffles exactly as a straight one."""
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) * 1009 + int(epoch))
+
+
+def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: TrajectoryBatch, advantages: torch.Tensor,
+                   *, step: int, seed: int, num_inner_epochs: int, micro_batch_size: int,
+                   micro_batches_per_update: int | None, clip_range: float, kl_beta: float,
+                   max_grad_norm: float) -> UpdateStats:
+    B, W = len(traj), traj.num_steps
+    if advantages.shape != (B,):
+        raise ValueError(f"advantages must be [{B}], got {tuple(advantages.shape)}")
+    params = policy.parameters()
+    n_micro = (B + micro_batch_size - 1) // micro_batch_size
+    per_update = micro_batches_per_update or n_micro
+    dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
+    updates = 0
+    optimizer.zero_grad(set_to_none=True)
+    for epoch in range(num_inner_epochs):
+        perm = torch.randperm(B, generator=shuffle_generator(seed, step, epoch))
+        chunks = perm.split(micro_batch_size)
+        for c, rows in enumerate(chunks):
+            mb = traj.rows(rows)
+            adv = advantages[rows]
+            group_start = (c // per_update) * per_update
+            group_size = min(per_update, len(chunks) - group_start)
+            for k in range(W):
+                out = recompute_log_probs(policy.adapter, mb, k)
+                kl = None
+                if kl_beta > 0:
+                    with torch.no_grad(), policy.reference() as ref:
+                        ref_out = recompute_log_probs(ref, mb, k)
+                    kl = kl_to_reference(out.mean, ref_out.mean, out.std, mb.sigmas_next[:, k] - mb.sigmas[:, k],
+                                         mb.sde_type)
+                terms = ppo_clip_loss(out.log_prob, mb.log_probs[:, k], adv, clip_range, kl, kl_beta)
+                (terms.loss / (group_size * W)).backward()
+                if updates == 0:
+                    dev = max(dev, float((terms.ratio - 1.0).abs().max()))
+                clipped += int(terms.clipped.sum())
+                total += len(rows)
+                approx.append(float(terms.approx_kl))
+                losses.append(float(terms.loss.detach()))
+                plosses.append(float(terms.policy_loss))
+                kls.append(float(terms.kl))
+            if (c + 1) % per_update == 0 or c == len(chunks) - 1:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                updates += 1
+
+    def mean(x):
+        return sum(x) / max(len(x), 1)
+
+    return UpdateStats(ratio_max_abs_dev=dev, clip_frac=clipped / max(total, 1), approx_kl=mean(approx),
+                       loss=mean(losses), policy_loss=mean(plosses), kl=mean(kls), grad_norm=mean(norms),
+                       optimizer_steps=updates)
