@@ -49,6 +49,7 @@ class AgentLoopManager:
         cls = ray.remote(DiffusionAgentLoopWorker).options(**opts)
         self.workers = [cls.remote(self.config, client, None, reward_worker_handles)
                         for _ in range(self.config.agent.num_workers)]
+        self._calls = 0
 
     @staticmethod
     def prepare(batch: DataBatch) -> DataBatch:
@@ -81,7 +82,11 @@ class AgentLoopManager:
                                                note=" before generation (nothing was generated)")
         chunks = batch.split(group_chunk_sizes(list(batch.non_tensor_batch["uid"]), len(self.workers)))
         offsets = np.cumsum([0] + [len(c) for c in chunks])
-        jobs = [(w, c, int(off)) for w, c, off in zip(self.workers, chunks, offsets) if len(c)]
+        # rotate the first worker per call, so concurrent small calls (one prompt group each) spread over workers
+        start = self._calls % len(self.workers)
+        self._calls += 1
+        workers = self.workers[start:] + self.workers[:start]
+        jobs = [(w, c, int(off)) for w, c, off in zip(workers, chunks, offsets) if len(c)]
         refs = [w.generate_sequences.remote(c) for w, c, _ in jobs]
         results = await asyncio.gather(*[_await(r) for r in refs], return_exceptions=True)
         failed_rows: list[dict] = []

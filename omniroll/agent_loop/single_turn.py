@@ -71,17 +71,21 @@ class DiffusionSingleTurnAgentLoop:
             request_id=str(kwargs["request_id"]), prompt=prompt, sampling_params=sampling_params,
             seed=int(kwargs["seed"]), negative_prompt=negative, group_id=kwargs.get("uid"),
         )
-        dt = time.perf_counter() - t0
-        extra = dict(out.extra_fields)
-        extra["stop_reason"] = out.stop_reason
-        extra["generate_finished_at"] = time.time()
-        return DiffusionAgentLoopOutput(
-            prompt_ids=list(extra.pop("prompt_ids", []) or []),
-            response_diffusion_output=out.diffusion_output,
-            response_logprobs=out.log_probs,
-            num_turns=2,
-            metrics=AgentLoopMetrics(
-                generate_sequences=dt, num_preempted=-1 if out.num_preempted is None else int(out.num_preempted)
-            ),
-            extra_fields=extra,
-        )
+        return agent_loop_output(out, time.perf_counter() - t0)
+
+
+def agent_loop_output(out: Any, generate_seconds: float) -> DiffusionAgentLoopOutput:
+    """A DiffusionOutput as the single-turn agent loop's output (also how `omniroll generate` builds its batch)."""
+    extra = dict(out.extra_fields)
+    extra["stop_reason"] = out.stop_reason
+    extra["generate_finished_at"] = time.time()
+    return DiffusionAgentLoopOutput(
+        prompt_ids=list(extra.pop("prompt_ids", []) or []),
+        response_diffusion_output=out.diffusion_output,
+        response_logprobs=out.log_probs,
+        num_turns=2,
+        metrics=AgentLoopMetrics(
+            generate_sequences=generate_seconds,
+            num_preempted=-1 if out.num_preempted is None else int(out.num_preempted)),
+        extra_fields=extra,
+    )

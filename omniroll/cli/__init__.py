@@ -8,6 +8,7 @@ What `main` guarantees for every command:
 - a user error (a bad flag value, config key, file, prompt, model path) prints one line per problem,
   `omniroll <command>: error: ...`, and exits 2; a traceback only with `--debug`;
 - Ctrl-C (SIGINT) exits 130; a command writes what already finished before it returns (see each command);
+- work that failed (some samples) after the rest was written: one line per failed row, exit 1;
 - any other error is a bug: one line and exit 1 (`--debug` shows the traceback).
 """
 
@@ -26,6 +27,7 @@ COMMANDS = {
     "train": "omniroll.cli.train",
 }
 
+EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -36,6 +38,24 @@ class UserError(ValueError):
     def __init__(self, problems):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
+
+
+class CommandFailed(RuntimeError):
+    """Some of the work failed (what finished was written): one line per entry of `problems`, exit 1."""
+
+    def __init__(self, problems):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default unless its help states it (flags that default to the config say which key)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or action.default in (None, argparse.SUPPRESS, False, []):
+            return text
+        return text + " (default: %(default)s)"
 
 
 def _command(name: str):
@@ -49,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = _command(name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_HelpFormatter)
         module.add_arguments(p)
         p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     return parser
@@ -73,11 +93,22 @@ def main(argv=None) -> int:
             raise
         _say_error(args.command, e.problems)
         return EXIT_USAGE
+    except CommandFailed as e:
+        if debug:
+            raise
+        _say_error(args.command, e.problems)
+        return EXIT_FAILED
     except (ValueError, TypeError, FileNotFoundError) as e:
         if debug:
             raise
         _say_error(args.command, _lines(e))
         return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback with --debug
+        if debug:
+            raise
+        _say_error(args.command, [f"internal error: {type(e).__name__}: {(_lines(e) or [''])[0]} "
+                                  f"(run with --debug for the traceback)"])
+        return EXIT_FAILED
 
 
 def _lines(e: BaseException) -> list[str]:

@@ -1,109 +1,203 @@
-"""`omniroll generate`: images with SDE log-probs on one in-process engine."""
+"""`omniroll generate`: images with SDE log-probs on one in-process engine.
+
+Writes into `--out`: `prompt_NNN.png` (one row of that prompt's samples), `trajectories.safetensors` (the layout of
+`omniroll.trajectory`, the same as `omniroll rollout` writes) and `metrics.json` (timing, run: model, device, dtype,
+batch invariance, seeds, package versions). Finished samples are written even when the run is interrupted (Ctrl-C,
+exit 130) or some samples fail (each failure is reported once, exit 1).
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
-HELP = "generate images with SDE log-probs on one engine"
+from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, make_batch, preflight,
+                                 quiet_libraries, read_prompts, sample_seed)
+
+HELP = "generate images with SDE log-probs on one in-process engine"
 
 
-def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        prompts += [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise SystemExit("give at least one --prompt or a --prompts-file")
-    return prompts
-
-
-def save_grid(images, path: Path) -> None:
-    """images: uint8 tensor [N, 3, H, W] -> one PNG row."""
-    from PIL import Image
-
-    grid = images.permute(2, 0, 3, 1).reshape(images.shape[2], -1, 3).numpy()  # H, N*W, 3
-    Image.fromarray(grid).save(path)
-
-
-def add_arguments(gen) -> None:
-    gen.add_argument("--model", default="tiny", help="'tiny' or a local diffusers SD3 checkpoint directory")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--prompts-file", help="one prompt per line")
-    gen.add_argument("--n", type=int, default=4, help="samples per prompt")
-    gen.add_argument("--steps", type=int, default=10)
-    gen.add_argument("--guidance", type=float, default=4.5)
-    gen.add_argument("--noise-level", type=float, default=0.7)
-    gen.add_argument("--sde-type", default="sde", choices=["sde", "cps", "ode"])
-    gen.add_argument("--window-size", type=int, default=None)
-    gen.add_argument("--window-range", type=int, nargs=2, default=None)
-    gen.add_argument("--height", type=int, default=128)
-    gen.add_argument("--width", type=int, default=128)
-    gen.add_argument("--max-sequence-length", type=int, default=32)
-    gen.add_argument("--max-batch-size", type=int, default=16)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--out", default="out/generate")
-    gen.add_argument("--quiet", action="store_true")
+def add_arguments(parser) -> None:
+    add_prompt_arguments(parser)
+    add_config_arguments(parser, config_help="optional YAML config (its engine, pipeline, algo, n and seed sections "
+                                             "are used; see examples/rollout.yaml); flags override it")
+    parser.add_argument("--out", default="out/generate", help="output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
-    metrics = run_generate(args)
-    print(json.dumps({k: metrics[k] for k in ("num_images", "seconds", "images_per_second")}))
-    return 0
+    result = run_generate(args)
+    print(json.dumps({k: result[k] for k in ("num_images", "seconds", "images_per_second")}))
+    print_files(result)
+    return 1 if result["failed_rows"] else 0
 
 
-def run_generate(args) -> dict:
+def print_files(result: dict) -> None:
+    print(f"wrote {len(result['files'])} files:")
+    for f in result["files"]:
+        print(f"  {f}")
+
+
+def save_grid(images, path: Path, caption: str = "") -> str:
+    """images: uint8 tensor [N, 3, H, W] -> one PNG (0644): the samples side by side on white, a gap between them,
+    and a caption line above (the prompt). The pixels of each sample are exactly the recorded ones."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    from omniroll.trajectory import write_bytes
+
+    n, _, h, w = images.shape
+    gap, top = 4, 16 if caption else 0
+    sheet = Image.new("RGB", (n * w + (n + 1) * gap, h + 2 * gap + top), "white")
+    for k in range(n):
+        sheet.paste(Image.fromarray(images[k].permute(1, 2, 0).numpy()), (gap + k * (w + gap), gap + top))
+    if caption:
+        ImageDraw.Draw(sheet).text((gap, 2), caption, fill=(40, 40, 40))
+    buf = io.BytesIO()
+    sheet.save(buf, format="PNG")
+    return write_bytes(str(path), buf.getvalue())
+
+
+def run_generate(args, base: dict | None = None) -> dict:
+    """Validate everything, then generate. Returns the metrics (plus `files`); raises KeyboardInterrupt after writing
+    what finished when interrupted."""
+    cfg = build_config(args, base)
+    prompts = read_prompts(args)
+    if args.quiet:
+        quiet_libraries()
+    model = preflight(cfg, prompts, check_rewards=False)
+
+    import asyncio
+
     import torch
-    from safetensors.torch import save_file
 
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.engine.engine import DiffusionEngine
-    from omniroll.models import resolve_model
-    from omniroll.sampling import derive_seed
+    from omniroll.sampling.seeds import derive_group_seed
+    from omniroll.cli.common import CLI_GLOBAL_STEP
 
-    prompts = read_prompts(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    params = SamplingParams(
-        height=args.height, width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance,
-        max_sequence_length=args.max_sequence_length, noise_level=args.noise_level, sde_type=args.sde_type,
-        sde_window_size=args.window_size, sde_window_range=tuple(args.window_range) if args.window_range else None,
-    )
-    engine = DiffusionEngine.from_pretrained(resolve_model(args.model), max_batch_size=args.max_batch_size)
-    requests = [
-        GenerationRequest(request_id=f"p{i}-s{j}", prompt=p, sampling_params=params,
-                          seed=derive_seed(args.seed, 0, f"{i}:{p}", j))
-        for i, p in enumerate(prompts) for j in range(args.n)
-    ]
+    sp = cfg.sampling_params()
+    batch = make_batch(prompts, cfg.n, rollout_seed=cfg.seed)
+    nt = batch.non_tensor_batch
+    requests = []
+    for r in range(len(batch)):
+        uid, j = nt["uid"][r], int(nt["_group_index"][r])
+        row_sp = dict(sp)
+        if cfg.algo.same_latent:
+            row_sp["latent_seed"] = derive_group_seed(cfg.seed, CLI_GLOBAL_STEP, uid)
+        requests.append(GenerationRequest(request_id=f"gen/{uid}/{j}", prompt=nt["raw_prompt"][r],
+                                          sampling_params=SamplingParams.model_validate(row_sp),
+                                          seed=sample_seed(cfg.seed, uid, j)))
+    kwargs = cfg.engine.engine_kwargs()
+    kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    engine = DiffusionEngine.from_pretrained(model, **kwargs)
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
     t0 = time.perf_counter()
-    outputs = engine.generate(requests, progress=not args.quiet)
-    seconds = time.perf_counter() - t0
-    engine.shutdown()
+    interrupted = False
+    try:
+        asyncio.run(_generate_all(engine, requests, results, errors, progress=not args.quiet))
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        seconds = time.perf_counter() - t0
+        stats = engine.stats()
+        engine.shutdown()
+    metrics = write_outputs(args.out, cfg, model, prompts, batch, requests, results, errors, seconds, stats,
+                            batch_invariant=engine.config.batch_invariant, interrupted=interrupted)
+    for r, err in sorted(errors.items()):
+        print(f"omniroll generate: row {r} ({requests[r].request_id}) failed: {err}", file=sys.stderr)
+    if interrupted:
+        print(f"omniroll generate: interrupted; wrote the {len(results)} of {len(requests)} samples that finished "
+              f"to {args.out}", file=sys.stderr)
+        raise KeyboardInterrupt
+    return metrics
 
-    images = torch.stack([o.diffusion_output for o in outputs])
-    for i in range(len(prompts)):
-        save_grid(images[i * args.n:(i + 1) * args.n], out / f"prompt_{i:03d}.png")
-    ef = [o.extra_fields for o in outputs]
-    traj = {
-        "images": images.contiguous(),
-        "all_latents": torch.stack([e["all_latents"] for e in ef]).contiguous(),
-        "all_timesteps": torch.stack([e["all_timesteps"] for e in ef]).contiguous(),
-        "sigmas": torch.stack([e["sigmas"] for e in ef]).contiguous(),
-        "sigmas_next": torch.stack([e["sigmas_next"] for e in ef]).contiguous(),
-        "log_probs": torch.stack([o.log_probs for o in outputs]).contiguous(),
-        "seeds": torch.tensor([e["seed"] for e in ef], dtype=torch.int64),
-        "prompt_index": torch.tensor([i for i in range(len(prompts)) for _ in range(args.n)], dtype=torch.int64),
-    }
-    save_file(traj, str(out / "trajectories.safetensors"),
-              metadata={"prompts": json.dumps(prompts), "sampling_params": params.model_dump_json()})
+
+async def _generate_all(engine, requests, results: dict, errors: dict, progress: bool) -> None:
+    """Every request concurrently; each finished output lands in `results` at once (so an interrupt keeps it)."""
+    import asyncio
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="generate", unit="img", file=sys.stderr)
+
+    async def one(i, request):
+        try:
+            out = await engine.generate_async(request)
+            if out.stop_reason == "completed":
+                results[i] = out
+            else:
+                errors[i] = f"stopped: {out.stop_reason}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported once per row, the others go on
+            errors[i] = f"{type(e).__name__}: {e}"
+        finally:
+            if bar is not None:
+                bar.update(1)
+
+    try:
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors, seconds, stats, *,
+                  batch_invariant: bool, interrupted: bool) -> dict:
+    """Write the finished samples (grids, trajectories, metrics); returns the metrics."""
+    import torch
+
+    from omniroll.agent_loop.postprocess import RowResult, assemble
+    from omniroll.agent_loop.single_turn import agent_loop_output
+    from omniroll.trajectory import FILE_NAME, jsonable, run_info, write_json, write_trajectories
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = sorted(results)
+    files = []
+    run = run_info("generate", model, cfg.engine.device, cfg.engine.dtype, batch_invariant, cfg.seed,
+                   num_threads=cfg.engine.num_threads)
+    log_probs = None
+    if done:
+        rows = [RowResult(index=k, request_id=requests[r].request_id, seed=requests[r].seed,
+                          out=agent_loop_output(results[r], results[r].extra_fields.get("generate_seconds", 0.0)))
+                for k, r in enumerate(done)]
+        traj = assemble(rows, batch[done], prompt_length=cfg.prompt_length,
+                        max_prompt_embed_length=cfg.max_prompt_embed_length, mark_failed=False, scored=False)
+        images = traj.batch["responses"]
+        if images.dtype == torch.uint8:
+            by_prompt: dict[int, list[int]] = {}
+            for k, r in enumerate(done):
+                by_prompt.setdefault(r // cfg.n, []).append(k)
+            tiny = "" if cfg.engine.model != "tiny" else "  (tiny model, random weights: noise-like by design)"
+            for i, ks in sorted(by_prompt.items()):
+                files.append(save_grid(images[ks], out / f"prompt_{i:03d}.png", prompts[i][:80] + tiny))
+        files.append(write_trajectories(traj, str(out / FILE_NAME), run))
+        if "rollout_log_probs" in traj.batch.keys():
+            log_probs = traj.batch["rollout_log_probs"]
     metrics = {
-        "num_images": len(outputs),
+        "num_images": len(done),
+        "num_requested": len(requests),
         "seconds": seconds,
-        "images_per_second": len(outputs) / seconds,
-        "mean_log_prob": float(traj["log_probs"].mean()) if traj["log_probs"].numel() else None,
-        "sde_window": [list(e["sde_window"]) for e in ef],
-        "engine": engine.stats(),
-        "sampling_params": params.model_dump(),
+        "images_per_second": len(done) / seconds if seconds > 0 else None,
+        "mean_log_prob": float(log_probs.mean()) if log_probs is not None and log_probs.numel() else None,
+        "interrupted": interrupted,
+        "failed_rows": [{"row": r, "request_id": requests[r].request_id, "error": e} for r, e in sorted(errors.items())],
+        "seeds": [requests[r].seed for r in range(len(requests))],
+        "prompts": prompts,
+        "sde_window": [list(results[r].extra_fields["sde_window"]) for r in done],
+        "sampling_params": cfg.sampling_params(),
+        "run": run,
+        "engine": stats,
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    files.append(str(out / "metrics.json"))
+    metrics["files"] = [str(Path(f).resolve()) for f in files]
+    write_json(str(out / "metrics.json"), jsonable(metrics))
     return metrics

@@ -1,10 +1,12 @@
 """`omniroll rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager) on local Ray.
 
-`run_rollout` is the same thing from Python.
+`run_rollout` is the same thing from Python. Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`,
+`trajectories.safetensors` (the layout of `omniroll.trajectory`, as `omniroll generate` writes it), `rewards.jsonl`
+(one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json` (per-sample metrics,
+timing summary, weight versions, run: model, device, dtype, batch invariance, seeds, package versions).
 
-Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`, `trajectories.safetensors` (every tensor of the batch, as `omniroll generate` writes it),
-`rewards.jsonl` (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json`
-(per-sample metrics, timing summary, weight versions).
+Prompt groups are submitted as separate agent-loop calls, all at once, so a group that finished is kept when
+another fails or the run is interrupted (Ctrl-C: what finished is written, exit 130).
 """
 
 from __future__ import annotations
@@ -15,56 +17,52 @@ import sys
 import time
 from typing import Any, Optional
 
-import numpy as np
+from omniroll.cli import CommandFailed
+from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, make_batch, preflight,
+                                 read_prompts)
 
 HELP = "the distributed path (replicas, agent loop, rewards) on local Ray"
 
 
-def add_arguments(roll) -> None:
-    roll.add_argument("--config", required=True, help="YAML rollout config (see examples/rollout.yaml)")
-    roll.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    roll.add_argument("--prompts-file", dest="prompts_file", help="one prompt per line")
-    roll.add_argument("--prompts", dest="prompts_file", help="alias of --prompts-file")
-    roll.add_argument("--n", type=int, default=8, help="samples per prompt")
-    roll.add_argument("--out", default="out/rollout", help="output directory")
-    roll.add_argument("--override", action="append", help="dotted config override, e.g. reward.num_workers=2")
-    roll.add_argument("--quiet", action="store_true", help="no progress on stderr")
+def add_arguments(parser) -> None:
+    add_prompt_arguments(parser)
+    add_config_arguments(parser, config_help="YAML rollout config (see examples/rollout.yaml); flags override it",
+                         config_required=True)
+    parser.add_argument("--validate", action="store_true",
+                        help="a validation batch: val_kwargs (its n, seed, pipeline and algo overlay) instead of the "
+                             "training settings; --n then sets val_kwargs.n")
+    parser.add_argument("--out", default="out/rollout", help="output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def run(args) -> int:
     import asyncio
 
-    from omniroll.cli.generate import read_prompts
-    from omniroll.config import load_config
-
-    config = load_config(args.config, overrides=args.override or [])
+    if args.validate and getattr(args, "n", None) is not None:
+        args.override = list(args.override) + [f"val_kwargs.n={args.n}"]
+        del args.n
+    cfg = build_config(args)
     prompts = read_prompts(args)
-    batch = asyncio.run(run_rollout(config, prompts, n=args.n, out_dir=args.out, progress=not args.quiet))
+    preflight(cfg, prompts, validate=args.validate)
+    n = cfg.val_kwargs.n if args.validate else cfg.n
+    batch = asyncio.run(run_rollout(cfg, prompts, n=n, out_dir=args.out, progress=not args.quiet,
+                                    validate=args.validate))
     print(json.dumps({"num_samples": len(batch), "out": args.out}))
+    nt = batch.non_tensor_batch
+    failed = [i for i, s in enumerate(nt.get("status", [])) if s == "failed"]
+    if failed:  # agent.on_failure: mark: the rows are in the files, marked; say so once each
+        raise CommandFailed([f"row {i} (uid={nt['uid'][i]!r}, request_id={nt['request_id'][i]!r}) failed: "
+                             f"{(nt.get('error') or [None] * len(batch))[i]}" for i in failed])
     return 0
 
 
-def make_batch(prompts: list[str], n: int, global_steps: int = 1, rollout_seed: Optional[int] = None,
-               validate: bool = False):
-    """`n` rows per prompt (interleaved: p0, p0, ..., p1, ...), uid = prompt position."""
-    from omniroll.agent_loop.batch import DataBatch
-
-    if not prompts:
-        raise ValueError("prompts must not be empty")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    rows = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
-    meta = {"global_steps": global_steps, "validate": validate}
-    if rollout_seed is not None:
-        meta["rollout_seed"] = rollout_seed
-    return DataBatch.from_dict(non_tensors={
-        "raw_prompt": [p for _, p in rows], "uid": [f"prompt{i:05d}" for i, _ in rows],
-        "data_source": ["cli"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
-
-
 async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional[str] = None,
-                      progress: bool = True):
-    """Generate (and score) `n` samples per prompt with the config's replicas and reward workers; a DataBatch."""
+                      progress: bool = True, validate: bool = False):
+    """Generate (and score) `n` samples per prompt with the config's replicas and reward workers; a DataBatch.
+    Finished prompt groups are written to `out_dir` even when others fail (CommandFailed, one line per failed row) or
+    the run is interrupted (KeyboardInterrupt / cancellation, re-raised after writing)."""
+    import asyncio
+
     import ray
 
     from omniroll.agent_loop.manager import AgentLoopManager
@@ -73,13 +71,14 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
     from omniroll.rollout.replica import create_replicas, kill_replicas
 
     cfg = config if isinstance(config, OmniRollConfig) else load_config(config)
-    batch = make_batch(prompts, n, rollout_seed=cfg.seed)
+    batch = make_batch(prompts, n, rollout_seed=cfg.seed, validate=validate)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     say = (lambda msg: print(f"[omniroll] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     t0 = time.perf_counter()
     model = resolve_model(cfg.engine.model)
     replicas, reward_handles, manager = [], [], None
+    tasks: list = []
     try:
         say(f"starting {cfg.replicas.count} replica(s) of {model}")
         replicas = create_replicas(cfg.replicas.count, model, cfg.engine.engine_kwargs(),
@@ -91,64 +90,112 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
             reward_handles = create_reward_workers(cfg.reward.worker_config(), cfg.reward.num_workers)
         manager = AgentLoopManager(cfg, replicas, reward_handles or None)
         say(f"generating {len(batch)} samples ({len(prompts)} prompts x {n})")
-        out = await manager.generate_sequences_async(batch)
+        tasks = [asyncio.ensure_future(manager.generate_sequences_async(group))
+                 for group in batch.split([n] * len(prompts))]
+        await asyncio.gather(*tasks, return_exceptions=True)
         say(f"done in {time.perf_counter() - t0:.1f}s")
     finally:
+        parts, failures, interrupted = _collect(tasks, n)
         if manager is not None:
             manager.shutdown()
         for h in reward_handles:
             ray.kill(h, no_restart=True)
         kill_replicas(replicas)
-    if out_dir:
-        write_outputs(out, out_dir)
-        say(f"wrote {out_dir}")
+        out = _merge(parts, time.perf_counter() - t0) if parts else None
+        if out_dir and out is not None:
+            write_outputs(out, out_dir, run_info_for(cfg, model))
+            say(f"wrote {len(out)} of {len(batch)} samples to {out_dir}")
+    if failures:
+        raise CommandFailed(failures)
+    if interrupted:
+        raise KeyboardInterrupt
     return out
 
 
-def write_outputs(out, out_dir: str) -> None:
+def _collect(tasks: list, n: int) -> tuple[list, list[str], bool]:
+    """(finished group batches, one line per failed row, whether some group was cancelled / unfinished)."""
+    from omniroll.agent_loop.worker import AgentLoopError
+
+    parts, failures, interrupted = [], [], False
+    for g, t in enumerate(tasks):
+        if not t.done() or t.cancelled():
+            interrupted = True
+            if not t.done():
+                t.cancel()
+            continue
+        e = t.exception()
+        if e is None:
+            parts.append(t.result())
+        elif isinstance(e, AgentLoopError):
+            if e.batch is not None and len(e.batch):
+                parts.append(e.batch)  # the group's rows that succeeded are kept
+            failures += [f"row {g * n + int(f.get('row', 0))} (uid={f.get('uid')!r}, request_id="
+                         f"{f.get('request_id')!r}) failed: {f.get('error')}" for f in e.failed_rows]
+        else:
+            text = str(e).strip().splitlines()
+            failures.append(f"prompt {g} failed: {type(e).__name__}: {text[-1] if text else ''}")
+    return parts, failures, interrupted
+
+
+def _merge(parts: list, wall: float):
+    from omniroll.agent_loop.manager import _timing, merge
+
+    for p in parts:
+        p.meta_info.pop("timing", None)
+    out = merge(parts)
+    out.meta_info["timing"] = _timing(out.meta_info.get("metrics", []), wall)
+    return out
+
+
+def run_info_for(cfg, model: str) -> dict:
+    from omniroll.trajectory import run_info
+
+    return run_info("rollout", model, cfg.engine.device, cfg.engine.dtype,
+                    bool(cfg.engine.kwargs.get("batch_invariant", True)), cfg.seed,
+                    num_threads=cfg.engine.num_threads, replicas=cfg.replicas.count)
+
+
+def write_outputs(out, out_dir: str, run: Optional[dict] = None) -> list[str]:
+    """Write a rollout batch into `out_dir` (files 0644); returns the paths written."""
+    import io
+
     import torch
     from PIL import Image
 
+    from omniroll.trajectory import FILE_NAME, jsonable, write_bytes, write_json, write_text, write_trajectories
+
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     nt = out.non_tensor_batch
+    files = []
     if "responses" in out.batch.keys() and out.batch["responses"].dtype == torch.uint8:
         for i, img in enumerate(out.batch["responses"]):
             if nt["status"][i] == "failed":
                 continue
             name = f"{i:04d}_{_safe(nt['uid'][i])}_{nt['_group_index'][i]}.png"
-            Image.fromarray(img.permute(1, 2, 0).numpy()).save(os.path.join(out_dir, "images", name))
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in out.batch.items()}, os.path.join(out_dir, "trajectories.safetensors"),
-              metadata={"uid": json.dumps([str(u) for u in nt["uid"]])})
+            buf = io.BytesIO()
+            Image.fromarray(img.permute(1, 2, 0).numpy()).save(buf, format="PNG")
+            files.append(write_bytes(os.path.join(out_dir, "images", name), buf.getvalue()))
+    files.append(write_trajectories(out, os.path.join(out_dir, FILE_NAME), run or {}))
     infos = nt.get("reward_extra_info", [None] * len(out))
     scores = out.batch["rm_scores"][:, 0].tolist() if "rm_scores" in out.batch.keys() else [None] * len(out)
-    with open(os.path.join(out_dir, "rewards.jsonl"), "w") as f:
-        for i in range(len(out)):
-            info = infos[i] or {}
-            f.write(json.dumps(_jsonable({
-                "row": i, "request_id": nt["request_id"][i], "uid": nt["uid"][i], "seed": nt["seed"][i],
-                "status": nt["status"][i], "score": scores[i] if scores[i] is not None else info.get("score"),
-                "components": info.get("components"), "error": (nt.get("error", [None] * len(out))[i]
-                                                                 or info.get("error")),
-            })) + "\n")
+    lines = []
+    errors = nt.get("error", [None] * len(out))
+    for i in range(len(out)):
+        info = infos[i] or {}
+        lines.append(json.dumps(jsonable({
+            "row": i, "request_id": nt["request_id"][i], "uid": nt["uid"][i], "seed": nt["seed"][i],
+            "status": nt["status"][i], "score": scores[i] if scores[i] is not None else info.get("score"),
+            "components": info.get("components"), "error": errors[i] or info.get("error"),
+        })))
+    files.append(write_text(os.path.join(out_dir, "rewards.jsonl"), "".join(line + "\n" for line in lines)))
     meta = {k: out.meta_info.get(k) for k in ("metrics", "timing", "min_weight_version", "max_weight_version",
                                              "reward_extra_keys", "global_steps")}
-    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
-        json.dump(_jsonable(meta), f, indent=1)
+    meta["run"] = run or {}
+    files.append(write_json(os.path.join(out_dir, "metrics.json"), meta))
+    return files
 
 
 def _safe(s: Any) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in str(s))[:64]
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x if isinstance(x, (str, int, float, bool)) or x is None else repr(x)

@@ -61,6 +61,7 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution:
         "guidance_scale": float(p.guidance_scale),
         "cfg_scale": float(state.cfg_scale) if state.cfg_scale is not None else 0.0,  # the CFG mix's scale; 0: no CFG
         "seed": int(state.request.seed),
+        "sampling_params": p.model_dump(mode="json"),  # what this row was asked for, as given
         "weight_version": int(state.weight_version or 0),
         "execution": dict(execution or {}),  # batch_invariant, invariant_block_rows, dtype (ModelRunner)
         "generate_seconds": time.time() - state.submitted_at,

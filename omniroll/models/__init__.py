@@ -7,7 +7,7 @@ import os
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
-from omniroll.models.checkpoint import INDEX_FILE, ModelLimits, pipeline_class_name, read_limits, require_checkpoint
+from omniroll.models.checkpoint import INDEX_FILE, ModelLimits, pipeline_class_name, require_checkpoint
 from omniroll.models.flux import FluxAdapter
 from omniroll.models.qwen_image import QwenImageAdapter
 from omniroll.models.sd3 import SD3Adapter
@@ -60,6 +60,17 @@ def _looks_like_hub_id(model: str) -> bool:
     parts = model.split("/")
     return (len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and not os.path.exists(model)
             and all(c.isalnum() or c in "-_." for c in model.replace("/", "")))
+
+
+def read_limits(path: str) -> ModelLimits | None:
+    """The limits (resolution multiple and maximum, text length) of the checkpoint at `path`, from its config files
+    alone (no weights are loaded): the family adapter's `limits_from_files`; None when the family cannot say."""
+    class_name = pipeline_class_name(path)
+    adapter = ADAPTERS.get(class_name)
+    if adapter is None:
+        raise ValueError(f"unsupported pipeline _class_name {class_name!r} in {os.path.join(path, INDEX_FILE)}; "
+                         f"supported: {sorted(ADAPTERS)}")
+    return adapter.limits_from_files(path)
 
 
 def prompt_ids_length(model: str) -> int | None:

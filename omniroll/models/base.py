@@ -201,5 +201,11 @@ class DiffusionAdapter(ABC):
     @property
     def limits(self) -> ModelLimits:
         """What a request may ask of this model; `ModelLimits.check` is the one check of resolution and text length
-        (`omniroll.models.read_limits` gives the same object from the checkpoint's config files alone)."""
+        (`limits_from_files` / `omniroll.models.read_limits` give the same object from the config files alone)."""
         return ModelLimits(self.spatial_multiple, self.max_resolution, self.max_sequence_length_limit)
+
+    @classmethod
+    def limits_from_files(cls, path: str) -> Optional[ModelLimits]:
+        """This family's `limits` read from the checkpoint's config files alone (no weights), or None when the family
+        does not implement it (then requests are checked when they reach the engine)."""
+        return None

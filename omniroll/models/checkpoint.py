@@ -95,7 +95,7 @@ def tokenizer_padded_length(path: str, subfolder: str = "tokenizer") -> Optional
     return n if _is_int(n) and 0 < n <= 4096 else None
 
 
-def read_limits(path: str) -> ModelLimits:
+def read_sd3_limits(path: str) -> ModelLimits:
     """The limits of the SD3-family checkpoint at `path`, from its config files only (no weights are read)."""
     require_checkpoint(path)
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter
-from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer_max_length, tokenizer_padded_length
+from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_sd3_limits, tokenizer_max_length,
+                                       tokenizer_padded_length)
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -40,6 +41,10 @@ class SD3Adapter(DiffusionAdapter):
         for m in self.modules().values():
             m.eval()
         self._sigma_cache: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    @classmethod
+    def limits_from_files(cls, path: str) -> ModelLimits:
+        return read_sd3_limits(path)
 
     @classmethod
     def prompt_ids_length(cls, path: str) -> int | None:

@@ -1,0 +1,271 @@
+"""What every command shares: the config flags (defaults from the config schema), prompts, the seed derivation,
+and the checks that run before anything expensive starts.
+
+Flags are shorthands for config keys (`--height` is `pipeline.height`); a flag left out takes the value from
+`--config`, else the schema's default (`omniroll.config`), so there is one set of defaults. Order of precedence:
+$OMNIROLL_OVERRIDES > flag > `--override key=value` > `--config` file > schema default.
+
+`OMNIROLL_OVERRIDES` (space-separated `key=value` config overrides, applied last and recorded in metrics.json) shrinks
+every command at once, e.g. to run the README's commands at toy size in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omniroll.cli import UserError
+
+#: the trainer step a CLI batch is seeded with: `omniroll generate` and `omniroll rollout` derive every sample's seed
+#: as `derive_seed(seed, CLI_GLOBAL_STEP, uid, index)`, the agent loop's own derivation, so the same prompt, seed
+#: and settings give the same image in both commands.
+CLI_GLOBAL_STEP = 0
+ENV_OVERRIDES = "OMNIROLL_OVERRIDES"
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str
+    key: str  # dotted config key
+    type: Any
+    help: str
+    nargs: Optional[int] = None
+    choices: Optional[tuple] = None
+
+
+FLAGS = [
+    Flag("--model", "engine.model", str, "'tiny' (built offline) or a local diffusers SD3 / SD3.5 checkpoint directory"),
+    Flag("--device", "engine.device", str, "torch device of the model, e.g. cpu, cuda, cuda:1"),
+    Flag("--dtype", "engine.dtype", str, "model weights' dtype (the SDE math and log-probs are always fp32)",
+         choices=("float32", "bfloat16", "float16")),
+    Flag("--max-batch-size", "engine.max_batch_size", int, "forward rows per denoising step (a CFG sample takes 2)"),
+    Flag("--num-threads", "engine.num_threads", int, "torch CPU threads per engine (unset: torch's choice)"),
+    Flag("--height", "pipeline.height", int, "image height in pixels (a multiple of the model's spatial factor)"),
+    Flag("--width", "pipeline.width", int, "image width in pixels"),
+    Flag("--steps", "pipeline.num_inference_steps", int, "denoising steps"),
+    Flag("--guidance", "pipeline.guidance_scale", float, "CFG scale (<= 1 turns CFG off)"),
+    Flag("--max-sequence-length", "pipeline.max_sequence_length", int, "T5 text length in tokens"),
+    Flag("--noise-level", "algo.noise_level", float, "SDE noise level eta (0: the ODE)"),
+    Flag("--sde-type", "algo.sde_type", str, "SDE step", choices=("sde", "cps", "dance_sde", "ode")),
+    Flag("--window-size", "algo.sde_window_size", int, "SDE steps recorded per sample (unset: every step but the last)"),
+    Flag("--window-range", "algo.sde_window_range", int, "LO HI: the window is drawn inside steps [LO, HI)", nargs=2),
+    Flag("--n", "n", int, "samples per prompt (the group size)"),
+    Flag("--seed", "seed", int, "base seed of every sample's seed (unset: 0)"),
+]
+
+
+def schema_default(key: str) -> Any:
+    """The config schema's default for a dotted key (the one set of defaults)."""
+    from pydantic_core import PydanticUndefined
+
+    from omniroll.config import OmniRollConfig
+
+    cls: Any = OmniRollConfig  # walk the classes: building the config would run its validators (which load models)
+    *sections, name = key.split(".")
+    for part in sections:
+        cls = cls.model_fields[part].annotation
+    field = cls.model_fields[name]
+    return field.default_factory() if field.default is PydanticUndefined and field.default_factory else field.default
+
+
+def add_config_arguments(parser, config_help: str = "YAML config (see examples/rollout.yaml); flags override it",
+                         config_required: bool = False) -> None:
+    parser.add_argument("--config", required=config_required, default=None,
+                        help=config_help + ("" if config_required else " (default: none: the schema's defaults)"))
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted config override (repeatable), e.g. reward.num_workers=2")
+    for f in FLAGS:
+        default = schema_default(f.key)
+        shown = list(default) if isinstance(default, tuple) else default
+        # SUPPRESS: a flag left out leaves no attribute, so the config (or the schema default shown) decides
+        parser.add_argument(f.flag, type=f.type, nargs=f.nargs, choices=f.choices, default=argparse.SUPPRESS,
+                            metavar=("LO", "HI") if f.nargs == 2 else None,
+                            help=f"{f.help} (config key {f.key}; default: {shown})")
+
+
+def add_prompt_arguments(parser) -> None:
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: none)")
+    parser.add_argument("--prompts-file", "--prompts", dest="prompts_file", default=None,
+                        help="a text file, one prompt per line (blank lines skipped) (default: none)")
+
+
+def flag_overrides(args) -> list[str]:
+    """The flags the user gave, as dotted overrides."""
+    import json
+
+    out = []
+    for f in FLAGS:
+        value = getattr(args, f.flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            out.append(f"{f.key}={json.dumps(value)}")
+    return out
+
+
+def env_overrides() -> list[str]:
+    """`$OMNIROLL_OVERRIDES` as a list of `key=value` overrides."""
+    import shlex
+
+    return shlex.split(os.environ.get(ENV_OVERRIDES, ""))
+
+
+def build_config(args, base: Optional[dict] = None):
+    """The validated config: schema defaults < `base` < --config < --override < flags. UserError, one line per bad
+    key, naming the flag where a flag set it."""
+    from omegaconf import OmegaConf
+
+    from omniroll.config import ConfigError, load_config
+
+    if args.config is not None and not os.path.isfile(args.config):
+        raise UserError(f"--config: file not found: {args.config}")
+    bad = [o for o in args.override if "=" not in o]
+    if bad:
+        raise UserError([f"--override: expected KEY=VALUE, got {o!r}" for o in bad])
+    bad = [o for o in env_overrides() if "=" not in o]
+    if bad:
+        raise UserError([f"${ENV_OVERRIDES}: expected KEY=VALUE, got {o!r}" for o in bad])
+    raw = OmegaConf.create(base or {})
+    if args.config is not None:
+        try:
+            raw = OmegaConf.merge(raw, OmegaConf.load(args.config))
+        except Exception as e:  # noqa: BLE001 - YAML syntax errors have many types
+            raise UserError(f"--config: {args.config} is not valid YAML: {str(e).splitlines()[0]}") from None
+    try:
+        cfg = load_config(raw, overrides=list(args.override) + flag_overrides(args) + env_overrides())
+    except ConfigError as e:
+        raise UserError(_name_flags(str(e).removeprefix("invalid config: ").split("; "))) from None
+    except Exception as e:  # noqa: BLE001 - omegaconf's override parser errors
+        raise UserError(f"--override: {str(e).splitlines()[0]}") from None
+    return cfg
+
+
+def _name_flags(problems: list[str]) -> list[str]:
+    """`pipeline.height: ...` -> `--height (pipeline.height): ...` for keys that have a flag."""
+    flags = {f.key: f.flag for f in FLAGS}
+    out = []
+    for p in problems:
+        key, sep, rest = p.partition(":")
+        out.append(f"{flags[key]} ({key}):{rest}" if sep and key in flags else p)
+    return out
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise UserError(f"--prompts-file: file not found: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--prompts-file: cannot read {path} as UTF-8 text: {e}") from None
+        prompts += [line.strip() for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise UserError(f"--prompts-file: {path} has no prompts (one per line)")
+    if not prompts:
+        raise UserError("give at least one --prompt or a --prompts-file")
+    return prompts
+
+
+def quiet_libraries() -> None:
+    """Silence diffusers' and transformers' loading bars and warnings (for --quiet)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for lib in (diffusers_logging, transformers_logging):
+        lib.disable_progress_bar()
+        lib.set_verbosity_error()
+
+
+def prompt_uid(i: int) -> str:
+    """The uid (prompt group) of the i-th prompt of a CLI batch."""
+    return f"prompt{i:05d}"
+
+
+def make_batch(prompts: list[str], n: int, rollout_seed: Optional[int] = None, validate: bool = False):
+    """The CLI's input batch: `n` rows per prompt (p0, p0, ..., p1, ...), uid = `prompt_uid(position)`."""
+    from omniroll.agent_loop.batch import DataBatch
+
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    rows = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+    meta = {"global_steps": CLI_GLOBAL_STEP, "validate": validate}
+    if rollout_seed is not None:
+        meta["rollout_seed"] = rollout_seed
+    return DataBatch.from_dict(non_tensors={
+        "raw_prompt": [p for _, p in rows], "uid": [prompt_uid(i) for i, _ in rows],
+        "_group_index": [j for _ in prompts for j in range(n)],
+        "data_source": ["cli"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
+
+
+def sample_seed(base: Optional[int], uid: str, index: int) -> int:
+    """A CLI sample's seed: the agent loop's derivation (`derive_seed(base, step, uid, index)`) at the CLI's step."""
+    from omniroll.sampling.seeds import derive_seed
+
+    return derive_seed(base, CLI_GLOBAL_STEP, uid, index)
+
+
+def preflight(cfg, prompts: list[str], validate: bool = False, check_rewards: bool = True) -> str:
+    """Everything that can be checked before a model or Ray starts; returns the resolved model directory.
+    UserError with one line per problem, each naming its flag or config key."""
+    from omniroll.models import read_limits, resolve_model
+
+    problems: list[str] = []
+    try:
+        model = resolve_model(cfg.engine.model)
+    except FileNotFoundError as e:
+        raise UserError(f"--model (engine.model): {e}") from None
+    try:
+        limits = read_limits(model)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(f"--model (engine.model): {e}") from None
+    sections = [(False, "")] + ([(True, "val_kwargs.")] if validate else [])
+    for val, prefix in sections if limits is not None else ():
+        sp = cfg.sampling_params(validate=val)
+        for p in limits.problems(sp["height"], sp["width"], sp["max_sequence_length"], prefix=prefix + "pipeline."):
+            problems.extend(_name_flags([p.replace(" must", ": must", 1)]))
+    if check_rewards:
+        problems += reward_problems(cfg)
+    if cfg.engine.device.startswith("cuda"):
+        problems += _cuda_problems(cfg.engine.device)
+    if problems:
+        raise UserError(problems)
+    return model
+
+
+def reward_problems(cfg) -> list[str]:
+    """Each reward function's `fn` resolves (registry name, or 'module:function' imported) without building it."""
+    from omniroll.reward.scorers import SCORER_REGISTRY, load_function
+
+    out = []
+    for name, fc in cfg.reward.functions.items():
+        fn = fc.fn
+        if not isinstance(fn, str):
+            continue
+        key = f"reward.functions.{name}.fn"
+        if ":" not in fn:
+            if fn not in SCORER_REGISTRY:
+                out.append(f"{key}: unknown reward function {fn!r}; expected one of {sorted(SCORER_REGISTRY)} or "
+                           f"'module:function'")
+            continue
+        try:
+            load_function(fn)
+        except ValueError as e:
+            out.append(f"{key}: {e}")
+    return out
+
+
+def _cuda_problems(device: str) -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [f"--device (engine.device): {device!r} asked for, but torch sees no CUDA device "
+                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})"]
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        return [f"--device (engine.device): {device!r}, but only {torch.cuda.device_count()} CUDA device(s) exist"]
+    return []

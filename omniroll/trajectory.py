@@ -1,0 +1,152 @@
+"""The trajectory file: one layout for every command (`generate`, `rollout`, and what `train` / `serve` write).
+
+`trajectories.safetensors` is the rollout batch on disk: the same keys as the `DataBatch` (verl `DataProto`) the
+agent loop returns, so a file row and a batch row read the same, and a trainer can recompute every log-prob from the
+file alone (no config, no engine state). `write_trajectories(batch, path, run)` writes it; `read_trajectories(path)`
+gives the DataBatch back (`meta_info["run"]` holds what made it). Files are written atomically, mode 0644.
+
+Tensors (N rows; W recorded SDE steps; C, h, w the latent; L text tokens padded to the batch's longest; P the
+pooled width; absent keys are absent for the whole file):
+
+| key | shape | dtype | meaning |
+|---|---|---|---|
+| `responses` | [N, 3, H, W] | uint8 | the images (fp32 latents [N, C, h, w] for `output_type: latent`) |
+| `rollout_log_probs` | [N, W] | fp32 | log-prob of each recorded step's sample under the SDE step (absent with `logprobs` off) |
+| `all_latents` | [N, W+1, C, h, w] | fp32 | latent before the first recorded step, then after each |
+| `all_timesteps` | [N, W] | fp32 | the denoiser's timestep at each recorded step (sigma x 1000) |
+| `sigmas`, `sigmas_next` | [N, W] | fp32 | sigma at each recorded step and the next one |
+| `step_indices` | [N, W] | int64 | which denoising steps were recorded |
+| `sde_window` | [N, 2] | int64 | [start, end) of the SDE window |
+| `noise_level`, `sigma_max`, `guidance_scale` | [N] | fp32 | per-row SDE noise level (0 for ODE), the `sde` step's sigma_max, the requested guidance |
+| `cfg_scale` | [N] | fp64 | the scale of the CFG mix `uncond + cfg_scale * (cond - uncond)` (0: no CFG rows); equals `guidance_scale` for SD3, `true_cfg_scale` for guidance-distilled models |
+| `prompt_embeds` (+ `_mask`) | [N, L, D] (+ [N, L] int64) | model dtype | text conditioning (mask 1 = real token) |
+| `pooled_prompt_embeds` | [N, P] | model dtype | pooled text conditioning |
+| `negative_prompt_embeds` (+ `_mask`), `negative_pooled_prompt_embeds` | as above | | the unconditional branch (CFG rows only) |
+| `prompts`, `attention_mask` | [N, prompt_length] | int64 | prompt token ids (right-padded with 0), mask 1 on real tokens |
+| `rm_scores` | [N, 1] | fp32 | reward (when every row was scored) |
+| `failed` | [N] | bool | row failed (`on_failure: mark`); its tensors are zeros |
+
+Metadata (safetensors string metadata, JSON values): `format` ("omniroll.trajectory/1"); `non_tensor_batch` (per-row
+lists: `raw_prompt`, `uid`, `_group_index`, `request_id`, `seed`, `sde_type`, `sampling_params` (each row's
+SamplingParams as given), `weight_version`, `status`, `error`, reward info, ...); `meta_info` (the batch's
+JSON-able meta, e.g. `global_steps`, weight versions); `run` (command, model, device, dtype, batch invariance,
+seed base, package versions: `run_info`).
+
+To recompute row i's step k (see README): CFG rows are [uncond, cond] with the masked embeddings,
+`v = v_uncond + cfg_scale[i] * (v_cond - v_uncond)` from the model at `all_latents[i, k]`,
+`all_timesteps[i, k]`, then `sde_step(x, v, sigmas[i, k], sigmas_next[i, k], noise_level[i], sde_type[i],
+prev_sample=all_latents[i, k + 1], sigma_max=sigma_max[i]).log_prob`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from typing import Any, Optional
+
+FORMAT = "omniroll.trajectory/1"
+FILE_NAME = "trajectories.safetensors"
+FILE_MODE = 0o644
+
+#: keys the layout documents (a `*_mask` of a documented embedding key is documented with it)
+DOCUMENTED_KEYS = frozenset({
+    "responses", "rollout_log_probs", "all_latents", "all_timesteps", "sigmas", "sigmas_next", "step_indices",
+    "sde_window", "noise_level", "sigma_max", "guidance_scale", "cfg_scale", "prompt_embeds", "pooled_prompt_embeds",
+    "negative_prompt_embeds", "negative_pooled_prompt_embeds", "prompts", "attention_mask", "rm_scores", "failed",
+    "latents",
+})
+
+
+def write_bytes(path: str, data: bytes) -> str:
+    """Write `data` to `path` atomically (a temporary file in the same directory, then a rename), mode 0644."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text(path: str, text: str) -> str:
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str, obj: Any) -> str:
+    return write_text(path, json.dumps(jsonable(obj), indent=1) + "\n")
+
+
+def jsonable(x: Any) -> Any:
+    """A JSON-safe copy: numpy scalars to Python, non-finite floats to None, unknown objects to their repr."""
+    import math
+
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if hasattr(x, "item") and getattr(x, "shape", None) == ():
+        x = x.item()
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+        return jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x if isinstance(x, (str, int, float, bool)) or x is None else repr(x)
+
+
+def package_versions() -> dict:
+    """Versions of what decides the numbers: omniroll, Python, torch, diffusers, transformers, safetensors."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("omniroll", "torch", "diffusers", "transformers", "safetensors", "ray"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def run_info(command: str, model: str, device: str, dtype: str, batch_invariant: bool, seed: Optional[int],
+             **extra) -> dict:
+    """What made a file: recorded in the trajectory file's `run` metadata and in metrics.json."""
+    return {"command": command, "model": os.path.abspath(model) if os.path.isdir(model) else model,
+            "device": device, "dtype": str(dtype).removeprefix("torch."), "batch_invariant": bool(batch_invariant),
+            "seed": seed, "versions": package_versions(), "machine": platform.machine(),
+            "env_overrides": os.environ.get("OMNIROLL_OVERRIDES") or None, **extra}
+
+
+def write_trajectories(batch, path: str, run: dict) -> str:
+    """Write a DataBatch (the agent loop's output, or `omniroll generate`'s) to `path` in the documented layout."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in batch.batch.items()}
+    nt = {k: [jsonable(v) for v in vals] for k, vals in batch.non_tensor_batch.items()}
+    meta = {k: v for k, v in batch.meta_info.items() if k != "metrics"}
+    metadata = {"format": FORMAT, "non_tensor_batch": json.dumps(nt), "meta_info": json.dumps(jsonable(meta)),
+                "run": json.dumps(jsonable(run))}
+    return write_bytes(path, save(tensors, metadata=metadata))
+
+
+def read_trajectories(path: str):
+    """The DataBatch in a trajectory file; `meta_info["run"]` is what made it. ValueError if it is not one."""
+    from safetensors import safe_open
+
+    from omniroll.agent_loop.batch import DataBatch
+
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{path} is not an omniroll trajectory file (format {metadata.get('format')!r}, "
+                             f"expected {FORMAT!r})")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta = json.loads(metadata["meta_info"])
+    meta["run"] = json.loads(metadata["run"])
+    return DataBatch.from_dict(tensors=tensors, non_tensors=json.loads(metadata["non_tensor_batch"]), meta_info=meta)

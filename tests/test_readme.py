@@ -1,0 +1,123 @@
+"""Every shell and Python block of README.md runs verbatim (a new block is picked up automatically).
+
+Convention (also stated at the top of the README's Development section):
+- Each ```bash / ```sh / ```shell and ```python block is run as it stands: shell blocks with `bash -eo pipefail`,
+  Python blocks each in a fresh interpreter (so every Python block must be self-contained). Lines that run `make`
+  are left out (`make demo` / `make test` install things; CI runs them separately).
+- Blocks run in a scratch directory that holds a link to the repository's `examples/`, with the console scripts of
+  this interpreter on PATH, `OMNIROLL_CACHE` pointing at the session's tiny model, Ray commands attached to the
+  test session's Ray cluster (`RAY_ADDRESS`, never a second cluster), and the environment variable the README
+  states for small settings: `OMNIROLL_OVERRIDES` (config overrides every omniroll command applies last).
+- A block that cannot run here (it needs a GPU, a real checkpoint, a server that runs forever, network) is marked by
+  an HTML comment on the line(s) right before it: `<!-- readme-test: skip: <reason> -->`. The reason is required.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+#: small settings for every omniroll command a README block runs (the README states this variable)
+SMALL = ("pipeline.height=64 pipeline.width=64 pipeline.num_inference_steps=4 pipeline.max_sequence_length=16 "
+         "algo.sde_window_size=2 algo.sde_window_range=[0,3] replicas.count=1 reward.num_workers=1 "
+         "agent.num_workers=1 n=2")
+BLOCK_TIMEOUT_S = 300
+
+_FENCE = re.compile(r"^```(\w+)?\s*$")
+_SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*:?\s*(.*?)\s*-->")
+_LANGS = {"bash": "sh", "sh": "sh", "shell": "sh", "console": "sh", "python": "python", "py": "python"}
+
+
+def readme_blocks(text: str) -> list[dict]:
+    """[{"lang": "sh" | "python", "code", "line", "skip": reason or None}] for every shell / Python block."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, lang = i, (m.group(1) or "").lower()
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("```"):
+            j += 1
+        k = start - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        skip = _SKIP.search(lines[k]) if k >= 0 else None
+        if lang in _LANGS:
+            blocks.append({"lang": _LANGS[lang], "code": "\n".join(lines[start + 1:j]), "line": start + 1,
+                           "skip": skip.group(1) if skip else None})
+        i = j + 1
+    return blocks
+
+
+def without_make(code: str) -> str:
+    """Drop `make ...` commands (with their backslash continuations)."""
+    out, dropping = [], False
+    for line in code.splitlines():
+        if dropping or re.match(r"^\s*make(\s|$)", line):
+            dropping = line.rstrip().endswith("\\")
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+BLOCKS = readme_blocks(README.read_text())
+
+
+def test_readme_has_blocks_and_every_skip_gives_a_reason():
+    assert any(b["lang"] == "python" for b in BLOCKS) and any(b["lang"] == "sh" for b in BLOCKS)
+    for b in BLOCKS:
+        assert b["skip"] is None or b["skip"].strip(), f"README.md:{b['line']}: a skipped block needs a reason"
+
+
+def test_block_parser_convention():
+    text = ("x\n```bash\nmake demo\nomniroll demo \\\n  --out o\nmake test \\\n  -j2\necho hi\n```\n"
+            "<!-- readme-test: skip: needs a GPU -->\n\n```python\nprint(1)\n```\n```text\nno\n```\n")
+    blocks = readme_blocks(text)
+    assert [(b["lang"], b["skip"]) for b in blocks] == [("sh", None), ("python", "needs a GPU")]
+    assert without_make(blocks[0]["code"]) == "omniroll demo \\\n  --out o\necho hi"
+
+
+@pytest.fixture(scope="module")
+def readme_env(tiny_sd3_path, ray_cluster, tmp_path_factory):
+    work = tmp_path_factory.mktemp("readme")
+    (work / "examples").symlink_to(ROOT / "examples")
+    cache = work / "cache"
+    cache.mkdir()
+    (cache / "tiny-sd3").symlink_to(tiny_sd3_path)
+    env = dict(os.environ)
+    env.update({
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+        "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        "OMNIROLL_CACHE": str(cache),
+        "OMNIROLL_OVERRIDES": SMALL,
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"),
+    })
+    return work, env
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"README.md:{b['line']}-{b['lang']}" for b in BLOCKS])
+def test_readme_block_runs_verbatim(block, readme_env):
+    if block["skip"] is not None:
+        pytest.skip(f"README.md:{block['line']}: {block['skip']}")
+    work, env = readme_env
+    if block["lang"] == "sh":
+        code = without_make(block["code"])
+        if not code.strip() or all(line.strip().startswith("#") for line in code.splitlines() if line.strip()):
+            pytest.skip("only make lines")
+        cmd = ["bash", "-eo", "pipefail", "-c", code]
+    else:
+        cmd = [sys.executable, "-c", block["code"]]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    assert proc.returncode == 0, (f"README.md:{block['line']} ({block['lang']}) exited {proc.returncode}\n"
+                                  f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}")
