@@ -40,6 +40,7 @@ test: $(STAMP) $(VERL_STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/prefix_sharing.py
 	$(PY) benchmarks/agent_loop_overhead.py
 	$(PY) benchmarks/weight_sync.py
 	$(PY) benchmarks/train_step.py

@@ -19,6 +19,7 @@ def requests(n, height=32):
 def test_auto_rows_are_measured_once_cached_and_change_no_sample(tiny_sd3_path, tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIROLL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibrate, "_memory", {})
+    monkeypatch.setattr(calibrate, "_machine_busy", lambda: False)  # (the test machine may be busy: see below)
     auto = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size="auto")
     fixed = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=4)
     try:
@@ -26,7 +27,9 @@ def test_auto_rows_are_measured_once_cached_and_change_no_sample(tiny_sd3_path, 
         (rows,) = auto.scheduler.key_rows.values()  # one batch key
         assert rows in calibrate.CPU_CANDIDATES
         (key, ms_per_row), = auto.calibrator.measured.items()
-        assert set(ms_per_row) == set(calibrate.CPU_CANDIDATES) and rows == min(ms_per_row, key=ms_per_row.get)
+        assert set(ms_per_row) == set(calibrate.CPU_CANDIDATES)
+        fastest = min(ms_per_row, key=ms_per_row.get)
+        assert rows == (fastest if ms_per_row[fastest] <= 0.95 * ms_per_row[16] else 16)
         assert json.loads((tmp_path / "calibration.json").read_text()) == {key: rows}
         assert auto.stats()["mean_rows_per_step"] <= rows
         for a, b in zip(outs, fixed.generate(requests(6))):
@@ -42,6 +45,18 @@ def test_auto_rows_are_measured_once_cached_and_change_no_sample(tiny_sd3_path, 
         assert list(again.scheduler.key_rows.values()) == [rows]
     finally:
         again.shutdown()
+
+
+def test_a_calibration_on_a_busy_machine_is_not_cached(tiny_sd3_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIROLL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_memory", {})
+    monkeypatch.setattr(calibrate, "_machine_busy", lambda: True)
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size="auto")
+    try:
+        assert engine.generate(requests(1))[0].stop_reason == "completed"
+        assert len(engine.calibrator.measured) == 1 and not (tmp_path / "calibration.json").exists()
+    finally:
+        engine.shutdown()
 
 
 def test_invariant_decode_uses_fixed_padded_blocks(tiny_sd3_path):

@@ -6,9 +6,11 @@ cheaper per row, per-forward overheads the largest); on a GPU the cost per row f
 No fixed number is right for every model, shape and machine, so the first request of a batch key triggers a short
 calibration: a forward at each candidate row count (one warm-up, then `repeats` timed runs interleaved across the
 candidates, the minimum kept: noise only ever adds time), in the engine's execution mode (batch-invariant or not).
-The choice is cached in memory and on disk (`$OMNIROLL_CACHE_DIR/calibration.json`, default
+A candidate replaces the CPU rule's 16 rows only when it is at least `MIN_GAIN` cheaper per row (timing noise must
+not move the choice). The choice is cached in memory and on disk (`$OMNIROLL_CACHE_DIR/calibration.json`, default
 `~/.cache/omniroll`), keyed by the denoiser's architecture, latent shape, text length, thread count, device, dtype
-and mode, so a machine calibrates each shape once. The rows never change a sample in batch-invariant mode (tested),
+and mode, so a machine calibrates each shape once; a calibration made while the machine is busy (1-minute load
+average above the CPU count) is used by this process only, never cached on disk. The rows never change a sample in batch-invariant mode (tested),
 so replicas that calibrate differently still give bitwise-identical samples.
 """
 
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 
 CPU_CANDIDATES = (4, 8, 16, 32)
 GPU_CANDIDATES = (8, 16, 32, 64, 128)
-FALLBACK_ROWS = 16  # when a calibration cannot run (logged)
+FALLBACK_ROWS = 16  # the CPU rule; also used when a calibration cannot run (logged)
+MIN_GAIN = 0.05  # another row count must be this much cheaper per row than FALLBACK_ROWS to replace it
 
 _memory: dict[str, int] = {}
 _lock = threading.Lock()
@@ -62,6 +65,12 @@ def _write_disk(key: str, rows: int) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
+
+
+def _machine_busy() -> bool:
+    with contextlib.suppress(OSError, AttributeError):
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    return False
 
 
 class RowCalibrator:
@@ -104,7 +113,8 @@ class RowCalibrator:
             return FALLBACK_ROWS
         with _lock:
             _memory[key] = rows
-            _write_disk(key, rows)
+            if not _machine_busy():
+                _write_disk(key, rows)
         return rows
 
     @torch.no_grad()
@@ -135,5 +145,7 @@ class RowCalibrator:
                 times[rows] = min(times[rows], (time.perf_counter() - t0) * 1000 / rows)
         self.measured[key] = times
         best = min(self.candidates, key=lambda r: times[r])
+        if FALLBACK_ROWS in times and times[best] > (1 - MIN_GAIN) * times[FALLBACK_ROWS]:
+            best = FALLBACK_ROWS
         log.info("forward rows for %s: %d (ms per row %s)", key, best, {r: round(v, 2) for r, v in times.items()})
         return best
