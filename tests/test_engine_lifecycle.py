@@ -1,6 +1,7 @@
 """No call hangs: shut-down engines refuse at once, control calls time out naming themselves, sleep levels compose,
 and a script that never calls shutdown() exits cleanly (tiny SD3, CPU)."""
 
+import asyncio
 import itertools
 import os
 import subprocess
@@ -71,6 +72,39 @@ def test_control_calls_time_out_naming_the_operation_and_never_run_late(tiny_sd3
     assert eng.call_between_steps(lambda: "after") == "after" and ran == []  # the timed-out call was dropped
     with pytest.raises(ValueError, match="timeout_s"):
         eng.abort("x", timeout_s=None)
+    eng.shutdown()
+
+
+def test_cancelled_generate_async_aborts_its_request_without_blocking_the_event_loop(tiny_sd3_path):
+    eng = DiffusionEngine.from_pretrained(tiny_sd3_path)
+    long = GenerationRequest(request_id="long", prompt="a red car", seed=1,
+                             sampling_params=PARAMS.model_copy(update={"num_inference_steps": 500}))
+    started, release = threading.Event(), threading.Event()
+
+    def busy():  # holds the engine thread: the abort cannot finish before `release`
+        started.set()
+        release.wait(60)
+
+    async def run():
+        task = asyncio.create_task(eng.generate_async(long))
+        while eng.stats()["steps"] == 0:
+            await asyncio.sleep(0.01)
+        blocker = threading.Thread(target=eng.call_between_steps, args=(busy,))
+        blocker.start()
+        await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+
+        async def releaser():  # runs only if the pending abort leaves the event loop free
+            await asyncio.sleep(0.05)
+            release.set()
+
+        asyncio.create_task(releaser())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        blocker.join()
+
+    asyncio.run(run())
+    assert eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0  # aborted, not left running
     eng.shutdown()
 
 

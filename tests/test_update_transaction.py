@@ -161,6 +161,12 @@ def test_versions_never_go_backwards_and_a_landed_version_is_not_reapplied(snaps
     with pytest.raises(WeightSyncError, match="> the current weight version 7"):
         eng.remove_lora(version=6)
     assert update(eng, weights, 8)["version"] == 8 and eng.weight_version == 8
+    assert eng.set_weight_version(8) == {"version": 8} and eng.set_weight_version(9) == {"version": 9}
+    with pytest.raises(WeightSyncError, match="> the current weight version 9"):
+        eng.set_weight_version(2)
+    with pytest.raises(AttributeError, match="set_weight_version"):
+        eng.weight_version = 10
+    assert eng.generate([req("v")])[0].weight_version == 9
 
 
 def test_non_finite_full_update_is_rejected_naming_the_tensor(snapshot_engine):
@@ -199,3 +205,20 @@ def test_non_finite_lora_update_is_rejected_and_keeps_the_previous_adapter(snaps
     assert eng.weight_version == version and eng.stats()["lora"] == lora_name is not None
     same(with_lora, eng.generate([req("lora")])[0])
     eng.remove_lora(version=version + 1)
+
+
+def test_after_sleep_2_an_update_lands_in_place_and_a_failed_one_keeps_refusing(tiny_sd3_path):
+    eng = DiffusionEngine.from_pretrained(tiny_sd3_path)  # staged by default
+    target = target_weights(eng, 6)
+    eng.sleep(level=2)
+    eng.wake_up()
+    with pytest.raises(RuntimeError, match="trainer died"):
+        update(eng, target, 1, sender_raises(list(target.items())))
+    with pytest.raises(EngineError, match="version 1 failed midway"):
+        eng.generate([req()])
+    update(eng, target, 1)
+    ref = DiffusionEngine.from_pretrained(tiny_sd3_path)
+    ref.adapter.denoiser.load_state_dict(target)
+    same(ref.generate([req()])[0], eng.generate([req()])[0])
+    ref.shutdown()
+    eng.shutdown()

@@ -101,6 +101,17 @@ class DiffusionEngine:
     def weight_version(self) -> int:
         return self.lifecycle.version
 
+    @weight_version.setter
+    def weight_version(self, value) -> None:
+        raise AttributeError("weight_version is set by weight updates; to relabel the current weights call "
+                             "engine.set_weight_version(version)")
+
+    def set_weight_version(self, version: int, timeout_s: float = 60.0) -> dict:
+        """Samples admitted from now on record `version` (an int >= the current one; the weights do not change)."""
+        with self._lifecycle_call("set_weight_version", timeout_s) as deadline:
+            return self.call_between_steps(lambda: self.lifecycle.set_version(version),
+                                           self._left("set_weight_version", deadline), op="set_weight_version")
+
     @property
     def asleep_level(self) -> int:
         return self.lifecycle.asleep_level
@@ -138,6 +149,7 @@ class DiffusionEngine:
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
+            # off the event loop: an abort waits for the current step, and the loop must keep serving meanwhile
             with contextlib.suppress(EngineShutdownError):  # a shut-down engine already failed the request
                 await asyncio.shield(asyncio.to_thread(self.abort, request.request_id))
             raise

@@ -11,7 +11,8 @@ State (explicit, nothing else):
 Threads: `check_*`, `admission_error` and `prepare_update` only read state and may run on any thread (the engine
 serialises lifecycle calls, so the state they read does not change under them); `commit_update`, `apply_in_place`,
 `sleep`, `wake_up`, `add_lora` and `remove_lora` change the model and run on the engine thread between two steps,
-with nothing running (the engine drained or aborted it first).
+with nothing running (the engine drained or aborted it first); `set_version` runs on the engine thread between two
+steps.
 
 Weight update mechanism (see `omniroll.weights.update`): every check that the manifest allows (version, names,
 shapes, dtypes, LoRA binding) happens in `prepare_update`, before the engine drains or aborts anything. A full
@@ -20,7 +21,9 @@ the engine keeps serving the old weights, and only a complete, finite update is 
 cost: one extra copy of the denoiser, on its device, during the update). `weight_update="in_place"` needs no extra
 memory: the engine stops serving first, writes bucket by bucket, and if the stream fails midway after a byte landed,
 the weights are `unusable`: every request is refused with an error naming the failed version until a complete full
-update lands. A LoRA update is always staged; the previous adapter stays active on any failure.
+update lands. Weights that are already unusable (after sleep(level=2), the usual colocated RL flow) are always
+written in place: nothing is served from them, so the staging copy would only cost memory. A LoRA update is always
+staged; the previous adapter stays active on any failure.
 """
 
 from __future__ import annotations
@@ -87,8 +90,11 @@ class Lifecycle:
             raise EngineAsleepError(f"engine is asleep (level {self.asleep_level}): call wake_up() before a weight "
                                     f"update; nothing applied")
         lora = self.lora if peft_config is not None else None
+        # weights that cannot serve anyway (dropped by sleep(2), or a failed in-place update) are written in place:
+        # nothing is served from them until a complete update lands, and no staging copy is needed
+        stage = self.stage and self.unusable is None
         update = prepare_update(self.adapter.denoiser, lora, manifest=manifest, peft_config=peft_config,
-                                name_map=name_map, stage=self.stage, version=version)
+                                name_map=name_map, stage=stage, version=version)
         update.version = version
         return update
 
@@ -115,6 +121,13 @@ class Lifecycle:
         self.version = update.version
         if update.mode == "full":
             self.unusable, self._dropped = None, False
+
+    def set_version(self, version: Any) -> dict:
+        """Relabel the current weights (e.g. verl's set_global_steps after a sync): an int >= the current version
+        (the same one is a no-op); versions never go backwards."""
+        if version != self.version:
+            self.version = self.check_version(version)
+        return {"version": self.version}
 
     def add_lora(self, request: OmniTensorLoRARequest, version: Optional[int]) -> dict:
         self.lora.add_lora(request)  # atomic: the previous adapter stays on any error

@@ -65,6 +65,15 @@ def str_dtype(name: str) -> torch.dtype:
         raise WeightSyncError(f"unsupported dtype string: {name!r}") from None
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN and no Inf in ``t`` (non-floating tensors always pass). One pass, no tensor-sized temporary:
+    ``aminmax`` propagates NaN and shows an Inf as the min or the max."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo) and torch.isfinite(hi))
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .buckets import Bucket, WeightManifest, WeightSyncError, str_dtype, unpack_bucket
+from .buckets import Bucket, WeightManifest, WeightSyncError, all_finite, str_dtype, unpack_bucket
 
 NameMap = Callable[[str], str]
 _ADAPTER_PARAM = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
@@ -157,7 +157,7 @@ class FullWeightLoader:
         if bad:
             raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(bad)}")
         views = unpack_bucket(bucket)
-        nonfinite = [name for name, src in views if src.is_floating_point() and not bool(torch.isfinite(src).all())]
+        nonfinite = [name for name, src in views if not all_finite(src)]
         if nonfinite:
             raise WeightSyncError(f"weight update rejected: non-finite values (NaN or Inf) in tensor(s) "
                                   f"{_fmt(nonfinite)} (bucket {bucket.index})")

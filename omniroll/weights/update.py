@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buckets import WeightManifest, WeightSyncError, str_dtype, unpack_bucket
+from .buckets import WeightManifest, WeightSyncError, all_finite, str_dtype, unpack_bucket
 from .full import FullWeightLoader, NameMap, _fmt
 from .lora import LoRAManager, OmniTensorLoRARequest
 from .transport import resolve_buckets
@@ -142,7 +142,7 @@ class LoRAUpdate:
                     if str_dtype(m.dtype) != t.dtype or tuple(m.shape) != tuple(t.shape):
                         raise WeightSyncError(f"LoRA update rejected: tensor {name!r} in bucket {b.index} is "
                                               f"{t.dtype}{tuple(t.shape)}, the manifest says {m.dtype}{tuple(m.shape)}")
-                    if not bool(torch.isfinite(t).all()):
+                    if not all_finite(t):
                         raise WeightSyncError(f"LoRA update rejected: non-finite values (NaN or Inf) in tensor "
                                               f"{name!r} (bucket {b.index})")
                     tensors[name] = t.clone()  # the bucket buffer may be a reused / read-only slot
