@@ -181,6 +181,13 @@ def test_per_family_validation_names_the_field(family, over, match, engines):
         engines(family).generate([req(family, "bad", **over)])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_limits_from_files_equal_the_loaded_models(family, paths, engines):
+    from omniroll.models import read_limits
+
+    assert read_limits(paths[family]) == engines(family).adapter.limits
+
+
 def test_frame_counts_never_share_a_forward(engines):
     engine = engines("wan")
     a, b = req("wan", "f5", num_frames=5), req("wan", "f1", num_frames=1)

@@ -114,3 +114,12 @@ def read_sd3_limits(path: str) -> ModelLimits:
             pass
     return ModelLimits(spatial_multiple=mult, max_resolution=None if max_pos is None else int(max_pos) * mult,
                        max_sequence_length=seq)
+
+
+def read_component_configs(path: str, *components: str) -> list[dict]:
+    """The config.json of each component directory (ValueError naming the directory when unreadable)."""
+    require_checkpoint(path)
+    try:
+        return [_read_json(os.path.join(path, c, "config.json")) for c in components]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the model's config files under {os.fspath(path)!r}: {e}") from e

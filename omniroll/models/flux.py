@@ -14,7 +14,8 @@ import torch
 
 from omniroll.models._flow import pipeline_sigmas
 from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
-from omniroll.models.checkpoint import tokenizer_padded_length
+from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs,
+                                         tokenizer_padded_length)
 
 
 class FluxAdapter(DiffusionAdapter):
@@ -40,6 +41,12 @@ class FluxAdapter(DiffusionAdapter):
             m.eval()
         self._sigma_cache: dict[tuple, torch.Tensor] = {}
         self._img_ids: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def limits_from_files(cls, path: str) -> ModelLimits:
+        (vae,) = read_component_configs(path, "vae")
+        mult = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1) * 2
+        return ModelLimits(mult, None, DEFAULT_MAX_SEQUENCE_LENGTH)
 
     @classmethod
     def prompt_ids_length(cls, path: str) -> int | None:

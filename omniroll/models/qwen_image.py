@@ -16,6 +16,7 @@ import torch
 
 from omniroll.models._flow import pipeline_sigmas
 from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
 def template_drop_count(tokenizer, template: str) -> int:
@@ -50,6 +51,12 @@ class QwenImageAdapter(DiffusionAdapter):
         for m in self.modules().values():
             m.eval()
         self._sigma_cache: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def limits_from_files(cls, path: str) -> ModelLimits:
+        (vae,) = read_component_configs(path, "vae")
+        return ModelLimits(2 ** len(vae.get("temperal_downsample", [False, True, True])) * 2, None,
+                           DEFAULT_MAX_SEQUENCE_LENGTH)
 
     @property
     def template_drop_count(self) -> int:

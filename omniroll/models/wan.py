@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
 class WanAdapter(DiffusionAdapter):
@@ -53,6 +54,12 @@ class WanAdapter(DiffusionAdapter):
         for m in self.modules().values():
             m.eval()
         self._sigma_cache: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def limits_from_files(cls, path: str) -> ModelLimits:
+        vae, transformer = read_component_configs(path, "vae", "transformer")
+        mult = int(vae.get("scale_factor_spatial", 8)) * int(transformer.get("patch_size", [1, 2, 2])[1])
+        return ModelLimits(mult, None, DEFAULT_MAX_SEQUENCE_LENGTH)
 
     @property
     def transformer(self):
