@@ -7,6 +7,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from omniroll.models.base import DiffusionAdapter, check_int
+
 
 def pipeline_sigmas(scheduler_config: dict, num_steps: int, image_seq_len: Optional[int] = None,
                     linspace: bool = False, default_max_shift: float = 1.15) -> torch.Tensor:
@@ -30,3 +32,24 @@ def pipeline_sigmas(scheduler_config: dict, num_steps: int, image_seq_len: Optio
     if sig.shape != (num_steps + 1,):
         raise ValueError(f"scheduler returned {tuple(sig.shape)} sigmas for {num_steps} steps")
     return sig
+
+
+class PackedLatentAdapter(DiffusionAdapter):
+    """Shapes and schedule of the 2x2-packed image families (FLUX.1, Qwen-Image): the latent is
+    [in_channels / 4, H / f, W / f] before packing, and the pipeline's sigmas are linspace(1, 1/T, T) shifted by
+    mu(image_seq_len) (dynamic shift), cached per (steps, h, w). Subclasses set `_sigma_cache = {}`."""
+
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        self.check_num_frames(num_frames)
+        self.limits.check(height, width)
+        f = self.vae_scale_factor
+        return (self.transformer.config.in_channels // 4, height // f, width // f)
+
+    def sigmas(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
+        check_int("num_inference_steps", num_inference_steps, 1)
+        _, h, w = self.latent_shape(height, width, num_frames)
+        key = (num_inference_steps, h, w)
+        if key not in self._sigma_cache:
+            self._sigma_cache[key] = pipeline_sigmas(self.scheduler_config, num_inference_steps,
+                                                     image_seq_len=(h // 2) * (w // 2), linspace=True)
+        return self._sigma_cache[key].clone()

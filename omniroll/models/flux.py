@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models._flow import pipeline_sigmas
-from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models._flow import PackedLatentAdapter
+from omniroll.models.base import Conditioning
 from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs,
                                          tokenizer_padded_length)
 
 
-class FluxAdapter(DiffusionAdapter):
+class FluxAdapter(PackedLatentAdapter):
     pipeline_class = "FluxPipeline"
     guidance_kind = "distilled"
     #: both streams' attention projections (the double blocks; the single blocks' to_q / to_k / to_v match too).
@@ -119,20 +119,3 @@ class FluxAdapter(DiffusionAdapter):
         z = latents.to(device=next(vae.parameters()).device, dtype=vae.dtype)
         z = z / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(z, return_dict=False)[0].float()
-
-    # ------------------------------------------------------------------ shapes / schedule
-    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
-        self.check_num_frames(num_frames)
-        self.limits.check(height, width)
-        f = self.vae_scale_factor
-        return (self.transformer.config.in_channels // 4, height // f, width // f)
-
-    def sigmas(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
-        """FluxPipeline's schedule: sigmas linspace(1, 1/T, T) shifted by mu(image_seq_len) (dynamic shift)."""
-        check_int("num_inference_steps", num_inference_steps, 1)
-        _, h, w = self.latent_shape(height, width, num_frames)
-        key = (num_inference_steps, h, w)
-        if key not in self._sigma_cache:
-            self._sigma_cache[key] = pipeline_sigmas(self.scheduler_config, num_inference_steps,
-                                                     image_seq_len=(h // 2) * (w // 2), linspace=True)
-        return self._sigma_cache[key].clone()

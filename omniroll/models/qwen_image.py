@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models._flow import pipeline_sigmas
-from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models._flow import PackedLatentAdapter
+from omniroll.models.base import Conditioning
 from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
@@ -29,7 +29,7 @@ def template_drop_count(tokenizer, template: str) -> int:
     return len(ids)
 
 
-class QwenImageAdapter(DiffusionAdapter):
+class QwenImageAdapter(PackedLatentAdapter):
     pipeline_class = "QwenImagePipeline"
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
@@ -136,20 +136,3 @@ class QwenImageAdapter(DiffusionAdapter):
         mean = torch.tensor(vae.config.latents_mean).view(view).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(z.device, z.dtype)
         return vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0].float()
-
-    # ------------------------------------------------------------------ shapes / schedule
-    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
-        self.check_num_frames(num_frames)
-        self.limits.check(height, width)
-        f = self.vae_scale_factor
-        return (self.transformer.config.in_channels // 4, height // f, width // f)
-
-    def sigmas(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
-        """QwenImagePipeline's schedule: linspace(1, 1/T, T) shifted by mu(image_seq_len)."""
-        check_int("num_inference_steps", num_inference_steps, 1)
-        _, h, w = self.latent_shape(height, width, num_frames)
-        key = (num_inference_steps, h, w)
-        if key not in self._sigma_cache:
-            self._sigma_cache[key] = pipeline_sigmas(self.scheduler_config, num_inference_steps,
-                                                     image_seq_len=(h // 2) * (w // 2), linspace=True)
-        return self._sigma_cache[key].clone()
