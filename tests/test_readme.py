@@ -29,6 +29,8 @@ README = ROOT / "README.md"
 SMALL = ("pipeline.height=64 pipeline.width=64 pipeline.num_inference_steps=4 pipeline.max_sequence_length=16 "
          "algo.sde_window_size=2 algo.sde_window_range=[0,3] replicas.count=1 reward.num_workers=1 "
          "agent.num_workers=1 n=2")
+# a block of `omniroll train` commands also trains 2 steps (a key only the train config has)
+SMALL_TRAIN = SMALL + " trainer.steps=2"
 BLOCK_TIMEOUT_S = 300
 
 _FENCE = re.compile(r"^```(\w+)?\s*$")
@@ -116,6 +118,8 @@ def test_readme_block_runs_verbatim(block, readme_env):
         if not code.strip() or all(line.strip().startswith("#") for line in code.splitlines() if line.strip()):
             pytest.skip("only make lines")
         cmd = ["bash", "-eo", "pipefail", "-c", code]
+        if "omniroll train" in code:
+            env = {**env, "OMNIROLL_OVERRIDES": SMALL_TRAIN}
     else:
         cmd = [sys.executable, "-c", block["code"]]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
