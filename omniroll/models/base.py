@@ -56,6 +56,15 @@ def check_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
         raise ValueError(f"{name} must be an int {rng}, got {value!r}")
 
 
+def check_pipeline(pipeline, cls: type, family: str, components: tuple[str, ...]) -> None:
+    """The one check every adapter's constructor makes: `pipeline` is a `cls` and has every named component."""
+    if not isinstance(pipeline, cls):
+        raise TypeError(f"pipeline must be a {cls.__name__}, got {type(pipeline).__name__}")
+    for name in components:
+        if getattr(pipeline, name, None) is None:
+            raise ValueError(f"{family} checkpoint is missing component {name!r}")
+
+
 def load_pipeline(class_name: str, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load a diffusers pipeline (by class name) from a local checkpoint directory, offline, onto `device`."""
     import diffusers

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import PackedLatentAdapter
-from omniroll.models.base import Conditioning
+from omniroll.models.base import Conditioning, check_pipeline
 from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs,
                                          tokenizer_padded_length)
 
@@ -28,11 +28,8 @@ class FluxAdapter(PackedLatentAdapter):
     def __init__(self, pipeline):
         from diffusers import FluxPipeline
 
-        if not isinstance(pipeline, FluxPipeline):
-            raise TypeError(f"pipeline must be a FluxPipeline, got {type(pipeline).__name__}")
-        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
-            if getattr(pipeline, name, None) is None:
-                raise ValueError(f"FLUX checkpoint is missing component {name!r}")
+        check_pipeline(pipeline, FluxPipeline, "FLUX",
+                       ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"))
         self.pipeline = pipeline
         self.transformer = pipeline.transformer
         self.vae = pipeline.vae

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import PackedLatentAdapter
-from omniroll.models.base import Conditioning
+from omniroll.models.base import Conditioning, check_pipeline
 from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
@@ -37,11 +37,8 @@ class QwenImageAdapter(PackedLatentAdapter):
     def __init__(self, pipeline):
         from diffusers import QwenImagePipeline
 
-        if not isinstance(pipeline, QwenImagePipeline):
-            raise TypeError(f"pipeline must be a QwenImagePipeline, got {type(pipeline).__name__}")
-        for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
-            if getattr(pipeline, name, None) is None:
-                raise ValueError(f"Qwen-Image checkpoint is missing component {name!r}")
+        check_pipeline(pipeline, QwenImagePipeline, "Qwen-Image",
+                       ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
         self.pipeline = pipeline
         self.transformer = pipeline.transformer
         self.vae = pipeline.vae

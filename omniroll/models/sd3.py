@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import Conditioning, DiffusionAdapter
+from omniroll.models.base import Conditioning, DiffusionAdapter, check_pipeline
 from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_sd3_limits, tokenizer_max_length,
                                        tokenizer_padded_length)
 
@@ -24,11 +24,8 @@ class SD3Adapter(DiffusionAdapter):
     def __init__(self, pipeline):
         from diffusers import StableDiffusion3Pipeline
 
-        if not isinstance(pipeline, StableDiffusion3Pipeline):
-            raise TypeError(f"pipeline must be a StableDiffusion3Pipeline, got {type(pipeline).__name__}")
-        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
-            if getattr(pipeline, name, None) is None:
-                raise ValueError(f"SD3 checkpoint is missing component {name!r}")
+        check_pipeline(pipeline, StableDiffusion3Pipeline, "SD3",
+                       ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"))
         self.pipeline = pipeline
         self.transformer = pipeline.transformer
         self.vae = pipeline.vae

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models.base import Conditioning, DiffusionAdapter, check_int, check_pipeline
 from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
@@ -29,11 +29,8 @@ class WanAdapter(DiffusionAdapter):
     def __init__(self, pipeline):
         from diffusers import WanPipeline
 
-        if not isinstance(pipeline, WanPipeline):
-            raise TypeError(f"pipeline must be a WanPipeline, got {type(pipeline).__name__}")
-        for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
-            if getattr(pipeline, name, None) is None:
-                raise ValueError(f"Wan checkpoint is missing component {name!r}")
+        check_pipeline(pipeline, WanPipeline, "Wan",
+                       ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
         if pipeline.config.get("expand_timesteps", False):
             raise ValueError("Wan 2.2 TI2V (expand_timesteps=True) is not supported yet")
         self.pipeline = pipeline
