@@ -10,9 +10,9 @@ from omniroll.engine import calibrate
 from omniroll.engine.engine import DiffusionEngine
 
 
-def requests(n, height=32):
+def requests(n, height=32, prefix="c"):
     params = SamplingParams(height=height, width=32, num_inference_steps=3, max_sequence_length=16)
-    return [GenerationRequest(request_id=f"c{i}", prompt=f"a cat {i}", seed=i, sampling_params=params)
+    return [GenerationRequest(request_id=f"{prefix}{i}", prompt=f"a cat {i}", seed=i, sampling_params=params)
             for i in range(n)]
 
 
@@ -73,5 +73,21 @@ def test_invariant_decode_uses_fixed_padded_blocks(tiny_sd3_path):
         for batch, pos in ((x[:4], 3), (x[1:6], 2), (x, 3), (torch.stack([x[3], x[0]]), 0)):
             assert torch.equal(engine.runner.decode(batch)[pos], alone)
         assert set(seen) == {4}
+    finally:
+        engine.shutdown()
+
+
+def test_decode_blocks_never_mix_latent_shapes(tiny_sd3_path):
+    """Samples of different resolutions that finish together are decoded in blocks of their own shape (a block of
+    mixed shapes cannot be stacked: it used to fail both requests), and each equals its solo run."""
+    mixed = [r for pair in zip(requests(3, height=32), requests(3, height=48, prefix="t")) for r in pair]
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, decode_batch_size=4)
+    try:
+        together = engine.generate(mixed)
+        assert [o.stop_reason for o in together] == ["completed"] * 6
+        for r, out in zip(mixed, together):
+            (solo,) = engine.generate([r])
+            assert tuple(out.diffusion_output.shape) == (3, r.sampling_params.height, 32)
+            assert torch.equal(out.diffusion_output, solo.diffusion_output)
     finally:
         engine.shutdown()

@@ -9,7 +9,8 @@ No call hangs: every control call has a finite default timeout and raises Timeou
 control calls fail with it. An engine the program never shut down is shut down at interpreter exit (an atexit hook
 stops the loop after its current step and joins it), so a script may simply end.
 The weights and memory state (version, sleep level, LoRA) is the `lifecycle` component (`engine/lifecycle.py`);
-the engine serialises lifecycle calls and drains / aborts around them.
+the calls that change it (updates, LoRA, sleep, wake) are `engine/control.py`, which serialises them and drains /
+aborts around them; what a request must pass to get in, and its prompt encodings, are `engine/admission.py`.
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import math
 import threading
-import time
 import weakref
 from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from omniroll.engine.admission import attach_encodings, build_state
 from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
+from omniroll.engine.control import LifecycleCalls, check_seconds
 from omniroll.engine.errors import EngineError, EngineShutdownError, RequestError
-from omniroll.engine.lifecycle import SLEEP_LEVELS, Lifecycle
+from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.packaging import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
@@ -57,15 +58,7 @@ def _shutdown_live_engines() -> None:
             pass
 
 
-def _seconds(name: str, value: Any, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number of seconds, "
-                         f"got {value!r}")
-    return float(value)
-
-
-class DiffusionEngine:
+class DiffusionEngine(LifecycleCalls):
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
         self.config = config or EngineConfig()
@@ -105,12 +98,6 @@ class DiffusionEngine:
     def weight_version(self, value) -> None:
         raise AttributeError("weight_version is set by weight updates; to relabel the current weights call "
                              "engine.set_weight_version(version)")
-
-    def set_weight_version(self, version: int, timeout_s: float = 60.0) -> dict:
-        """Samples admitted from now on record `version` (an int >= the current one; the weights do not change)."""
-        with self._lifecycle_call("set_weight_version", timeout_s) as deadline:
-            return self.call_between_steps(lambda: self.lifecycle.set_version(version),
-                                           self._left("set_weight_version", deadline), op="set_weight_version")
 
     @property
     def asleep_level(self) -> int:
@@ -186,7 +173,7 @@ class DiffusionEngine:
         """Run `fn` on the engine thread between two denoising steps and return its result (or raise its error).
         Raises TimeoutError naming `op` if it has not finished within `timeout_s` (a call that had not started by
         then never runs), EngineShutdownError at once on a shut-down engine."""
-        timeout_s = _seconds("timeout_s", timeout_s)
+        timeout_s = check_seconds("timeout_s", timeout_s)
         if self._thread is not None and threading.current_thread() is self._thread:
             return fn()
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -235,125 +222,6 @@ class DiffusionEngine:
         for state in self.scheduler.drain_all() + arrivals + undecoded:
             state.on_done(None, EngineShutdownError(f"request {state.request_id}: the engine is {self._closed}"))
 
-    # ------------------------------------------------------------------ lifecycle calls (weights, LoRA, sleep)
-    def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
-                                use_shm: bool = False, *, manifest, buckets, version: int,
-                                name_map: Optional[Callable[[str], str]] = None, drain_timeout_s: float = 10.0,
-                                timeout_s: float = 600.0) -> dict:
-        """Apply one update from a stream of named-tensor buckets (see omniroll.weights.WeightSender), as a
-        transaction (see engine/lifecycle.py): version (an int > the current one), names, shapes and dtypes are
-        checked first, before anything is drained or aborted; values (finite) as they arrive; no sample is ever
-        produced from a partly updated model. With `peft_config` it is a LoRA update, else full weights. Every
-        sample admitted afterwards records `version`. Returns the acknowledgement (with the aborted request ids)."""
-        op = "update_weights_from_ipc"
-        with self._lifecycle_call(op, timeout_s) as deadline:
-            update = self.lifecycle.prepare_update(manifest, peft_config, version, name_map, buckets, use_shm)
-            if update.staged:
-                update.receive(buckets, use_shm)  # the engine keeps serving the old weights meanwhile
-                return self._quiesced(op, lambda: self.lifecycle.commit_update(update), drain_timeout_s, deadline)
-            return self._quiesced(op, lambda: self._apply_in_place(update, buckets, use_shm), drain_timeout_s,
-                                  deadline)
-
-    def add_lora(self, request, version: Optional[int] = None, drain_timeout_s: float = 10.0,
-                 timeout_s: float = 120.0) -> dict:
-        """Load an adapter (in-memory tensors or a saved PEFT directory) atomically between steps."""
-        with self._lifecycle_call("add_lora", timeout_s) as deadline:
-            version = None if version is None else self.lifecycle.check_version(version)
-            return self._quiesced("add_lora", lambda: self.lifecycle.add_lora(request, version), drain_timeout_s,
-                                  deadline)
-
-    def remove_lora(self, version: Optional[int] = None, drain_timeout_s: float = 10.0,
-                    timeout_s: float = 120.0) -> dict:
-        with self._lifecycle_call("remove_lora", timeout_s) as deadline:
-            version = None if version is None else self.lifecycle.check_version(version)
-            return self._quiesced("remove_lora", lambda: self.lifecycle.remove_lora(version), drain_timeout_s,
-                                  deadline)
-
-    def sleep(self, level: int = 1, drain_timeout_s: float = 0.0, timeout_s: float = 120.0) -> dict:
-        """Free the device (see Lifecycle.sleep). Running requests are aborted (acknowledged). Sleeping at the current
-        level or lower changes nothing and aborts nothing (sleep never makes the engine less asleep)."""
-        if isinstance(level, bool) or level not in SLEEP_LEVELS:
-            raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
-        op = f"sleep(level={level})"
-        with self._lifecycle_call(op, timeout_s) as deadline:
-            if level <= self.lifecycle.asleep_level:
-                return {"level": self.lifecycle.asleep_level, "changed": False, "aborted": []}
-
-            def go():
-                result = self.lifecycle.sleep(level)
-                self.prompt_cache.clear()
-                return result
-
-            return self._quiesced(op, go, drain_timeout_s, deadline)
-
-    def wake_up(self, timeout_s: float = 120.0) -> dict:
-        """Bring the weights back to the device (a no-op when awake). After a level-2 sleep a full weight update must
-        come before requests run. Errors (e.g. out of memory) reach the caller; a wake that does not finish within
-        `timeout_s` raises TimeoutError instead of hanging."""
-        with self._lifecycle_call("wake_up", timeout_s) as deadline:
-            return self.call_between_steps(self.lifecycle.wake_up, self._left("wake_up", deadline), op="wake_up")
-
-    @contextlib.contextmanager
-    def _lifecycle_call(self, op: str, timeout_s: float):
-        """One lifecycle call at a time; yields its deadline."""
-        timeout_s = _seconds("timeout_s", timeout_s)
-        deadline = time.monotonic() + timeout_s
-        self._check_open(op)
-        if not self._lifecycle_lock.acquire(timeout=timeout_s):
-            raise TimeoutError(f"{op} did not start within {timeout_s:g}s: {self._lifecycle_op} was still running")
-        self._lifecycle_op = op
-        try:
-            self._check_open(op)
-            yield deadline
-        finally:
-            self._lifecycle_op = None
-            self._lifecycle_lock.release()
-
-    @staticmethod
-    def _left(op: str, deadline: float) -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{op} ran out of its timeout")
-        return left
-
-    def _quiesced(self, op: str, fn: Callable[[], Any], drain_timeout_s: float, deadline: float) -> dict:
-        """Close admission, let running requests finish for up to `drain_timeout_s`, abort the rest (acknowledged:
-        each comes back with stop_reason="aborted"), run `fn` between steps, reopen admission (also on error)."""
-        drain_timeout_s = _seconds("drain_timeout_s", drain_timeout_s, allow_zero=True)
-        self.call_between_steps(lambda: setattr(self, "admission_paused", True), self._left(op, deadline), op=op)
-        try:
-            drain_until = min(time.monotonic() + drain_timeout_s, deadline)
-            while self.scheduler.running and time.monotonic() < drain_until and self._closed is None:
-                time.sleep(0.002)
-
-            def swap():
-                aborted = self._abort_running_now()
-                return {"aborted": aborted, **(fn() or {})}
-
-            return self.call_between_steps(swap, self._left(op, deadline), op=op)
-        finally:
-            with self._lock:
-                self.admission_paused = False
-                self._wakeup.notify()
-
-    def _apply_in_place(self, update, buckets, use_shm: bool) -> dict:
-        try:
-            return self.lifecycle.apply_in_place(update, buckets, use_shm)
-        except BaseException:
-            if self.lifecycle.unusable is not None:  # nothing may run on these weights: fail what waits for them
-                error = self.lifecycle.unusable_error()
-                with self._lock:
-                    waiting = list(self._inbox)
-                    self._inbox.clear()
-                for s in self.scheduler.drain_all() + waiting:
-                    s.on_done(None, type(error)(f"request {s.request_id}: {error}"))
-            raise
-
-    def _abort_running_now(self) -> list[str]:
-        states = list(self.scheduler.running)
-        self.scheduler.finish(states)
-        return self._settle_aborted(states)
-
     # ------------------------------------------------------------------ submission (caller threads)
     def _submit_futures(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
         """Validate every request (errors raise here, in the caller's thread, before any is queued), then queue them
@@ -398,35 +266,7 @@ class DiffusionEngine:
         return on_done
 
     def _make_state(self, request: GenerationRequest, on_done) -> RequestState:
-        if not isinstance(request, GenerationRequest):
-            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
-        p, rid = request.sampling_params, request.request_id
-        adapter = self.adapter
-        try:
-            adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
-            adapter.check_num_frames(p.num_frames)
-            adapter.check_guidance(p.guidance_scale, p.true_cfg_scale)
-        except ValueError as e:
-            raise RequestError(rid, str(e)) from None
-        limit = self.config.max_prompt_chars
-        for name, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
-            if isinstance(text, str) and len(text) > limit:
-                raise RequestError(rid, f"{name} has {len(text)} characters, more than max_prompt_chars={limit} "
-                                        f"(EngineConfig.max_prompt_chars)")
-        for field, ids in (("prompt_token_ids", request.prompt_token_ids),
-                           ("negative_prompt_token_ids", request.negative_prompt_token_ids)):
-            if ids is not None:
-                try:
-                    self.adapter.check_token_ids(ids, p.max_sequence_length, field)
-                except ValueError as e:
-                    raise RequestError(rid, str(e)) from None
-        latent_shape = adapter.latent_shape(p.height, p.width, p.num_frames)
-        sigmas = adapter.sigmas(p.num_inference_steps, p.height, p.width, p.num_frames)
-        state = RequestState(request, sigmas, latent_shape, on_done, device=self.runner.device,
-                             cfg_scale=adapter.cfg_scale(p.guidance_scale, p.true_cfg_scale))
-        if adapter.num_experts > 1:
-            state.experts = [adapter.expert_index(float(t)) for t in state.timesteps]
-        return state
+        return build_state(self.adapter, self.config, self.runner.device, request, on_done)
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -523,49 +363,41 @@ class DiffusionEngine:
         return self._finish(finished)
 
     def _encode(self, states: list[RequestState]) -> None:
-        """Attach prompt encodings. Each prompt is encoded in its own guard (`PromptCache.get_many`): a request whose
-        prompt fails to encode fails alone, naming its id, the field and the reason; the others go on."""
-        by_len: dict[int, list[RequestState]] = {}
-        for s in states:
-            by_len.setdefault(s.params.max_sequence_length, []).append(s)
-        failed: dict[int, tuple[RequestState, BaseException]] = {}
-        for length, group in by_len.items():
-            conds = self.prompt_cache.get_many([s.request.prompt_input() for s in group], length)
-            cfg = [s for s in group if s.cfg_scale is not None]
-            negs = self.prompt_cache.get_many([s.request.negative_input() for s in cfg], length)
-            for field, members, encodings in (("prompt", group, conds), ("negative_prompt", cfg, negs)):
-                for s, c in zip(members, encodings):
-                    if isinstance(c, Exception):
-                        failed.setdefault(id(s), (s, _encode_error(s.request_id, field, c)))
-                    elif field == "prompt":
-                        s.cond = c
-                    else:
-                        s.uncond = c
-        for s, error in failed.values():
+        """Attach prompt encodings (see engine/admission.py); a request whose prompt fails to encode fails alone."""
+        for s, error in attach_encodings(self.prompt_cache, states):
             self.scheduler.finish([s])
             s.on_done(None, error)
 
     def _finish(self, states: list[RequestState], flush: bool = False) -> list[DiffusionOutput]:
-        """Deliver finished requests. Pixels are decoded in blocks of `decode_batch_size`; a partial block waits for
-        more finished samples while requests are running, for at most `decode_batch_size` steps (`flush` decodes now).
-        A failed decode fails its block's requests only."""
+        """Deliver finished requests. Pixels are decoded in blocks of `decode_batch_size` samples of one latent shape;
+        a partial block waits for more finished samples of its shape while requests are running, for at most
+        `decode_batch_size` steps (`flush` decodes now). A failed decode fails its block's requests only."""
         outputs = [self._deliver(s, None) for s in states if s.params.output_type == "latent"]
         self._to_decode += [(s, self.steps_run) for s in states if s.params.output_type != "latent"]
         block = self.config.decode_batch_size
-        while self._to_decode:
-            if (len(self._to_decode) < block and not flush and self.scheduler.running
-                    and self.steps_run - self._to_decode[0][1] < block):
-                break
-            states_ = [s for s, _ in self._to_decode[:block]]
-            del self._to_decode[:block]
-            try:
-                decoded = self.runner.decode(torch.stack([s.latents for s in states_]))
-            except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
-                for s in states_:
-                    s.on_done(None, EngineError(f"request {s.request_id} failed: {e!r}"))
-                continue
-            outputs += [self._deliver(s, decoded[i]) for i, s in enumerate(states_)]
+        by_shape: dict[tuple, list[tuple[RequestState, int]]] = {}
+        for entry in self._to_decode:
+            by_shape.setdefault(tuple(entry[0].latents.shape), []).append(entry)
+        waiting: list[tuple[RequestState, int]] = []
+        for entries in by_shape.values():
+            while entries:
+                if (len(entries) < block and not flush and self.scheduler.running
+                        and self.steps_run - entries[0][1] < block):
+                    waiting += entries
+                    break
+                chunk, entries = [s for s, _ in entries[:block]], entries[block:]
+                outputs += self._decode_block(chunk)
+        self._to_decode = waiting
         return [o for o in outputs if o is not None]
+
+    def _decode_block(self, states: list[RequestState]) -> list[Optional[DiffusionOutput]]:
+        try:
+            decoded = self.runner.decode(torch.stack([s.latents for s in states]))
+        except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
+            for s in states:
+                s.on_done(None, EngineError(f"request {s.request_id} failed: {e!r}"))
+            return []
+        return [self._deliver(s, decoded[i]) for i, s in enumerate(states)]
 
     def _deliver(self, s: RequestState, pixels: Optional[torch.Tensor]) -> Optional[DiffusionOutput]:
         try:
@@ -602,12 +434,3 @@ class DiffusionEngine:
         for s in states:
             s.on_done(aborted_output(s, self.weight_version), None)
         return [s.request_id for s in states]
-
-
-def _encode_error(request_id: str, field: str, error: Exception) -> Exception:
-    """A tokenizer's refusal (ValueError / TypeError / UnicodeError) is the request's fault: `RequestError`, never
-    retried. Anything else (out of memory, a broken encoder) is the engine's: `EngineError`."""
-    reason = f"{field} could not be encoded: {type(error).__name__}: {error}"
-    if isinstance(error, (ValueError, TypeError, UnicodeError)):
-        return RequestError(request_id, reason)
-    return EngineError(f"request {request_id!r} failed: {reason}")

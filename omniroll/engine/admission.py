@@ -1,0 +1,81 @@
+"""Admission: a request becomes a `RequestState` (every check first, in the caller's thread), and admitted states get
+their prompt encodings (each prompt in its own guard, on the engine thread).
+
+Both are the engine's only entry points for a request's content, so every check of a request lives here: the model's
+limits (resolution, text length, frames, guidance), prompt size, token ids. A failure is a `RequestError` naming the
+request before anything is queued or encoded; a prompt that fails to encode fails its own request only.
+"""
+
+from __future__ import annotations
+
+from omniroll.engine.config import EngineConfig
+from omniroll.engine.errors import EngineError, RequestError
+from omniroll.engine.params import GenerationRequest
+from omniroll.engine.prompt_cache import PromptCache
+from omniroll.engine.request import RequestState
+from omniroll.models.base import DiffusionAdapter
+
+
+def build_state(adapter: DiffusionAdapter, config: EngineConfig, device, request: GenerationRequest,
+                on_done) -> RequestState:
+    """Check `request` against the model and the engine's limits and build its state (sigmas, latent shape, CFG
+    scale, experts). Raises `RequestError` naming the request and the field, TypeError for a non-request."""
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+    p, rid = request.sampling_params, request.request_id
+    try:
+        adapter.limits.check(p.height, p.width, p.max_sequence_length, prefix="sampling_params.")
+        adapter.check_num_frames(p.num_frames)
+        adapter.check_guidance(p.guidance_scale, p.true_cfg_scale)
+    except ValueError as e:
+        raise RequestError(rid, str(e)) from None
+    limit = config.max_prompt_chars
+    for name, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
+        if isinstance(text, str) and len(text) > limit:
+            raise RequestError(rid, f"{name} has {len(text)} characters, more than max_prompt_chars={limit} "
+                                    f"(EngineConfig.max_prompt_chars)")
+    for field, ids in (("prompt_token_ids", request.prompt_token_ids),
+                       ("negative_prompt_token_ids", request.negative_prompt_token_ids)):
+        if ids is not None:
+            try:
+                adapter.check_token_ids(ids, p.max_sequence_length, field)
+            except ValueError as e:
+                raise RequestError(rid, str(e)) from None
+    latent_shape = adapter.latent_shape(p.height, p.width, p.num_frames)
+    sigmas = adapter.sigmas(p.num_inference_steps, p.height, p.width, p.num_frames)
+    state = RequestState(request, sigmas, latent_shape, on_done, device=device,
+                         cfg_scale=adapter.cfg_scale(p.guidance_scale, p.true_cfg_scale))
+    if adapter.num_experts > 1:
+        state.experts = [adapter.expert_index(float(t)) for t in state.timesteps]
+    return state
+
+
+def attach_encodings(prompt_cache: PromptCache, states: list[RequestState]) -> list[tuple[RequestState, Exception]]:
+    """Attach prompt (and, for CFG rows, negative prompt) encodings to `states`. Each prompt is encoded in its own
+    guard (`PromptCache.get_many`); returns the states whose prompt failed, each with its error (the others go on)."""
+    by_len: dict[int, list[RequestState]] = {}
+    for s in states:
+        by_len.setdefault(s.params.max_sequence_length, []).append(s)
+    failed: dict[int, tuple[RequestState, Exception]] = {}
+    for length, group in by_len.items():
+        conds = prompt_cache.get_many([s.request.prompt_input() for s in group], length)
+        cfg = [s for s in group if s.cfg_scale is not None]
+        negs = prompt_cache.get_many([s.request.negative_input() for s in cfg], length)
+        for field, members, encodings in (("prompt", group, conds), ("negative_prompt", cfg, negs)):
+            for s, c in zip(members, encodings):
+                if isinstance(c, Exception):
+                    failed.setdefault(id(s), (s, encode_error(s.request_id, field, c)))
+                elif field == "prompt":
+                    s.cond = c
+                else:
+                    s.uncond = c
+    return list(failed.values())
+
+
+def encode_error(request_id: str, field: str, error: Exception) -> Exception:
+    """A tokenizer's refusal (ValueError / TypeError / UnicodeError) is the request's fault: `RequestError`, never
+    retried. Anything else (out of memory, a broken encoder) is the engine's: `EngineError`."""
+    reason = f"{field} could not be encoded: {type(error).__name__}: {error}"
+    if isinstance(error, (ValueError, TypeError, UnicodeError)):
+        return RequestError(request_id, reason)
+    return EngineError(f"request {request_id!r} failed: {reason}")
