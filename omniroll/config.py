@@ -17,9 +17,9 @@ one thing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from omniroll.engine.params import SamplingParams
 from omniroll.errors import format_validation_error
@@ -44,12 +44,19 @@ class ReplicasSection(_Strict):
 
 class EngineSection(_Strict):
     model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, or "tiny" (built on demand)')
-    max_batch_size: Union[Literal["auto"], Annotated[int, Field(ge=2, le=4096)]] = Field(
+    max_batch_size: Union[Literal["auto"], int] = Field(
         16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
+
+    @field_validator("max_batch_size", mode="before")
+    @classmethod
+    def _rows_or_auto(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 4096):
+            return value
+        raise ValueError("must be an int in [2, 4096] (a CFG sample takes 2 rows) or 'auto'")
 
     def engine_kwargs(self) -> dict:
         kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size, **self.kwargs}

@@ -35,7 +35,8 @@ GEN = ["--model", "tiny", "--n", "2", "--steps", "4", "--height", "64", "--width
 
 def test_generate_writes_grids_trajectories_metrics(tiny_cache, tmp_path, capsys):
     out = tmp_path / "gen"
-    rc = main(["generate", "--prompt", "a red car", "--prompt", "a dog", *GEN, "--out", str(out)])
+    rc = main(["generate", "--prompt", "a red car", "--prompt", "a dog", *GEN, "--max-batch-size", "auto",
+               "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     for name in ("prompt_000.png", "prompt_001.png", "trajectories.safetensors", "metrics.json"):
@@ -146,6 +147,11 @@ def test_bad_input_fails_before_starting_one_line_per_error(tiny_cache, tmp_path
     assert _errors(capsys) == [f"omniroll generate: error: --prompts-file: file not found: {tmp_path / 'missing.txt'}"]
     assert main(["generate", "--prompt", "x", "--override", "pipeline.heigth=64", "--out", out]) == 2
     assert "pipeline.heigth: Extra inputs are not permitted" in _errors(capsys)[0]
+    assert main(["generate", "--prompt", "x", "--max-batch-size", "1", "--out", out]) == 2
+    assert "--max-batch-size (engine.max_batch_size)" in _errors(capsys)[0]
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "x", "--max-batch-size", "lots", "--out", out])
+    assert exit_.value.code == 2 and "expected an int >= 2 or 'auto', got 'lots'" in capsys.readouterr().err
 
 
 def test_rollout_checks_rewards_prompt_length_and_sampling_before_ray(tiny_cache, tmp_path, capsys, nothing_starts):

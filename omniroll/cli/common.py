@@ -26,6 +26,16 @@ CLI_GLOBAL_STEP = 0
 ENV_OVERRIDES = "OMNIROLL_OVERRIDES"
 
 
+def rows_or_auto(text: str):
+    """--max-batch-size: an int, or "auto" (the engine measures its forward rows)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 2 or 'auto', got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Flag:
     flag: str
@@ -42,7 +52,8 @@ FLAGS = [
     Flag("--device", "engine.device", str, "torch device of the model, e.g. cpu, cuda, cuda:1"),
     Flag("--dtype", "engine.dtype", str, "model weights' dtype (the SDE math and log-probs are always fp32)",
          choices=("float32", "bfloat16", "float16")),
-    Flag("--max-batch-size", "engine.max_batch_size", int, "forward rows per denoising step (a CFG sample takes 2)"),
+    Flag("--max-batch-size", "engine.max_batch_size", rows_or_auto, "forward rows per denoising step (a CFG sample "
+         "takes 2), or 'auto': measured per shape (see omniroll.engine.calibrate)"),
     Flag("--num-threads", "engine.num_threads", int, "torch CPU threads per engine (unset: torch's choice)"),
     Flag("--height", "pipeline.height", int, "image height in pixels (a multiple of the model's spatial factor)"),
     Flag("--width", "pipeline.width", int, "image width in pixels"),
