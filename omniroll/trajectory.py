@@ -159,6 +159,12 @@ def trajectory_bytes(batch, run: dict) -> bytes:
     return save(tensors, metadata=metadata)
 
 
+def trajectory_file(outputs: list, prompts: list[str], n: int, run: dict) -> bytes:
+    """Completed engine outputs (`n` per prompt, in order) -> the bytes of a trajectory file (what `omniroll serve`'s
+    `/v1/rollout` returns)."""
+    return trajectory_bytes(batch_from_outputs(outputs, prompts, n), run)
+
+
 def write_trajectories(batch, path: str, run: dict) -> str:
     """Write a DataBatch (the agent loop's output, or `omniroll generate`'s) to `path` in the documented layout."""
     return write_bytes(path, trajectory_bytes(batch, run))

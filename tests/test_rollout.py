@@ -163,7 +163,7 @@ def test_http_server_over_replicas_aborts_a_disconnected_clients_samples(replica
 
     import httpx
 
-    from omniroll.rollout.serve import run_in_background
+    from omniroll.rollout.http_runner import run_in_background
     from omniroll.rollout.server import create_app
 
     def totals():

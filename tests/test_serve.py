@@ -23,11 +23,11 @@ from PIL import Image
 
 from omniroll import GenerationRequest, SamplingParams
 from omniroll.rollout.http_contract import ApiError, classify
-from omniroll.rollout.serve import run_in_background
+from omniroll.rollout.http_runner import run_in_background
 from omniroll.sampling import batch_prompt_uid
-from omniroll.trajectory import read_trajectories
 from omniroll.rollout.server import create_app
 from omniroll.sampling import derive_seed
+from omniroll.trajectory import read_trajectories, trajectory_file
 
 EXTRA = {"num_inference_steps": 2, "max_sequence_length": 16, "guidance_scale": 1.0}
 LIMIT = 64 * 1024
@@ -39,7 +39,8 @@ def live(tiny_sd3_path):
     from omniroll.engine.engine import DiffusionEngine
 
     engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=4)
-    app = create_app(engine, model_name="tiny-test", max_body_bytes=LIMIT, max_pending=3, max_n=3)
+    app = create_app(engine, model_name="tiny-test", max_body_bytes=LIMIT, max_pending=3, max_n=3,
+                     trajectory_file=trajectory_file)
     with run_in_background(app) as url:
         yield url, engine
     engine.shutdown()

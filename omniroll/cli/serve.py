@@ -2,7 +2,7 @@
 
 Binds 127.0.0.1 unless `--host` says otherwise; `--port 0` picks a free port. The URL is printed once the model is
 loaded. Ctrl-C stops it (exit 130, as every command); SIGTERM too (uvicorn's graceful shutdown). Routes and the
-HTTP contract: `omniroll.rollout.server`; defaults: `omniroll.rollout.serve.ServeConfig`.
+HTTP contract: `omniroll.rollout.server`; defaults: `omniroll.serve.ServeConfig`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ def add_arguments(parser) -> None:
     # so `omniroll --help` need not import the server.
     from argparse import SUPPRESS
 
+    from omniroll.cli.common import rows_or_auto
+
     parser.add_argument("--model", default="tiny", help="'tiny' or a local diffusers SD3 checkpoint directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (the default serves this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     parser.add_argument("--served-model-name", default=SUPPRESS,
                         help="the model id in /v1/models (default: the model's name)")
-    parser.add_argument("--max-batch-size", type=int, default=SUPPRESS, help="forward rows per step (default 16)")
+    parser.add_argument("--max-batch-size", type=rows_or_auto, default=SUPPRESS,
+                        help="forward rows per step (default 16), or 'auto' (measured per shape)")
     parser.add_argument("--max-body-bytes", type=int, default=SUPPRESS,
                         help="larger request bodies get 413 (default 4 MiB)")
     parser.add_argument("--max-pending", type=int, default=SUPPRESS,
@@ -31,7 +34,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from omniroll.rollout.serve import ServeConfig, serve
+    from omniroll.serve import ServeConfig, serve
 
     optional = {k: getattr(args, k) for k in ("served_model_name", "max_batch_size", "max_body_bytes", "max_pending",
                                               "max_n", "request_timeout_s") if hasattr(args, k)}

@@ -8,7 +8,9 @@
 - `POST /v1/rollout` {prompts, n, seed, global_step?, negative_prompt?, sampling_params?} -> a trajectory file
   (`application/octet-stream`, the layout of `omniroll.trajectory`: what `omniroll generate` and `omniroll rollout`
   write; `omniroll.trajectory.read_trajectories(response.content)` reads it). Sample j of prompt i gets the seed
-  `derive_seed(seed, global_step, batch_prompt_uid(i), j)`, as in `omniroll generate` / `rollout`.
+  `derive_seed(seed, global_step, batch_prompt_uid(i), j)`, as in `omniroll generate` / `rollout`. Served when
+  `create_app` is given `trajectory_file` (the layout is the agent loop's batch, a layer above this one, so the
+  composer passes it in: `omniroll.serve` passes `omniroll.trajectory.trajectory_file`).
 - `GET /v1/models`, `GET /health` (200 when it can serve, 503 asleep or shut down), `GET /stats` (JSON),
   `GET /metrics` (Prometheus text).
 
@@ -23,7 +25,7 @@ import asyncio
 import base64
 import io
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -104,8 +106,10 @@ class Server:
 
 
 def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_pending: int = 1024, max_n: int = 64, request_timeout_s: float = 600.0):
-    """The FastAPI app over an engine or a RolloutClient (or an `HttpBackend` built from one)."""
+               max_pending: int = 1024, max_n: int = 64, request_timeout_s: float = 600.0,
+               trajectory_file: Optional[Callable[[list, list[str], int, dict], bytes]] = None):
+    """The FastAPI app over an engine or a RolloutClient (or an `HttpBackend` built from one). `trajectory_file`
+    (completed outputs, n per prompt in order, the prompts, n, the run record -> file bytes) enables `/v1/rollout`."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -143,7 +147,6 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
             resp["trajectory"]["sde_window"] = list(ef.get("sde_window", ()))
         return resp
 
-    @app.post("/v1/rollout")
     async def rollout(body: RolloutBody, request: Request):
         rid = request_id_of(request)
         texts = list(body.prompts) + [body.negative_prompt]
@@ -160,8 +163,11 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         outs = await server.run(request, "/v1/rollout", reqs, texts)
         run = {"command": "serve /v1/rollout", "model": server.model_name, "request_id": rid,
                "seed": body.seed, "global_step": body.global_step}
-        data = await asyncio.to_thread(trajectory_file, outs, list(body.prompts), body.n, run)  # off the event loop
+        data = await asyncio.to_thread(trajectory_file, outs, list(body.prompts), body.n, run)  # off the loop
         return Response(data, media_type="application/octet-stream")
+
+    if trajectory_file is not None:
+        app.post("/v1/rollout")(rollout)
 
     @app.get("/v1/models")
     async def models():
@@ -184,10 +190,3 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
 
     install_contract(app, max_body_bytes, server.metrics)  # last: it labels metrics by the routes above
     return app
-
-
-def trajectory_file(outputs: list, prompts: list[str], n: int, run: dict) -> bytes:
-    """Completed outputs (`n` per prompt, in order) -> the bytes of a trajectory file (`omniroll.trajectory`)."""
-    from omniroll.trajectory import batch_from_outputs, trajectory_bytes
-
-    return trajectory_bytes(batch_from_outputs(outputs, prompts, n), run)

@@ -1,5 +1,8 @@
 """`omniroll serve`: one engine behind the HTTP server (uvicorn), bound to 127.0.0.1 unless told otherwise.
 
+The composition of the layers below: the engine (`omniroll.engine`), the HTTP app (`omniroll.rollout.server`) and
+the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory`, the agent loop's batch on disk).
+
 `serve(...)` runs until interrupted; `background_server(...)` runs the same server in a background thread and yields
 its base URL (for notebooks, scripts and tests), shutting the server and the engine down on exit.
 """
@@ -8,14 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from omniroll.rollout.http_contract import DEFAULT_MAX_BODY_BYTES
+from omniroll.rollout.http_runner import bind, run_in_background, uvicorn_server
 
 
 @dataclass
@@ -24,7 +25,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000                      # 0: any free port
     served_model_name: Optional[str] = None  # the id in /v1/models and the `model` field; default: the path's name
-    max_batch_size: int = 16
+    max_batch_size: int | str = 16       # or "auto" (see omniroll.engine.calibrate)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending: int = 1024               # samples in flight over HTTP before 503 "overloaded"
     max_n: int = 64                       # images per request
@@ -44,46 +45,26 @@ def build_app(config: ServeConfig):
     from omniroll.engine.engine import DiffusionEngine
     from omniroll.models import resolve_model
     from omniroll.rollout.server import create_app
+    from omniroll.trajectory import trajectory_file
 
     engine = DiffusionEngine.from_pretrained(resolve_model(config.model), max_batch_size=config.max_batch_size)
     app = create_app(engine, model_name=config.served_model_name, max_body_bytes=config.max_body_bytes,
-                     max_pending=config.max_pending, max_n=config.max_n, request_timeout_s=config.request_timeout_s)
+                     max_pending=config.max_pending, max_n=config.max_n, request_timeout_s=config.request_timeout_s,
+                     trajectory_file=trajectory_file)
     return engine, app
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for sockets that say they are
-    # TCP; without it Nagle holds a response's body behind its headers until the client's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)  # connections queue from now on (none is refused while the server starts)
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-def _uvicorn(app, log_level: str):
-    import uvicorn
-
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                         timeout_graceful_shutdown=5))
 
 
 def serve(config: ServeConfig) -> None:
     """Listen, load the model, print the URL, serve until Ctrl-C (KeyboardInterrupt, after uvicorn's graceful
     shutdown) or SIGTERM; the engine is shut down on the way out."""
-    sock = _bind(config.host, config.port)
+    sock = bind(config.host, config.port)
     engine, app = build_app(config)
     host, port = sock.getsockname()[:2]
     print(f"omniroll serve: {config.served_model_name} on http://{host}:{port} "
           f"(POST /v1/images/generations, /v1/rollout, /v1/generate; GET /v1/models, /health, /metrics)",
           file=sys.stderr, flush=True)
     try:
-        _uvicorn(app, config.log_level).run(sockets=[sock])  # re-raises the Ctrl-C it handled gracefully
+        uvicorn_server(app, config.log_level).run(sockets=[sock])  # re-raises the Ctrl-C it handled gracefully
     finally:
         print("omniroll serve: stopped", file=sys.stderr, flush=True)
         engine.shutdown()
@@ -95,7 +76,7 @@ def background_server(model: str = "tiny", port: int = 0, **kwargs) -> Iterator[
     """Run `omniroll serve` in a background thread of this process; yields the base URL ("http://127.0.0.1:PORT").
     Keyword arguments are `ServeConfig` fields. The engine is shut down on exit."""
     config = ServeConfig(model=model, port=port, **kwargs)
-    sock = _bind(config.host, config.port)
+    sock = bind(config.host, config.port)
     try:
         engine, app = build_app(config)
     except BaseException:
@@ -106,25 +87,3 @@ def background_server(model: str = "tiny", port: int = 0, **kwargs) -> Iterator[
             yield url
     finally:
         engine.shutdown()
-
-
-@contextlib.contextmanager
-def run_in_background(app, host: str = "127.0.0.1", port: int = 0, sock: Optional[socket.socket] = None,
-                      log_level: str = "warning") -> Iterator[str]:
-    """Serve an ASGI app with uvicorn in a daemon thread; yields its base URL; stops it on exit."""
-    sock = sock or _bind(host, port)
-    server = _uvicorn(app, log_level)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="omniroll-serve", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the HTTP server did not start")
-            time.sleep(0.01)
-        bound_host, bound_port = sock.getsockname()[:2]
-        yield f"http://{bound_host}:{bound_port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
