@@ -22,7 +22,9 @@ recorded over the window, one VAE decode per image, uint8 pixels. Same bench SD3
     the workload needs (P*n images x T steps x 2 CFG rows) in forwards of R* rows, the row count with the lowest
     measured cost per row, one text encode per unique prompt (+1 negative), the VAE decodes in blocks of D* images,
     the block size with the lowest measured cost per image. R* and D* are picked by a sweep in this very run
-    (printed). No sampler, no bookkeeping, no per-request overhead, no invariance. efficiency = (a) / (c).
+    (printed) on the bound's own inputs (its real prompt encodings; every candidate does the same work: 32 rows, 8
+    images; median of `--sweep-repeats`). No sampler, no bookkeeping, no per-request overhead, no invariance.
+    efficiency = (a) / (c).
 
 First the sweeps (rows per forward vs ms per row, plain and batch-invariant; images per decode vs s per image) pick
 the bound's R* and D*. Each contender is then warmed up once (every forward / decode shape of its timed runs, with
@@ -62,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_run_args(ap, threads=2)
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=[2, 4, 8, 16, 32])
     ap.add_argument("--sweep-decode", type=int, nargs="*", default=[1, 2, 4, 8])
-    ap.add_argument("--sweep-repeats", type=int, default=2)
+    ap.add_argument("--sweep-repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny setting (1 prompt x 2, 64 px, 1 repeat): checks the script")
     ap.add_argument("--skip", nargs="*", default=[], choices=["omniroll", "omniroll_noninvariant", "flowgrpo", "bound"],
                     help="contenders to leave out (quick experiments)")
@@ -117,32 +119,49 @@ def bound_forward_plan(total_rows: int, rows: int) -> list[int]:
     return [rows] * (total_rows // rows) + ([total_rows % rows] if total_rows % rows else [])
 
 
+class BoundInputs:
+    """The bound's model inputs for one rollout: one text encode per unique prompt (+ the negative ""), their
+    encodings cycled over `rows` forward rows, random latents and per-row timesteps. The sweep times forwards on
+    exactly these inputs, so the rows it picks are the rows the bound then runs."""
+
+    def __init__(self, adapter, prompts: list[str], args, rows: int, seed: int):
+        pipe = adapter.pipeline
+        g = torch.Generator().manual_seed(seed)
+        C, h, w = adapter.latent_shape(args.height, args.width)
+        enc = [pipe.encode_prompt(prompt=[p], prompt_2=None, prompt_3=None, device=adapter.device,
+                                  num_images_per_prompt=1, do_classifier_free_guidance=False,
+                                  max_sequence_length=args.max_sequence_length)
+               for p in list(dict.fromkeys(prompts)) + [""]]
+        reps = (rows + len(enc) - 1) // len(enc)
+        self.pe = torch.cat([e[0] for e in enc]).repeat(reps, 1, 1)[:rows]
+        self.ppe = torch.cat([e[2] for e in enc]).repeat(reps, 1)[:rows]
+        self.lat = torch.randn(rows, C, h, w, generator=g)
+        self.t = torch.linspace(1000.0, 100.0, rows)
+        self.transformer = adapter.transformer
+
+    def forward(self, rows: int) -> None:
+        self.transformer(hidden_states=self.lat[:rows], timestep=self.t[:rows], encoder_hidden_states=self.pe[:rows],
+                         pooled_projections=self.ppe[:rows], return_dict=False)
+
+
 @torch.no_grad()
 def bound_rollout(adapter, prompts: list[str], args, run: int, rows: int, decode_batch: int) -> dict:
-    pipe, tr, vae = adapter.pipeline, adapter.transformer, adapter.vae
-    L = args.max_sequence_length
+    vae = adapter.vae
     rows_per_image = 2 if args.guidance > 1.0 else 1
     n_img = len(prompts) * args.n
     plan = bound_forward_plan(n_img * rows_per_image * args.steps, rows)
-    g = torch.Generator().manual_seed(run)
     C, h, w = adapter.latent_shape(args.height, args.width)
-    lat = torch.randn(rows, C, h, w, generator=g)
-    t = torch.linspace(1000.0, 100.0, rows)
+    g = torch.Generator().manual_seed(run)
     dec_in = torch.randn(n_img, C, h, w, generator=g) / vae.config.scaling_factor + vae.config.shift_factor
     phases = {"encode": 0.0, "denoise": 0.0, "decode": 0.0}
 
     t_start = time.perf_counter()
     t0 = time.perf_counter()
-    enc = [pipe.encode_prompt(prompt=[p], prompt_2=None, prompt_3=None, device=adapter.device,
-                              num_images_per_prompt=1, do_classifier_free_guidance=False, max_sequence_length=L)
-           for p in list(dict.fromkeys(prompts)) + [""]]
-    pe = torch.cat([e[0] for e in enc]).repeat((rows + len(enc) - 1) // len(enc), 1, 1)[:rows]
-    ppe = torch.cat([e[2] for e in enc]).repeat((rows + len(enc) - 1) // len(enc), 1)[:rows]
+    inputs = BoundInputs(adapter, prompts, args, rows, run)
     phases["encode"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     for r in plan:
-        tr(hidden_states=lat[:r], timestep=t[:r], encoder_hidden_states=pe[:r], pooled_projections=ppe[:r],
-           return_dict=False)
+        inputs.forward(r)
     phases["denoise"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     for chunk in dec_in.split(decode_batch):
@@ -151,9 +170,11 @@ def bound_rollout(adapter, prompts: list[str], args, run: int, rows: int, decode
     return {"seconds": time.perf_counter() - t_start, "images": n_img, "phases": phases, "forwards": len(plan)}
 
 
+# --------------------------------------------------------------------------------------------------- sweeps
 @torch.no_grad()
 def decode_sweep(adapter, args, blocks: list[int], repeats: int) -> dict:
-    """Seconds per image of one VAE decode vs images per decode (plain), interleaved; warm-up first."""
+    """Seconds per image vs images per VAE decode: every block size decodes the same `max(blocks)` images (so each
+    measurement is the same work), interleaved in alternating order, after a warm-up; the median is kept."""
     vae = adapter.vae
     C, h, w = adapter.latent_shape(args.height, args.width)
     x = torch.randn(max(blocks), C, h, w, generator=torch.Generator().manual_seed(0))
@@ -163,36 +184,35 @@ def decode_sweep(adapter, args, blocks: list[int], repeats: int) -> dict:
     for rep in range(repeats):
         for b in (blocks if rep % 2 == 0 else list(reversed(blocks))):
             t0 = time.perf_counter()
-            vae.decode(x[:b], return_dict=False)
-            samples[b].append((time.perf_counter() - t0) / b)
-    return {b: min(v) for b, v in samples.items()}
+            for chunk in x.split(b):
+                vae.decode(chunk, return_dict=False)
+            samples[b].append((time.perf_counter() - t0) / len(x))
+    return {b: statistics.median(v) for b, v in samples.items()}
 
 
-# --------------------------------------------------------------------------------------------------- sweep
 @torch.no_grad()
 def forward_sweep(adapter, args, rows_list: list[int], repeats: int, block_rows: int) -> dict:
-    """ms per row of one transformer forward vs rows per forward, plain and in batch-invariant mode (interleaved)."""
+    """ms per row vs rows per forward, plain and in batch-invariant mode, on the bound's own inputs (real prompt
+    encodings, see BoundInputs). Every measurement runs the same number of rows (max(rows_list), in forwards of the
+    candidate size), interleaved in alternating order, after a warm-up of every shape; the median is kept."""
     from omniroll.engine.invariant import BatchInvariantMode
 
-    cond = adapter.encode_prompts(["a photo of a cat"], args.max_sequence_length)[0].tensors
-    C, h, w = adapter.latent_shape(args.height, args.width)
-    inputs = {}
-    for rows in rows_list:
-        inputs[rows] = (torch.randn(rows, C, h, w), torch.full((rows,), 500.0),
-                        {k: v.unsqueeze(0).expand(rows, *v.shape).contiguous() for k, v in cond.items()})
+    total = max(rows_list)
+    inputs = BoundInputs(adapter, make_prompts(args.prompts, -1), args, total, seed=0)
     modes = {"plain": contextlib.nullcontext, "invariant": lambda: BatchInvariantMode(block_rows)}
     samples = {m: {r: [] for r in rows_list} for m in modes}
-    for mode, ctx in modes.items():  # warm-up of every shape
+    for mode, ctx in modes.items():
         for rows in rows_list:
             with ctx():
-                adapter.velocity(*inputs[rows])
+                inputs.forward(rows)
     for rep in range(repeats):
         for mode, ctx in (modes.items() if rep % 2 == 0 else reversed(list(modes.items()))):
-            for rows in rows_list:
+            for rows in (rows_list if rep % 2 == 0 else list(reversed(rows_list))):
                 t0 = time.perf_counter()
                 with ctx():
-                    adapter.velocity(*inputs[rows])
-                samples[mode][rows].append((time.perf_counter() - t0) * 1000 / rows)
+                    for r in bound_forward_plan(total, rows):
+                        inputs.forward(r)
+                samples[mode][rows].append((time.perf_counter() - t0) * 1000 / total)
     return {m: {r: statistics.median(v) for r, v in d.items()} for m, d in samples.items()}
 
 
