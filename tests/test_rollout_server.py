@@ -40,3 +40,20 @@ def test_generate_health_and_bad_fields(engine):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.height"
     assert extra.status_code == 400 and extra.json()["error"]["param"] == "bogus"
     assert health.json() == {"ok": True, "status": "ok"} and stats.json()["served"] >= 1
+
+
+def test_rollout_route_only_when_its_composer_passes_the_trajectory_layout(engine):
+    """`create_app` alone knows nothing of the agent loop's layout: /v1/rollout is absent (404) unless given
+    `trajectory_file` (as `omniroll serve` does), and then returns that file."""
+    from omniroll.trajectory import read_trajectories, trajectory_file
+
+    body = {"prompts": ["a red cat"], "n": 2, "seed": 3, "sampling_params": SP}
+
+    async def go(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/rollout", json=body)
+
+    assert asyncio.run(go(create_app(engine))).status_code == 404
+    r = asyncio.run(go(create_app(engine, trajectory_file=trajectory_file)))
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    assert list(read_trajectories(r.content).non_tensor_batch["raw_prompt"]) == ["a red cat"] * 2
