@@ -1,10 +1,12 @@
-"""The engine's lifecycle calls: weight updates, LoRA, sleep and wake, and relabelling the weight version.
+"""The engine's control calls: aborts, and the lifecycle calls (weight updates, LoRA, sleep and wake, relabelling the
+weight version). Each runs on the engine thread between two denoising steps (`call_between_steps`).
 
-`LifecycleCalls` is a mixin of `DiffusionEngine` (the engine's public API keeps one class); what it adds is the
-protocol around `engine/lifecycle.py`: one lifecycle call at a time (a lock, with the caller's timeout), a deadline
-for the whole call, and quiescing: close admission, let running requests drain for up to `drain_timeout_s`, abort
-the rest (acknowledged: each comes back with stop_reason="aborted"), run the change between two steps, reopen
-admission (also on error). The mixin uses the engine's `call_between_steps`, scheduler, inbox and lock.
+`ControlCalls` is a mixin of `DiffusionEngine` (the engine's public API keeps one class). An abort is acknowledged:
+the request completes with stop_reason="aborted" before the call returns. Around `engine/lifecycle.py` it adds one
+lifecycle call at a time (a lock, with the caller's timeout), a deadline for the whole call, and quiescing: close
+admission, let running requests drain for up to `drain_timeout_s`, abort the rest (acknowledged), run the change
+between two steps, reopen admission (also on error). The mixin uses the engine's `call_between_steps`, scheduler,
+inbox and lock.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 from typing import Any, Callable, Optional
 
 from omniroll.engine.lifecycle import SLEEP_LEVELS
+from omniroll.engine.packaging import aborted_output
+from omniroll.engine.request import RequestState
 
 
 def check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
@@ -27,11 +31,20 @@ def check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
     return float(value)
 
 
-class LifecycleCalls:
-    """Weight, LoRA and memory calls of the engine, each serialised and applied between two denoising steps."""
+class ControlCalls:
+    """Aborts, and the weight, LoRA and memory calls of the engine, each applied between two denoising steps."""
 
     _lifecycle_lock: threading.Lock
     _lifecycle_op: Optional[str]
+
+    def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
+        """Abort a waiting or running request; it completes with stop_reason="aborted". Returns whether it existed.
+        Blocks until the request has stopped (the abort is acknowledged, never fire-and-forget)."""
+        return self.call_between_steps(lambda: self._abort_now(request_id), timeout_s, op="abort")
+
+    def abort_all(self, timeout_s: float = 60.0) -> list[str]:
+        """Abort every request in the engine (acknowledged). Returns their ids."""
+        return self.call_between_steps(self._abort_all_now, timeout_s, op="abort_all")
 
     def set_weight_version(self, version: int, timeout_s: float = 60.0) -> dict:
         """Samples admitted from now on record `version` (an int >= the current one; the weights do not change)."""
@@ -156,3 +169,29 @@ class LifecycleCalls:
         states = list(self.scheduler.running)
         self.scheduler.finish(states)
         return self._settle_aborted(states)
+
+    def _abort_now(self, request_id: str) -> bool:
+        with self._lock:
+            for s in list(self._inbox):
+                if s.request_id == request_id:
+                    self._inbox.remove(s)
+                    self._settle_aborted([s])
+                    return True
+        state = self.scheduler.remove(request_id)
+        if state is None:
+            return False
+        self._settle_aborted([state])
+        return True
+
+    def _abort_all_now(self) -> list[str]:
+        with self._lock:
+            states = list(self._inbox)
+            self._inbox.clear()
+        states += self.scheduler.drain_all()
+        return self._settle_aborted(states)
+
+    def _settle_aborted(self, states: list[RequestState]) -> list[str]:
+        """Complete these (already removed) requests with stop_reason="aborted"; returns their ids."""
+        for s in states:
+            s.on_done(aborted_output(s, self.weight_version), None)
+        return [s.request_id for s in states]

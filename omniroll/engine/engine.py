@@ -9,8 +9,8 @@ No call hangs: every control call has a finite default timeout and raises Timeou
 control calls fail with it. An engine the program never shut down is shut down at interpreter exit (an atexit hook
 stops the loop after its current step and joins it), so a script may simply end.
 The weights and memory state (version, sleep level, LoRA) is the `lifecycle` component (`engine/lifecycle.py`);
-the calls that change it (updates, LoRA, sleep, wake) are `engine/control.py`, which serialises them and drains /
-aborts around them; what a request must pass to get in, and its prompt encodings, are `engine/admission.py`.
+the calls that change it (updates, LoRA, sleep, wake) and aborts are `engine/control.py`, which serialises them
+and drains / aborts around them; finished samples wait for their decode block in `engine/decode_queue.py`; what a request must pass to get in, and its prompt encodings, are `engine/admission.py`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import torch
 from omniroll.engine.admission import attach_encodings, build_state
 from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
-from omniroll.engine.control import LifecycleCalls, check_seconds
+from omniroll.engine.control import ControlCalls, check_seconds
+from omniroll.engine.decode_queue import DecodeQueue
 from omniroll.engine.errors import EngineError, EngineShutdownError, RequestError
 from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
-from omniroll.engine.packaging import aborted_output, build_output
+from omniroll.engine.packaging import build_output
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.prompt_cache import PromptCache
 from omniroll.engine.request import RequestState
@@ -58,7 +59,7 @@ def _shutdown_live_engines() -> None:
             pass
 
 
-class DiffusionEngine(LifecycleCalls):
+class DiffusionEngine(ControlCalls):
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
         self.config = config or EngineConfig()
@@ -80,7 +81,7 @@ class DiffusionEngine(LifecycleCalls):
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque[RequestState] = deque()
-        self._to_decode: list[tuple[RequestState, int]] = []  # finished, waiting for a full decode block (+ step)
+        self._to_decode = DecodeQueue(self.config.decode_batch_size)  # finished, waiting for a full decode block
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._live_ids: set[str] = set()  # request ids queued or running (unique; `abort(id)` names one request)
         self._ids_lock = threading.Lock()  # taken inside `_lock` or alone, never the other way round
@@ -140,15 +141,6 @@ class DiffusionEngine(LifecycleCalls):
             with contextlib.suppress(EngineShutdownError):  # a shut-down engine already failed the request
                 await asyncio.shield(asyncio.to_thread(self.abort, request.request_id))
             raise
-
-    def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
-        """Abort a waiting or running request; it completes with stop_reason="aborted". Returns whether it existed.
-        Blocks until the request has stopped (the abort is acknowledged, never fire-and-forget)."""
-        return self.call_between_steps(lambda: self._abort_now(request_id), timeout_s, op="abort")
-
-    def abort_all(self, timeout_s: float = 60.0) -> list[str]:
-        """Abort every request in the engine (acknowledged). Returns their ids."""
-        return self.call_between_steps(self._abort_all_now, timeout_s, op="abort_all")
 
     def stats(self) -> dict:
         with self._lock:
@@ -217,8 +209,7 @@ class DiffusionEngine(LifecycleCalls):
         for _, future in controls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineShutdownError(f"the engine is {self._closed}"))
-        undecoded = [st for st, _ in self._to_decode]
-        self._to_decode.clear()
+        undecoded = self._to_decode.drain()
         for state in self.scheduler.drain_all() + arrivals + undecoded:
             state.on_done(None, EngineShutdownError(f"request {state.request_id}: the engine is {self._closed}"))
 
@@ -369,25 +360,12 @@ class DiffusionEngine(LifecycleCalls):
             s.on_done(None, error)
 
     def _finish(self, states: list[RequestState], flush: bool = False) -> list[DiffusionOutput]:
-        """Deliver finished requests. Pixels are decoded in blocks of `decode_batch_size` samples of one latent shape;
-        a partial block waits for more finished samples of its shape while requests are running, for at most
-        `decode_batch_size` steps (`flush` decodes now). A failed decode fails its block's requests only."""
+        """Deliver finished requests: latents at once, pixels in the decode blocks `DecodeQueue` releases (`flush`:
+        every waiting sample now). A failed decode fails its block's requests only."""
         outputs = [self._deliver(s, None) for s in states if s.params.output_type == "latent"]
-        self._to_decode += [(s, self.steps_run) for s in states if s.params.output_type != "latent"]
-        block = self.config.decode_batch_size
-        by_shape: dict[tuple, list[tuple[RequestState, int]]] = {}
-        for entry in self._to_decode:
-            by_shape.setdefault(tuple(entry[0].latents.shape), []).append(entry)
-        waiting: list[tuple[RequestState, int]] = []
-        for entries in by_shape.values():
-            while entries:
-                if (len(entries) < block and not flush and self.scheduler.running
-                        and self.steps_run - entries[0][1] < block):
-                    waiting += entries
-                    break
-                chunk, entries = [s for s, _ in entries[:block]], entries[block:]
-                outputs += self._decode_block(chunk)
-        self._to_decode = waiting
+        self._to_decode.add([s for s in states if s.params.output_type != "latent"], self.steps_run)
+        for block in self._to_decode.take_blocks(self.steps_run, bool(self.scheduler.running), flush):
+            outputs += self._decode_block(block)
         return [o for o in outputs if o is not None]
 
     def _decode_block(self, states: list[RequestState]) -> list[Optional[DiffusionOutput]]:
@@ -408,29 +386,3 @@ class DiffusionEngine(LifecycleCalls):
         self.served += 1
         s.on_done(out, None)
         return out
-
-    def _abort_now(self, request_id: str) -> bool:
-        with self._lock:
-            for s in list(self._inbox):
-                if s.request_id == request_id:
-                    self._inbox.remove(s)
-                    self._settle_aborted([s])
-                    return True
-        state = self.scheduler.remove(request_id)
-        if state is None:
-            return False
-        self._settle_aborted([state])
-        return True
-
-    def _abort_all_now(self) -> list[str]:
-        with self._lock:
-            states = list(self._inbox)
-            self._inbox.clear()
-        states += self.scheduler.drain_all()
-        return self._settle_aborted(states)
-
-    def _settle_aborted(self, states: list[RequestState]) -> list[str]:
-        """Complete these (already removed) requests with stop_reason="aborted"; returns their ids."""
-        for s in states:
-            s.on_done(aborted_output(s, self.weight_version), None)
-        return [s.request_id for s in states]
