@@ -179,6 +179,19 @@ class TrainerConfig(_Strict):
     sync_timeout_s: float = Field(600.0, gt=0)
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
                                        "(None: torch's default); 1 is far faster on a busy small CPU")
+    # asynchronous training (README "Asynchronous training"; omniroll/train/async_rollout.py, objective.py)
+    max_staleness: int = Field(0, ge=0, le=1000, description="K: 0 is the synchronous trainer; K >= 1 rolls out the "
+                               "next step(s) while a step trains, and trains a sample only if every window step "
+                               "ran with weight version >= current - K")
+    partial_rollout: bool = Field(False, description="False: a weight sync waits for in-flight samples to finish; "
+                                  "True: it lands between two denoise steps and they continue with the new weights")
+    on_stale: Literal["drop", "wait"] = Field("drop", description="a sample older than max_staleness: dropped "
+                                              "(counted) or regenerated with the current weights (the trainer waits)")
+    old_log_prob: Literal["rollout", "recompute"] = Field(
+        "rollout", description="the behaviour log-prob: as the engine recorded it, or recomputed by the trainer "
+                               "under the weight version that ran each window step")
+    behaviour_weight_cap: float = Field(2.0, ge=1.0, le=1e6, description="truncation of the importance weight "
+                                        "pi_prox / pi_behaviour per window step (>= 1, so K = 0 is exact)")
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)

@@ -28,7 +28,24 @@ def format_step(m: dict, total: int) -> str:
             f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  kl {m['approx_kl']:.1e}  "
             f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
-            f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s")
+            f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s" + _async_part(m))
+
+
+def _async_part(m: dict) -> str:
+    """The asynchronous trainer's fields of the step line (absent from older metrics)."""
+    if "staleness_max" not in m:
+        return ""
+    return (f"  stale {m['staleness_min']}-{m['staleness_max']} (K={m.get('max_staleness', 0)})  "
+            f"dropped {m.get('stale_dropped', 0)}  replay_dev {m['behaviour_replay_max_abs_dev']:.1e}  "
+            f"overlap {m['overlap_frac']:.2f}  {m['samples_per_s']:.1f} samples/s")
+
+
+def mode_label(m: dict) -> str:
+    """'synchronous', 'async K=1' or 'async K=1 + partial' from a step's metrics."""
+    k = int(m.get("max_staleness", 0) or 0)
+    if k == 0:
+        return "synchronous"
+    return f"async K={k}" + (" + partial" if m.get("partial_rollout") else "")
 
 
 def find_checkpoint(path: str) -> str:
@@ -97,10 +114,33 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
-    ax.set_title("Flow-GRPO on the tiny SD3 (omniroll train)")
+    ax.set_title(f"Flow-GRPO on the tiny SD3 (omniroll train, {mode_label(history[-1])})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_reward_curves(runs: dict[str, list[dict]], path: str, title: str = "") -> None:
+    """Several runs' mean training reward per step on one plot (label -> metrics), e.g. synchronous vs async."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+    for label, history in runs.items():
+        stale = max((m.get("staleness_max", 0) for m in history), default=0)
+        ax.plot([m["step"] for m in history], [m["reward_mean"] for m in history], marker="o", ms=2.5,
+                label=f"{label} (max staleness seen {stale})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward (training rollouts)")
+    ax.set_title(title or "Flow-GRPO: synchronous vs asynchronous")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 

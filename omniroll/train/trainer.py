@@ -8,6 +8,10 @@ weights to every replica through `WeightSender` (version = the step) and wait fo
 Every sample's `weight_version` must equal the version pushed before its rollout (else `WeightVersionError`), and
 `ratio_max_abs_dev` (max |ratio - 1| before the step's first optimizer update) is logged every step: exactly 0.0 with
 the engine's batch-invariant mode.
+
+Asynchronous mode (`trainer.max_staleness` K >= 1, README "Asynchronous training"): the rollouts of steps t+1..t+K
+run on a background event loop (`RolloutPipeline`) while step t trains; the loss is decoupled PPO
+(`train/objective.py`); a sample trains only if every window step ran with a version >= current - K (`on_stale`).
 """
 
 from __future__ import annotations
@@ -26,14 +30,19 @@ import torch
 from omniroll.agent_loop.batch import DataBatch
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.train import artifacts
+from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, stale_rows
 from omniroll.train.grpo import group_advantages
+from omniroll.train.objective import VersionStore, log_probs_under_versions, staleness_stats, step_versions
 from omniroll.train.policy import Policy
 from omniroll.train.trajectory import TrajectoryBatch
 from omniroll.train.update import train_on_batch
 
 
+REPLAY_ROWS = 2  # the fixed subset (first rows) whose recorded log-probs are replayed every step
+
+
 class WeightVersionError(RuntimeError):
-    """A sample was generated with weights other than the ones pushed before its rollout."""
+    """A sample was generated with weights the trainer never pushed, or a weight sync failed."""
 
 
 class FlowGRPOTrainer:
@@ -61,6 +70,9 @@ class FlowGRPOTrainer:
         self._critical = False
         self._checkpointing = False
         self._threads_before: Optional[int] = None
+        self.pipeline: Optional[RolloutPipeline] = None
+        self.discarded_samples = 0  # in-flight samples of coming steps discarded at Ctrl-C
+        self._last = self.tc.steps
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "FlowGRPOTrainer":
@@ -86,6 +98,8 @@ class FlowGRPOTrainer:
                              dtype=cfg.engine.dtype, seed=self.tc.seed)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
+        self.store = VersionStore(self.policy, self.tc.max_staleness)
+        self.store.record(0)
         if self.resume_from:
             self._load(self.resume_from)
         if not ray.is_initialized():
@@ -96,19 +110,34 @@ class FlowGRPOTrainer:
         self.reward_handles = create_reward_workers(cfg.reward.worker_config(), cfg.reward.num_workers)
         self.manager = AgentLoopManager(cfg, self.replicas, self.reward_handles)
         self.sender = WeightSender(self.replicas, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+        self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
         if current > self.step_done or (self.step_done > 0 and current == self.step_done):
             raise WeightVersionError(f"replicas are at weight version {current}, ahead of this run's step "
                                      f"{self.step_done}: start the trainer with fresh replicas")
         if self.step_done > 0:  # resumed: the replicas start from the checkpoint's weights
-            self._sync(self.step_done)
+            self._resume_in_flight()
         self.version = self.step_done
         return self
+
+    def _resume_in_flight(self) -> None:
+        """Regenerate the batches that were in flight at the checkpoint as the straight run did (batch b with version
+        b-1-K, exact with partial_rollout false), then push the checkpoint's version."""
+        K, s = self.tc.max_staleness, self.step_done
+        for b in range(s + 1, min(s + K, self.tc.steps) + 1):
+            v = max(0, b - 1 - K)
+            if v > self.version:
+                self._sync(v)
+            self.pipeline.submit(b)
+        self._sync(s)
 
     def close(self) -> None:
         import ray
 
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
         if self.manager is not None:
             self.manager.shutdown()
             self.manager = None
@@ -135,7 +164,7 @@ class FlowGRPOTrainer:
               on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
         """Run until step `steps` (default: trainer.steps). On Ctrl-C the state of the last completed step is written
         as a checkpoint and KeyboardInterrupt is re-raised (a step's update and sync are never cut in half)."""
-        last = int(steps or self.tc.steps)
+        last = self._last = int(steps or self.tc.steps)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -161,7 +190,10 @@ class FlowGRPOTrainer:
             self.validate("after")
             self.save_checkpoint()
         except KeyboardInterrupt:
-            self.log(f"interrupted: writing the checkpoint of step {self.step_done}")
+            n = self.pipeline.discard() if self.pipeline is not None else 0
+            self.discarded_samples += n
+            self.log(f"interrupted: discarded {n} in-flight sample(s) of coming steps; writing the checkpoint of step "
+                     f"{self.step_done}")
             self.save_checkpoint()
             raise
         finally:
@@ -190,50 +222,97 @@ class FlowGRPOTrainer:
             raise KeyboardInterrupt
 
     def step(self, step: int) -> dict:
-        t0 = time.perf_counter()
-        wall0 = time.time()
-        out = self._rollout(step)
-        wall_back = time.time()
-        finished = [m.get("generate_finished_at") or wall_back for m in out.meta_info.get("metrics", [])]
-        last_gen = max(finished) if finished else wall_back
-        versions = [int(v) for v in out.non_tensor_batch["weight_version"]]
-        wrong = [(out.non_tensor_batch["request_id"][i], v) for i, v in enumerate(versions) if v != self.version]
-        if wrong:
-            raise WeightVersionError(f"step {step}: {len(wrong)} sample(s) were generated with weights other than "
-                                     f"version {self.version}: {wrong[:8]}")
+        tc, K = self.tc, self.tc.max_staleness
+        t0 = time.time()
+        self.pipeline.submit(step)
+        for b in range(step + 1, min(step + K, self._last) + 1):  # the rollouts the staleness budget allows now
+            self.pipeline.submit(b)
+        out = self.pipeline.take(step)
+        t_back = time.time()
+        span = self.pipeline.spans.get(step, [t0, t_back])
+        finished = [m.get("generate_finished_at") or span[1] for m in out.meta_info.get("metrics", [])]
+        last_gen = max(finished) if finished else span[1]
+        out, versions, stale = self._fresh(step, out)
         rewards = out.batch["rm_scores"][:, 0].float()
-        adv = group_advantages(rewards, list(out.non_tensor_batch["uid"]), self.tc.global_std, self.tc.adv_clip_max)
+        adv = group_advantages(rewards, list(out.non_tensor_batch["uid"]), tc.global_std, tc.adv_clip_max)
         traj = TrajectoryBatch.from_batch(out)
-        if self.tc.gradient_checkpointing and not self._checkpointing:  # in the mode the rollout recorded
+        if tc.gradient_checkpointing and not self._checkpointing:  # in the mode the rollout recorded
             from omniroll.train.recompute import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
-        t1 = time.perf_counter()
+        t1 = time.time()
+        decoupled = K > 0 or tc.old_log_prob == "recompute"
+        sub = list(range(min(REPLAY_ROWS, len(traj))))
+        behaviour = None
+        if tc.old_log_prob == "recompute":  # under the version that ran each step
+            behaviour = log_probs_under_versions(self.store, traj, versions, tc.micro_batch_size)
+            replay = behaviour[sub]
+        else:
+            replay = log_probs_under_versions(self.store, traj.rows(sub), versions[sub], tc.micro_batch_size)
+            behaviour = traj.log_probs if decoupled else None
+        replay_dev = float((replay - traj.log_probs[sub]).abs().max()) if sub else 0.0
         with self._uninterruptible():
             stats = train_on_batch(
-                self.policy, self.optimizer, traj, adv.advantages, step=step, seed=self.tc.seed,
-                num_inner_epochs=self.tc.num_inner_epochs, micro_batch_size=self.tc.micro_batch_size,
-                micro_batches_per_update=self.tc.micro_batches_per_update, clip_range=self.tc.clip_range,
-                kl_beta=self.tc.kl_beta, max_grad_norm=self.tc.max_grad_norm)
-            t2 = time.perf_counter()
+                self.policy, self.optimizer, traj, adv.advantages, step=step, seed=tc.seed,
+                num_inner_epochs=tc.num_inner_epochs, micro_batch_size=tc.micro_batch_size,
+                micro_batches_per_update=tc.micro_batches_per_update, clip_range=tc.clip_range,
+                kl_beta=tc.kl_beta, max_grad_norm=tc.max_grad_norm, behaviour_log_probs=behaviour,
+                behaviour_weight_cap=tc.behaviour_weight_cap, prox_check_rows=REPLAY_ROWS if decoupled else 0)
+            t2 = time.time()
+            prox_version = self.version
+            self.store.record(step)
             self._sync(step)
             self.step_done = step
-            t3 = time.perf_counter()
+            t3 = time.time()
+            wall = t3 - t0
             m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
                  "tied_groups": adv.tied_groups, "num_groups": adv.num_groups, "num_samples": len(traj),
                  "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
                  "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
                  "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
-                 "weight_version": versions[0], "synced_version": self.version,
-                 "rollout_s": max(last_gen - wall0, 0.0), "reward_wait_s": max(wall_back - last_gen, 0.0),
-                 "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0}
+                 "weight_version": int(versions.min()), "synced_version": self.version,
+                 "max_staleness": K, "partial_rollout": tc.partial_rollout,
+                 **staleness_stats(versions, prox_version), **stale,
+                 "behaviour_replay_max_abs_dev": replay_dev, "prox_ratio_max_abs_dev": stats.ratio_max_abs_dev,
+                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t3), [(t1, t2)]) / max(wall, 1e-9),
+                 "samples_per_s": len(traj) / max(wall, 1e-9),
+                 "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
+                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall}
+            self.pipeline.forget_before(t0)
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
             artifacts.append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), m)
-            self.log(artifacts.format_step(m, self.tc.steps))
+            self.log(artifacts.format_step(m, tc.steps))
         return m
 
-    def _rollout(self, step: int) -> DataBatch:
+    def _fresh(self, step: int, out: DataBatch) -> tuple[DataBatch, torch.Tensor, dict]:
+        """The batch's samples that may train: every window step ran with a version the trainer pushed, and none older
+        than current - K (`on_stale`: drop them, or regenerate the batch with the current weights and wait)."""
+        W = int(out.batch["rollout_log_probs"].shape[1])
+        versions = step_versions(out, W)
+        ahead = [(out.non_tensor_batch["request_id"][i], int(versions[i].max())) for i in range(len(out))
+                 if int(versions[i].max()) > self.version]
+        if ahead:
+            raise WeightVersionError(f"step {step}: {len(ahead)} sample(s) were generated with weights the trainer "
+                                     f"never pushed (trainer at version {self.version}): {ahead[:8]}")
+        stale = stale_rows(versions, self.version, self.tc.max_staleness)
+        counts = {"stale_dropped": 0, "stale_regenerated": 0}
+        if stale and self.tc.on_stale == "wait":
+            counts["stale_regenerated"] = len(out)
+            self.log(f"step {step}: {len(stale)} sample(s) older than max_staleness: regenerating the batch")
+            return self._regenerate(step, counts)
+        if stale:
+            keep = [i for i in range(len(out)) if i not in set(stale)]
+            counts["stale_dropped"] = len(stale)
+            out, versions = out[keep], versions[keep]
+        return out, versions, counts
+
+    def _regenerate(self, step: int, counts: dict) -> tuple[DataBatch, torch.Tensor, dict]:
+        out = asyncio.run(self._rollout(step))
+        out, versions, again = self._fresh(step, out)
+        return out, versions, {**again, "stale_regenerated": counts["stale_regenerated"] + again["stale_regenerated"]}
+
+    async def _rollout(self, step: int) -> DataBatch:
         n, P = self.config.n, self.tc.prompts_per_step
         g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
@@ -245,15 +324,23 @@ class FlowGRPOTrainer:
         batch = DataBatch.from_dict(non_tensors={
             "raw_prompt": [self.prompts[i] for i in rows], "uid": [f"prompt{i:05d}" for i in rows],
             "data_source": ["train"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
-        return asyncio.run(self.manager.generate_sequences_async(batch))
+        return await self.manager.generate_sequences_async(batch)
 
     def _sync(self, version: int) -> None:
-        acks = self.sender.send(self.policy.weights_to_send(), version=version)
+        """Push `version`'s weights (the store's copy) to every replica. THE place where the in-flight policy is
+        chosen: partial_rollout true sends at once (the update lands between two denoise steps of in-flight samples,
+        which continue with it; until the engine supports that, it drains them first); false holds the pipeline, so
+        no sample spans two versions (a rollout that runs finishes before the sync, the next starts after it)."""
+        hold = contextlib.nullcontext() if self.tc.partial_rollout else self.pipeline.held()
+        try:
+            with hold, self.store.weights(version):
+                acks = self.sender.send(self.policy.weights_to_send(), version=version)
+        except Exception as e:
+            raise WeightVersionError(f"weight sync to version {version} failed: {type(e).__name__}: {e}") from e
         bad = [a for a in acks if int(a.get("version", -1)) != version]
         if len(acks) != len(self.replicas) or bad:
             raise WeightVersionError(f"weight sync to version {version}: acks {acks}")
         self.version = version
-
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
         k = self.config.val_kwargs.n
@@ -273,7 +360,9 @@ class FlowGRPOTrainer:
     def save_checkpoint(self) -> str:
         path = os.path.join(self.out_dir, "checkpoints", f"step_{self.step_done:06d}")
         self.policy.save(path)
+        self.store.save(path)
         torch.save({"step": self.step_done, "version": self.version, "optimizer": self.optimizer.state_dict(),
+                    "discarded_samples": self.discarded_samples,
                     "mode": self.tc.mode, "config": self.config.model_dump(mode="json")},
                    os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(self.out_dir, "checkpoints", "latest"), "w") as f:
@@ -287,6 +376,8 @@ class FlowGRPOTrainer:
         self.policy.load(path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_done = int(state["step"])
+        self.store.load(path, self.step_done)
+        self.discarded_samples = int(state.get("discarded_samples", 0))
         self.log(f"resumed from {path} (step {self.step_done})")
 
     def history_all(self) -> list[dict]:

@@ -1,6 +1,12 @@
 """The training phase of one step: inner epochs over shuffled micro-batches and every recorded window step, PPO-clip
 loss (+ optional KL), gradient accumulation, grad-norm clip, optimizer step. Measures `ratio_max_abs_dev` before the
-step's first optimizer update."""
+step's first optimizer update.
+
+With `behaviour_log_probs` (the asynchronous trainer) the loss is decoupled PPO (train/objective.py): the PPO anchor is
+the proximal policy (the weights at the start of the step, recomputed without grad; when every micro-batch runs before
+the first optimizer update, that is the first pass's own log-prob, detached, bitwise the same), and each window step
+is weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap). Without it, the behaviour is the anchor (plain
+PPO-clip against the recorded log-probs)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from omniroll.train.grpo import kl_to_reference, ppo_clip_loss
+from omniroll.train.objective import decoupled_ppo_loss
 from omniroll.train.policy import Policy
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory import TrajectoryBatch
@@ -31,10 +38,17 @@ def shuffle_generator(seed: int, step: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) * 1009 + int(epoch))
 
 
+def perm_rows_before_first_update(B: int, seed: int, step: int, micro_batch_size: int, per_update: int) -> set:
+    """The rows of epoch 0 scored before its first optimizer update (the first `per_update` micro-batches)."""
+    perm = torch.randperm(B, generator=shuffle_generator(seed, step, 0))
+    return set(perm[: per_update * micro_batch_size].tolist())
+
+
 def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: TrajectoryBatch, advantages: torch.Tensor,
                    *, step: int, seed: int, num_inner_epochs: int, micro_batch_size: int,
                    micro_batches_per_update: int | None, clip_range: float, kl_beta: float,
-                   max_grad_norm: float) -> UpdateStats:
+                   max_grad_norm: float, behaviour_log_probs: torch.Tensor | None = None,
+                   behaviour_weight_cap: float = 2.0, prox_check_rows: int = 0) -> UpdateStats:
     B, W = len(traj), traj.num_steps
     if advantages.shape != (B,):
         raise ValueError(f"advantages must be [{B}], got {tuple(advantages.shape)}")
@@ -43,6 +57,18 @@ def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: Traje
     per_update = micro_batches_per_update or n_micro
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
     updates = 0
+    prox = None
+    if behaviour_log_probs is not None:  # decoupled PPO: pi_prox of every row and step, filled before the first update
+        prox = torch.full((B, W), float("nan"))
+        # rows seen after the first update, and the check rows (whose anchor is a true no-grad recompute, so
+        # ratio_max_abs_dev measures it), are recomputed now
+        first = perm_rows_before_first_update(B, seed, step, micro_batch_size, per_update)
+        need = sorted((set(range(B)) - first) | set(range(min(prox_check_rows, B))))
+        if need:
+            with torch.no_grad():
+                for chunk in torch.tensor(need).split(micro_batch_size):
+                    for k in range(W):
+                        prox[chunk, k] = recompute_log_probs(policy.adapter, traj.rows(chunk), k).log_prob.float()
     optimizer.zero_grad(set_to_none=True)
     for epoch in range(num_inner_epochs):
         perm = torch.randperm(B, generator=shuffle_generator(seed, step, epoch))
@@ -60,7 +86,15 @@ def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: Traje
                         ref_out = recompute_log_probs(ref, mb, k)
                     kl = kl_to_reference(out.mean, ref_out.mean, out.std, mb.sigmas_next[:, k] - mb.sigmas[:, k],
                                          mb.sde_type)
-                terms = ppo_clip_loss(out.log_prob, mb.log_probs[:, k], adv, clip_range, kl, kl_beta)
+                if prox is None:
+                    terms = ppo_clip_loss(out.log_prob, mb.log_probs[:, k], adv, clip_range, kl, kl_beta)
+                else:
+                    p = prox[rows, k]
+                    if updates == 0:  # before the first update: unset rows take this very pass's value
+                        p = torch.where(torch.isnan(p), out.log_prob.detach().float(), p)
+                        prox[rows, k] = p
+                    terms = decoupled_ppo_loss(out.log_prob, p, behaviour_log_probs[rows, k], adv, clip_range,
+                                               behaviour_weight_cap, kl, kl_beta)
                 (terms.loss / (group_size * W)).backward()
                 if updates == 0:
                     dev = max(dev, float((terms.ratio - 1.0).abs().max()))

@@ -1,0 +1,152 @@
+"""`RolloutPipeline`: the rollouts of coming training steps, run on a background event loop while the trainer thread
+trains (the asynchronous trainer, `trainer.max_staleness` >= 1).
+
+    pipe = RolloutPipeline(generate)       # generate(step) -> awaitable DataBatch (the agent-loop manager's)
+    pipe.submit(step)                      # queued; batches generate one at a time, in submission order
+    batch = pipe.take(step)                # blocks until that batch is back
+    with pipe.held():                      # no batch starts inside; entered once the running one has finished
+        sender.send(...)                   # (a weight sync that waits for in-flight samples)
+    pipe.discard()                         # Ctrl-C / close: cancel what is queued or running; returns the row count
+
+Busy intervals (time.time()) of every batch are kept so the trainer can measure `overlap_frac`: the share of a
+step's wall time when a rollout and the trainer were both busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import threading
+import time
+from typing import Any, Awaitable, Callable, Iterator, Optional
+
+
+class RolloutPipeline:
+    def __init__(self, generate: Callable[[int], Awaitable[Any]], rows_per_batch: int = 0):
+        self._generate = generate
+        self.rows_per_batch = int(rows_per_batch)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="omniroll-rollout", daemon=True)
+        self._thread.start()
+        self._futures: dict[int, cf.Future] = {}
+        self.spans: dict[int, list] = {}  # step -> [start, end or None] (time.time()) of every started batch
+        self._call(self._init_primitives())
+
+    async def _init_primitives(self) -> None:
+        self._lock = asyncio.Lock()  # one batch generates at a time, FIFO
+        self._gate = asyncio.Event()  # closed while a waiting weight sync runs
+        self._gate.set()
+        self._idle = asyncio.Event()  # set while no batch generates
+        self._idle.set()
+
+    def _call(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # ------------------------------------------------------------------ batches
+    def submit(self, step: int) -> None:
+        if step not in self._futures:
+            self._futures[step] = asyncio.run_coroutine_threadsafe(self._run(step), self._loop)
+
+    def submitted(self, step: int) -> bool:
+        return step in self._futures
+
+    def take(self, step: int) -> Any:
+        """The batch of `step` (submitted now if it was not), once generated; its error if it failed."""
+        self.submit(step)
+        try:
+            return self._futures[step].result()
+        finally:
+            if self._futures[step].done():
+                del self._futures[step]
+
+    async def _run(self, step: int) -> Any:
+        async with self._lock:
+            await self._gate.wait()
+            self._idle.clear()
+            span = self.spans[step] = [time.time(), None]
+            try:
+                return await self._generate(step)
+            finally:
+                span[1] = time.time()
+                self._idle.set()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No batch starts inside the block, which is entered once the running batch (if any) has finished."""
+        self._call(self._close_gate())
+        try:
+            yield
+        finally:
+            self._loop.call_soon_threadsafe(self._gate.set)
+
+    async def _close_gate(self) -> None:
+        self._gate.clear()
+        await self._idle.wait()
+
+    def in_flight(self) -> list[int]:
+        return sorted(self._futures)
+
+    def discard(self) -> int:
+        """Cancel every queued or running batch; returns how many sample rows were discarded."""
+        steps = list(self._futures)
+        for f in self._futures.values():
+            f.cancel()
+        for f in self._futures.values():
+            with contextlib.suppress(BaseException):
+                f.result(timeout=30)
+        self._futures.clear()
+        return len(steps) * self.rows_per_batch
+
+    def close(self) -> None:
+        self.discard()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    # ------------------------------------------------------------------ overlap
+    def busy(self, since: float, until: float) -> list[tuple[float, float]]:
+        """Rollout busy intervals clipped to [since, until] (a running batch counts up to `until`)."""
+        out = []
+        for a, b in list(self.spans.values()):
+            b = until if b is None else b
+            a, b = max(a, since), min(b, until)
+            if b > a:
+                out.append((a, b))
+        return out
+
+    def forget_before(self, t: float) -> None:
+        self.spans = {k: s for k, s in self.spans.items() if s[1] is None or s[1] > t}
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two unions of intervals."""
+    def union(xs):
+        out: list[list[float]] = []
+        for s, e in sorted(xs):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+
+    ua, ub = union(a), union(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(ua) and j < len(ub):
+        lo, hi = max(ua[i][0], ub[j][0]), min(ua[i][1], ub[j][1])
+        total += max(hi - lo, 0.0)
+        if ua[i][1] < ub[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def stale_rows(versions, current: int, max_staleness: int) -> list[int]:
+    """Rows with a window step that ran with a version older than current - max_staleness."""
+    low = versions.min(1).values
+    return [i for i in range(len(low)) if int(low[i]) < current - max_staleness]
+
+
+__all__ = ["RolloutPipeline", "overlap_seconds", "stale_rows"]

@@ -1,0 +1,152 @@
+"""The off-policy objective of the asynchronous trainer (decoupled PPO, as in AReaL) and what it needs: the weights of
+the last versions, the behaviour log-probs recomputed under the version that ran each window step, and the batch's
+staleness.
+
+Per window step k of a row (A: its advantage, eps: clip_range, c: behaviour_weight_cap):
+
+    w     = min(pi_prox / pi_behaviour, c)              (no grad)
+    r     = pi_theta / pi_prox
+    loss  = mean_rows( w * max(-A r, -A clip(r, 1 - eps, 1 + eps)) )
+
+pi_behaviour: the policy that sampled the step (the engine's recorded log-prob, or a recompute under its version);
+pi_prox: the trainer's weights at the start of the step (recomputed without grad, in the rollout's execution mode);
+pi_theta: the weights being trained. When every step ran with the trainer's current weights (max_staleness 0),
+pi_prox == pi_behaviour bitwise, so w == 1.0 exactly and the loss is `ppo_clip_loss`'s, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from omniroll.train.grpo import LossTerms
+from omniroll.train.policy import Policy
+from omniroll.train.recompute import recompute_log_probs
+from omniroll.train.trajectory import TrajectoryBatch
+
+
+def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
+                       advantages: torch.Tensor, clip_range: float, behaviour_weight_cap: float,
+                       kl: Optional[torch.Tensor] = None, kl_beta: float = 0.0) -> LossTerms:
+    """Decoupled PPO-clip for one window step (see the module doc). `ratio`, `clipped` and `approx_kl` are measured
+    against pi_prox (the PPO anchor)."""
+    w = torch.exp(prox_log_prob - behaviour_log_prob).clamp(max=behaviour_weight_cap).detach()
+    ratio = torch.exp(log_prob - prox_log_prob)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.mean(w * torch.maximum(unclipped, clipped))
+    kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
+    loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
+    d = (log_prob - prox_log_prob).detach()
+    return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
+                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
+
+
+class VersionStore:
+    """The trainable weights of the last `keep` versions (LoRA: the adapter; full: every trained weight), so a window
+    step can be rescored under the version that ran it. Memory: `keep` copies of the trained weights (none when
+    keep == 0, the synchronous trainer)."""
+
+    def __init__(self, policy: Policy, keep: int):
+        self.policy, self.keep = policy, int(keep)
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self.current: Optional[int] = None
+
+    def record(self, version: int) -> None:
+        """The policy's weights now are `version` (call after each optimizer update's sync, and at start)."""
+        self.current = int(version)
+        if self.keep > 0:
+            self.snapshots[self.current] = [p.detach().clone() for p in self.policy.parameters()]
+            for v in [v for v in self.snapshots if v < self.current - self.keep]:
+                del self.snapshots[v]
+
+    def has(self, version: int) -> bool:
+        return version == self.current or version in self.snapshots
+
+    @contextlib.contextmanager
+    def weights(self, version: int) -> Iterator[None]:
+        """The policy holds `version`'s weights inside the block (exact copies), its current ones after."""
+        if version == self.current:
+            yield
+            return
+        if version not in self.snapshots:
+            raise KeyError(f"weight version {version} is not kept (kept: {sorted(self.snapshots)}, current "
+                           f"{self.current}); the trainer keeps max_staleness + 1 versions")
+        params = self.policy.parameters()
+        with torch.no_grad():
+            for p, s in zip(params, self.snapshots[version]):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(params, self.snapshots[self.current]):
+                    p.copy_(s)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str) -> None:
+        """`versions.safetensors`: every kept version's weights (a resumed run regenerates in-flight batches with
+        them)."""
+        from safetensors.torch import save_file
+
+        names = [n for n, _ in self.policy.named_parameters()]
+        tensors = {f"{v}/{n}": t.contiguous() for v, snap in self.snapshots.items() for n, t in zip(names, snap)}
+        if tensors:
+            save_file(tensors, os.path.join(path, "versions.safetensors"))
+
+    def load(self, path: str, current: int) -> None:
+        from safetensors.torch import load_file
+
+        f = os.path.join(path, "versions.safetensors")
+        names = [n for n, _ in self.policy.named_parameters()]
+        loaded = load_file(f) if os.path.isfile(f) else {}
+        versions = sorted({int(k.split("/", 1)[0]) for k in loaded})
+        self.snapshots = {v: [loaded[f"{v}/{n}"] for n in names] for v in versions if v >= current - self.keep}
+        self.record(current)
+
+
+def step_versions(batch, num_steps: int) -> torch.Tensor:
+    """[B, W] weight version of every window step: the engine's `step_weight_versions` when the batch carries them,
+    else each sample's `weight_version` repeated (exact when no sample spans a weight sync)."""
+    nt = batch.non_tensor_batch
+    if "step_weight_versions" in nt:
+        rows = [list(map(int, v)) for v in nt["step_weight_versions"]]
+        bad = [i for i, r in enumerate(rows) if len(r) != num_steps]
+        if bad:
+            raise ValueError(f"step_weight_versions of rows {bad[:8]} do not have {num_steps} entries (one per "
+                             f"recorded window step)")
+        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), num_steps)
+    if "weight_version" not in nt:
+        raise ValueError("the batch carries no weight versions (weight_version / step_weight_versions): its samples "
+                         "cannot be trained on")
+    return torch.tensor([int(v) for v in nt["weight_version"]], dtype=torch.long)[:, None].repeat(1, num_steps)
+
+
+def staleness_stats(versions: torch.Tensor, current: int) -> dict:
+    """staleness (current - version) of every window step, and the largest version span within one sample."""
+    if versions.numel() == 0:
+        return {"staleness_min": 0, "staleness_mean": 0.0, "staleness_max": 0, "version_span_max": 0}
+    s = (current - versions).double()
+    span = versions.max(1).values - versions.min(1).values
+    return {"staleness_min": int(s.min()), "staleness_mean": float(s.mean()), "staleness_max": int(s.max()),
+            "version_span_max": int(span.max())}
+
+
+@torch.no_grad()
+def log_probs_under_versions(store: VersionStore, traj: TrajectoryBatch, versions: torch.Tensor,
+                             micro_batch_size: int) -> torch.Tensor:
+    """[B, W] log-prob of every recorded window step under the version that ran it (no grad; the rollout's
+    execution mode). Rows are scored in micro-batches of one version per step (batch invariance makes the grouping
+    irrelevant to the values)."""
+    B, W = versions.shape
+    out = torch.empty(B, W, dtype=torch.float32)
+    for v in sorted(set(versions.flatten().tolist())):
+        with store.weights(v):
+            for k in range(W):
+                rows = (versions[:, k] == v).nonzero().flatten()
+                for chunk in rows.split(micro_batch_size):
+                    out[chunk, k] = recompute_log_probs(store.policy.adapter, traj.rows(chunk), k).log_prob.float()
+    return out
