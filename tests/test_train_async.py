@@ -118,7 +118,23 @@ def test_async_options_are_validated():
             cfg.trainer.behaviour_weight_cap) == (0, False, "drop", "rollout", 2.0)
 
 
-def _run(cfg, out, steps, on_step=None):
+def test_stale_samples_are_dropped_and_counted_and_unknown_versions_refused(tiny_sd3_path, tmp_path):
+    from omniroll.train import FlowGRPOTrainer, WeightVersionError
+
+    tr = FlowGRPOTrainer(train_config(tiny_sd3_path, max_staleness=1), str(tmp_path / "o"), log=lambda s: None)
+    tr.version = 5
+    batch = DataBatch.from_dict(tensors={"rollout_log_probs": torch.zeros(4, 2)}, non_tensors={
+        "request_id": ["r0", "r1", "r2", "r3"], "weight_version": [4, 3, 5, 4],
+        "step_weight_versions": [[4, 5], [3, 4], [5, 5], [4, 4]]})
+    out, versions, counts = tr._fresh(7, batch)  # r1 ran a step with version 3 < 5 - 1
+    assert list(out.non_tensor_batch["request_id"]) == ["r0", "r2", "r3"]
+    assert versions.tolist() == [[4, 5], [5, 5], [4, 4]] and counts == {"stale_dropped": 1, "stale_regenerated": 0}
+    tr.version = 4  # r0 and r2 ran steps with version 5, which this trainer never pushed
+    with pytest.raises(WeightVersionError, match=r"step 7: 2 sample\(s\) .* never pushed \(trainer at version 4\)"):
+        tr._fresh(7, batch)
+
+
+def _run(cfg, out, steps, on_step=None, after=None):
     from omniroll.train import FlowGRPOTrainer
 
     with FlowGRPOTrainer(cfg, out, log=lambda s: None) as tr:
@@ -126,6 +142,8 @@ def _run(cfg, out, steps, on_step=None):
             tr.train(steps, on_step=on_step)
         except KeyboardInterrupt:
             pass
+        if after is not None:
+            after(tr)
         return tr.discarded_samples
 
 
@@ -139,7 +157,17 @@ def test_staleness_0_through_the_decoupled_objective_equals_the_synchronous_path
     anchor) against 3 steps through the decoupled objective (behaviour recomputed, proximal anchor, importance weight):
     identical weights and metrics, bitwise."""
     sync, dec = str(tmp_path / "sync"), str(tmp_path / "decoupled")
-    _run(train_config(tiny_sd3_path, steps=3), sync, 3)
+
+    def failing_sync(tr):  # a sync the replica refuses (it already holds a later version) fails loudly, naming it
+        tr.sender.send(tr.policy.weights_to_send(), version=tr.version + 5)
+        tr.store.record(4)  # as step 4 would after its update
+        with pytest.raises(WeightVersionError, match="weight sync to version 4 failed: .*WeightSyncError"):
+            tr._sync(4)
+        assert tr.version == 3
+
+    from omniroll.train import WeightVersionError
+
+    _run(train_config(tiny_sd3_path, steps=3), sync, 3, after=failing_sync)
     _run(train_config(tiny_sd3_path, steps=3, old_log_prob="recompute"), dec, 3)
     a, b = lora_weights(os.path.join(sync, "checkpoints", "step_000003")), \
         lora_weights(os.path.join(dec, "checkpoints", "step_000003"))
