@@ -38,15 +38,16 @@ def verl_config(model_path: str):
     return cfg
 
 
-def trainer_batch(global_steps: int):
-    """As VeRL-Omni's trainer builds it: uid per prompt, n-fold interleaved repeat, then the global row index."""
+def trainer_batch(global_steps: int, uids=None):
+    """As VeRL-Omni's trainer builds it: uid per prompt (VeRL-Omni: a fresh uuid4 every step; pass `uids`), n-fold
+    interleaved repeat, then the global row index."""
     from verl import DataProto
 
     prompts = ["a red cat", 'A Photo of the "OCR" text: Hello-World 42!'][:PROMPTS]
     base = DataProto.from_dict(
         tensors={"input_ids": torch.zeros(PROMPTS, 4, dtype=torch.int64)},
         non_tensors={"raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts], dtype=object),
-                     "uid": np.array([f"u{i}" for i in range(PROMPTS)], dtype=object),
+                     "uid": np.array(list(uids or [f"u{i}" for i in range(PROMPTS)]), dtype=object),
                      "data_source": np.array(["test"] * PROMPTS, dtype=object),
                      "reward_model": np.array([{"ground_truth": None}] * PROMPTS, dtype=object),
                      "extra_info": np.array([{"index": i} for i in range(PROMPTS)], dtype=object)},
