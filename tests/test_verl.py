@@ -73,7 +73,8 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         seeds = list(out.non_tensor_batch["seed"])
         # seeds follow VeRL-Omni's scheme (rollout seed, step, global row index), never the per-step uuid4 uid
         assert seeds == [((3 + 1 - 1) * 1_000_003 + g) % (2**63 - 1) for g in range(B)]
-        again = agent.generate_sequences(trainer_batch(global_steps=1, uids=[str(uuid.uuid4()) for _ in range(PROMPTS)]))
+        fresh_uids = [str(uuid.uuid4()) for _ in range(PROMPTS)]  # VeRL-Omni's trainer: new uuid4s every step
+        again = agent.generate_sequences(trainer_batch(global_steps=1, uids=fresh_uids))
         assert list(again.non_tensor_batch["seed"]) == seeds
         assert torch.equal(again.batch["responses"], out.batch["responses"])
         assert len(set(seeds)) == B  # no two rows of a group share a seed under verl's chunking

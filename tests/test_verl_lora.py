@@ -148,5 +148,6 @@ def test_verl_lora_convention_and_zmq_naming():
     assert engine_update(None, True) == (None, None, "full") == engine_update(None, False)
     h = zmq_handle_for("01000000", 3)
     assert h == "ipc:///tmp/rl-colocate-zmq-01000000-replica-3-rank-0.sock"
-    assert update_zmq_handle(h, "step-2-seq-0") == "ipc:///tmp/rl-colocate-zmq-01000000-replica-3-rank-0-update-step-2-seq-0.sock"
+    assert update_zmq_handle(h, "step-2-seq-0") == \
+        "ipc:///tmp/rl-colocate-zmq-01000000-replica-3-rank-0-update-step-2-seq-0.sock"
     assert update_zmq_handle(h, None) == h and update_zmq_handle("tcp://1.2.3.4:5", "x") == "tcp://1.2.3.4:5"

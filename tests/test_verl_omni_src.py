@@ -84,8 +84,9 @@ def test_update_weights_from_ipc_kwargs_are_accepted():
     sent: dict[str, set] = {}
     for path, tree in _trees():
         for n in ast.walk(tree):
-            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "_execute_method"
-                    and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value == "update_weights_from_ipc"):
+            is_call = isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            if not (is_call and n.func.attr == "_execute_method" and n.args and isinstance(n.args[0], ast.Constant)
+                    and n.args[0].value == "update_weights_from_ipc"):
                 continue
             for kw in n.keywords:
                 if kw.arg == "kwargs" and isinstance(kw.value, ast.Dict):
