@@ -151,3 +151,53 @@ def test_verl_lora_convention_and_zmq_naming():
     assert update_zmq_handle(h, "step-2-seq-0") == \
         "ipc:///tmp/rl-colocate-zmq-01000000-replica-3-rank-0-update-step-2-seq-0.sock"
     assert update_zmq_handle(h, None) == h and update_zmq_handle("tcp://1.2.3.4:5", "x") == "tcp://1.2.3.4:5"
+
+
+def _stream(tensors, receiver_use_shm=True, bucket_size_mb=1):
+    """verl's real sender -> omniroll's receiver (a thread), in one process; returns (received, receiver error)."""
+    import threading
+    import uuid
+
+    from verl.plugin.platform.platform_manager import get_platform, set_platform
+
+    from omniroll.weights.zmq_receiver import receive_zmq_stream
+    from tests.verl_helpers import verl_sender_class
+
+    handle = f"ipc:///tmp/omniroll-test-{uuid.uuid4().hex[:12]}.sock"
+    result: dict = {}
+
+    def receive():
+        try:
+            result["named"] = receive_zmq_stream(handle, receiver_use_shm, timeout_s=30)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    previous = get_platform()
+    set_platform(cpu_platform())
+    try:
+        asyncio.run(verl_sender_class()(zmq_handle=handle, bucket_size_mb=bucket_size_mb, use_shm=True)
+                    .async_send_weights(iter(tensors)))
+    finally:
+        set_platform(previous)
+        thread.join(30)
+    assert not thread.is_alive()
+    return result.get("named"), result.get("error")
+
+
+def test_verl_sender_to_omniroll_receiver_over_several_buckets():
+    g = torch.Generator().manual_seed(0)
+    sent = [(f"w{i}", torch.randn(300 * 256 + i, generator=g).to(dtype)) for i, dtype in
+            enumerate([torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.float32])]
+    sent.append(("idx", torch.arange(7, dtype=torch.int64).reshape(7, 1)))
+    named, error = _stream(sent, bucket_size_mb=1)  # 1 MiB buckets: the stream spans several
+    assert error is None
+    assert [n for n, _ in named] == [n for n, _ in sent]
+    for (_, a), (_, b) in zip(named, sent):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_stream_the_receiver_refuses_is_drained_first():
+    named, error = _stream([("w", torch.ones(4))], receiver_use_shm=False)  # the sender returned: no hang
+    assert named is None and "use_shm=False" in str(error)
