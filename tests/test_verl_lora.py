@@ -20,7 +20,8 @@ import torch
 pytest.importorskip("verl")
 pytest.importorskip("zmq")
 
-from tests.verl_helpers import LoRATrainingEngine, VerlOmniActor, cpu_platform, verl_config  # noqa: E402
+from tests.verl_helpers import (LoRATrainingEngine, VerlOmniActor, cpu_platform, verl_config,  # noqa: E402
+                                verl_sender_class)
 
 RANK = 7  # a replica rank no other test uses (server actor omniroll_server_7_0)
 
@@ -63,7 +64,7 @@ def test_verl_omni_lora_sync_sequences(ray_cluster, tiny_sd3_path):
     from verl.plugin.platform.platform_manager import get_platform, set_platform
 
     import omniroll.integrations.verl as ov
-    from omniroll.weights import WeightSyncError
+    from omniroll.integrations.verl.lora_sync import update_zmq_handle
 
     cfg = verl_config(tiny_sd3_path)
     server = ray.remote(ov.OmnirollServer).options(name=ov.server_name(RANK), num_cpus=0).remote(
@@ -129,6 +130,15 @@ def test_verl_omni_lora_sync_sequences(ray_cluster, tiny_sd3_path):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         assert not [f for f in os.listdir("/dev/shm") if f.startswith("verl_weights_")]  # the sender unlinked it
 
+        # an unknown keyword is refused once the stream was drained (the sender returns), nothing applied
+        future = server.update_weights_from_ipc.remote({"r": 4}, True, True, zmq_update_id="odd", update_seq=1)
+        lora_stream, _ = actor.engine.get_per_tensor_param(base_sync_done=True)
+        asyncio.run(verl_sender_class()(zmq_handle=update_zmq_handle(adapter.zmq_handle, "odd"), bucket_size_mb=1,
+                                        use_shm=True).async_send_weights(lora_stream))
+        with pytest.raises(Exception, match=r"unknown keyword\(s\) \['update_seq'\]"):
+            ray.get(future)
+        assert _server_forward(server, x)[1] == 5
+
         # a receiver that is sent nothing gives up after its timeout with a clear error (no hang)
         with pytest.raises(Exception, match="no buffer description"):
             ray.get(server.update_weights_from_ipc.remote({"r": 4}, True, True, zmq_update_id="nobody",
@@ -161,7 +171,6 @@ def _stream(tensors, receiver_use_shm=True, bucket_size_mb=1):
     from verl.plugin.platform.platform_manager import get_platform, set_platform
 
     from omniroll.weights.zmq_receiver import receive_zmq_stream
-    from tests.verl_helpers import verl_sender_class
 
     handle = f"ipc:///tmp/omniroll-test-{uuid.uuid4().hex[:12]}.sock"
     result: dict = {}

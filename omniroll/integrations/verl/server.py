@@ -183,7 +183,8 @@ class OmnirollServer:
 
     async def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
                                       use_shm: bool = False, zmq_update_id: Optional[str] = None,
-                                      global_steps: Optional[int] = None, timeout_s: float = 600.0) -> dict:
+                                      global_steps: Optional[int] = None, timeout_s: float = 600.0,
+                                      **unknown) -> dict:
         """The receiving end of VeRL-Omni's LoRA fast path (and of any verl `BucketedWeightSender` stream): read the
         stream from this replica's socket (`zmq_handle_for`, per update with `zmq_update_id`) into host memory, then
         land it as one transaction (`load_weight_buckets`' guarantees). Shared memory only (`use_shm=True`); a stream
@@ -194,6 +195,9 @@ class OmnirollServer:
 
         handle = update_zmq_handle(zmq_handle_for(current_job_id(), self.replica_rank), zmq_update_id)
         named = await asyncio.to_thread(receive_zmq_stream, handle, bool(use_shm), timeout_s)
+        if unknown:  # refused only now: refusing before the stream was drained would leave the sender waiting forever
+            raise TypeError(f"update_weights_from_ipc: unknown keyword(s) {sorted(unknown)}; the stream was drained "
+                            f"and nothing applied")
         if not named:
             raise ValueError("update_weights_from_ipc: the weight stream was empty; nothing applied")
         manifest = WeightManifest.from_named_tensors(named)
