@@ -88,7 +88,8 @@ def main(argv=None) -> int:
     res = {m: summary([x for h in hs for x in h]) if args.repeats == 1 else _median_of(hs) for m, hs in runs.items()}
     base = res["synchronous"]
     print(f"\n{'mode':<14} {'steps/s':>8} {'x sync':>7} {'samples/s':>10} {'x sync':>7} {'overlap':>8} "
-          f"{'stale mean/max':>15} {'span':>5} {'rollout s':>10} {'train s':>8} {'reward last 1/4':>18} {'replay dev':>10}")
+          f"{'stale mean/max':>15} {'span':>5} {'rollout s':>10} {'train s':>8} {'reward last 1/4':>18} "
+          f"{'replay dev':>10}")
     for m, s in res.items():
         q = s["reward_last_quarter"]
         print(f"{m:<14} {s['steps_per_s']:>8.3f} {s['steps_per_s'] / base['steps_per_s']:>7.2f} "
