@@ -54,6 +54,8 @@ def summary(hist: list[dict]) -> dict:
             "stale_dropped": sum(m["stale_dropped"] for m in hist),
             "behaviour_replay_max_abs_dev": max(m["behaviour_replay_max_abs_dev"] for m in hist),
             "prox_ratio_max_abs_dev": max(m["prox_ratio_max_abs_dev"] for m in hist),
+            "behaviour_ratio_max_abs_dev": max(m["behaviour_ratio_max_abs_dev"] for m in hist),
+            "behaviour_weight_capped_frac": statistics.fmean(m["behaviour_weight_capped_frac"] for m in hist),
             "rollout_s": statistics.median(m["rollout_s"] for m in hist),
             "train_s": statistics.median(m["train_s"] for m in hist),
             "reward_last_quarter": {"mean": statistics.fmean(rewards),
@@ -119,7 +121,8 @@ def _median_of(hists: list[list[dict]]) -> dict:
     med = dict(per[0])
     for k in ("steps_per_s", "samples_per_s", "overlap_frac", "staleness_mean", "rollout_s", "train_s"):
         med[k] = statistics.median(s[k] for s in per)
-    for k in ("staleness_max", "version_span_max", "behaviour_replay_max_abs_dev", "prox_ratio_max_abs_dev"):
+    for k in ("staleness_max", "version_span_max", "behaviour_replay_max_abs_dev", "prox_ratio_max_abs_dev",
+              "behaviour_ratio_max_abs_dev", "behaviour_weight_capped_frac"):
         med[k] = max(s[k] for s in per)
     med["stale_dropped"] = sum(s["stale_dropped"] for s in per)
     rewards = [m["reward_mean"] for h in hists for m in h[-max(1, len(h) // 4):]]

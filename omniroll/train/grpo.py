@@ -49,6 +49,7 @@ class LossTerms:
     ratio: torch.Tensor  # [B] detached
     clipped: torch.Tensor  # [B] bool: |ratio - 1| > clip_range
     approx_kl: torch.Tensor  # scalar: 0.5 mean((logp - old)^2)
+    behaviour_ratio: torch.Tensor | None = None  # [B] pi_prox / pi_behaviour before truncation (decoupled PPO only)
 
 
 def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float,

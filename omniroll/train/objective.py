@@ -33,7 +33,8 @@ def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, beha
                        kl: Optional[torch.Tensor] = None, kl_beta: float = 0.0) -> LossTerms:
     """Decoupled PPO-clip for one window step (see the module doc). `ratio`, `clipped` and `approx_kl` are measured
     against pi_prox (the PPO anchor)."""
-    w = torch.exp(prox_log_prob - behaviour_log_prob).clamp(max=behaviour_weight_cap).detach()
+    behaviour_ratio = torch.exp(prox_log_prob - behaviour_log_prob).detach()
+    w = behaviour_ratio.clamp(max=behaviour_weight_cap)
     ratio = torch.exp(log_prob - prox_log_prob)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
@@ -42,7 +43,8 @@ def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, beha
     loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
     d = (log_prob - prox_log_prob).detach()
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
-                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
+                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d),
+                     behaviour_ratio=behaviour_ratio)
 
 
 class VersionStore:

@@ -31,6 +31,9 @@ class UpdateStats:
     kl: float
     grad_norm: float
     optimizer_steps: int
+    behaviour_ratio_mean: float = 1.0  # pi_prox / pi_behaviour over every (row, window step, epoch); 1.0 when plain
+    behaviour_ratio_max_abs_dev: float = 0.0  # max |pi_prox / pi_behaviour - 1|
+    behaviour_weight_capped_frac: float = 0.0  # share of (row, window step) terms truncated at behaviour_weight_cap
 
 
 def shuffle_generator(seed: int, step: int, epoch: int) -> torch.Generator:
@@ -56,6 +59,7 @@ def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: Traje
     n_micro = (B + micro_batch_size - 1) // micro_batch_size
     per_update = micro_batches_per_update or n_micro
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
+    b_sum, b_dev, capped = 0.0, 0.0, 0
     updates = 0
     prox = None
     if behaviour_log_probs is not None:  # decoupled PPO: pi_prox of every row and step, filled before the first update
@@ -99,6 +103,10 @@ def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: Traje
                 if updates == 0:
                     dev = max(dev, float((terms.ratio - 1.0).abs().max()))
                 clipped += int(terms.clipped.sum())
+                if terms.behaviour_ratio is not None:
+                    b_sum += float(terms.behaviour_ratio.double().sum())
+                    b_dev = max(b_dev, float((terms.behaviour_ratio - 1.0).abs().max()))
+                    capped += int((terms.behaviour_ratio > behaviour_weight_cap).sum())
                 total += len(rows)
                 approx.append(float(terms.approx_kl))
                 losses.append(float(terms.loss.detach()))
@@ -115,4 +123,6 @@ def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: Traje
 
     return UpdateStats(ratio_max_abs_dev=dev, clip_frac=clipped / max(total, 1), approx_kl=mean(approx),
                        loss=mean(losses), policy_loss=mean(plosses), kl=mean(kls), grad_norm=mean(norms),
-                       optimizer_steps=updates)
+                       optimizer_steps=updates,
+                       behaviour_ratio_mean=b_sum / max(total, 1) if prox is not None else 1.0,
+                       behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(total, 1))
