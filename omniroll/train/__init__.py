@@ -3,15 +3,18 @@ below imports it).
 
 Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns), `recompute_log_probs` (the rollout's
 log-prob under the current weights, with autograd, bitwise equal with the rollout's weights), `group_advantages`,
-`ppo_clip_loss`, `kl_to_reference`, `Policy`, and `FlowGRPOTrainer` for the whole loop.
+`ppo_clip_loss`, `decoupled_ppo_loss` (the asynchronous trainer's off-policy loss), `kl_to_reference`, `Policy`, and
+`FlowGRPOTrainer` for the whole loop.
 """
 
 from omniroll.train.grpo import Advantages, LossTerms, group_advantages, kl_to_reference, ppo_clip_loss
+from omniroll.train.objective import decoupled_ppo_loss
 from omniroll.train.recompute import enable_gradient_checkpointing, execution_mode, guided_velocity, recompute_log_probs
 from omniroll.train.trajectory import TrajectoryBatch
 
 __all__ = [
-    "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "enable_gradient_checkpointing",
+    "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "decoupled_ppo_loss",
+    "enable_gradient_checkpointing",
     "execution_mode", "guided_velocity", "recompute_log_probs", "TrajectoryBatch", "FlowGRPOTrainer", "Policy",
     "WeightVersionError",
 ]

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
 from omniroll.train.grpo import LossTerms
-from omniroll.train.policy import Policy
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory import TrajectoryBatch
+
+if TYPE_CHECKING:
+    from omniroll.train.policy import Policy
 
 
 def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
@@ -52,7 +54,7 @@ class VersionStore:
     step can be rescored under the version that ran it. Memory: `keep` copies of the trained weights (none when
     keep == 0, the synchronous trainer)."""
 
-    def __init__(self, policy: Policy, keep: int):
+    def __init__(self, policy: "Policy", keep: int):
         self.policy, self.keep = policy, int(keep)
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.current: Optional[int] = None

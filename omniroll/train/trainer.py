@@ -127,10 +127,15 @@ class FlowGRPOTrainer:
         K, s = self.tc.max_staleness, self.step_done
         for b in range(s + 1, min(s + K, self.tc.steps) + 1):
             v = max(0, b - 1 - K)
+            if not self.store.has(v):
+                self.log(f"resume: the checkpoint keeps no weights of version {v} (written with a smaller "
+                         f"max_staleness): batch {b} is generated with version {s}, not as the straight run did")
+                v = s
             if v > self.version:
                 self._sync(v)
             self.pipeline.submit(b)
-        self._sync(s)
+        if s > self.version:
+            self._sync(s)
 
     def close(self) -> None:
         import ray
