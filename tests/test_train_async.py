@@ -207,3 +207,49 @@ def test_staleness_1_overlaps_is_exact_and_a_ctrl_c_resume_equals_the_straight_r
     ma, mb = _metrics(straight), _metrics(resumed)
     assert [{k: v for k, v in m.items() if k not in TIMING} for m in ma] == \
         [{k: v for k, v in m.items() if k not in TIMING} for m in mb]
+
+
+def test_log_probs_under_versions_rescore_each_window_step_under_its_own_version(tiny_sd3_path):
+    """The version store swaps exact copies of older weights in and out: samples generated at versions 0 and 1 are
+    rescored bitwise under their own versions, a step assigned to another version is scored under that one (a sample
+    that spans a sync), and the policy ends with its current weights."""
+    from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
+    from omniroll.train import TrajectoryBatch, recompute_log_probs
+    from omniroll.train.objective import VersionStore, log_probs_under_versions
+    from omniroll.train.policy import Policy
+    from omniroll.weights import WeightSender
+
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
+    try:
+        policy = Policy(tiny_sd3_path, "lora", rank=4, alpha=8.0)
+        store = VersionStore(policy, keep=1)
+        store.record(0)
+        sp = SamplingParams(height=32, width=32, num_inference_steps=4, max_sequence_length=8, noise_level=1.0,
+                            sde_window_size=2, sde_window_range=(0, 3))
+
+        def generate(version):
+            return engine.generate([GenerationRequest(request_id=f"v{version}-{i}", prompt="a blue car", seed=i,
+                                                      sampling_params=sp) for i in range(2)])
+
+        outs = generate(0)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        store.record(1)
+        WeightSender([engine]).send(policy.weights_to_send(), version=1)
+        outs += generate(1)
+        traj = TrajectoryBatch.from_outputs(outs)
+        assert traj.weight_version == [0, 0, 1, 1]
+        current = [p.detach().clone() for p in policy.parameters()]
+        own = torch.tensor([[0, 0], [0, 0], [1, 1], [1, 1]])
+        assert torch.equal(log_probs_under_versions(store, traj, own, micro_batch_size=3), traj.log_probs)
+        spans = torch.tensor([[0, 1], [0, 1], [1, 1], [1, 1]])  # no row runs version 0 at step 1
+        lp = log_probs_under_versions(store, traj, spans, micro_batch_size=3)
+        assert torch.equal(lp[:, 0], traj.log_probs[:, 0])
+        with torch.no_grad():
+            assert torch.equal(lp[:2, 1], recompute_log_probs(policy.adapter, traj.rows([0, 1]), 1).log_prob)
+        assert not torch.equal(lp[:2, 1], traj.log_probs[:2, 1])
+        assert all(torch.equal(p, c) for p, c in zip(policy.parameters(), current))
+    finally:
+        engine.shutdown()

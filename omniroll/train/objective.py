@@ -151,6 +151,6 @@ def log_probs_under_versions(store: VersionStore, traj: TrajectoryBatch, version
         with store.weights(v):
             for k in range(W):
                 rows = (versions[:, k] == v).nonzero().flatten()
-                for chunk in rows.split(micro_batch_size):
+                for chunk in rows.split(micro_batch_size) if len(rows) else ():
                     out[chunk, k] = recompute_log_probs(store.policy.adapter, traj.rows(chunk), k).log_prob.float()
     return out
