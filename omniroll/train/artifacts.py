@@ -114,7 +114,10 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
-    ax.set_title(f"Flow-GRPO on the tiny SD3 (omniroll train, {mode_label(history[-1])})")
+    mode = mode_label(history[-1])
+    if mode != "synchronous":
+        mode += f", staleness max {max(m.get('staleness_max', 0) for m in history)}"
+    ax.set_title(f"Flow-GRPO on the tiny SD3 (omniroll train, {mode})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -31,6 +31,7 @@ class RolloutPipeline:
         self._thread.start()
         self._futures: dict[int, cf.Future] = {}
         self.spans: dict[int, list] = {}  # step -> [start, end or None] (time.time()) of every started batch
+        self._spans_lock = threading.Lock()  # the loop thread adds spans, the trainer thread reads and prunes them
         self._call(self._init_primitives())
 
     async def _init_primitives(self) -> None:
@@ -64,7 +65,9 @@ class RolloutPipeline:
         async with self._lock:
             await self._gate.wait()
             self._idle.clear()
-            span = self.spans[step] = [time.time(), None]
+            span = [time.time(), None]
+            with self._spans_lock:
+                self.spans[step] = span
             try:
                 return await self._generate(step)
             finally:
@@ -109,15 +112,25 @@ class RolloutPipeline:
     def busy(self, since: float, until: float) -> list[tuple[float, float]]:
         """Rollout busy intervals clipped to [since, until] (a running batch counts up to `until`)."""
         out = []
-        for a, b in list(self.spans.values()):
+        with self._spans_lock:
+            spans = [list(s) for s in self.spans.values()]
+        for a, b in spans:
             b = until if b is None else b
             a, b = max(a, since), min(b, until)
             if b > a:
                 out.append((a, b))
         return out
 
+    def span(self, step: int) -> Optional[tuple[float, float]]:
+        """(start, end) of `step`'s generation once it has finished, else None."""
+        with self._spans_lock:
+            s = self.spans.get(step)
+            return (s[0], s[1]) if s is not None and s[1] is not None else None
+
     def forget_before(self, t: float) -> None:
-        self.spans = {k: s for k, s in self.spans.items() if s[1] is None or s[1] > t}
+        with self._spans_lock:
+            for k in [k for k, s in self.spans.items() if s[1] is not None and s[1] <= t]:
+                del self.spans[k]
 
 
 def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

@@ -234,7 +234,7 @@ class FlowGRPOTrainer:
             self.pipeline.submit(b)
         out = self.pipeline.take(step)
         t_back = time.time()
-        span = self.pipeline.spans.get(step, [t0, t_back])
+        span = self.pipeline.span(step) or (t0, t_back)
         finished = [m.get("generate_finished_at") or span[1] for m in out.meta_info.get("metrics", [])]
         last_gen = max(finished) if finished else span[1]
         out, versions, stale = self._fresh(step, out)
