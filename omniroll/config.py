@@ -143,6 +143,10 @@ class LoRASection(_Strict):
                                                 "None: the family's default (its attention projections)")
 
 
+#: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
+
+
 class TrainerConfig(_Strict):
     """The reference Flow-GRPO trainer (`omniroll train`). Group size is the top-level `n`; sampling comes from
     `pipeline` / `algo`; rewards from `reward`; validation images from `val_kwargs` (ODE)."""
@@ -179,12 +183,32 @@ class TrainerConfig(_Strict):
     sync_timeout_s: float = Field(600.0, gt=0)
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
                                        "(None: torch's default); 1 is far faster on a busy small CPU")
+    # experiment tracking (verl's key names; omniroll.train.tracking)
+    logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
+                              "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")
+    project_name: str = Field("omniroll", min_length=1)
+    experiment_name: Optional[str] = Field(None, min_length=1, description="default: {model}-{mode}-{time}; a "
+                                           "resumed run keeps its own")
+    log_images_every: int = Field(10, ge=0, description="steps between captioned training samples (0: never)")
+    log_images_count: int = Field(4, ge=0, le=64, description="training samples per image log (one per prompt)")
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)
         if self.prompts_file:
             prompts += [ln.strip() for ln in Path(self.prompts_file).read_text().splitlines() if ln.strip()]
         return prompts
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _logger_list(cls, value):
+        names = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+        if isinstance(names, (list, tuple)):
+            bad = [n for n in names if n not in LOGGERS]
+            if bad:
+                raise ValueError(f"unknown logger(s) {bad}: allowed {', '.join(LOGGERS)}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"names a logger twice: {list(names)}")
+        return names
 
     @model_validator(mode="after")
     def _check(self):
