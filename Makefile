@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 VERL_STAMP := $(VENV)/.verl-installed
+TRACKING_STAMP := $(VENV)/.tracking-installed
 # verl for the integration tests: without its pins (they clash with ours; it is the optional extra omniroll[verl]),
 # plus what its imports need. Its wheel ships a top-level `tests` package that would shadow ours: removed.
 VERL := verl==0.9.1
@@ -27,6 +28,11 @@ $(VERL_STAMP): $(PY)
 	rm -rf "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
 	touch $(VERL_STAMP)
 
+# the trackers tests/test_tracking.py reads back (tensorboard, wandb, mlflow-skinny: ~35 s, ~150 MB)
+$(TRACKING_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install -q -e ".[tracking]"
+	touch $(TRACKING_STAMP)
+
 install: $(STAMP)
 
 # The generation demo, then a short Flow-GRPO training (examples/train.yaml; ~1.5-2 min on 2 cores, Ray start included):
@@ -35,7 +41,7 @@ demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
 	$(VENV)/bin/omniroll train --config examples/train.yaml --out out/train
 
-test: $(STAMP) $(VERL_STAMP)
+test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP)
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

@@ -188,3 +188,63 @@ def test_tracker_names_keep_unknown_keys_under_a_prefix():
     assert s["off_policy/max_lag"] == 2 and s["async/partial"] == 1.0 and s["train/per_fn/a"] == 1.0
     assert "step" not in s and not any("note" in k for k in s)
     assert tracker_name("val_reward_mean") == "val/reward_mean"
+
+
+def test_swanlab_offline_run_holds_the_scalars_and_a_captioned_image(tmp_path, monkeypatch, tiny_sd3_path):
+    """swanlab (offline), read back with swanlab's own DataStoreReader. Not in
+    `make test`: swanlab pins protobuf < 7, which would downgrade the suite's protobuf (`pip install
+    'omniroll[swanlab]'` runs it)."""
+    pytest.importorskip("swanlab")
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    from omniroll.agent_loop.batch import DataBatch
+    from omniroll.train.tracking import Tracker
+
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    cfg = train_config(tiny_sd3_path, logger=["swanlab"], log_images_every=1, experiment_name="sw")
+    g = torch.Generator().manual_seed(0)
+    batch = DataBatch.from_dict(
+        tensors={"responses": torch.randint(0, 255, (4, 3, 8, 8), dtype=torch.uint8, generator=g),
+                 "rm_scores": torch.tensor([[0.1], [0.2], [0.3], [0.4]])},
+        non_tensors={"raw_prompt": ["a blue car"] * 2 + ["a green bird"] * 2, "uid": ["a", "a", "b", "b"]})
+    tracker = Tracker(cfg, str(tmp_path), log=lambda s: None)
+    tracker.log_step({"step": 1, "reward_mean": 0.25, "clip_frac": 0.5, "staleness_max": 1}, batch)
+    run_id = tracker.state(1)["swanlab_run_id"]
+    tracker.close()
+    (path,) = glob.glob(os.path.join(tmp_path, "swanlog", f"run-*{run_id}", f"run-{run_id}.swanlab"))
+    reader = DataStoreReader()
+    reader.open(path)
+    text = b""
+    while (raw := reader.scan()) is not None:
+        rec = Record()
+        rec.ParseFromString(raw)
+        text += str(rec).encode()
+    reader.close()
+    for key in (b"reward/mean", b"actor/clipfrac", b"async/staleness_max", b"train/samples", b"a blue car | 0.1000"):
+        assert key in text, key
+
+
+def test_a_video_batch_goes_to_tensorboard_as_an_animated_gif(tmp_path, tiny_sd3_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from omniroll.agent_loop.batch import DataBatch
+    from omniroll.train.tracking import Tracker
+
+    cfg = train_config(tiny_sd3_path, logger=["tensorboard"], log_images_every=2, experiment_name="video")
+    g = torch.Generator().manual_seed(0)
+    batch = DataBatch.from_dict(
+        tensors={"responses": torch.randint(0, 255, (2, 5, 3, 8, 8), dtype=torch.uint8, generator=g),  # [B, T, 3, H, W]
+                 "rm_scores": torch.tensor([[0.5], [0.7]])},
+        non_tensors={"raw_prompt": ["a blue car", "a green bird"], "uid": ["a", "b"]})
+    tracker = Tracker(cfg, str(tmp_path), log=lambda s: None)
+    for step in (1, 2):
+        tracker.log_step({"step": step, "reward_mean": 0.6}, batch)
+    tracker.close()
+    tb = EventAccumulator(str(tmp_path / "tensorboard" / "video"), size_guidance={"images": 0, "histograms": 0})
+    tb.Reload()
+    (video,) = tb.Images("train/samples/1")  # step 2 only: log_images_every=2
+    assert video.step == 2 and video.encoded_image_string[:4] == b"GIF8"
+    assert [e.step for e in tb.Histograms("reward/hist")] == [1, 2]
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # jsonl not named: no metrics.jsonl

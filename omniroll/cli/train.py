@@ -31,6 +31,15 @@ def run(args) -> int:
     from omniroll.cli.common import env_overrides, preflight
     from omniroll.config import load_config
 
+    # the bar only when both streams are a terminal: in a log file (CI, nohup) one clean line per step
+    bar = not args.quiet and sys.stdout.isatty() and sys.stderr.isatty()
+    if not bar:  # nor the model-loading bars of diffusers / transformers (their public switches)
+        import diffusers.utils.logging
+        import transformers.utils.logging
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+
     # names the bad key; nothing has started yet ($OMNIROLL_OVERRIDES applies last, as for every command)
     cfg = load_config(args.config, overrides=(args.override or []) + env_overrides())
     if cfg.trainer is None:
@@ -49,15 +58,6 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from omniroll.train.trainer import FlowGRPOTrainer
-
-    # the bar only when both streams are a terminal: in a log file (CI, nohup) one clean line per step
-    bar = not args.quiet and sys.stdout.isatty() and sys.stderr.isatty()
-    if not bar:  # nor the model-loading bars of diffusers / transformers (their public switches)
-        import diffusers.utils.logging
-        import transformers.utils.logging
-
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
 
     def log(line: str) -> None:
         tqdm.write(line, file=sys.stdout)
