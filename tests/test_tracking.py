@@ -111,7 +111,8 @@ def test_two_steps_to_tensorboard_wandb_mlflow_read_back_and_resume_continues_th
     assert [m.step for m in client.get_metric_history(run_id, "reward/mean")] == [1, 2]
     assert client.get_metric_history(run_id, "actor/approx_kl")
     assert [a.path for a in client.list_artifacts(run_id, "images")]
-    h = mlflow.artifacts.load_dict(client.get_run(run_id).info.artifact_uri + "/histograms/reward/hist/step_000002.json")
+    artifacts = client.get_run(run_id).info.artifact_uri
+    h = mlflow.artifacts.load_dict(artifacts + "/histograms/reward/hist/step_000002.json")
     assert len(h["values"]) == 4 and sum(h["counts"]) == 4
 
     # --resume: one more step into the same tracker runs

@@ -2,8 +2,8 @@
 
 The config (with its `trainer` section) is validated before Ray starts: a bad key fails at once, named. One line per
 step above a progress bar over steps (the bar only on a terminal: in a log file, one clean line per step). Trackers:
-`trainer.logger` (omniroll.train.tracking). Ctrl-C writes the checkpoint of the last completed step and exits 130 (an update
-and its weight sync are never cut in half). Writes to DIR: metrics.jsonl, reward_curve.png, val_before.png /
+`trainer.logger` (omniroll.train.tracking). Ctrl-C writes the checkpoint of the last completed step and exits 130
+(an update and its weight sync are never cut in half). Writes to DIR: metrics.jsonl, reward_curve.png, val_before.png /
 val_after.png (ODE grids of the fixed validation prompts and seeds), checkpoints/step_N/ (LoRA in PEFT's
 save_pretrained format, trainer_state.pt), checkpoints/latest.
 """

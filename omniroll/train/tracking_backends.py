@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,11 +65,26 @@ def gif_bytes(frames: np.ndarray, fps: int) -> bytes:
     return buf.getvalue()
 
 
-def _gif_file(frames: np.ndarray, fps: int, directory: str) -> str:
-    fd, path = tempfile.mkstemp(suffix=".gif", dir=directory)
-    with os.fdopen(fd, "wb") as f:
+def _gif_file(frames: np.ndarray, fps: int, directory: str, name: str) -> str:
+    """The GIF handed to a tracker: `<out>/.tracking_media/<backend>/<key>_step<N>_<i>.gif` (kept: a tracker may
+    copy it late)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name.replace("/", "_") + ".gif")
+    with open(path, "wb") as f:
         f.write(gif_bytes(frames, fps))
     return path
+
+
+def _native_media(key: str, step: int, items: list, fps: int, media_dir: str, image, video) -> list:
+    """(pixels, caption) items as a tracker's own captioned objects: `image(HWC, caption=)`, `video(gif path,
+    caption=)` (a video is written to a GIF under `media_dir` first)."""
+    out = []
+    for i, (px, caption) in enumerate(items):
+        if px.ndim == 3:
+            out.append(image(px, caption=caption))
+        else:
+            out.append(video(_gif_file(px, fps, media_dir, f"{key}_step{step:06d}_{i}"), caption=caption))
+    return out
 
 
 class TensorBoardBackend:
@@ -114,7 +128,7 @@ class WandbBackend:
         import wandb
 
         self.wandb = wandb
-        self.media_dir = os.path.join(info.out_dir, ".tracking_media")
+        self.media_dir = os.path.join(info.out_dir, ".tracking_media", "wandb")
         directory = os.environ.get("WANDB_DIR") or info.out_dir
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(project=info.project, name=info.experiment, id=run_id, resume="allow", dir=directory,
@@ -128,14 +142,8 @@ class WandbBackend:
         self.run.log({key: self.wandb.Histogram(np.asarray(values, dtype=np.float64))}, step=step)
 
     def log_media(self, key: str, items: list, step: int, fps: int) -> None:
-        media = []
-        for px, caption in items:
-            if px.ndim == 3:
-                media.append(self.wandb.Image(px, caption=caption))
-            else:
-                os.makedirs(self.media_dir, exist_ok=True)
-                media.append(self.wandb.Video(_gif_file(px, fps, self.media_dir), caption=caption, format="gif"))
-        self.run.log({key: media}, step=step)
+        video = lambda path, caption: self.wandb.Video(path, caption=caption, format="gif")  # noqa: E731
+        self.run.log({key: _native_media(key, step, items, fps, self.media_dir, self.wandb.Image, video)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -148,7 +156,7 @@ class MlflowBackend:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow import MlflowClient
 
-        self.media_dir = os.path.join(info.out_dir, ".tracking_media")
+        self.media_dir = os.path.join(info.out_dir, ".tracking_media", "mlflow")
         self.client = MlflowClient(uri)
         if run_id:
             self.client.update_run(run_id, status="RUNNING")
@@ -178,8 +186,8 @@ class MlflowBackend:
             if px.ndim == 3:
                 self.client.log_image(self.run_id, captioned(px, caption), key=f"{key}/{i}", step=step)
             else:
-                os.makedirs(self.media_dir, exist_ok=True)
-                path = _gif_file(np.stack([captioned(f, caption) for f in px]), fps, self.media_dir)
+                path = _gif_file(np.stack([captioned(f, caption) for f in px]), fps, self.media_dir,
+                                 f"{key}_step{step:06d}_{i}")
                 self.client.log_artifact(self.run_id, path, f"videos/{key}/step_{step:06d}")
         self.client.log_dict(self.run_id, {"step": step, "captions": [c for _, c in items]},
                              f"captions/{key}/step_{step:06d}.json")
@@ -193,7 +201,7 @@ class SwanlabBackend:
         import swanlab
 
         self.swanlab = swanlab
-        self.media_dir = os.path.join(info.out_dir, ".tracking_media")
+        self.media_dir = os.path.join(info.out_dir, ".tracking_media", "swanlab")
         kw = {"project": info.project, "name": info.experiment, "config": info.config,
               "log_dir": os.environ.get("SWANLAB_LOG_DIR") or os.path.join(info.out_dir, "swanlog")}
         if os.environ.get("SWANLAB_MODE"):
@@ -211,13 +219,8 @@ class SwanlabBackend:
         pass  # swanlab has no histogram type
 
     def log_media(self, key: str, items: list, step: int, fps: int) -> None:
-        media = []
-        for px, caption in items:
-            if px.ndim == 3:
-                media.append(self.swanlab.Image(px, caption=caption))
-            else:
-                os.makedirs(self.media_dir, exist_ok=True)
-                media.append(self.swanlab.Video(_gif_file(px, fps, self.media_dir), caption=caption))
+        media = _native_media(key, step, items, fps, self.media_dir, self.swanlab.Image,
+                              self.swanlab.Video)
         self.run.log({key: media}, step=step)
 
     def close(self) -> None:
