@@ -249,3 +249,16 @@ def test_a_video_batch_goes_to_tensorboard_as_an_animated_gif(tmp_path, tiny_sd3
     assert video.step == 2 and video.encoded_image_string[:4] == b"GIF8"
     assert [e.step for e in tb.Histograms("reward/hist")] == [1, 2]
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # jsonl not named: no metrics.jsonl
+
+
+def test_a_tracker_that_cannot_start_its_run_is_one_line_naming_it(tmp_path, monkeypatch, tiny_sd3_path):
+    pytest.importorskip("wandb")
+    from omniroll.train.tracking import Tracker
+
+    for var in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_CONFIG_DIR", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings: online wandb has no login
+    monkeypatch.setenv("WANDB_MODE", "online")
+    cfg = train_config(tiny_sd3_path, logger=["tensorboard", "wandb"], experiment_name="x")
+    with pytest.raises(ValueError, match=r"trainer.logger: wandb could not start its run: .*WANDB_MODE=offline"):
+        Tracker(cfg, str(tmp_path / "out"), log=lambda s: None)

@@ -39,6 +39,9 @@ _REQUIRES = {"tensorboard": ("tensorboard", "pip install 'omniroll[tensorboard]'
              "swanlab": ("swanlab", "pip install 'omniroll[swanlab]'  (or: pip install swanlab)"),
              "mlflow": ("mlflow", "pip install 'omniroll[mlflow]'  (or: pip install mlflow-skinny)")}
 
+_HINTS = {"wandb": " (no network or login: WANDB_MODE=offline)", "swanlab": " (no network: SWANLAB_MODE=offline)",
+          "mlflow": " (MLFLOW_TRACKING_URI; unset: a file store in the output directory)"}
+
 #: step-line keys -> tracker names (close to flow_grpo's and VeRL-Omni's)
 NAMES = {
     "reward_mean": "reward/mean", "reward_std": "reward/std", "tied_groups": "reward/zero_std_groups",
@@ -165,7 +168,13 @@ class Tracker:
                               config=config.model_dump(mode="json"), resume_step=int(state.get("step", 0)))
             for name in self.names:
                 if name in _REQUIRES:
-                    self.backends[name] = tb.BACKENDS[name](info, state.get(f"{name}_run_id"))
+                    try:
+                        self.backends[name] = tb.BACKENDS[name](info, state.get(f"{name}_run_id"))
+                    except Exception as e:  # noqa: BLE001 - e.g. wandb online without a login: one line, named
+                        self.close()
+                        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                        raise ValueError(f"trainer.logger: {name} could not start its run: {type(e).__name__}: "
+                                         f"{first}{_HINTS.get(name, '')}") from e
 
     # ------------------------------------------------------------------ what the trainer calls
     def log_step(self, m: dict, batch: Any = None) -> None:
