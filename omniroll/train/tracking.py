@@ -31,8 +31,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from omniroll.config import LOGGERS  # noqa: F401 - the backends, listed once (re-exported)
 from omniroll.train import artifacts
+
+#: the backends are listed once, as `omniroll.config.LOGGERS`; these four are optional extras:
 #: backend -> (module that must import, what to pip install)
 _REQUIRES = {"tensorboard": ("tensorboard", "pip install 'omniroll[tensorboard]'  (or: pip install tensorboard)"),
              "wandb": ("wandb", "pip install 'omniroll[wandb]'  (or: pip install wandb)"),
@@ -89,9 +90,7 @@ def scalars(record: dict) -> dict[str, float]:
         if isinstance(value, dict):
             for k, v in value.items():
                 add(f"{name}/{k}", v)
-        elif isinstance(value, (bool, np.bool_)):
-            out[name] = float(value)
-        elif isinstance(value, (int, float, np.integer, np.floating)):
+        elif isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
             out[name] = float(value)
 
     for key, value in record.items():
