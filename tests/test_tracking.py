@@ -252,9 +252,10 @@ def test_a_video_batch_goes_to_tensorboard_as_an_animated_gif(tmp_path, tiny_sd3
 
 
 def test_a_tracker_that_cannot_start_its_run_is_one_line_naming_it(tmp_path, monkeypatch, tiny_sd3_path):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from omniroll.train.tracking import Tracker
 
+    wandb.teardown()  # wandb keeps the settings of an earlier run in this process (offline mode) until torn down
     for var in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_CONFIG_DIR", "NETRC"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings: online wandb has no login
