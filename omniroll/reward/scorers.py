@@ -171,8 +171,8 @@ def scorer_problems(fn: Union[str, Callable], kwargs: dict | None = None) -> lis
     kwargs = dict(kwargs or {})
     if isinstance(fn, str) and ":" not in fn:
         if fn not in SCORER_REGISTRY:
-            return [f"fn: unknown reward function {fn!r}; expected one of {sorted(SCORER_REGISTRY)} or "
-                    f"'module:function'"]
+            return [f"fn: unknown reward function {fn!r} (expected one of {sorted(SCORER_REGISTRY)} or "
+                    f"'module:function')"]
         obj, factory = SCORER_REGISTRY[fn], True
     elif isinstance(fn, str):
         try:
