@@ -131,3 +131,36 @@ def test_a_bool_seed_and_a_bytes_prompt_are_refused_not_coerced():
         kwargs = {"prompt": "a cat", field: b"a cat"}
         with pytest.raises(ValidationError, match=rf"{field}\n  Value error, must be text \(str\), got bytes"):
             GenerationRequest(request_id="r", seed=1, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------- a disk that fills
+def _limit_file_size(max_bytes: int):
+    """In the child: any write past `max_bytes` in one file fails with EFBIG ("File too large"), as a full disk
+    fails with ENOSPC (Python ignores SIGXFSZ, so the write raises instead of killing the process)."""
+    def apply():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return apply
+
+
+def test_generate_on_a_full_disk_names_the_file_and_what_was_kept(tiny_sd3_path, tmp_path):
+    root = os.path.dirname(tiny_sd3_path)  # "tiny" resolves to the session's tiny checkpoint (as in test_cli)
+    if not os.path.exists(os.path.join(root, "tiny-sd3")):
+        os.symlink(tiny_sd3_path, os.path.join(root, "tiny-sd3"))
+    out = tmp_path / "gen"
+    args = ["generate", "--prompt", "a red car", "--prompt", "a dog", "--model", "tiny", "--n", "2", "--steps", "2",
+            "--height", "64", "--width", "64", "--max-sequence-length", "16", "--quiet", "--out", str(out)]
+    code = "import sys; from omniroll.cli import main; sys.exit(main(sys.argv[1:]))"
+    # the two PNG grids (~22 kB each) fit, the trajectory file (~200 kB) does not
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMNIROLL_CACHE": root}, preexec_fn=_limit_file_size(100_000))
+    assert proc.returncode == 1, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("omniroll generate: error:")]
+    assert len(errors) == 2 and "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+    assert errors[0] == (f"omniroll generate: error: could not write {out / 'trajectories.safetensors'}: "
+                         f"File too large (EFBIG)")
+    assert errors[1] == (f"omniroll generate: error: kept: 2 complete file(s) in {out}: prompt_000.png, "
+                         f"prompt_001.png; the rest was not written")
+    assert sorted(p.name for p in out.iterdir()) == ["prompt_000.png", "prompt_001.png"]  # no partial file left
