@@ -86,6 +86,17 @@ def test_a_prompt_without_target_fails_its_row_only_naming_it():
     assert "train/s3/u7/1" in results[1].error and "double quotes" in results[1].error
 
 
+def test_ocr_without_its_package_fails_at_config_load_with_the_pip_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rapidocr_onnxruntime"
+                        else real(name, *a))  # as on a machine without the extra
+    with pytest.raises(ConfigError, match=r"reward\.functions\.o\.fn: 'ocr' needs rapidocr-onnxruntime.*"
+                                          r"pip install 'omniroll\[ocr\]'"):
+        load_config({"reward": {"functions": {"o": {"fn": "ocr"}}}})
+
+
 def _render(text: str, size: int) -> np.ndarray:
     """`text` in black on white, DejaVu Sans (matplotlib ships it) at `size` px, as a CHW uint8 image."""
     import matplotlib

@@ -100,6 +100,15 @@ class OcrScorer:
         self.failures = 0
         self._lock = threading.Lock()  # the manager runs sync scorers in threads; one OCR session at a time
 
+    @classmethod
+    def check_kwargs(cls, kwargs: dict) -> list[str]:
+        """Before anything starts: the default engine's package is installed (nothing is imported here)."""
+        import importlib.util
+
+        if kwargs.get("engine") is None and importlib.util.find_spec("rapidocr_onnxruntime") is None:
+            return [f"fn: 'ocr' needs rapidocr-onnxruntime, which is not installed: {INSTALL_HINT}"]
+        return []
+
     def recognize(self, image_hwc: np.ndarray) -> Optional[str]:
         """The joined text of lines with confidence > 0 ("" when nothing is found); None when the engine raised."""
         try:
