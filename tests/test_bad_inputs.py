@@ -164,3 +164,17 @@ def test_generate_on_a_full_disk_names_the_file_and_what_was_kept(tiny_sd3_path,
     assert errors[1] == (f"omniroll generate: error: kept: 2 complete file(s) in {out}: prompt_000.png, "
                          f"prompt_001.png; the rest was not written")
     assert sorted(p.name for p in out.iterdir()) == ["prompt_000.png", "prompt_001.png"]  # no partial file left
+
+
+def test_a_sample_file_that_cannot_be_written_is_named_and_removed(tmp_path):
+    """Images and videos (PIL / PyAV write them, not `write_bytes`) fail the same way, leaving no partial file."""
+    code = ("import sys, torch; from pathlib import Path; from omniroll.cli.media import save_sample\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "try:\n"
+            "    save_sample(torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g), Path(sys.argv[1]))\n"
+            "except OSError as e:\n"
+            "    print(type(e).__name__, e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s0")], capture_output=True, text=True,
+                          timeout=120, preexec_fn=_limit_file_size(1000))
+    assert proc.stdout.strip() == f"OutputWriteError could not write {tmp_path / 's0.png'}: File too large (EFBIG)"
+    assert list(tmp_path.iterdir()) == []
