@@ -15,11 +15,13 @@ VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch==2.13.0 first: an unpinned torch could pull a multi-GB CUDA build on a CPU box.
+# The ocr extra is in: tests/test_reward_models.py reads rendered text with it (about 10 s, 280 MB: OpenCV 190 MB,
+# onnxruntime 80 MB, the PP-OCRv4 models 16 MB). torch==2.13.0 first: an unpinned torch could pull a multi-GB CUDA
+# build on a CPU box.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,ocr]"
 	touch $(STAMP)
 
 $(VERL_STAMP): $(PY)

@@ -44,7 +44,7 @@ def run(args) -> int:
     cfg = load_config(args.config, overrides=(args.override or []) + env_overrides())
     if cfg.trainer is None:
         raise UserError(f"{args.config}: no trainer section (see examples/train.yaml)")
-    preflight(cfg, cfg.trainer.all_prompts(), validate=True)  # model, resolution, text length, reward functions
+    preflight(cfg, cfg.trainer.all_prompts())  # the model (the config checked its limits and the rewards)
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
     from omniroll.train.tracking import check_loggers
