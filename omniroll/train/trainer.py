@@ -34,6 +34,7 @@ from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, stale
 from omniroll.train.grpo import group_advantages
 from omniroll.train.objective import VersionStore, log_probs_under_versions, staleness_stats, step_versions
 from omniroll.train.policy import Policy
+from omniroll.train.tracking import Tracker
 from omniroll.train.trajectory import TrajectoryBatch
 from omniroll.train.update import train_on_batch
 
@@ -73,6 +74,8 @@ class FlowGRPOTrainer:
         self.pipeline: Optional[RolloutPipeline] = None
         self.discarded_samples = 0  # in-flight samples of coming steps discarded at Ctrl-C
         self._last = self.tc.steps
+        self.tracker: Optional[Tracker] = None
+        self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "FlowGRPOTrainer":
@@ -102,6 +105,7 @@ class FlowGRPOTrainer:
         self.store.record(0)
         if self.resume_from:
             self._load(self.resume_from)
+        self.tracker = Tracker(self.config, self.out_dir, self._tracking_state, log=self.log)
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
         self.replicas = create_replicas(cfg.replicas.count, model, cfg.engine.engine_kwargs(),
@@ -154,6 +158,9 @@ class FlowGRPOTrainer:
 
         kill_replicas(self.replicas)
         self.replicas = []
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -206,7 +213,7 @@ class FlowGRPOTrainer:
                 signal.signal(signal.SIGINT, old)
             if bar is not None:
                 bar.close()
-            artifacts.plot_rewards(self.history_all(), os.path.join(self.out_dir, "reward_curve.png"))
+            artifacts.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"))
         return self.history
 
     def _on_sigint(self, signum, frame) -> None:
@@ -289,8 +296,7 @@ class FlowGRPOTrainer:
                  "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall}
             self.pipeline.forget_before(t0)
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
-            artifacts.append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), m)
-            self.log(artifacts.format_step(m, tc.steps))
+            self.tracker.log_step(m, out)  # the step line, metrics.jsonl, trackers (trainer.logger)
         return m
 
     def _fresh(self, step: int, out: DataBatch) -> tuple[DataBatch, torch.Tensor, dict]:
@@ -304,21 +310,14 @@ class FlowGRPOTrainer:
             raise WeightVersionError(f"step {step}: {len(ahead)} sample(s) were generated with weights the trainer "
                                      f"never pushed (trainer at version {self.version}): {ahead[:8]}")
         stale = stale_rows(versions, self.version, self.tc.max_staleness)
-        counts = {"stale_dropped": 0, "stale_regenerated": 0}
-        if stale and self.tc.on_stale == "wait":
-            counts["stale_regenerated"] = len(out)
+        if stale and self.tc.on_stale == "wait":  # the same rows and seeds, generated with the current weights
             self.log(f"step {step}: {len(stale)} sample(s) older than max_staleness: regenerating the batch")
-            return self._regenerate(step, counts)
+            n, (out, versions, again) = len(out), self._fresh(step, asyncio.run(self._rollout(step)))
+            return out, versions, {**again, "stale_regenerated": n + again["stale_regenerated"]}
+        keep = [i for i in range(len(out)) if i not in set(stale)]
         if stale:
-            keep = [i for i in range(len(out)) if i not in set(stale)]
-            counts["stale_dropped"] = len(stale)
             out, versions = out[keep], versions[keep]
-        return out, versions, counts
-
-    def _regenerate(self, step: int, counts: dict) -> tuple[DataBatch, torch.Tensor, dict]:
-        out = asyncio.run(self._rollout(step))
-        out, versions, again = self._fresh(step, out)
-        return out, versions, {**again, "stale_regenerated": counts["stale_regenerated"] + again["stale_regenerated"]}
+        return out, versions, {"stale_dropped": len(stale), "stale_regenerated": 0}
 
     async def _rollout(self, step: int) -> DataBatch:
         n, P = self.config.n, self.tc.prompts_per_step
@@ -362,6 +361,7 @@ class FlowGRPOTrainer:
         score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
         rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
         artifacts.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
+        self.tracker.log_validation(tag, self.step_done, out, score, path)
         self.log(f"validation {tag}: reward {score:.4f} -> {path}" if score is not None else f"validation {tag}")
         return rec
 
@@ -371,14 +371,15 @@ class FlowGRPOTrainer:
         self.store.save(path)
         torch.save({"step": self.step_done, "version": self.version, "optimizer": self.optimizer.state_dict(),
                     "discarded_samples": self.discarded_samples,
-                    "mode": self.tc.mode, "config": self.config.model_dump(mode="json")},
+                    "mode": self.tc.mode, "config": self.config.model_dump(mode="json"),
+                    "tracking": self.tracker.state(self.step_done) if self.tracker else None},
                    os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(self.out_dir, "checkpoints", "latest"), "w") as f:
             f.write(os.path.basename(path) + "\n")
         return path
 
     def _load(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        state = artifacts.read_trainer_state(path)  # weights_only: a resume directory cannot run code
         if state["mode"] != self.tc.mode:
             raise ValueError(f"trainer.mode: the checkpoint {path} was trained with mode {state['mode']!r}")
         self.policy.load(path)
@@ -386,6 +387,7 @@ class FlowGRPOTrainer:
         self.step_done = int(state["step"])
         self.store.load(path, self.step_done)
         self.discarded_samples = int(state.get("discarded_samples", 0))
+        self._tracking_state = state.get("tracking")
         self.log(f"resumed from {path} (step {self.step_done})")
 
     def history_all(self) -> list[dict]:
