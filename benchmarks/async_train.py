@@ -11,6 +11,7 @@ curves of all modes on one plot (`--plot`, default docs/async_reward_curve.png).
 
     python benchmarks/async_train.py              # 30 steps per run (the README's table; a quiet 2-core machine)
     python benchmarks/async_train.py --steps 3    # a quick check that it runs
+    python benchmarks/async_train.py --seed 1 --modes synchronous,async   # another seed, two contenders
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def run(mode: str, args, out_dir: str) -> list[dict]:
     from omniroll.config import load_config
     from omniroll.train import FlowGRPOTrainer
 
-    overrides = [f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", "trainer.val_every=0"]
+    overrides = [f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", "trainer.val_every=0",
+                 f"seed={args.seed}", f"trainer.seed={args.seed}"]
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
     cfg = load_config(args.config, overrides=overrides)
     log = print if args.verbose else (lambda s: None)
@@ -66,19 +68,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of the three contenders (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="rollout and trainer seed of every run (default 0)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--config", default=os.path.join(HERE, "..", "examples", "train.yaml"))
     p.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "async_reward_curve.png"))
     p.add_argument("--verbose", action="store_true", help="print every step line")
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
     if args.steps < 2 or args.repeats < 1:
         p.error("--steps must be >= 2 and --repeats >= 1")
+    if "synchronous" not in modes or not set(modes) <= set(MODES):
+        p.error(f"--modes: a subset of {','.join(MODES)} that includes synchronous, got {args.modes!r}")
     quiet_libraries()
     info = machine_info(1)
     record_loadavg(info, "loadavg_before")
-    runs: dict[str, list[list[dict]]] = {m: [] for m in MODES}
+    runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="omniroll-async-bench-") as tmp:
         for r in range(args.repeats):
-            for mode in MODES:
+            for mode in modes:
                 hist = run(mode, args, os.path.join(tmp, f"{mode}-{r}"))
                 runs[mode].append(hist)
                 s = summary(hist)
@@ -105,12 +112,13 @@ def main(argv=None) -> int:
     plot_reward_curves({labels[m]: hs[0] for m, hs in runs.items()}, args.plot,
                        title=f"Flow-GRPO demo, {args.steps} steps: synchronous vs asynchronous")
     print(f"reward curves -> {os.path.relpath(args.plot)}")
-    out = {"speedup_async": res["async"]["steps_per_s"] / base["steps_per_s"],
-           "speedup_partial": res["async_partial"]["steps_per_s"] / base["steps_per_s"],
+    speedup = {m: res[m]["steps_per_s"] / base["steps_per_s"] if m in res else None for m in MODES}
+    out = {"speedup_async": speedup["async"], "speedup_partial": speedup["async_partial"],
            "reward_last_quarter": {m: s["reward_last_quarter"] for m, s in res.items()},
            "behaviour_replay_max_abs_dev": max(s["behaviour_replay_max_abs_dev"] for s in res.values()),
            "prox_ratio_max_abs_dev": max(s["prox_ratio_max_abs_dev"] for s in res.values()),
-           "modes": res, "steps": args.steps, "repeats": args.repeats, "machine": info}
+           "modes": res, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
+           "machine": info}
     print(json.dumps(out))
     return 0
 
