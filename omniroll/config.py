@@ -17,9 +17,9 @@ one thing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from omniroll.engine.params import SamplingParams
 from omniroll.errors import format_validation_error
@@ -35,11 +35,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+Placement = Literal["pack", "spread"]  # Ray placement-group strategy, one bundle per actor (omniroll.rollout.ray_cluster)
+
+
+def _custom_only(resources: dict) -> dict:
+    bad = [k for k in resources if k in ("CPU", "GPU", "memory", "object_store_memory")]
+    if bad:
+        raise ValueError(f"custom resources only ({bad[0]!r} is set by num_cpus / num_gpus)")
+    return resources
+
+
+#: custom Ray resources per actor, e.g. {"a100_node": 1}
+Resources = Annotated[dict[str, Annotated[float, Field(gt=0)]], AfterValidator(_custom_only)]
+
+
 class ReplicasSection(_Strict):
     count: int = Field(1, ge=1, le=1024)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_concurrency: int = Field(1000, ge=1)
+    placement: Placement = Field("pack", description="pack: replicas together; spread: on distinct nodes when it can")
+    resources: Resources = Field(default_factory=dict, description="custom Ray resources each replica needs")
 
 
 class EngineSection(_Strict):
@@ -119,6 +135,8 @@ class AgentSection(_Strict):
     on_failure: Literal["raise", "mark"] = Field(
         "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
     )
+    placement: Placement = "pack"
+    resources: Resources = Field(default_factory=dict)
 
 
 class RewardSection(RewardWorkerConfig):
@@ -129,6 +147,8 @@ class RewardSection(RewardWorkerConfig):
 
     num_workers: int = Field(1, ge=0, le=1024)
     functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict)
+    placement: Placement = "pack"
+    resources: Resources = Field(default_factory=dict)
 
     def worker_config(self) -> dict:
         """What `omniroll.reward.create_reward_workers` takes."""
@@ -175,7 +195,8 @@ class TrainerConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
     val_every: int = Field(0, ge=0, description="steps between validation grids (0: before and after only)")
     seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
-    weight_transport: Literal["ray", "shm"] = "ray"
+    weight_transport: Literal["auto", "ray", "shm"] = Field(
+        "auto", description="auto: /dev/shm for replicas on the trainer's node, the Ray object store for the others")
     sync_timeout_s: float = Field(600.0, gt=0)
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
                                        "(None: torch's default); 1 is far faster on a busy small CPU")

@@ -24,7 +24,7 @@ from omniroll.agent_loop.output import DiffusionAgentLoopOutput
 SCALAR_TENSORS = {"noise_level": torch.float32, "sigma_max": torch.float32, "guidance_scale": torch.float32,
                   "cfg_scale": torch.float64, "sde_window": torch.int64}
 NON_TENSOR_EXTRAS = ("weight_version", "sde_type", "sampling_params", "stop_reason", "replica_index",
-                     "rollout_attempts", "execution")
+                     "replica_node_id", "rollout_attempts", "execution")
 METRIC_EXTRAS = ("generate_seconds", "client_seconds", "generate_finished_at")
 
 

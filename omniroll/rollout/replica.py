@@ -11,7 +11,7 @@ import asyncio
 import os
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
@@ -19,6 +19,7 @@ from omniroll.engine.errors import RequestError
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
 from omniroll.rollout.transfer import output_to_wire
+from omniroll.weights.transport import transport_of
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -49,6 +50,7 @@ class RolloutReplica:
         self._failed = 0
         self._aborted = 0
         self._started_at = time.time()
+        self._node_id, self._node_address = _ray_node()
 
     async def generate(self, request: dict | GenerationRequest) -> dict:
         """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A request the engine will not serve (bad
@@ -73,6 +75,7 @@ class RolloutReplica:
         else:
             self._served += 1
         out.extra_fields.setdefault("replica_rank", self.replica_rank)
+        out.extra_fields.setdefault("replica_node_id", self._node_id)
         return output_to_wire(out)
 
     async def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
@@ -95,8 +98,14 @@ class RolloutReplica:
             "torch_threads": _torch_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "host": socket.gethostname(),
+            "node_id": self._node_id,
+            "node_address": self._node_address,
             "uptime_s": time.time() - self._started_at,
         }
+
+    def node_id(self) -> Optional[str]:
+        """The Ray node this replica lives on (None outside Ray): the weight sender picks its transport from it."""
+        return self._node_id
 
     def stats(self) -> dict:
         s: dict[str, Any] = dict(self.engine.stats())
@@ -130,7 +139,8 @@ class RolloutReplica:
         ack = await asyncio.to_thread(
             self.engine.update_weights_from_ipc, peft_config, base_sync_done, use_shm,
             manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
-        return {**ack, "replica_rank": self.replica_rank}
+        return {**ack, "replica_rank": self.replica_rank, "node_id": self._node_id,
+                "transport": transport_of(buckets, use_shm)}
 
     async def remove_lora(self, version: Optional[int] = None, timeout_s: float = 120.0) -> dict:
         return await asyncio.to_thread(self.engine.remove_lora, version, 10.0, timeout_s)
@@ -143,6 +153,18 @@ class RolloutReplica:
     async def wake_up(self, timeout_s: float = 120.0) -> dict:
         """Restore the weights; an error (e.g. out of memory) or a timeout reaches the caller, nothing hangs."""
         return await asyncio.to_thread(self.engine.wake_up, timeout_s)
+
+
+def _ray_node() -> tuple[Optional[str], Optional[str]]:
+    """(node id, node IP address) of this process in Ray; (None, None) outside Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None, None
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not a Ray worker
+        return None, None
 
 
 def _torch_threads() -> int:
@@ -163,9 +185,13 @@ def create_replicas(
     num_gpus: float = 0,
     max_concurrency: int = 1000,
     wait_ready: bool = True,
+    resources: Optional[dict] = None,
+    placement: Optional[Callable[[int], dict]] = None,
 ) -> list:
     """Start `n` RolloutReplica actors (ranks 0..n-1). With `wait_ready`, blocks until every engine is loaded so a
-    bad model path or OOM surfaces here, not on the first generate."""
+    bad model path or OOM surfaces here, not on the first generate. `resources`: custom Ray resources per replica;
+    `placement(rank)`: extra actor options for that replica (its placement-group bundle, see
+    `omniroll.rollout.ray_cluster.ActorPlacement.options`)."""
     import ray
 
     if n < 1:
@@ -174,11 +200,12 @@ def create_replicas(
     # a later torch.set_num_threads(n) does not undo all of it (measured: the same engine ~5% slower). Start each
     # replica with the thread count it will use.
     threads = (engine_kwargs or {}).get("num_threads") or max(1, int(num_cpus))
-    cls = ray.remote(RolloutReplica).options(
-        max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
-    )
-    handles = [cls.remote(model_path, replica_rank=r, engine_kwargs=engine_kwargs) for r in range(n)]
+    opts = dict(max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+                **({"resources": dict(resources)} if resources else {}))
+    cls = ray.remote(RolloutReplica)
+    handles = [cls.options(**opts, **(placement(r) if placement else {})).remote(
+        model_path, replica_rank=r, engine_kwargs=engine_kwargs) for r in range(n)]
     if wait_ready:
         try:
             ray.get([h.health.remote() for h in handles])
