@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 #: subcommand -> module under omniroll.cli
@@ -26,6 +27,9 @@ COMMANDS = {
     "serve": "omniroll.cli.serve",
     "train": "omniroll.cli.train",
 }
+
+#: the commands that start Ray: `--ray-address` (or RAY_ADDRESS) joins that cluster instead of starting a local one
+RAY_COMMANDS = ("rollout", "train", "serve")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -71,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.HELP,
                            formatter_class=_HelpFormatter)
         module.add_arguments(p)
+        if name in RAY_COMMANDS:
+            p.add_argument("--ray-address", default=None,
+                           help="join the Ray cluster at this address (default: $RAY_ADDRESS, else a local Ray)")
         p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     return parser
 
@@ -83,6 +90,8 @@ def _say_error(command: str, lines) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
+    if getattr(args, "ray_address", None):
+        os.environ["RAY_ADDRESS"] = args.ray_address  # what connect_ray (and Ray itself) joins
     try:
         return int(_command(args.command).run(args) or 0)
     except KeyboardInterrupt:

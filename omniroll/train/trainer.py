@@ -41,7 +41,7 @@ class FlowGRPOTrainer:
     validation grids, checkpoints. resume: a run directory or one of its checkpoint directories."""
 
     def __init__(self, config: Any, out_dir: str, resume: Optional[str] = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, ray_address: Optional[str] = None):
         self.config: OmniRollConfig = config if isinstance(config, OmniRollConfig) else load_config(config)
         if self.config.trainer is None:
             raise ValueError("trainer: the config has no trainer section")
@@ -56,6 +56,8 @@ class FlowGRPOTrainer:
         self.replicas: list = []
         self.reward_handles: list = []
         self.manager = None
+        self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started
+        self.ray_address = ray_address  # a cluster to join (default: RAY_ADDRESS, else a local Ray)
         self.history: list[dict] = []
         self._pending_interrupt = False
         self._critical = False
@@ -66,11 +68,7 @@ class FlowGRPOTrainer:
     def start(self) -> "FlowGRPOTrainer":
         import ray
 
-        from omniroll.agent_loop.manager import AgentLoopManager
-        from omniroll.models import resolve_model
-        from omniroll.reward import create_reward_workers
-        from omniroll.rollout.replica import create_replicas
-        from omniroll.weights import WeightSender
+        from omniroll.agent_loop.cluster import RolloutCluster
 
         cfg = self.config
         if self.tc.num_threads is not None:  # restored by close()
@@ -81,21 +79,15 @@ class FlowGRPOTrainer:
             for name in ("metrics.jsonl", "validation.jsonl"):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.out_dir, name))
-        model = resolve_model(cfg.engine.model)
-        self.policy = Policy(model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha, self.tc.lora.target_modules,
-                             dtype=cfg.engine.dtype, seed=self.tc.seed)
+        self.cluster = RolloutCluster(cfg, ray_address=self.ray_address, log=self.log)  # resolves the model
+        self.policy = Policy(self.cluster.model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha,
+                             self.tc.lora.target_modules, dtype=cfg.engine.dtype, seed=self.tc.seed)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
         if self.resume_from:
             self._load(self.resume_from)
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        self.replicas = create_replicas(cfg.replicas.count, model, cfg.engine.engine_kwargs(),
-                                        num_cpus=cfg.replicas.num_cpus, num_gpus=cfg.replicas.num_gpus,
-                                        max_concurrency=cfg.replicas.max_concurrency)
-        self.reward_handles = create_reward_workers(cfg.reward.worker_config(), cfg.reward.num_workers)
-        self.manager = AgentLoopManager(cfg, self.replicas, self.reward_handles)
-        self.sender = WeightSender(self.replicas, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+        self.cluster.start()  # Ray (joined or local), replicas, reward workers, agent-loop manager
+        self._adopt_cluster()
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
         if current > self.step_done or (self.step_done > 0 and current == self.step_done):
@@ -106,20 +98,30 @@ class FlowGRPOTrainer:
         self.version = self.step_done
         return self
 
+    def _adopt_cluster(self) -> None:
+        """The cluster's replicas, reward workers and manager (again after `prune`), and a sender to the replicas."""
+        from omniroll.weights import WeightSender
+
+        self.replicas = self.cluster.replicas
+        self.reward_handles = self.cluster.reward_workers
+        self.manager = self.cluster.manager
+        self.sender = WeightSender(self.replicas, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+
+    def _continue_without_lost_replicas(self) -> bool:
+        """Drop replicas whose node left the cluster; says so in one line. Returns whether any was lost."""
+        lost = self.cluster.prune()
+        if lost:
+            nodes = sorted({str(x["node_id"]) for x in lost})
+            self.log(f"lost {len(lost)} replica(s) (node(s) {', '.join(nodes)} left the cluster): continuing with "
+                     f"{len(self.cluster.replicas)} replica(s)")
+            self._adopt_cluster()
+        return bool(lost)
+
     def close(self) -> None:
-        import ray
-
-        if self.manager is not None:
-            self.manager.shutdown()
-            self.manager = None
-        for h in self.reward_handles:
-            with contextlib.suppress(Exception):
-                ray.kill(h, no_restart=True)
-        self.reward_handles = []
-        from omniroll.rollout.replica import kill_replicas
-
-        kill_replicas(self.replicas)
-        self.replicas = []
+        if self.cluster is not None:
+            self.cluster.close()  # the manager, reward workers, replicas, placement groups, Ray: in reverse
+            self.cluster = None
+        self.manager, self.reward_handles, self.replicas = None, [], []
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -248,11 +250,35 @@ class FlowGRPOTrainer:
         return asyncio.run(self.manager.generate_sequences_async(batch))
 
     def _sync(self, version: int) -> None:
-        acks = self.sender.send(self.policy.weights_to_send(), version=version)
+        """Push `version` to every replica. Replicas whose node left the cluster are dropped first (one line); a sync
+        that fails because a receiver disappeared meanwhile is completed on the survivors."""
+        from omniroll.weights import WeightSyncError
+
+        self._continue_without_lost_replicas()
+        try:
+            acks = self.sender.send(self.policy.weights_to_send(), version=version)
+        except WeightSyncError:
+            if not self._continue_without_lost_replicas():
+                raise
+            acks = self._sync_survivors(version)
         bad = [a for a in acks if int(a.get("version", -1)) != version]
         if len(acks) != len(self.replicas) or bad:
             raise WeightVersionError(f"weight sync to version {version}: acks {acks}")
         self.version = version
+
+    def _sync_survivors(self, version: int) -> list[dict]:
+        """After a sync that lost a receiver: send `version` to the survivors that do not have it yet."""
+        import ray
+
+        from omniroll.weights import WeightSender
+
+        have = [int(h["weight_version"]) for h in ray.get([r.health.remote() for r in self.replicas])]
+        behind = [r for r, v in zip(self.replicas, have) if v < version]
+        acks = [{"version": v} for v in have if v >= version]
+        if behind:
+            acks += WeightSender(behind, transport=self.tc.weight_transport,
+                                 timeout_s=self.tc.sync_timeout_s).send(self.policy.weights_to_send(), version=version)
+        return acks
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
