@@ -39,7 +39,9 @@ def nodes():
     ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 4},
                                                             "include_dashboard": False})
-    workers = [cluster.add_node(num_cpus=1, resources={"worker": 4, f"w{i}": 4}) for i in range(2)]
+    # "rw" / "aw": one reward / agent-loop worker each (the fault test adds a node holding one of each)
+    workers = [cluster.add_node(num_cpus=1, resources={"worker": 4, "w0": 4, "rw": 1}),
+               cluster.add_node(num_cpus=1, resources={"worker": 4, "w1": 4, "aw": 1})]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     ids = {"head": cluster.head_node.node_id, "w0": workers[0].node_id, "w1": workers[1].node_id}
@@ -57,8 +59,9 @@ def rollout_config(model, **replicas):
         "replicas": {"count": 2, "num_cpus": 1, **replicas},
         "engine": {"model": model, "max_batch_size": 16, "num_threads": 1},
         "pipeline": SP, "algo": {"noise_level": 1.0, "sde_window_size": 2, "sde_window_range": [0, 3]},
-        "agent": {"num_workers": 2, "placement": "spread"},
-        "reward": {"num_workers": 2, "placement": "spread", "functions": {"colour": {"fn": "prompt_colour"}}},
+        "agent": {"num_workers": 2, "placement": "spread", "resources": {"aw": 1}},
+        "reward": {"num_workers": 2, "placement": "spread", "resources": {"rw": 1},
+                   "functions": {"colour": {"fn": "prompt_colour"}}},
         "n": 2, "prompt_length": 77, "seed": 0, "timeout_s": 120, "max_retries": 3,
     })
 
@@ -68,6 +71,10 @@ def batch(prompts, n=2, step=1):
     return DataBatch.from_dict(non_tensors={"raw_prompt": [prompts[i] for i in rows],
                                             "uid": [f"p{i}" for i in rows]},
                                meta_info={"global_steps": step, "rollout_seed": 0})
+
+
+def where(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
 
 
 def test_spread_puts_replicas_on_distinct_nodes_and_they_say_where(nodes, tiny_sd3_path):
@@ -142,14 +149,20 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_then_syncs_g
     from omniroll.weights import WeightSender, WeightSyncError
 
     cluster, workers, ids = nodes
-    prompts = ["a blue car", "a green bird", "a red cube"]
-    victim = cluster.add_node(num_cpus=1, resources={"worker": 4, "victim": 4})
+    prompts = ["a blue car", "a green bird", "a red cube", "a blue bird", "a green car", "a red bird"]  # 3 groups a
+    # worker: each worker's client spreads its groups over the 3 idle replicas
+    victim = cluster.add_node(num_cpus=1, resources={"worker": 4, "victim": 4, "rw": 1, "aw": 1})
     cluster.wait_for_nodes()
     cfg = rollout_config(tiny_sd3_path, placement="spread", resources={"worker": 1}, count=3)
     with RolloutCluster(cfg, log=None) as c:
         ref = asyncio.run(c.manager.generate_sequences_async(batch(prompts)))
         on_victim = [i for i, n in enumerate(c.replica_nodes) if n == victim.node_id]
         assert len(on_victim) == 1 and len(set(c.replica_nodes)) == 3
+        # one reward worker and one agent-loop worker live on the victim too
+        assert sorted(map(where, c.reward_workers)) == sorted([ids["w0"], victim.node_id])
+        assert sorted(map(where, c.manager.workers)) == sorted([ids["w1"], victim.node_id])
+        sender = WeightSender(c.replicas, bucket_bytes=64 << 10)
+        assert sender.nodes == c.replica_nodes
 
         async def with_fault():
             task = asyncio.ensure_future(c.manager.generate_sequences_async(batch(prompts)))
@@ -165,23 +178,16 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_then_syncs_g
             assert torch.equal(got.batch[k], ref.batch[k]), k
         assert list(got.non_tensor_batch["request_id"]) == list(ref.non_tensor_batch["request_id"])
         assert set(ref.non_tensor_batch["replica_node_id"]) <= {ids["w0"], ids["w1"], victim.node_id}
+
+        # a sync to a receiver whose node is gone fails as a whole, naming it; the next sync to the survivors works
+        weights = load_adapter(tiny_sd3_path).denoiser.state_dict()
+        with pytest.raises(WeightSyncError, match=f"failed as a whole.*replica {on_victim[0]} on node "
+                                                  f"{victim.node_id}: gone"):
+            sender.send(weights, version=1)
         lost = c.prune()
         assert lost == [{"replica": on_victim[0], "node_id": victim.node_id}] and len(c.replicas) == 2
-        again = asyncio.run(c.manager.generate_sequences_async(batch(prompts)))
-        assert torch.equal(again.batch["responses"], ref.batch["responses"])
-
-        # a sync during which a receiver's node disappears fails as a whole, naming it; then the survivors sync
-        extra = cluster.add_node(num_cpus=1, resources={"late": 4})
-        cluster.wait_for_nodes()
-        from omniroll.rollout.replica import create_replicas
-
-        doomed = create_replicas(1, tiny_sd3_path, {"max_batch_size": 4, "num_threads": 1}, num_cpus=0,
-                                 resources={"late": 1})
-        weights = load_adapter(tiny_sd3_path).denoiser.state_dict()
-        sender = WeightSender(c.replicas + doomed, bucket_bytes=64 << 10)
-        assert sender.nodes[-1] == extra.node_id
-        cluster.remove_node(extra)
-        with pytest.raises(WeightSyncError, match=f"failed as a whole.*replica 2 on node {extra.node_id}.*gone"):
-            sender.send(weights, version=1)
         acks = WeightSender(c.replicas).send(weights, version=2)
-        assert [a["version"] for a in acks] == [2, 2]
+        assert [(a["version"], a["transport"]) for a in acks] == [(2, "object_store")] * 2
+        again = asyncio.run(c.manager.generate_sequences_async(batch(prompts)))  # on the survivors, new weights
+        assert set(again.non_tensor_batch["weight_version"]) == {2}
+        assert set(again.non_tensor_batch["replica_node_id"]) == {ids["w0"], ids["w1"]}

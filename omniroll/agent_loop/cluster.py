@@ -11,8 +11,8 @@ functions or with `with_rewards=False`); (4) the `AgentLoopManager` and its work
 `agent.resources`). `close()` undoes them in reverse, each step attempted whatever the previous one did (a start that
 fails midway closes what it started and re-raises); Ray is shut down only if this cluster started it.
 
-Faults: `prune()` drops the replicas and reward workers whose actors are gone (a node that left the cluster) and
-rebuilds the agent-loop manager over the survivors; the trainer calls it between steps. Used by `omniroll rollout`,
+Faults: `prune()` drops the replicas, reward workers and agent-loop workers whose actors are gone (a node that left
+the cluster); the trainer calls it before each weight sync. Used by `omniroll rollout`,
 `omniroll train` (`FlowGRPOTrainer.start` / `close`), `omniroll serve --config` and the benchmarks.
 """
 
@@ -150,26 +150,20 @@ class RolloutCluster:
         return out
 
     def prune(self) -> list[dict]:
-        """Drop the replicas (and reward workers) whose actors are gone; returns the lost replicas as
-        [{"replica": index before pruning, "node_id": ...}]. With losses the agent-loop manager is rebuilt over the
-        survivors (a worker's routing client keeps the replica list it was built with)."""
+        """Drop the replicas, reward workers and agent-loop workers whose actors are gone (their node left the
+        cluster); returns the lost replicas as [{"replica": index before pruning, "node_id": ...}]. The agent-loop
+        workers' routing clients and reward pools already stop using a dead actor at its first failed call (the call
+        is re-run elsewhere, same seed); pruning keeps the trainer's weight sync to the survivors."""
         alive = _alive(self.replicas)
         lost = [{"replica": i, "node_id": self.replica_nodes[i]} for i, ok in enumerate(alive) if not ok]
-        if not lost:
-            return []
-        if not any(alive):
-            raise RuntimeError(f"every rollout replica is gone (nodes {sorted({x['node_id'] for x in lost})})")
+        if lost and not any(alive):
+            raise RuntimeError(f"every rollout replica is gone (nodes {sorted({str(x['node_id']) for x in lost})})")
         self.replicas = [h for h, ok in zip(self.replicas, alive) if ok]
         self.replica_nodes = [n for n, ok in zip(self.replica_nodes, alive) if ok]
-        if self.reward_workers:
-            live = [h for h, ok in zip(self.reward_workers, _alive(self.reward_workers)) if ok]
-            if not live:
-                raise RuntimeError("every reward worker is gone")
-            self.reward_workers = live
-        if self.manager is not None:
-            self.manager.shutdown()
-            self.manager = None
-            self._start_manager()
+        if lost and self.reward_workers:
+            self.reward_workers = [h for h, ok in zip(self.reward_workers, _alive(self.reward_workers)) if ok]
+        if lost and self.manager is not None:
+            self.manager.drop_workers([w for w, ok in zip(self.manager.workers, _alive(self.manager.workers)) if not ok])
         return lost
 
 

@@ -124,14 +124,17 @@ class AgentLoopManager:
             try:
                 return await _await(worker.generate_sequences.remote(chunk))
             except RayActorError:
-                if worker in self.workers:
-                    self.workers.remove(worker)
+                self.drop_workers([worker])
                 if not self.workers:
                     raise
                 rerun += 1
                 worker = self.workers[rerun % len(self.workers)]
                 chunk = DataBatch(chunk.batch, chunk.non_tensor_batch, {**chunk.meta_info, "_rerun": rerun},
                                   len(chunk))
+
+    def drop_workers(self, gone: list) -> None:
+        """Send no more chunks to these workers (their actors are gone)."""
+        self.workers = [w for w in self.workers if w not in gone]
 
     def shutdown(self) -> None:
         import ray
