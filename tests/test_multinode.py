@@ -142,10 +142,9 @@ def test_omniroll_train_joins_the_cluster_and_trains_on_two_worker_nodes(nodes, 
     assert ids["w0"][:8] in replicas_line and ids["w1"][:8] in replicas_line and ids["head"][:8] not in replicas_line
 
 
-def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_then_syncs_go_to_the_survivors(nodes,
-                                                                                                   tiny_sd3_path):
-    from omniroll.agent_loop.cluster import RolloutCluster
-    from omniroll.models import load_adapter
+def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_goes_on_with_the_survivors(
+        nodes, tiny_sd3_path, tmp_path):
+    from omniroll.train import FlowGRPOTrainer
     from omniroll.weights import WeightSender, WeightSyncError
 
     cluster, workers, ids = nodes
@@ -153,19 +152,22 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_then_syncs_g
     # worker: each worker's client spreads its groups over the 3 idle replicas
     victim = cluster.add_node(num_cpus=1, resources={"worker": 4, "victim": 4, "rw": 1, "aw": 1})
     cluster.wait_for_nodes()
-    cfg = rollout_config(tiny_sd3_path, placement="spread", resources={"worker": 1}, count=3)
-    with RolloutCluster(cfg, log=None) as c:
-        ref = asyncio.run(c.manager.generate_sequences_async(batch(prompts)))
+    cfg = rollout_config(tiny_sd3_path, placement="spread", resources={"worker": 1}, count=3).model_dump()
+    cfg["trainer"] = {"prompts": prompts, "prompts_per_step": 6, "steps": 1, "micro_batch_size": 12, "num_threads": 1}
+    lines = []
+    with FlowGRPOTrainer(load_config(cfg), str(tmp_path / "out"), log=lines.append) as tr:
+        c = tr.cluster
+        ref = asyncio.run(tr.manager.generate_sequences_async(batch(prompts)))
         on_victim = [i for i, n in enumerate(c.replica_nodes) if n == victim.node_id]
         assert len(on_victim) == 1 and len(set(c.replica_nodes)) == 3
         # one reward worker and one agent-loop worker live on the victim too
         assert sorted(map(where, c.reward_workers)) == sorted([ids["w0"], victim.node_id])
         assert sorted(map(where, c.manager.workers)) == sorted([ids["w1"], victim.node_id])
-        sender = WeightSender(c.replicas, bucket_bytes=64 << 10)
+        sender = WeightSender(tr.replicas, bucket_bytes=64 << 10)
         assert sender.nodes == c.replica_nodes
 
         async def with_fault():
-            task = asyncio.ensure_future(c.manager.generate_sequences_async(batch(prompts)))
+            task = asyncio.ensure_future(tr.manager.generate_sequences_async(batch(prompts)))
             deadline = time.monotonic() + 120
             while ray.get(c.replicas[on_victim[0]].stats.remote())["running"] == 0:  # a request runs there
                 assert time.monotonic() < deadline and not task.done(), "nothing ran on the victim's replica"
@@ -179,15 +181,18 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_then_syncs_g
         assert list(got.non_tensor_batch["request_id"]) == list(ref.non_tensor_batch["request_id"])
         assert set(ref.non_tensor_batch["replica_node_id"]) <= {ids["w0"], ids["w1"], victim.node_id}
 
-        # a sync to a receiver whose node is gone fails as a whole, naming it; the next sync to the survivors works
-        weights = load_adapter(tiny_sd3_path).denoiser.state_dict()
+        # the trainer's next step: it says in one line that it goes on without the lost replica; its sync works
+        m = tr.step(1)
+        assert [x for x in lines if "lost" in x] == [f"lost 1 replica(s) (node(s) {victim.node_id} left the "
+                                                    f"cluster): continuing with 2 replica(s)"]
+        assert m["synced_version"] == 1 and len(tr.replicas) == 2
+        # a sync to a receiver whose node is gone fails as a whole, naming replica and node; the next one to the
+        # survivors works
         with pytest.raises(WeightSyncError, match=f"failed as a whole.*replica {on_victim[0]} on node "
                                                   f"{victim.node_id}: gone"):
-            sender.send(weights, version=1)
-        lost = c.prune()
-        assert lost == [{"replica": on_victim[0], "node_id": victim.node_id}] and len(c.replicas) == 2
-        acks = WeightSender(c.replicas).send(weights, version=2)
-        assert [(a["version"], a["transport"]) for a in acks] == [(2, "object_store")] * 2
-        again = asyncio.run(c.manager.generate_sequences_async(batch(prompts)))  # on the survivors, new weights
-        assert set(again.non_tensor_batch["weight_version"]) == {2}
+            sender.send(tr.policy.weights_to_send(), version=2)
+        acks = WeightSender(tr.replicas).send(tr.policy.weights_to_send(), version=3)
+        assert [(a["version"], a["transport"]) for a in acks] == [(3, "object_store")] * 2
+        again = asyncio.run(tr.manager.generate_sequences_async(batch(prompts, step=2)))
+        assert set(again.non_tensor_batch["weight_version"]) == {3}
         assert set(again.non_tensor_batch["replica_node_id"]) == {ids["w0"], ids["w1"]}
