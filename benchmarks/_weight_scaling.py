@@ -98,8 +98,8 @@ def run(replica_counts: list[int], full_gb: float, repeats: int, bucket_mb: floa
             payload = sum(t.numel() * t.element_size() for t in weights.values())
             for where in ("one_node", "nodes"):
                 for r in replica_counts:
-                    targets = [sink.options(num_cpus=0, resources={"head" if where == "one_node" else f"n{k}": 1}).remote()
-                               for k in range(r)]
+                    targets = [sink.options(num_cpus=0, resources={"head" if where == "one_node" else f"n{k}": 1})
+                               .remote() for k in range(r)]
                     sender = WeightSender(targets, bucket_bytes=int(bucket_mb * 2**20), reuse_shm=True)
                     version = 0
                     times = []

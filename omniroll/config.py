@@ -38,7 +38,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-Placement = Literal["pack", "spread"]  # Ray placement-group strategy, one bundle per actor (omniroll.rollout.ray_cluster)
+#: a Ray placement-group strategy, one bundle per actor (omniroll.rollout.ray_cluster)
+Placement = Literal["pack", "spread"]
 
 
 def _custom_only(resources: dict) -> dict:
@@ -241,7 +242,7 @@ class TrainerConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
     val_every: int = Field(0, ge=0, description="steps between validation grids (0: before and after only)")
     seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
-    weight_transport: Literal["auto", "ray", "shm"] = Field(
+    weight_transport: Literal["auto", "object_store", "ray", "shm"] = Field(
         "auto", description="auto: /dev/shm for replicas on the trainer's node, the Ray object store for the others")
     sync_timeout_s: float = Field(600.0, gt=0)
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "

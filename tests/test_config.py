@@ -34,6 +34,10 @@ def test_val_kwargs_overlay():
     (["reward.functions.jpeg.fn=jpeg_compressibility", "reward.functions.jpeg.wieght=2"], "reward.functions.jpeg.wieght"),
     (["algo.sde_window_size=50"], "algo"),
     (["val_kwargs.algo.noise_level=-1"], "val_kwargs.algo.noise_level"),
+    (["replicas.placement=scatter"], "replicas.placement"),
+    (["replicas.resources={CPU: 1}"], "replicas.resources"),
+    (["agent.resources={head: 0}"], "agent.resources.head"),
+    (["reward.placement=x"], "reward.placement"),
 ])
 def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

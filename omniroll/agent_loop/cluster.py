@@ -163,7 +163,8 @@ class RolloutCluster:
         if lost and self.reward_workers:
             self.reward_workers = [h for h, ok in zip(self.reward_workers, _alive(self.reward_workers)) if ok]
         if lost and self.manager is not None:
-            self.manager.drop_workers([w for w, ok in zip(self.manager.workers, _alive(self.manager.workers)) if not ok])
+            workers = self.manager.workers
+            self.manager.drop_workers([w for w, ok in zip(workers, _alive(workers)) if not ok])
         return lost
 
 

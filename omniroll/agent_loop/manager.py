@@ -7,8 +7,8 @@ ONE `AgentLoopError` with global row numbers, carrying every chunk's succeeded r
 (`error.batch`, `error.succeeded_rows`). A worker whose actor dies (its node left the cluster) leaves the manager and
 its chunk is re-run whole on a live worker: same rows, same `_group_index`, so the same seeds and the same samples
 (its engine request ids get a `~rerunK` suffix, so they never collide with the lost worker's requests still running
-on the replicas; the output keeps the rows' own request ids). In raise mode, rows that cannot share the output batch are refused for the
-whole batch before any chunk is sent (see `rows.py`).
+on the replicas; the output keeps the rows' own request ids). In raise mode, rows that cannot share the output batch
+are refused for the whole batch before any chunk is sent (see `rows.py`).
 """
 
 from __future__ import annotations
