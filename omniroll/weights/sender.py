@@ -109,7 +109,7 @@ class WeightSender:
     def nodes(self) -> list[str | None]:
         """Each target's Ray node id (None: in-process, or a Ray target without ``node_id()``)."""
         if self._nodes is None:
-            self._nodes = [_node_of(t, self.timeout_s) for t in self.targets]
+            self._nodes = _nodes_of(self.targets, self.timeout_s)
         return self._nodes
 
     def routes(self) -> list[str]:
@@ -280,16 +280,21 @@ def _this_node() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
-def _node_of(target: Any, timeout_s: float) -> str | None:
-    """A Ray target's node id from its ``node_id()`` method (None: in-process, no such method, or unreachable)."""
-    if not _is_ray_target(target) or not hasattr(getattr(target, "node_id", None), "remote"):
-        return None
-    import ray
+def _nodes_of(targets: list, timeout_s: float) -> list[str | None]:
+    """Each Ray target's node id from its ``node_id()`` method, asked of all at once (None: in-process, no such
+    method, or unreachable: the object store reaches it anyway)."""
+    refs = {k: t.node_id.remote() for k, t in enumerate(targets)
+            if _is_ray_target(t) and hasattr(getattr(t, "node_id", None), "remote")}
+    out: list[str | None] = [None] * len(targets)
+    if refs:
+        import ray
 
-    try:
-        return ray.get(target.node_id.remote(), timeout=min(timeout_s, 60.0))
-    except Exception:  # noqa: BLE001 - unknown node: the object store reaches it anyway
-        return None
+        for k, ref in refs.items():
+            try:
+                out[k] = ray.get(ref, timeout=min(timeout_s, 60.0))
+            except Exception:  # noqa: BLE001 - unknown node
+                out[k] = None
+    return out
 
 
 def _gone(e: BaseException) -> bool:
