@@ -97,13 +97,21 @@ class WeightSender:
     def __del__(self) -> None:
         self.close()
 
-    def send(self, weights: Any, version: int, peft_config: dict | None = None) -> list[dict]:
+    def send(self, weights: Any, version: int, peft_config: dict | None = None, *, partial: bool = False) -> list[dict]:
+        """Push ``weights`` as ``version`` to every target; returns their acks. ``partial=True``: each target lands
+        the update between two denoising steps and its samples in flight continue with the new weights (default
+        False: in-flight samples finish first, no sample spans two versions; see
+        ``DiffusionEngine.update_weights_from_ipc``)."""
+        if not isinstance(partial, bool):
+            raise ValueError(f"partial must be a bool, got {partial!r}")
         named, peft_config = named_tensors_for(weights, peft_config)
         dups = sorted(n for n, c in Counter(n for n, _ in named).items() if c > 1)
         if dups:
             raise WeightSyncError(f"duplicate tensor names: {', '.join(dups[:20])}")
         manifest = WeightManifest.from_named_tensors(named)
         kw = dict(peft_config=peft_config, base_sync_done=self.base_sync_done, manifest=manifest, version=version)
+        if partial:  # only when asked: targets without the policy (e.g. verl's server) keep working
+            kw["partial"] = True
         if self.transport == "shm":
             acks = self._send_shm(named, kw)
         elif self.transport == "ray":
