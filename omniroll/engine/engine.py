@@ -35,6 +35,7 @@ from omniroll.engine.errors import EngineError, EngineShutdownError, RequestErro
 from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.packaging import build_output
+from omniroll.engine.pause import StepPause
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.prompt_cache import PromptCache
 from omniroll.engine.request import RequestState
@@ -88,6 +89,7 @@ class DiffusionEngine(ControlCalls):
         self._thread: Optional[threading.Thread] = None
         self._closed: Optional[str] = None  # why every call is refused: "shut down" or "shut down (its loop died: ..)"
         self.admission_paused = False
+        self._pause = StepPause()  # pause_generation / resume_generation (engine/pause.py)
         self._lifecycle_lock = threading.Lock()  # one lifecycle call (update, LoRA, sleep, wake) at a time
         self._lifecycle_op: Optional[str] = None
 
@@ -154,6 +156,7 @@ class DiffusionEngine(ControlCalls):
             "weights_unusable": self.lifecycle.unusable,
             "lora": self.lifecycle.active_lora,
             "shut_down": self._closed is not None,
+            **self._pause.state(),
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
             "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
@@ -280,7 +283,7 @@ class DiffusionEngine(ControlCalls):
         while True:
             with self._lock:
                 while self._closed is None and not self._controls and not self._inbox and not self._runnable():
-                    self._wakeup.wait()
+                    self._wakeup.wait(self._pause.seconds_left())
                 if self._closed is not None:
                     return
                 controls = list(self._controls)
@@ -301,6 +304,8 @@ class DiffusionEngine(ControlCalls):
     def _runnable(self) -> bool:
         if not self.lifecycle.can_step:
             return False  # requests wait (asleep_policy="wait") until wake_up and, after level 2, a weight sync
+        if self._pause.paused:
+            return False  # samples in flight keep their state until resume_generation
         if self.admission_paused:
             return bool(self.scheduler.running)
         return self.scheduler.has_work()
@@ -332,7 +337,7 @@ class DiffusionEngine(ControlCalls):
         if not self.admission_paused:
             admitted = self.scheduler.admit()
             for s in admitted:
-                s.weight_version = self.weight_version  # admission fixes the weights a sample is made with
+                s.admitted_version = self.weight_version
             if admitted:
                 try:
                     self._encode(admitted)
@@ -341,12 +346,15 @@ class DiffusionEngine(ControlCalls):
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        for s in batch:
+            s.running_version = self.weight_version  # recorded per step: an update may land between two steps
         try:
             self.runner.step(batch)
         except Exception as e:  # noqa: BLE001 - fails the rows of this forward only
             self._fail(batch, e)
             return []
         self.steps_run += 1
+        self._pause.count_step()
         self.rows_run += sum(s.num_rows for s in batch)
         finished = [s for s in batch if s.done]
         if finished:
