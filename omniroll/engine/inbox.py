@@ -1,0 +1,110 @@
+"""What caller threads hand to the engine thread: new requests and control calls, and the ids of requests in flight.
+
+Callers `add` requests (ids must be unique among queued and running requests, since `abort(id)` names one) and
+`add_control` calls; the loop thread `take`s everything at once between two steps, waiting while there is nothing to
+do. After `close(reason)` every add raises EngineShutdownError and `drain` hands back what was left, to be failed.
+The inbox owns its lock; nothing else reads its queues.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import deque
+from typing import Any, Callable, Optional
+
+from omniroll.engine.errors import EngineShutdownError, RequestError
+from omniroll.engine.request import RequestState
+
+Control = tuple[Callable[[], Any], concurrent.futures.Future]
+
+
+class Inbox:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._requests: deque[RequestState] = deque()
+        self._controls: deque[Control] = deque()
+        self._live_ids: set[str] = set()  # ids queued here or running in the engine, until `release`
+        self.closed: Optional[str] = None  # why every add is refused: "shut down" or "shut down (its loop died: ..)"
+
+    def __len__(self) -> int:
+        """Requests not yet taken by the loop."""
+        with self._lock:
+            return len(self._requests)
+
+    def check_open(self, op: str) -> None:
+        if self.closed is not None:
+            raise EngineShutdownError(f"{op}: the engine is {self.closed}; create a new engine")
+
+    def add(self, states: list[RequestState]) -> None:
+        """Queue these requests, all or none (RequestError for an id already in flight or repeated)."""
+        with self._lock:
+            self.check_open("generate")
+            seen: set[str] = set()
+            for rid in (s.request_id for s in states):
+                if rid in self._live_ids or rid in seen:
+                    raise RequestError(rid, "request_id is already in flight in this engine; request ids must be "
+                                            "unique among queued and running requests")
+                seen.add(rid)
+            self._live_ids |= seen
+            self._requests.extend(states)
+            self._wakeup.notify()
+
+    def add_control(self, control: Control, op: str) -> None:
+        with self._lock:
+            self.check_open(op)
+            self._controls.append(control)
+            self._wakeup.notify()
+
+    def release(self, request_id: str) -> None:
+        """The request is done: its id may be used again."""
+        with self._lock:
+            self._live_ids.discard(request_id)
+
+    def remove(self, request_id: str) -> Optional[RequestState]:
+        """Take one queued request out (None when it is not queued here)."""
+        with self._lock:
+            for s in self._requests:
+                if s.request_id == request_id:
+                    self._requests.remove(s)
+                    return s
+        return None
+
+    def take(self, busy: Callable[[], bool]) -> Optional[tuple[list[RequestState], list[Control]]]:
+        """Everything queued, waiting first while nothing is queued and not `busy()`; None once closed."""
+        with self._lock:
+            while self.closed is None and not self._controls and not self._requests and not busy():
+                self._wakeup.wait()
+            if self.closed is not None:
+                return None
+            return self._take_locked()
+
+    def take_requests(self) -> list[RequestState]:
+        """Every queued request, at once (for the callers that fail or abort them)."""
+        with self._lock:
+            states = list(self._requests)
+            self._requests.clear()
+        return states
+
+    def close(self, reason: str) -> None:
+        """Refuse every later add (the first reason stays) and wake the loop."""
+        with self._lock:
+            self.closed = self.closed or reason
+            self._wakeup.notify()
+
+    def wake(self) -> None:
+        """Wake the loop to look at its state again (e.g. admission reopened)."""
+        with self._lock:
+            self._wakeup.notify()
+
+    def drain(self) -> tuple[list[RequestState], list[Control]]:
+        """Everything still queued (the loop has stopped); the inbox is left empty."""
+        with self._lock:
+            return self._take_locked()
+
+    def _take_locked(self) -> tuple[list[RequestState], list[Control]]:
+        states, controls = list(self._requests), list(self._controls)
+        self._requests.clear()
+        self._controls.clear()
+        return states, controls
