@@ -128,16 +128,15 @@ def batch_from_outputs(outputs: list, prompts: list[str], n: int, rows: Optional
                        meta_info: Optional[dict] = None):
     """Engine outputs (DiffusionOutput) of `n` samples per prompt -> the agent loop's DataBatch, so a command that
     runs an engine directly writes the same layout as the agent loop. `rows`: which of the len(prompts) * n rows the
-    outputs are (default: all, in order; fewer when some did not finish). uid = `batch_prompt_uid(prompt index)`."""
-    from omniroll.agent_loop.batch import DataBatch
+    outputs are (default: all, in order; fewer when some did not finish). The rows are `agent_loop.batch.prompt_batch`'s
+    (uid = `batch_prompt_uid(prompt index)`, data_source "cli"), as `omniroll generate` and `rollout` build them."""
+    from omniroll.agent_loop.batch import prompt_batch
     from omniroll.agent_loop.postprocess import RowResult, assemble
     from omniroll.agent_loop.single_turn import agent_loop_output
     from omniroll.sampling.seeds import batch_prompt_uid
 
     rows = list(range(len(prompts) * n)) if rows is None else list(rows)
-    inputs = DataBatch.from_dict(non_tensors={
-        "raw_prompt": [prompts[r // n] for r in rows], "uid": [batch_prompt_uid(r // n) for r in rows],
-        "_group_index": [r % n for r in rows]}, meta_info=dict(meta_info or {}))
+    inputs = prompt_batch(prompts, n, batch_prompt_uid, data_source="cli", meta_info=meta_info)[rows]
     if prompt_length is None:
         prompt_length = max([len(o.extra_fields.get("prompt_ids") or []) for o in outputs] + [1])
     results = [RowResult(index=k, request_id=str(o.extra_fields.get("request_id")), seed=int(o.extra_fields["seed"]),

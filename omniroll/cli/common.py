@@ -202,29 +202,17 @@ def quiet_libraries() -> None:
         lib.set_verbosity_error()
 
 
-def prompt_uid(i: int) -> str:
-    """The uid (prompt group) of the i-th prompt of a CLI batch (`omniroll.sampling.seeds.batch_prompt_uid`)."""
-    from omniroll.sampling.seeds import batch_prompt_uid
-
-    return batch_prompt_uid(i)
-
-
 def make_batch(prompts: list[str], n: int, rollout_seed: Optional[int] = None, validate: bool = False):
-    """The CLI's input batch: `n` rows per prompt (p0, p0, ..., p1, ...), uid = `prompt_uid(position)`."""
-    from omniroll.agent_loop.batch import DataBatch
+    """The CLI's input batch: `n` rows per prompt (p0, p0, ..., p1, ...), uid = `batch_prompt_uid(position)`."""
+    from omniroll.agent_loop.batch import prompt_batch
+    from omniroll.sampling.seeds import batch_prompt_uid
 
     if not prompts:
         raise ValueError("prompts must not be empty")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    rows = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
     meta = {"global_steps": CLI_GLOBAL_STEP, "validate": validate}
     if rollout_seed is not None:
         meta["rollout_seed"] = rollout_seed
-    return DataBatch.from_dict(non_tensors={
-        "raw_prompt": [p for _, p in rows], "uid": [prompt_uid(i) for i, _ in rows],
-        "_group_index": [j for _ in prompts for j in range(n)],
-        "data_source": ["cli"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
+    return prompt_batch(prompts, n, batch_prompt_uid, data_source="cli", meta_info=meta)
 
 
 def sample_seed(base: Optional[int], uid: str, index: int) -> int:

@@ -108,7 +108,7 @@ def run_generate(args, base: dict | None = None) -> dict:
         seconds = time.perf_counter() - t0
         stats = engine.stats()
         engine.shutdown()
-    metrics = write_outputs(args.out, cfg, model, prompts, batch, requests, results, errors, seconds, stats,
+    metrics = write_generate_outputs(args.out, cfg, model, prompts, batch, requests, results, errors, seconds, stats,
                             batch_invariant=engine.config.batch_invariant, interrupted=interrupted)
     for r, err in sorted(errors.items()):
         print(f"omniroll generate: row {r} ({requests[r].request_id}) failed: {err}", file=sys.stderr)
@@ -151,15 +151,13 @@ async def _generate_all(engine, requests, results: dict, errors: dict, progress:
             bar.close()
 
 
-def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors, seconds, stats, *,
-                  batch_invariant: bool, interrupted: bool) -> dict:
+def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors, seconds, stats, *,
+                           batch_invariant: bool, interrupted: bool) -> dict:
     """Write the finished samples (grids, trajectories, metrics); returns the metrics."""
     import torch
 
-    from omniroll.agent_loop.postprocess import RowResult, assemble
     from omniroll.cli.media import video_encoder
-    from omniroll.agent_loop.single_turn import agent_loop_output
-    from omniroll.trajectory import FILE_NAME, jsonable, run_info, write_json, write_trajectories
+    from omniroll.trajectory import FILE_NAME, batch_from_outputs, jsonable, run_info, write_json, write_trajectories
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,11 +167,9 @@ def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors
                    num_threads=cfg.engine.num_threads)
     log_probs = None
     if done:
-        rows = [RowResult(index=k, request_id=requests[r].request_id, seed=requests[r].seed,
-                          out=agent_loop_output(results[r], results[r].extra_fields.get("generate_seconds", 0.0)))
-                for k, r in enumerate(done)]
-        traj = assemble(rows, batch[done], prompt_length=cfg.prompt_length,
-                        max_prompt_embed_length=cfg.max_prompt_embed_length, mark_failed=False, scored=False)
+        traj = batch_from_outputs([results[r] for r in done], prompts, cfg.n, rows=done,
+                                  prompt_length=cfg.prompt_length, max_prompt_embed_length=cfg.max_prompt_embed_length,
+                                  meta_info=batch.meta_info)
         images = traj.batch["responses"]
         if images.dtype == torch.uint8 and images.ndim == 5:  # video: a file and a frame strip per sample
             from omniroll.cli.media import save_sample

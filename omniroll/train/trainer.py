@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from omniroll.agent_loop.batch import DataBatch
+from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
+from omniroll.sampling.seeds import batch_prompt_uid
 from omniroll.train import artifacts
 from omniroll.train.grpo import group_advantages
 from omniroll.train.policy import Policy
@@ -237,14 +238,12 @@ class FlowGRPOTrainer:
         n, P = self.config.n, self.tc.prompts_per_step
         g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
-        rows = [i for i in picks for _ in range(n)]
         meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
         window = artifacts.window_for_step(self.config, step)
         if window is not None:
             meta["sampling_params"] = {"sde_window_range": window}
-        batch = DataBatch.from_dict(non_tensors={
-            "raw_prompt": [self.prompts[i] for i in rows], "uid": [f"prompt{i:05d}" for i in rows],
-            "data_source": ["train"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
+        # uid: the prompt's index in the training prompt list (the same function as the CLI's position uid)
+        batch = prompt_batch(self.prompts, n, batch_prompt_uid, indices=picks, data_source="train", meta_info=meta)
         return asyncio.run(self.manager.generate_sequences_async(batch))
 
     def _sync(self, version: int) -> None:
@@ -257,10 +256,8 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
         k = self.config.val_kwargs.n
-        rows = [i for i in range(len(self.val_prompts)) for _ in range(k)]
-        batch = DataBatch.from_dict(non_tensors={
-            "raw_prompt": [self.val_prompts[i] for i in rows], "uid": [f"val{i:04d}" for i in rows],
-            "data_source": ["val"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info={"validate": True})
+        batch = prompt_batch(self.val_prompts, k, lambda i: f"val{i:04d}", data_source="val",
+                             meta_info={"validate": True})
         out = asyncio.run(self.manager.generate_sequences_async(batch))
         path = os.path.join(self.out_dir, f"val_{tag}.png")
         artifacts.save_grid(out.batch["responses"], len(self.val_prompts), k, path)
