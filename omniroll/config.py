@@ -146,7 +146,7 @@ class LoRASection(_Strict):
                                                 "None: the family's default (its attention projections)")
 
 
-class TrainerConfig(_Strict):
+class TrainerSection(_Strict):
     """The reference Flow-GRPO trainer (`omniroll train`). Group size is the top-level `n`; sampling comes from
     `pipeline` / `algo`; rewards from `reward`; validation images from `val_kwargs` (ODE)."""
 
@@ -216,7 +216,7 @@ class OmniRollConfig(_Strict):
     max_prompt_embed_length: Optional[int] = Field(None, ge=1)
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(2, ge=0, le=100)
-    trainer: Optional[TrainerConfig] = None
+    trainer: Optional[TrainerSection] = None
 
     @model_validator(mode="after")
     def _check_training(self):

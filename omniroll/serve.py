@@ -1,7 +1,7 @@
 """`omniroll serve`: one engine behind the HTTP server (uvicorn), bound to 127.0.0.1 unless told otherwise.
 
 The composition of the layers below: the engine (`omniroll.engine`), the HTTP app (`omniroll.rollout.server`) and
-the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory`, the agent loop's batch on disk).
+the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory_file`, the agent loop's batch on disk).
 
 `serve(...)` runs until interrupted; `background_server(...)` runs the same server in a background thread and yields
 its base URL (for notebooks, scripts and tests), shutting the server and the engine down on exit.
@@ -45,7 +45,7 @@ def build_app(config: ServeConfig):
     from omniroll.engine.engine import DiffusionEngine
     from omniroll.models import resolve_model
     from omniroll.rollout.server import create_app
-    from omniroll.trajectory import trajectory_file
+    from omniroll.trajectory_file import trajectory_file
 
     engine = DiffusionEngine.from_pretrained(resolve_model(config.model), max_batch_size=config.max_batch_size)
     app = create_app(engine, model_name=config.served_model_name, max_body_bytes=config.max_body_bytes,

@@ -2,7 +2,7 @@
 
 Writes into `--out`: `prompt_NNN.png` (one row of that prompt's samples; video: `prompt_NNN_sJ.mp4`, or `.webp`
 without an H.264 encoder, and `prompt_NNN_sJ_frames.png` per sample, `video_format` saying which), `trajectories.safetensors` (the layout of
-`omniroll.trajectory`, the same as `omniroll rollout` writes) and `metrics.json` (timing, run: model, device, dtype,
+`omniroll.trajectory_file`, the same as `omniroll rollout` writes) and `metrics.json` (timing, run: model, device, dtype,
 batch invariance, seeds, package versions). Finished samples are written even when the run is interrupted (Ctrl-C,
 exit 130) or some samples fail (each failure is reported once, exit 1).
 """
@@ -49,7 +49,7 @@ def save_grid(images, path: Path, caption: str = "") -> str:
 
     from PIL import Image, ImageDraw
 
-    from omniroll.trajectory import write_bytes
+    from omniroll.files import write_bytes
 
     n, _, h, w = images.shape
     gap, top = 4, 16 if caption else 0
@@ -157,7 +157,8 @@ def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, result
     import torch
 
     from omniroll.cli.media import video_encoder
-    from omniroll.trajectory import FILE_NAME, batch_from_outputs, jsonable, run_info, write_json, write_trajectories
+    from omniroll.files import jsonable, run_info, write_json
+    from omniroll.trajectory_file import FILE_NAME, batch_from_outputs, write_trajectories
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 `run_rollout` is the same thing from Python. Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`
 (video: `.mp4`, or `.webp` without an H.264 encoder, plus `_frames.png`),
-`trajectories.safetensors` (the layout of `omniroll.trajectory`, as `omniroll generate` writes it), `rewards.jsonl`
+`trajectories.safetensors` (the layout of `omniroll.trajectory_file`, as `omniroll generate` writes it), `rewards.jsonl`
 (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json` (per-sample metrics,
 timing summary, weight versions, run: model, device, dtype, batch invariance, seeds, package versions).
 
@@ -150,7 +150,7 @@ def _merge(parts: list, wall: float):
 
 
 def run_info_for(cfg, model: str) -> dict:
-    from omniroll.trajectory import run_info
+    from omniroll.files import run_info
 
     return run_info("rollout", model, cfg.engine.device, cfg.engine.dtype,
                     bool(cfg.engine.kwargs.get("batch_invariant", str(cfg.engine.device).startswith("cpu"))), cfg.seed,
@@ -164,7 +164,8 @@ def write_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) 
     import torch
     from PIL import Image
 
-    from omniroll.trajectory import FILE_NAME, jsonable, write_bytes, write_json, write_text, write_trajectories
+    from omniroll.files import jsonable, write_bytes, write_json, write_text
+    from omniroll.trajectory_file import FILE_NAME, write_trajectories
 
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     nt = out.non_tensor_batch

@@ -38,11 +38,11 @@ def _engine_kwargs(engine_kwargs: Optional[dict]) -> dict:
 class RolloutReplica:
     """Hosts one `DiffusionEngine`. Construct through Ray (`create_replicas`) or directly in-process for tests."""
 
-    def __init__(self, model_path: str, replica_rank: int = 0, engine_kwargs: Optional[dict] = None):
+    def __init__(self, model_path: str, replica_index: int = 0, engine_kwargs: Optional[dict] = None):
         from omniroll.engine.engine import DiffusionEngine
 
         self.model_path = model_path
-        self.replica_rank = int(replica_rank)
+        self.replica_index = int(replica_index)
         self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))
         self._in_flight = 0
         self._served = 0
@@ -72,7 +72,7 @@ class RolloutReplica:
             self._aborted += 1
         else:
             self._served += 1
-        out.extra_fields.setdefault("replica_rank", self.replica_rank)
+        out.extra_fields.setdefault("replica_index", self.replica_index)
         return output_to_wire(out)
 
     async def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
@@ -89,7 +89,7 @@ class RolloutReplica:
         return {
             "ok": not closed,
             "state": "shut down" if closed else "serving",
-            "replica_rank": self.replica_rank,
+            "replica_index": self.replica_index,
             "weight_version": int(self.engine.weight_version),
             "pid": os.getpid(),
             "torch_threads": _torch_threads(),
@@ -101,7 +101,7 @@ class RolloutReplica:
     def stats(self) -> dict:
         s: dict[str, Any] = dict(self.engine.stats())
         return {
-            "replica_rank": self.replica_rank,
+            "replica_index": self.replica_index,
             "in_flight": self._in_flight,
             "queued": int(s.get("waiting", 0)),
             "running": int(s.get("running", 0)),
@@ -130,7 +130,7 @@ class RolloutReplica:
         ack = await asyncio.to_thread(
             self.engine.update_weights_from_ipc, peft_config, base_sync_done, use_shm,
             manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
-        return {**ack, "replica_rank": self.replica_rank}
+        return {**ack, "replica_index": self.replica_index}
 
     async def remove_lora(self, version: Optional[int] = None, timeout_s: float = 120.0) -> dict:
         return await asyncio.to_thread(self.engine.remove_lora, version, 10.0, timeout_s)
@@ -178,7 +178,7 @@ def create_replicas(
         max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
     )
-    handles = [cls.remote(model_path, replica_rank=r, engine_kwargs=engine_kwargs) for r in range(n)]
+    handles = [cls.remote(model_path, replica_index=r, engine_kwargs=engine_kwargs) for r in range(n)]
     if wait_ready:
         try:
             ray.get([h.health.remote() for h in handles])

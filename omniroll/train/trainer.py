@@ -20,12 +20,12 @@ import signal
 import time
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
 from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.sampling.seeds import batch_prompt_uid
+from omniroll.sampling.window import window_for_step
 from omniroll.train import artifacts
 from omniroll.train.grpo import group_advantages
 from omniroll.train.policy import Policy
@@ -239,7 +239,9 @@ class FlowGRPOTrainer:
         g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
         meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
-        window = artifacts.window_for_step(self.config, step)
+        a, tc = self.config.algo, self.tc
+        window = window_for_step(tc.window_schedule, step, self.config.pipeline.num_inference_steps,
+                                 a.sde_window_size, a.sde_window_range, tc.seed, tc.window_advance_every)
         if window is not None:
             meta["sampling_params"] = {"sde_window_range": window}
         # uid: the prompt's index in the training prompt list (the same function as the CLI's position uid)
@@ -260,7 +262,7 @@ class FlowGRPOTrainer:
                              meta_info={"validate": True})
         out = asyncio.run(self.manager.generate_sequences_async(batch))
         path = os.path.join(self.out_dir, f"val_{tag}.png")
-        artifacts.save_grid(out.batch["responses"], len(self.val_prompts), k, path)
+        artifacts.save_val_grid(out.batch["responses"], len(self.val_prompts), k, path)
         score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
         rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
         artifacts.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
