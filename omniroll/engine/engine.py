@@ -9,11 +9,9 @@ No call hangs: every control call has a finite default timeout and raises Timeou
 control calls fail with it. An engine the program never shut down is shut down at interpreter exit (an atexit hook
 stops the loop after its current step and joins it), so a script may simply end.
 Requests and control calls reach the loop through the `Inbox` (`engine/inbox.py`). The weights and memory state
-(version, sleep level, LoRA) is the `lifecycle` component (`engine/lifecycle.py`); the calls that change it
-(updates, LoRA, sleep, wake) are `engine/control.py`, which serialises them and drains / aborts around them through
-the engine's public methods (`pause_admission`, `wait_idle`, `abort_running`, `resume_admission`). Finished samples
-wait for their decode block in `engine/decode_queue.py`; what a request must pass to get in, and its prompt
-encodings, are `engine/admission.py`.
+is the `lifecycle` component (`engine/lifecycle.py`); the calls that change it are `engine/control.py`, which drains
+and aborts around them through public methods (`pause_admission`, `wait_idle`, `abort_running`, `resume_admission`).
+Finished samples wait for their decode block in `engine/decode_queue.py`; `engine/admission.py` checks requests.
 """
 
 from __future__ import annotations
@@ -165,17 +163,8 @@ class DiffusionEngine(ControlCalls):
         timeout_s = check_seconds("timeout_s", timeout_s)
         if self._thread is not None and threading.current_thread() is self._thread:
             return fn()
-        future: concurrent.futures.Future = concurrent.futures.Future()
         self._ensure_thread(op)
-        self.inbox.add_control((fn, future), op)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            if future.done() and not future.cancelled():
-                raise  # fn itself raised a TimeoutError
-            future.cancel()
-            raise TimeoutError(f"{op} did not finish within {timeout_s:g}s (the engine thread was busy with a step "
-                               f"or an earlier call)") from None
+        return self.inbox.call(fn, timeout_s, op)
 
     def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
         """Abort a waiting or running request; it completes with stop_reason="aborted". Returns whether it existed.
@@ -228,11 +217,8 @@ class DiffusionEngine(ControlCalls):
 
     def _fail_pending(self) -> None:
         """Fail every queued control call and every request with EngineShutdownError (loop stopped)."""
-        arrivals, controls = self.inbox.drain()
+        arrivals = self.inbox.drain()
         closed = self.inbox.closed
-        for _, future in controls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineShutdownError(f"the engine is {closed}"))
         undecoded = self._to_decode.drain()
         self._settle(self.scheduler.drain_all() + arrivals + undecoded,
                      lambda s: EngineShutdownError(f"request {s.request_id}: the engine is {closed}"))
@@ -243,10 +229,7 @@ class DiffusionEngine(ControlCalls):
         output or its error. Returns their ids."""
         for s in states:
             result = outcome(s)
-            if isinstance(result, BaseException):
-                s.on_done(None, result)
-            else:
-                s.on_done(result, None)
+            s.on_done(None, result) if isinstance(result, BaseException) else s.on_done(result, None)
         return [s.request_id for s in states]
 
     @staticmethod
@@ -329,8 +312,8 @@ class DiffusionEngine(ControlCalls):
                 self.scheduler.add(state)
             if controls and self._to_decode:
                 self._finish([], flush=True)  # a control call never sees a finished sample waiting for its decode
-            for fn, future in controls:
-                self._run_control(fn, future)
+            for control in controls:
+                Inbox.run(control)
             if self._runnable():
                 self._step_safely()
             if self._to_decode and not self._runnable():
@@ -344,15 +327,6 @@ class DiffusionEngine(ControlCalls):
         if self.admission_paused:
             return bool(self.scheduler.running)
         return self.scheduler.has_work()
-
-    @staticmethod
-    def _run_control(fn, future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return  # its caller timed out before it started: it never runs
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            future.set_exception(e)
 
     def _step_safely(self) -> None:
         try:

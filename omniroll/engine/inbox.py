@@ -1,8 +1,9 @@
 """What caller threads hand to the engine thread: new requests and control calls, and the ids of requests in flight.
 
 Callers `add` requests (ids must be unique among queued and running requests, since `abort(id)` names one) and
-`add_control` calls; the loop thread `take`s everything at once between two steps, waiting while there is nothing to
-do. After `close(reason)` every add raises EngineShutdownError and `drain` hands back what was left, to be failed.
+`call` functions to run between two steps; the loop thread `take`s everything at once, waiting while there is
+nothing to do, and `run`s the calls. After `close(reason)` every add raises EngineShutdownError and `drain` fails
+what was left.
 The inbox owns its lock; nothing else reads its queues.
 """
 
@@ -51,11 +52,33 @@ class Inbox:
             self._requests.extend(states)
             self._wakeup.notify()
 
-    def add_control(self, control: Control, op: str) -> None:
+    def call(self, fn: Callable[[], Any], timeout_s: float, op: str) -> Any:
+        """Queue `fn` for the loop thread and wait for its result (or its error). TimeoutError naming `op` after
+        `timeout_s`; a call that had not started by then never runs."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self.check_open(op)
-            self._controls.append(control)
+            self._controls.append((fn, future))
             self._wakeup.notify()
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.done() and not future.cancelled():
+                raise  # fn itself raised a TimeoutError
+            future.cancel()
+            raise TimeoutError(f"{op} did not finish within {timeout_s:g}s (the engine thread was busy with a step "
+                               f"or an earlier call)") from None
+
+    @staticmethod
+    def run(control: Control) -> None:
+        """Run one control call (on the loop thread), delivering its result or error to its caller."""
+        fn, future = control
+        if not future.set_running_or_notify_cancel():
+            return  # its caller timed out before it started: it never runs
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+            future.set_exception(e)
 
     def release(self, request_id: str) -> None:
         """The request is done: its id may be used again."""
@@ -98,10 +121,15 @@ class Inbox:
         with self._lock:
             self._wakeup.notify()
 
-    def drain(self) -> tuple[list[RequestState], list[Control]]:
-        """Everything still queued (the loop has stopped); the inbox is left empty."""
+    def drain(self) -> list[RequestState]:
+        """The loop has stopped: fail every queued control call with EngineShutdownError and hand back the queued
+        requests (to be failed); the inbox is left empty."""
         with self._lock:
-            return self._take_locked()
+            states, controls = self._take_locked()
+        for _, future in controls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineShutdownError(f"the engine is {self.closed}"))
+        return states
 
     def _take_locked(self) -> tuple[list[RequestState], list[Control]]:
         states, controls = list(self._requests), list(self._controls)
