@@ -105,7 +105,7 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
         kill_replicas(replicas)
         out = _merge(parts, time.perf_counter() - t0) if parts else None
         if out_dir and out is not None:
-            write_outputs(out, out_dir, run_info_for(cfg, model), fps=cfg.pipeline.fps)
+            write_rollout_outputs(out, out_dir, run_info_for(cfg, model), fps=cfg.pipeline.fps)
             say(f"wrote {len(out)} of {len(batch)} samples to {out_dir}")
     if failures:
         raise CommandFailed(failures)
@@ -157,7 +157,7 @@ def run_info_for(cfg, model: str) -> dict:
                     num_threads=cfg.engine.num_threads, replicas=cfg.replicas.count)
 
 
-def write_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) -> list[str]:
+def write_rollout_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) -> list[str]:
     """Write a rollout batch into `out_dir` (files 0644); returns the paths written."""
     import io
 
