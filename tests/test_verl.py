@@ -3,6 +3,7 @@
 worker, verl's `RewardLoopWorker`, and `CheckpointEngineManager` sleep -> naive weight update -> wake."""
 
 import asyncio
+import uuid
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ verl = pytest.importorskip("verl")
 
 from tests.verl_helpers import (N, PROMPTS, STEPS, W, StandInActor, StandInActorGroup,  # noqa: E402
                                 StandInWorkerGroup, trainer_batch, verl_config)
+
+PROMPT_5 = 'A Photo of the "OCR" text: Hello-World 42!'  # row 5's prompt (trainer_batch)
 
 
 def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
@@ -62,16 +65,31 @@ def test_verl_drives_omniroll(ray_cluster, tiny_sd3_path):
         assert out.batch["rm_scores"].shape == (B, 1) and out.batch["rm_scores"].dtype == torch.float32
         assert out.non_tensor_batch["__num_turns__"].dtype == np.int32
         assert list(out.non_tensor_batch["global_steps"]) == [0] * B
-        assert "timing" in out.meta_info and out.meta_info["reward_extra_keys"] == []
+        # compute_score's extra fields are kept, as verl's reward loop keeps them
+        assert "timing" in out.meta_info and out.meta_info["reward_extra_keys"] == ["brightness", "prompt_chars"]
+        assert np.allclose(np.asarray(out.non_tensor_batch["brightness"], dtype=np.float64) / 255.0,
+                           out.batch["rm_scores"][:, 0].double().numpy(), atol=1e-6)
+        assert list(out.non_tensor_batch["prompt_chars"]) == [9] * N + [42] * N
         seeds = list(out.non_tensor_batch["seed"])
+        # seeds follow VeRL-Omni's scheme (rollout seed, step, global row index), never the per-step uuid4 uid
+        assert seeds == [((3 + 1 - 1) * 1_000_003 + g) % (2**63 - 1) for g in range(B)]
+        fresh_uids = [str(uuid.uuid4()) for _ in range(PROMPTS)]  # VeRL-Omni's trainer: new uuid4s every step
+        again = agent.generate_sequences(trainer_batch(global_steps=1, uids=fresh_uids))
+        assert list(again.non_tensor_batch["seed"]) == seeds
+        assert torch.equal(again.batch["responses"], out.batch["responses"])
         assert len(set(seeds)) == B  # no two rows of a group share a seed under verl's chunking
         worker = ov.OmnirollVerlWorker(cfg, llm_client=None)
         assert seeds == [r["seed"] for r in worker.plan(trainer_batch(global_steps=1))]  # = one worker's seeds
         for chunks in (2, 4, 8):
             assert [r["seed"] for part in trainer_batch(1).chunk(chunks) for r in worker.plan(part)] == seeds
         alone = asyncio.run(ov.VerlClient(client).generate(  # row 5 on its own: the same sample
-            "alone", 'A Photo of the "OCR" text: Hello-World 42!', worker.config.sampling_params(), seeds[5]))
+            "alone", PROMPT_5, worker.config.sampling_params(), seeds[5]))
         assert torch.equal(alone.diffusion_output, out.batch["responses"][5])
+        level_a = asyncio.run(client.generate(  # row 5 as VeRL-Omni's own worker asks for it: token ids, its seed
+            "level-a", prompt_ids=[1, 2, 3], extra_prompt_ids=adapter.tokenize(PROMPT_5, 16),
+            sampling_params={**worker.config.sampling_params(), "seed": seeds[5],
+                             "sde_window_range": list(worker.config.algo.sde_window_range)}))
+        assert torch.equal(level_a.diffusion_output, out.batch["responses"][5])
 
         # CheckpointEngineManager: sleep, naive update to step 2, wake; new weights change the same-seed image.
         actor = ray.remote(StandInActor).options(num_cpus=0).remote(cfg.actor_rollout_ref.rollout,
@@ -203,8 +221,6 @@ def test_server_rpc_surface_in_process(tiny_sd3_path):
         assert server.engine.asleep_level == 0
         with pytest.raises(NotImplementedError, match="collective_rpc"):
             await server.collective_rpc("load_model")
-        with pytest.raises(NotImplementedError, match="naive"):
-            await server.update_weights_from_ipc(None, False, False)
 
     try:
         asyncio.run(scenario())

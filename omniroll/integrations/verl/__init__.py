@@ -18,6 +18,7 @@ from omniroll.integrations.verl.config import omniroll_config_from_verl
 from omniroll.integrations.verl.replica import OmnirollReplica, OmnirollServerAdapter, server_name
 from omniroll.integrations.verl.reward import OmnirollImageRewardManager, VerlRewardPool
 from omniroll.integrations.verl.sampling import map_sampling_params
+from omniroll.integrations.verl.seeds import verl_omni_seed
 from omniroll.integrations.verl.server import OmnirollServer, VerlDiffusionOutput
 
 ROLLOUT_NAME = "omniroll"
@@ -34,4 +35,4 @@ register()
 
 __all__ = ["OmnirollAgentLoopManager", "OmnirollImageRewardManager", "OmnirollReplica", "OmnirollServer",
            "OmnirollServerAdapter", "OmnirollVerlWorker", "VerlClient", "VerlDiffusionOutput", "VerlRewardPool",
-           "map_sampling_params", "omniroll_config_from_verl", "register", "server_name"]
+           "map_sampling_params", "omniroll_config_from_verl", "register", "server_name", "verl_omni_seed"]

@@ -7,6 +7,12 @@ and reward streaming, verl's manager and servers).
 - `OmnirollAgentLoopManager`: verl's manager that first fixes each row's group index over the WHOLE batch, so verl's
   equal chunking can never give two samples of one group the same seed.
 
+Seeds: VeRL-Omni's (`seeds.verl_omni_seed`: rollout seed, step, the row's global index), never the per-step uuid4
+`uid`, so the same `rollout.seed` gives the same samples in every run, and the same as level A.
+
+Reward extras: the fields a `compute_score` returns besides `score` (verl's `reward_extra_info`) become
+`non_tensor_batch` columns named in `meta_info["reward_extra_keys"]` (those every row has), as verl's agent loop does.
+
 Output contract, on top of omniroll's (`agent_loop.postprocess`): `__num_turns__` int32, per-row `global_steps`,
 `min_global_steps`, `max_global_steps` (the trainer's step of the weights each sample was generated with, also its
 `weight_version` here), and `meta_info` reduced
@@ -25,9 +31,11 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 from verl.utils.ray_utils import auto_await
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
+from omniroll.reward import RewardResult
 from omniroll.agent_loop.manager import AgentLoopManager as OmnirollManager
 from omniroll.agent_loop.worker import DiffusionAgentLoopWorker
 from omniroll.integrations.verl.config import omniroll_config_from_verl
+from omniroll.integrations.verl.seeds import reseed_rows
 
 
 class VerlClient:
@@ -66,6 +74,11 @@ class OmnirollVerlWorker(DiffusionAgentLoopWorker):
 
             self.reward_pool = VerlRewardPool(reward_loop_worker_handles)
 
+    def plan(self, batch: DataBatch) -> list[dict]:
+        validate = bool(batch.meta_info.get("validate", False))
+        n = self.config.val_kwargs.n if validate else self.config.n
+        return reseed_rows(super().plan(batch), batch.meta_info, self.config.seed, n)
+
     async def generate_sequences(self, batch: Any) -> DataProto:  # noqa: D401 - verl's name
         nt = dict(batch.non_tensor_batch)
         if "_group_index" not in nt and "_rollout_seed_global_idx" not in nt:
@@ -89,8 +102,28 @@ def to_dataproto(out: DataBatch) -> DataProto:
     metrics = [{**m, "tool_calls": 0.0} for m in meta.get("metrics", [])]
     new_meta: dict[str, Any] = {"metrics": metrics}
     if "rm_scores" in out.batch.keys():
-        new_meta["reward_extra_keys"] = list(meta.get("reward_extra_keys") or [])
+        extra_keys = _reward_extras(nt)
+        new_meta["reward_extra_keys"] = sorted(set(meta.get("reward_extra_keys") or []) | set(extra_keys))
     return DataProto(batch=out.batch, non_tensor_batch=nt, meta_info=new_meta)
+
+
+# what omniroll itself records in each row's `reward_extra_info` (postprocess); the other keys are the scorer's extras
+_REWARD_BOOKKEEPING = frozenset(f for f in RewardResult.__dataclass_fields__ if f not in ("sample_id", "extra_info"))
+
+
+def _reward_extras(nt: dict) -> list[str]:
+    """verl's reward extras: the keys (besides omniroll's own) every row's `reward_extra_info` has, each made a
+    column of `nt` (in place). A key that would overwrite another column is an error naming it."""
+    infos = [dict(i or {}) for i in nt.get("reward_extra_info", [])]
+    if not infos:
+        return []
+    keys = sorted(set.intersection(*[set(i) - _REWARD_BOOKKEEPING for i in infos]))
+    for k in keys:
+        if k in nt:
+            raise ValueError(f"reward extra field {k!r} (returned by compute_score) collides with the batch column of "
+                             f"the same name; rename it in compute_score")
+        nt[k] = to_object_array([i[k] for i in infos])
+    return keys
 
 
 class OmnirollAgentLoopManager(AgentLoopManager):
@@ -102,8 +135,10 @@ class OmnirollAgentLoopManager(AgentLoopManager):
     @auto_await
     async def generate_sequences(self, prompts: DataProto) -> DataProto:
         nt = prompts.non_tensor_batch
-        if "_group_index" not in nt and "_rollout_seed_global_idx" not in nt:
-            whole = OmnirollManager.prepare(DataBatch(None, dict(nt), {}, batch_size=len(prompts)))
-            nt["uid"] = whole.non_tensor_batch["uid"]
-            nt["_group_index"] = whole.non_tensor_batch["_group_index"]
+        if "_rollout_seed_global_idx" not in nt:  # what VeRL-Omni's trainer sets; seeds derive from it
+            if "_group_index" not in nt:
+                whole = OmnirollManager.prepare(DataBatch(None, dict(nt), {}, batch_size=len(prompts)))
+                nt["uid"] = whole.non_tensor_batch["uid"]
+                nt["_group_index"] = whole.non_tensor_batch["_group_index"]
+            nt["_rollout_seed_global_idx"] = np.arange(len(prompts), dtype=np.int64)
         return await super().generate_sequences(prompts)

@@ -18,6 +18,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
 from omniroll.integrations.verl.config import engine_kwargs_from_verl
+from omniroll.integrations.verl.lora_sync import current_job_id, peft_dict, zmq_handle_for
 from omniroll.integrations.verl.server import OmnirollServer
 
 SERVER_PREFIX = "omniroll_server_"
@@ -78,7 +79,14 @@ class OmnirollServerAdapter(BaseRollout):
     `update_weights` takes verl's stream of `(name, tensor)` (no manifest up front): it collects the stream on the
     host, then hands the server one complete, named update, which the engine validates in full before the first byte
     lands and swaps between two denoising steps, so a bad or partial stream never leaves mixed weights. The price is
-    one host copy of what is sent (the LoRA adapter, or the full denoiser).
+    one host copy of what is sent (the LoRA adapter, or the full denoiser). verl's LoRA convention applies
+    (`lora_sync.engine_update`): `peft_config` with `base_sync_done=False` is the base weights, a full update.
+
+    VeRL-Omni's LoRA fast path uses `zmq_handle`, `use_shm` and `_execute_method` (as on verl's vLLM
+    `ServerAdapter`): it starts the server's receiver with `_execute_method("update_weights_from_ipc", non_block=True,
+    kwargs=...)` and streams the adapter with verl's `BucketedWeightSender` to `zmq_handle`. `use_shm` is always True:
+    omniroll's receiver reads shared memory (on a GPU the sender copies each bucket to host memory; CUDA-IPC handles
+    are not read, see `omniroll.weights.zmq_receiver`).
     """
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, replica_rank: int = -1, **kwargs):
@@ -92,6 +100,8 @@ class OmnirollServerAdapter(BaseRollout):
         self.is_leader_rank = True  # one device per replica: every rank leads its replica
         self.sleep_level = 1
         self.bucket_bytes = 256 << 20
+        self.use_shm = True
+        self.zmq_handle = zmq_handle_for(current_job_id(), self.replica_rank)
         self._server = None
 
     @property
@@ -99,6 +109,13 @@ class OmnirollServerAdapter(BaseRollout):
         if self._server is None:  # the server is launched after the hybrid engine: look it up lazily
             self._server = ray.get_actor(server_name(self.replica_rank))
         return self._server
+
+    async def _execute_method(self, method: str, non_block: bool = False, timeout: Optional[float] = None,
+                              args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """verl's vLLM `ServerAdapter._execute_method`: the server's `collective_rpc(method, ...)`; with `non_block`
+        the Ray ObjectRef is returned at once (await it for the result)."""
+        future = self.server.collective_rpc.remote(method, timeout=timeout, args=tuple(args), kwargs=dict(kwargs or {}))
+        return future if non_block else await future
 
     async def resume(self, tags: list[str]):
         await self.server.wake_up.remote(tags=list(tags))
@@ -121,14 +138,6 @@ class OmnirollServerAdapter(BaseRollout):
         refs = [RayBucketRef(ray.put(b.buffer), b.entries, b.index) for b in pack_buckets(named, self.bucket_bytes)]
         del named
         ack = await self.server.load_weight_buckets.remote(
-            peft_config=_peft_dict(peft_config), base_sync_done=bool(base_sync_done), manifest=manifest,
+            peft_config=peft_dict(peft_config), base_sync_done=bool(base_sync_done), manifest=manifest,
             buckets=refs, global_steps=global_steps)
         return ack
-
-
-def _peft_dict(peft_config: Any) -> Optional[dict]:
-    if peft_config is None or isinstance(peft_config, dict):
-        return peft_config
-    from omniroll.weights.lora import peft_config_to_dict
-
-    return peft_config_to_dict(peft_config)

@@ -3,8 +3,11 @@ server actor (`server.generate.remote(...)`, the lifecycle calls of `RolloutRepl
 
 Calls with no diffusion meaning are documented no-ops: `release_kv_cache` / `resume_kv_cache` (a diffusion engine
 keeps no KV cache; activations live for one step), `start_profile` / `stop_profile`. `clear_kv_cache` clears the
-prompt-encoding cache. VeRL-Omni's LoRA fast path (`update_weights_from_ipc` over ZMQ + CUDA IPC) is refused with a
-clear error; weights arrive through `load_weight_buckets` (see `OmnirollServerAdapter.update_weights`).
+prompt-encoding cache.
+
+Weights arrive two ways, both ending in one transactional engine update under verl's LoRA convention
+(`lora_sync.engine_update`): `load_weight_buckets` (verl's naive `update_weights`, see `OmnirollServerAdapter`) and
+`update_weights_from_ipc` (VeRL-Omni's LoRA fast path: verl's bucketed ZMQ stream over shared memory).
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from pydantic import ValidationError
 
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
+from omniroll.integrations.verl.lora_sync import current_job_id, engine_update, update_zmq_handle, zmq_handle_for
 from omniroll.integrations.verl.sampling import fresh_seed, map_sampling_params
 from omniroll.rollout.transfer import output_from_wire, output_to_wire
+
+BUCKET_BYTES = 256 << 20  # how a received ZMQ stream is handed to the engine (by reference: no copy)
 
 
 class VerlDiffusionOutput(DiffusionOutput):
@@ -173,21 +179,48 @@ class OmnirollServer:
         """omniroll's transactional weight update: the engine checks every name, shape and dtype before the first
         byte lands and swaps between two denoising steps, so a bad stream changes nothing. The engine's own version
         counts updates (it only rises; verl may re-sync the same step); `global_steps` tags the new weights."""
-        version = self.engine.weight_version + 1
-        ack = await asyncio.to_thread(self.engine.update_weights_from_ipc, peft_config, base_sync_done, False,
-                                      manifest=manifest, buckets=buckets, version=version)
-        if global_steps is not None:
-            self._global_steps[version] = int(global_steps)
-        return {**ack, "replica_rank": self.replica_rank, "global_steps": self._global_steps.get(version, version)}
+        return await self._apply(peft_config, base_sync_done, manifest, buckets, global_steps)
 
-    async def update_weights_from_ipc(self, *args, **kwargs):
-        raise NotImplementedError("omniroll does not take VeRL-Omni's ZMQ / CUDA-IPC weight stream; use verl's "
-                                  "naive checkpoint engine (OmnirollServerAdapter.update_weights)")
+    async def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
+                                      use_shm: bool = False, zmq_update_id: Optional[str] = None,
+                                      global_steps: Optional[int] = None, timeout_s: float = 600.0,
+                                      **unknown) -> dict:
+        """The receiving end of VeRL-Omni's LoRA fast path (and of any verl `BucketedWeightSender` stream): read the
+        stream from this replica's socket (`zmq_handle_for`, per update with `zmq_update_id`) into host memory, then
+        land it as one transaction (`load_weight_buckets`' guarantees). Shared memory only (`use_shm=True`); a stream
+        is always drained before an error is raised, so the sender never hangs. Without `global_steps` (VeRL-Omni's
+        fast path sends none) the new weights keep the trainer step of the previous ones until `set_global_steps`."""
+        from omniroll.weights.buckets import WeightManifest, pack_buckets
+        from omniroll.weights.zmq_receiver import receive_zmq_stream
+
+        handle = update_zmq_handle(zmq_handle_for(current_job_id(), self.replica_rank), zmq_update_id)
+        named = await asyncio.to_thread(receive_zmq_stream, handle, bool(use_shm), timeout_s)
+        if unknown:  # refused only now: refusing before the stream was drained would leave the sender waiting forever
+            raise TypeError(f"update_weights_from_ipc: unknown keyword(s) {sorted(unknown)}; the stream was drained "
+                            f"and nothing applied")
+        if not named:
+            raise ValueError("update_weights_from_ipc: the weight stream was empty; nothing applied")
+        manifest = WeightManifest.from_named_tensors(named)
+        buckets = pack_buckets(named, BUCKET_BYTES, by_reference=True)  # the engine reads them once, lazily
+        return await self._apply(peft_config, base_sync_done, manifest, buckets, global_steps)
+
+    async def _apply(self, peft_config, base_sync_done, manifest, buckets, global_steps) -> dict:
+        engine_peft, name_map, kind = engine_update(peft_config, base_sync_done)
+        previous = self.engine.weight_version
+        version = previous + 1
+        ack = await asyncio.to_thread(self.engine.update_weights_from_ipc, engine_peft, bool(base_sync_done), False,
+                                      manifest=manifest, buckets=buckets, version=version, name_map=name_map)
+        self._global_steps[version] = (int(global_steps) if global_steps is not None
+                                       else self._global_steps.get(previous, previous))
+        return {**ack, "update": kind, "replica_rank": self.replica_rank,
+                "global_steps": self._global_steps[version]}
 
     async def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (),
                              kwargs: Optional[dict] = None) -> list:
-        """vLLM's worker RPC, for the calls that mean something here ("sleep", "wake_up"); one worker, one result."""
-        calls = {"sleep": self.sleep, "wake_up": self.wake_up}
+        """vLLM's worker RPC, for the calls that mean something here ("sleep", "wake_up", "update_weights_from_ipc");
+        one worker, one result."""
+        calls = {"sleep": self.sleep, "wake_up": self.wake_up,
+                 "update_weights_from_ipc": self.update_weights_from_ipc}
         if method not in calls:
             raise NotImplementedError(f"collective_rpc({method!r}) is not supported by omniroll; "
                                       f"supported: {sorted(calls)}")
