@@ -1,4 +1,4 @@
-"""The trajectory file (`omniroll.trajectory_file`): one layout for every command (`generate`, `rollout`, and what `train` / `serve` write).
+"""The trajectory file: one layout for every command (`generate`, `rollout`, and what `train` / `serve` write).
 
 `trajectories.safetensors` is the rollout batch on disk: the same keys as the `DataBatch` (verl `DataProto`) the
 agent loop returns, so a file row and a batch row read the same, and a trainer can recompute every log-prob from the

@@ -1,10 +1,11 @@
 """`omniroll generate`: images or videos with SDE log-probs on one in-process engine.
 
 Writes into `--out`: `prompt_NNN.png` (one row of that prompt's samples; video: `prompt_NNN_sJ.mp4`, or `.webp`
-without an H.264 encoder, and `prompt_NNN_sJ_frames.png` per sample, `video_format` saying which), `trajectories.safetensors` (the layout of
-`omniroll.trajectory_file`, the same as `omniroll rollout` writes) and `metrics.json` (timing, run: model, device, dtype,
-batch invariance, seeds, package versions). Finished samples are written even when the run is interrupted (Ctrl-C,
-exit 130) or some samples fail (each failure is reported once, exit 1).
+without an H.264 encoder, and `prompt_NNN_sJ_frames.png` per sample, `video_format` saying which),
+`trajectories.safetensors` (the layout of `omniroll.trajectory_file`, the same as `omniroll rollout` writes) and
+`metrics.json` (timing, run: model, device, dtype, batch invariance, seeds, package versions). Finished samples are
+written even when the run is interrupted (Ctrl-C, exit 130) or some samples fail (each failure is reported once,
+exit 1).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class DiffusionEngine(ControlCalls):
         if rows == "auto":
             self.calibrator = RowCalibrator(adapter, self.runner.execution_mode, self.config.device, self.config.dtype,
                                             self.config.batch_invariant)
-            rows = self.calibrator.rows_for
+            rows = self.calibrator.max_batch_size_for
         self.scheduler = Scheduler(rows, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update)

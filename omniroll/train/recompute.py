@@ -3,8 +3,8 @@
 It reproduces the rollout exactly because it runs the rollout's own functions: `adapter.guided_velocity` (CFG rows
 stacked, `velocity`, the CFG mix; differentiable, the engine calls it under no_grad), `sde_step` fed with the
 trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.invariant.execution_mode`
-(batch-invariant kernels with the same block size), read from the trajectory. With the rollout's weights it returns the rollout's
-log-probs bitwise, so a PPO ratio is exactly 1 before the first update.
+(batch-invariant kernels with the same block size), read from the trajectory. With the rollout's weights it returns
+the rollout's log-probs bitwise, so a PPO ratio is exactly 1 before the first update.
 
     out = recompute_log_probs(policy_adapter, traj, step=k)   # SDEStepOutput: log_prob [B] (with grad), mean, std
 """
