@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 VERL_STAMP := $(VENV)/.verl-installed
+TRACKING_STAMP := $(VENV)/.tracking-installed
 # verl for the integration tests: without its pins (they clash with ours; it is the optional extra omniroll[verl]),
 # plus what its imports need. Its wheel ships a top-level `tests` package that would shadow ours: removed.
 VERL := verl==0.9.1
@@ -14,11 +15,13 @@ VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch==2.13.0 first: an unpinned torch could pull a multi-GB CUDA build on a CPU box.
+# The ocr extra is in: tests/test_reward_models.py reads rendered text with it (about 10 s, 280 MB: OpenCV 190 MB,
+# onnxruntime 80 MB, the PP-OCRv4 models 16 MB). torch==2.13.0 first: an unpinned torch could pull a multi-GB CUDA
+# build on a CPU box.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,ocr]"
 	touch $(STAMP)
 
 $(VERL_STAMP): $(PY)
@@ -26,6 +29,11 @@ $(VERL_STAMP): $(PY)
 	$(PIP) install -q $(VERL_IMPORTS)
 	rm -rf "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
 	touch $(VERL_STAMP)
+
+# the trackers tests/test_tracking.py reads back (tensorboard, wandb, mlflow-skinny: ~35 s, ~150 MB)
+$(TRACKING_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install -q -e ".[tracking]"
+	touch $(TRACKING_STAMP)
 
 install: $(STAMP)
 
@@ -35,7 +43,7 @@ demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
 	$(VENV)/bin/omniroll train --config examples/train.yaml --out out/train
 
-test: $(STAMP) $(VERL_STAMP)
+test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP)
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

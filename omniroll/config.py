@@ -16,15 +16,17 @@ one thing.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, ValidationError, field_validator, model_validator
 
 from omniroll.engine.params import (Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SamplingParams,
                                     SdeType, SequenceLength, Steps, TrueCfgScale, WindowRange, WindowSize,
                                     overlay_sampling)
-from omniroll.errors import format_validation_error
+from omniroll.errors import format_validation_error, validation_messages
 from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
 from omniroll.reward.manager import RewardFunctionConfig
 
@@ -39,8 +41,8 @@ class _Strict(BaseModel):
 
 class ReplicasSection(_Strict):
     count: int = Field(1, ge=1, le=1024)
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, allow_inf_nan=False)
+    num_gpus: float = Field(0.0, ge=0, allow_inf_nan=False)
     max_concurrency: int = Field(1000, ge=1)
 
 
@@ -59,6 +61,35 @@ class EngineSection(_Strict):
         from omniroll.engine.config import check_max_batch_size  # the engine's rule (imported late: torch)
 
         return check_max_batch_size(value, name=None)
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value):
+        """A tiny name, or a local diffusers checkpoint directory (nothing is built or loaded here)."""
+        from omniroll.models import TINY_MODELS, resolve_model
+
+        if value not in TINY_MODELS:
+            try:
+                resolve_model(value)
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+        return value
+
+    @field_validator("kwargs")
+    @classmethod
+    def _known_engine_kwargs(cls, value):
+        """Only `omniroll.engine.EngineConfig` fields the section does not set itself, with values it accepts."""
+        from omniroll.engine.config import EngineConfig  # imports torch: not at module import (`omniroll --help`)
+
+        allowed = sorted({f.name for f in dataclasses.fields(EngineConfig)} - set(cls.model_fields))
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}: engine.kwargs takes EngineConfig fields {allowed}")
+        try:
+            EngineConfig(**value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return value
 
     def engine_kwargs(self) -> dict:
         kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size, **self.kwargs}
@@ -123,6 +154,16 @@ class AgentSection(_Strict):
         "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
     )
 
+    @field_validator("default_agent_loop")
+    @classmethod
+    def _registered(cls, value):
+        from omniroll.agent_loop.registry import registered_names
+
+        if value not in registered_names():
+            raise ValueError(f"agent loop {value!r} is not registered; registered: {registered_names()} (import the "
+                             f"module whose @register(...) defines it before loading the config)")
+        return value
+
 
 class RewardSection(RewardWorkerConfig):
     """The reward workers' own config (`omniroll.reward.RewardConfig`: `functions` of `RewardFunctionConfig`,
@@ -144,6 +185,10 @@ class LoRASection(_Strict):
     alpha: float = Field(16.0, gt=0, le=1e6)
     target_modules: Optional[list[str]] = Field(None, min_length=1, description="module names (PEFT target_modules); "
                                                 "None: the family's default (its attention projections)")
+
+
+#: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
 
 
 class TrainerSection(_Strict):
@@ -182,12 +227,32 @@ class TrainerSection(_Strict):
     sync_timeout_s: float = Field(600.0, gt=0)
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
                                        "(None: torch's default); 1 is far faster on a busy small CPU")
+    # experiment tracking (verl's key names; omniroll.train.tracking)
+    logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
+                              "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")
+    project_name: str = Field("omniroll", min_length=1)
+    experiment_name: Optional[str] = Field(None, min_length=1, description="default: {model}-{mode}-{time}; a "
+                                           "resumed run keeps its own")
+    log_images_every: int = Field(10, ge=0, description="steps between captioned training samples (0: never)")
+    log_images_count: int = Field(4, ge=0, le=64, description="training samples per image log (one per prompt)")
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)
         if self.prompts_file:
             prompts += [ln.strip() for ln in Path(self.prompts_file).read_text().splitlines() if ln.strip()]
         return prompts
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _logger_list(cls, value):
+        names = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+        if isinstance(names, (list, tuple)):
+            bad = [n for n in names if n not in LOGGERS]
+            if bad:
+                raise ValueError(f"unknown logger(s) {bad}: allowed {', '.join(LOGGERS)}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"names a logger twice: {list(names)}")
+        return names
 
     @model_validator(mode="after")
     def _check(self):
@@ -217,6 +282,24 @@ class OmniRollConfig(_Strict):
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(2, ge=0, le=100)
     trainer: Optional[TrainerSection] = None
+
+    @field_validator("pipeline", "val_kwargs")
+    @classmethod
+    def _fits_model(cls, value, info: ValidationInfo):
+        """Resolution and text length against the model's limits (read from its config files; a tiny model is
+        built once, as every command does next): `pipeline.*` and the `val_kwargs.pipeline.*` it overrides."""
+        engine = info.data.get("engine")
+        if engine is None:  # engine.model is itself wrong (reported there)
+            return value
+        from omniroll.models import read_limits, resolve_model
+
+        limits = read_limits(resolve_model(engine.model))
+        p = value if info.field_name == "pipeline" else value.pipeline
+        problems = [] if limits is None else limits.problems(
+            p.height, p.width, p.max_sequence_length, prefix="" if info.field_name == "pipeline" else "pipeline.")
+        if problems:
+            raise ValueError("; ".join(m.replace(" must", ": must", 1) for m in problems))
+        return value
 
     @model_validator(mode="after")
     def _check_training(self):
@@ -307,4 +390,24 @@ def validate_config(raw: dict) -> OmniRollConfig:
     try:
         return OmniRollConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError("invalid config: " + format_validation_error(e)) from None
+        raise ConfigError("invalid config: " + "; ".join(config_messages(e))) from None
+
+
+_SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\.\w+)*): (.+)$", re.S)
+
+
+def config_messages(error: ValidationError) -> list[str]:
+    """One `dotted.key: what is wrong` per problem. A section's validator that names its own key in its message
+    (`height: must be ...`, `kwargs.model_dir: directory not found: ...`) is reported under the full key
+    (`pipeline.height: ...`); several problems joined by "; " in one message become one line each."""
+    out = []
+    for err, line in zip(error.errors(), validation_messages(error)):
+        key = ".".join(str(p) for p in err.get("loc") or ())
+        parts = str(err.get("msg", "")).removeprefix("Value error, ").split("; ")
+        if not key or not any(_SUBKEY.match(p) for p in parts):
+            out.append(line)
+            continue
+        for part in parts:
+            m = _SUBKEY.match(part)
+            out.append(f"{key}.{m.group(1)}: {m.group(2)}" if m else f"{key}: {part}")
+    return out

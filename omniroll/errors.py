@@ -6,6 +6,7 @@ a bad field reads the same wherever it was caught: `dotted.key: what is wrong (g
 
 from __future__ import annotations
 
+import errno as _errno
 from typing import Any, Callable, Optional
 
 #: a shown input longer than this is cut (errors must never echo a whole prompt or request body back)
@@ -43,3 +44,14 @@ def format_validation_error(error, prefix: str = "", with_input: bool = True, em
                             locate: Optional[Callable[[tuple], str]] = None, sep: str = "; ") -> str:
     """`validation_messages` joined into one string (one error per `sep`)."""
     return sep.join(validation_messages(error, prefix, with_input, empty_loc, locate))
+
+
+class OutputWriteError(OSError):
+    """An output file could not be written (disk full, file too large, quota, permissions): names the file and why.
+    The CLI reports it with what was kept (`omniroll.cli.main`)."""
+
+    def __init__(self, path: str, error: OSError):
+        code = _errno.errorcode.get(error.errno, "") if error.errno else ""
+        reason = error.strerror or str(error) or type(error).__name__
+        super().__init__(f"could not write {path}: {reason}" + (f" ({code})" if code else ""))
+        self.path, self.errno = path, error.errno

@@ -15,7 +15,17 @@ FILE_MODE = 0o644
 
 
 def write_bytes(path: str, data: bytes) -> str:
-    """Write `data` to `path` atomically (a temporary file in the same directory, then a rename), mode 0644."""
+    """Write `data` to `path` atomically (a temporary file in the same directory, then a rename), mode 0644. A failed
+    write leaves no partial file and raises `OutputWriteError` naming the path and why (e.g. no space left)."""
+    from omniroll.errors import OutputWriteError
+
+    try:
+        return _write_atomic(path, data)
+    except OSError as e:
+        raise OutputWriteError(path, e) from e
+
+
+def _write_atomic(path: str, data: bytes) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))

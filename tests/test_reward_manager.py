@@ -189,9 +189,10 @@ def test_config_errors_outside_pydantic():
         RewardConfig.from_any([{"fn": "x:y"}])
     with pytest.raises(TypeError, match="must be a RewardConfig, dict or list"):
         RewardConfig.from_any("jpeg")
-    with pytest.raises(ValueError, match="reward function 'u': .*module 'tests.nope' not found"):
+    # checked by the config itself, before any scorer is built
+    with pytest.raises(ValidationError, match=r"functions\.u\n.*fn: .*module 'tests.nope' not found"):
         RewardManager({"u": {"fn": "tests.nope:fn"}})
-    with pytest.raises(ValueError, match="reward function 'j': .*takes no kwargs"):
+    with pytest.raises(ValidationError, match=r"functions\.j\n.*kwargs: .*takes no kwargs"):
         RewardManager({"j": {"fn": "jpeg_compressibility", "kwargs": {"q": 1}}})
 
 

@@ -109,8 +109,8 @@ def test_build_scorer_registry_and_user_functions():
     assert build_scorer("jpeg_compressibility") is jpeg_compressibility
     with pytest.raises(ValueError, match="takes no kwargs"):
         build_scorer("jpeg_compressibility", {"quality": 80})
-    with pytest.raises(ValueError, match="unknown reward fn 'pickscore'.*jpeg_compressibility"):
-        build_scorer("pickscore")
+    with pytest.raises(ValueError, match="unknown reward fn 'no_such_scorer'.*jpeg_compressibility"):
+        build_scorer("no_such_scorer")
     with pytest.raises(ValueError, match="url must start with http"):
         build_scorer("http", {"url": "ftp://x"})
     with pytest.raises(TypeError, match="must be a str or a callable"):

@@ -72,9 +72,9 @@ class AgentLoopManager:
     async def generate_sequences_async(self, batch: DataBatch) -> DataBatch:
         t0 = time.perf_counter()
         batch = self.prepare(batch)
+        rows = plan_rows(self.config, batch)  # a bad batch field (global_steps, _group_index, ...) raises here
         if self.config.agent.on_failure == "raise":  # refuse the whole batch before any chunk generates anything
             validate = bool(batch.meta_info.get("validate", False))
-            rows = plan_rows(self.config, batch)
             rejected = rows_that_cannot_share(base_sampling(self.config, batch.meta_info, validate),
                                               [f.get("sampling_params") for f in rows], validate)
             if rejected:

@@ -30,12 +30,15 @@ import hashlib
 import time
 from typing import Any, Optional
 
+import numpy as np
+
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.agent_loop.postprocess import RowResult, assemble, embed_length_error
 from omniroll.agent_loop.registry import get_agent_loop_class
 from omniroll.agent_loop.rows import base_sampling, row_sampling, rows_that_cannot_share
 from omniroll.agent_loop.single_turn import prompt_text
 from omniroll.config import OmniRollConfig, load_config
+from omniroll.engine.params import unencodable_reason
 from omniroll.sampling.seeds import derive_group_seed, derive_seed
 
 
@@ -83,11 +86,19 @@ def group_index_column(non_tensor_batch: dict, uids: list[str], n: int) -> list[
     `_rollout_seed_global_idx` (VeRL-Omni: an arange over the batch after its n-fold interleaved repeat, so the
     index is `global % n`), which holds however the batch was chunked; else the order of appearance of the uid in
     THIS batch (right only for a whole batch, which is what omniroll's AgentLoopManager hands out)."""
-    if "_group_index" in non_tensor_batch:
-        return [int(i) for i in non_tensor_batch["_group_index"]]
-    if "_rollout_seed_global_idx" in non_tensor_batch:
-        return [int(g) % n for g in non_tensor_batch["_rollout_seed_global_idx"]]
+    for key in ("_group_index", "_rollout_seed_global_idx"):
+        if key in non_tensor_batch:
+            values = [_batch_int(v, f"non_tensor_batch[{key!r}] of row {r}")
+                      for r, v in enumerate(non_tensor_batch[key])]
+            return values if key == "_group_index" else [g % n for g in values]
     return group_indices(uids)
+
+
+def _batch_int(value: Any, what: str) -> int:
+    """`value` as an int >= 0 (Python or numpy integer; a bool, float or string is refused, never coerced)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {value!r} ({type(value).__name__})")
+    return int(value)
 
 
 def default_uid(raw_prompt: Any) -> str:
@@ -99,8 +110,13 @@ def row_uids(non_tensor_batch: dict, n: int) -> list[str]:
     requires `raw_prompt` and defaults `uid` (the manager and every worker call it)."""
     if "raw_prompt" not in non_tensor_batch:
         raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(non_tensor_batch)})")
-    return [str(u) if u is not None else default_uid(p)
+    uids = [str(u) if u is not None else default_uid(p)
             for u, p in zip(non_tensor_batch.get("uid", [None] * n), non_tensor_batch["raw_prompt"])]
+    for r, u in enumerate(uids):
+        reason = unencodable_reason(u)
+        if reason is not None:
+            raise ValueError(f"non_tensor_batch['uid'] of row {r} {reason}")
+    return uids
 
 
 def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
@@ -115,6 +131,9 @@ def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
         if not validate:
             raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
         steps = 0
+    steps = _batch_int(steps, "meta_info['global_steps']")
+    if meta.get("rollout_seed") is not None:
+        _batch_int(meta["rollout_seed"], "meta_info['rollout_seed']")
     group_size = config.val_kwargs.n if validate else config.n
     idx = group_index_column(nt, uids, group_size)
     seen: dict[tuple, int] = {}

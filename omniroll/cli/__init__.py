@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
 
 #: subcommand -> module under omniroll.cli
 COMMANDS = {
@@ -26,6 +28,8 @@ COMMANDS = {
     "serve": "omniroll.cli.serve",
     "train": "omniroll.cli.train",
 }
+
+from omniroll.errors import OutputWriteError  # noqa: E402 - no torch: `omniroll --help` stays fast
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -83,8 +87,14 @@ def _say_error(command: str, lines) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
+    started = time.time()
     try:
         return int(_command(args.command).run(args) or 0)
+    except OutputWriteError as e:  # disk full, file too large, ...: which file, why, and what is on disk
+        if debug:
+            raise
+        _say_error(args.command, [str(e), _kept(getattr(args, "out", None), started)])
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"\nomniroll {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -109,6 +119,19 @@ def main(argv=None) -> int:
         _say_error(args.command, [f"internal error: {type(e).__name__}: {(_lines(e) or [''])[0]} "
                                   f"(run with --debug for the traceback)"])
         return EXIT_FAILED
+
+
+def _kept(out_dir, started: float) -> str:
+    """The complete files this run wrote under `out_dir` (modified since it started; writes are atomic, so a file
+    that failed midway is absent, never partial)."""
+    if not out_dir or not os.path.isdir(out_dir):
+        return "kept: nothing (no output directory)"
+    kept = sorted(os.path.relpath(os.path.join(d, f), out_dir) for d, _, files in os.walk(out_dir) for f in files
+                  if not f.startswith(".tmp-") and os.path.getmtime(os.path.join(d, f)) >= started - 0.05)
+    if not kept:
+        return f"kept: nothing: no output file was complete in {out_dir}"
+    shown = ", ".join(kept[:8]) + (f", ... ({len(kept) - 8} more)" if len(kept) > 8 else "")
+    return f"kept: {len(kept)} complete file(s) in {out_dir}: {shown}; the rest was not written"
 
 
 def _lines(e: BaseException) -> list[str]:

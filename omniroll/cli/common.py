@@ -222,54 +222,20 @@ def sample_seed(base: Optional[int], uid: str, index: int) -> int:
     return derive_seed(base, CLI_GLOBAL_STEP, uid, index)
 
 
-def preflight(cfg, prompts: list[str], validate: bool = False, check_rewards: bool = True) -> str:
-    """Everything that can be checked before a model or Ray starts; returns the resolved model directory.
-    UserError with one line per problem, each naming its flag or config key."""
-    from omniroll.models import read_limits, resolve_model
+def preflight(cfg, prompts: list[str]) -> str:
+    """What the config itself cannot check before a model or Ray starts (the config checked the model path, its
+    resolution and text limits, and the reward functions); returns the resolved model directory. UserError with one
+    line per problem, each naming its flag or config key."""
+    from omniroll.models import resolve_model
 
-    problems: list[str] = []
     try:
         model = resolve_model(cfg.engine.model)
     except FileNotFoundError as e:
         raise UserError(f"--model (engine.model): {e}") from None
-    try:
-        limits = read_limits(model)
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(f"--model (engine.model): {e}") from None
-    sections = [(False, "")] + ([(True, "val_kwargs.")] if validate else [])
-    for val, prefix in sections if limits is not None else ():
-        sp = cfg.sampling_params(validate=val)
-        for p in limits.problems(sp["height"], sp["width"], sp["max_sequence_length"], prefix=prefix + "pipeline."):
-            problems.extend(_name_flags([p.replace(" must", ": must", 1)]))
-    if check_rewards:
-        problems += reward_problems(cfg)
-    if cfg.engine.device.startswith("cuda"):
-        problems += _cuda_problems(cfg.engine.device)
+    problems = _cuda_problems(cfg.engine.device) if cfg.engine.device.startswith("cuda") else []
     if problems:
         raise UserError(problems)
     return model
-
-
-def reward_problems(cfg) -> list[str]:
-    """Each reward function's `fn` resolves (registry name, or 'module:function' imported) without building it."""
-    from omniroll.reward.scorers import SCORER_REGISTRY, load_function
-
-    out = []
-    for name, fc in cfg.reward.functions.items():
-        fn = fc.fn
-        if not isinstance(fn, str):
-            continue
-        key = f"reward.functions.{name}.fn"
-        if ":" not in fn:
-            if fn not in SCORER_REGISTRY:
-                out.append(f"{key}: unknown reward function {fn!r}; expected one of {sorted(SCORER_REGISTRY)} or "
-                           f"'module:function'")
-            continue
-        try:
-            load_function(fn)
-        except ValueError as e:
-            out.append(f"{key}: {e}")
-    return out
 
 
 def _cuda_problems(device: str) -> list[str]:

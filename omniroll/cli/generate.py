@@ -71,7 +71,7 @@ def run_generate(args, base: dict | None = None) -> dict:
     prompts = read_prompts(args)
     if args.quiet:
         quiet_libraries()
-    model = preflight(cfg, prompts, check_rewards=False)
+    model = preflight(cfg, prompts)
 
     import asyncio
 

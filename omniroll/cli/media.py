@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniroll.errors import OutputWriteError
+
 
 def video_encoder() -> str:
     """"mp4" when PyAV (`pip install av`, the `video` extra) can encode H.264, else "webp" (animated, Pillow)."""
@@ -28,8 +30,7 @@ def save_image(image: torch.Tensor, path: Path) -> Path:
     """uint8 [3, H, W] -> PNG."""
     from PIL import Image
 
-    Image.fromarray(image.permute(1, 2, 0).contiguous().numpy()).save(path)
-    return path
+    return _save(path, lambda: Image.fromarray(image.permute(1, 2, 0).contiguous().numpy()).save(path))
 
 
 def save_strip(frames: torch.Tensor, path: Path) -> Path:
@@ -37,7 +38,17 @@ def save_strip(frames: torch.Tensor, path: Path) -> Path:
     from PIL import Image
 
     grid = frames.permute(2, 0, 3, 1).reshape(frames.shape[2], -1, 3).contiguous().numpy()  # H, N*W, 3
-    Image.fromarray(grid).save(path)
+    return _save(path, lambda: Image.fromarray(grid).save(path))
+
+
+def _save(path: Path, write) -> Path:
+    """Run `write()`, which writes `path`. A failure to write (disk full, file too large, ...) removes what it left
+    and raises `OutputWriteError` naming the file, as `omniroll.files.write_bytes` does."""
+    try:
+        write()
+    except OSError as e:
+        Path(path).unlink(missing_ok=True)
+        raise OutputWriteError(str(path), e) from e
     return path
 
 
@@ -51,25 +62,27 @@ def save_video(frames: torch.Tensor, stem: Path, fps: int) -> Path:
         import av
 
         path = stem.with_suffix(".mp4")
-        with av.open(str(path), mode="w") as container:
-            stream = container.add_stream("libx264", rate=int(fps))
-            # yuv420p needs even sizes: pad by one row / column (edge pixels) where needed
-            h, w = hwc[0].shape[:2]
-            stream.height, stream.width, stream.pix_fmt = h + h % 2, w + w % 2, "yuv420p"
-            for img in hwc:
-                img = np.pad(img, ((0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-                for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                    container.mux(packet)
-            for packet in stream.encode():
-                container.mux(packet)
-        return path
+        return _save(path, lambda: _encode_mp4(av, path, hwc, fps))
     from PIL import Image
 
     path = stem.with_suffix(".webp")
     images = [Image.fromarray(img) for img in hwc]
-    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0,
-                   lossless=True)
-    return path
+    return _save(path, lambda: images[0].save(path, save_all=True, append_images=images[1:],
+                                              duration=max(1, round(1000 / fps)), loop=0, lossless=True))
+
+
+def _encode_mp4(av, path: Path, hwc: list, fps: int) -> None:
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=int(fps))
+        # yuv420p needs even sizes: pad by one row / column (edge pixels) where needed
+        h, w = hwc[0].shape[:2]
+        stream.height, stream.width, stream.pix_fmt = h + h % 2, w + w % 2, "yuv420p"
+        for img in hwc:
+            img = np.pad(img, ((0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
 
 
 def save_sample(pixels: torch.Tensor, stem: Path, fps: int = 16) -> list[Path]:

@@ -45,7 +45,7 @@ def run(args) -> int:
         del args.n
     cfg = build_config(args)
     prompts = read_prompts(args)
-    preflight(cfg, prompts, validate=args.validate)
+    preflight(cfg, prompts)
     n = cfg.val_kwargs.n if args.validate else cfg.n
     batch = asyncio.run(run_rollout(cfg, prompts, n=n, out_dir=args.out, progress=not args.quiet,
                                     validate=args.validate))

@@ -1,8 +1,9 @@
 """`omniroll train --config CFG --out DIR [--steps N] [--resume DIR]`: Flow-GRPO on local Ray (`FlowGRPOTrainer`).
 
 The config (with its `trainer` section) is validated before Ray starts: a bad key fails at once, named. One line per
-step above a progress bar over steps. Ctrl-C writes the checkpoint of the last completed step and exits 130 (an update
-and its weight sync are never cut in half). Writes to DIR: metrics.jsonl, reward_curve.png, val_before.png /
+step above a progress bar over steps (the bar only on a terminal: in a log file, one clean line per step). Trackers:
+`trainer.logger` (omniroll.train.tracking). Ctrl-C writes the checkpoint of the last completed step and exits 130
+(an update and its weight sync are never cut in half). Writes to DIR: metrics.jsonl, reward_curve.png, val_before.png /
 val_after.png (ODE grids of the fixed validation prompts and seeds), checkpoints/step_N/ (LoRA in PEFT's
 save_pretrained format, trainer_state.pt), checkpoints/latest.
 """
@@ -21,7 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="train until this step (default: trainer.steps)")
     p.add_argument("--resume", default=None, help="a run directory (its latest checkpoint) or a checkpoint directory (default: none, a fresh run)")
     p.add_argument("--override", action="append", help="dotted config override, e.g. trainer.lr=0.001 (repeatable; default: none)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stdout and stderr "
+                   "are a terminal)")
 
 
 def run(args) -> int:
@@ -29,26 +31,42 @@ def run(args) -> int:
     from omniroll.cli.common import env_overrides, preflight
     from omniroll.config import load_config
 
+    # the bar only when both streams are a terminal: in a log file (CI, nohup) one clean line per step
+    bar = not args.quiet and sys.stdout.isatty() and sys.stderr.isatty()
+    if not bar:  # nor the model-loading bars of diffusers / transformers (their public switches)
+        import diffusers.utils.logging
+        import transformers.utils.logging
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+
     # names the bad key; nothing has started yet ($OMNIROLL_OVERRIDES applies last, as for every command)
     cfg = load_config(args.config, overrides=(args.override or []) + env_overrides())
     if cfg.trainer is None:
         raise UserError(f"{args.config}: no trainer section (see examples/train.yaml)")
-    preflight(cfg, cfg.trainer.all_prompts(), validate=True)  # model, resolution, text length, reward functions
+    preflight(cfg, cfg.trainer.all_prompts())  # the model (the config checked its limits and the rewards)
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
-    if args.resume:
-        from omniroll.train.artifacts import find_checkpoint
+    from omniroll.train.tracking import check_loggers
 
-        find_checkpoint(args.resume)  # a bad --resume fails before Ray starts too
+    check_loggers(cfg.trainer.logger)  # a named tracker that is not installed: its pip command, before Ray starts
+    if args.resume:
+        from omniroll.train.artifacts import find_checkpoint, read_trainer_state
+
+        read_trainer_state(find_checkpoint(args.resume))  # a bad --resume fails before Ray starts too (never unpickled)
 
     from tqdm import tqdm
 
     from omniroll.train.trainer import FlowGRPOTrainer
 
-    trainer = FlowGRPOTrainer(cfg, args.out, resume=args.resume, log=lambda s: tqdm.write(s, file=sys.stdout))
+    def log(line: str) -> None:
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    trainer = FlowGRPOTrainer(cfg, args.out, resume=args.resume, log=log)
     try:
         with trainer:
-            trainer.train(args.steps, progress=not args.quiet)
+            trainer.train(args.steps, progress=bar)
     except KeyboardInterrupt:
         print(f"\nomniroll train: interrupted; checkpoint of step {trainer.step_done} in "
               f"{os.path.join(args.out, 'checkpoints')} (continue with --resume {args.out})", file=sys.stderr)

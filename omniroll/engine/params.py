@@ -62,6 +62,11 @@ class SamplingParams(BaseModel):
     output_type: OutputType = "pixel"
     latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v, info):
+        return refuse_bool_as_number(cls, v, info)
+
     @model_validator(mode="after")
     def _check_window(self):
         sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
@@ -126,6 +131,18 @@ class GenerationRequest(BaseModel):
             return self.negative_prompt_token_ids
         return self.negative_prompt or ""
 
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v, info):
+        return refuse_bool_as_number(cls, v, info)
+
+    @field_validator("prompt", "negative_prompt", mode="before")
+    @classmethod
+    def _text_not_bytes(cls, v):
+        if isinstance(v, (bytes, bytearray)):
+            raise ValueError(f"must be text (str), got {type(v).__name__}: decode it first")
+        return v
+
     @field_validator("prompt", "negative_prompt")
     @classmethod
     def _check_encodable(cls, v):
@@ -134,6 +151,14 @@ class GenerationRequest(BaseModel):
             if reason is not None:
                 raise ValueError(reason)
         return v
+
+
+def refuse_bool_as_number(model: type[BaseModel], value, info):
+    """`True` / `False` given for a numeric field is refused, not read as 1 / 0 (pydantic's lax mode would)."""
+    annotation = str(model.model_fields[info.field_name].annotation)
+    if isinstance(value, bool) and "bool" not in annotation:
+        raise ValueError(f"must be a number, got the bool {value!r}")
+    return value
 
 
 def unencodable_reason(text: str) -> Optional[str]:

@@ -12,7 +12,7 @@ Combination (flow_grpo's `multi_score` convention): `score = sum(weight * compon
 Failure policy, per row (never a silent 0):
 
 - a function that raises, times out, returns the wrong number of values, or a value that is not a finite number
-  (NaN, Inf, `True` / `False`, a string) is
+  (NaN, Inf, `True` / `False`, a string, or an exception instance: that row's own error) is
   retried (only on the rows that failed) up to `max_retries` times;
 - still failing and `required` -> the row is `status="failed"`, `score=None`, `error` names the function;
 - still failing and not required -> the row is `status="flagged"`, that component is `None`, its error is in
@@ -32,9 +32,9 @@ import time
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from omniroll.reward.scorers import build_scorer, is_async_callable
+from omniroll.reward.scorers import build_scorer, is_async_callable, scorer_problems
 from omniroll.reward.types import RewardResult, RewardSample
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -60,6 +60,16 @@ class RewardFunctionConfig(BaseModel):
         if isinstance(v, str) and not v.strip():
             raise ValueError("fn must be a non-empty string or a callable")
         return v
+
+    @model_validator(mode="after")
+    def _check_resolves(self):
+        """`fn` resolves and `kwargs` fit it (module imported, model paths exist), before anything is built."""
+        problems = scorer_problems(self.fn, self.kwargs)
+        if self.per_sample and isinstance(self.fn, str) and ":" not in self.fn:
+            problems.append(f"per_sample: applies to user functions only, not to the builtin scorer {self.fn!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class RewardConfig(BaseModel):
@@ -113,8 +123,11 @@ class _Outcome:
 
 
 def _coerce(value: Any) -> tuple[Optional[float], dict, Optional[str]]:
-    """One scorer output -> (score, extras, error)."""
+    """One scorer output -> (score, extras, error). An exception instance is that row's error (a scorer that cannot
+    score one row of a batch returns it in the row's place, and the other rows keep their scores)."""
     extras = {}
+    if isinstance(value, BaseException):
+        return None, extras, f"{type(value).__name__}: {value}"
     if isinstance(value, dict):
         if "score" not in value:
             return None, {}, f"returned a dict without 'score' (keys {sorted(value)[:8]})"

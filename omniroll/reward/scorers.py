@@ -18,8 +18,10 @@ from typing import Any, Awaitable, Callable, Sequence, Union
 import numpy as np
 from PIL import Image
 
+from omniroll.reward.clip import AestheticScorer, ClipScoreScorer, PickScoreScorer
 from omniroll.reward.colour import prompt_colour
 from omniroll.reward.http import HttpScorer, decode_png_batch, decode_safetensors_batch
+from omniroll.reward.ocr import OcrScorer
 from omniroll.reward.types import RewardSample
 
 ScoreValue = Union[float, dict]
@@ -39,6 +41,7 @@ __all__ = [
     "load_function",
     "per_sample_to_batch",
     "register_scorer",
+    "scorer_problems",
 ]
 
 
@@ -127,11 +130,15 @@ def load_function(spec: str, per_sample: bool = False) -> Callable:
 
 # ------------------------------------------------------------------------------------------------------ registry
 def _no_kwargs(name: str, fn: Scorer) -> Callable[..., Scorer]:
+    def check_kwargs(kwargs: dict) -> list[str]:
+        return [f"kwargs: reward scorer {name!r} takes no kwargs, got {sorted(kwargs)}"] if kwargs else []
+
     def factory(**kwargs):
         if kwargs:
             raise ValueError(f"reward scorer {name!r} takes no kwargs, got {sorted(kwargs)}")
         return fn
 
+    factory.check_kwargs = check_kwargs
     return factory
 
 
@@ -140,6 +147,10 @@ SCORER_REGISTRY: dict[str, Callable[..., Scorer]] = {
     "jpeg_incompressibility": _no_kwargs("jpeg_incompressibility", jpeg_incompressibility),
     "http": HttpScorer,
     "prompt_colour": _no_kwargs("prompt_colour", prompt_colour),
+    "ocr": OcrScorer,
+    "pickscore": PickScoreScorer,
+    "clip_score": ClipScoreScorer,
+    "aesthetic": AestheticScorer,
 }
 
 
@@ -150,6 +161,38 @@ def register_scorer(name: str, factory: Callable[..., Scorer], overwrite: bool =
     if name in SCORER_REGISTRY and not overwrite:
         raise ValueError(f"scorer {name!r} is already registered (pass overwrite=True to replace it)")
     SCORER_REGISTRY[name] = factory
+
+
+def scorer_problems(fn: Union[str, Callable], kwargs: dict | None = None) -> list[str]:
+    """What is wrong with a reward function's `fn` and `kwargs`, found without building it (no model is loaded):
+    an unknown registry name, a 'module:function' that does not import, kwargs the factory does not take or lacks
+    (`http` without `url`), and the factory's own `check_kwargs(kwargs)` (paths of model directories). One line per
+    problem, each starting with the key (`fn: ...`, `kwargs.model_dir: ...`)."""
+    kwargs = dict(kwargs or {})
+    if isinstance(fn, str) and ":" not in fn:
+        if fn not in SCORER_REGISTRY:
+            return [f"fn: unknown reward function {fn!r} (expected one of {sorted(SCORER_REGISTRY)} or "
+                    f"'module:function')"]
+        obj, factory = SCORER_REGISTRY[fn], True
+    elif isinstance(fn, str):
+        try:
+            obj = load_function(fn)
+        except ValueError as e:
+            return [f"fn: {e}"]
+        factory = inspect.isclass(obj)
+    else:
+        obj, factory = fn, inspect.isclass(fn)
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        sig = None
+    if sig is not None and (factory or kwargs):
+        try:
+            sig.bind(**kwargs) if factory else sig.bind_partial(**kwargs)
+        except TypeError as e:
+            return [f"kwargs: {e}"]
+    check = getattr(obj, "check_kwargs", None)
+    return list(check(kwargs)) if callable(check) else []
 
 
 def build_scorer(fn: Union[str, Callable], kwargs: dict | None = None, per_sample: bool = False) -> Scorer:

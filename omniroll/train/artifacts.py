@@ -44,6 +44,28 @@ def find_checkpoint(path: str) -> str:
                             f"checkpoints/latest")
 
 
+TRAINER_STATE_KEYS = ("step", "version", "optimizer", "mode")
+
+
+def read_trainer_state(ckpt: str) -> dict:
+    """A checkpoint's trainer_state.pt, loaded with `weights_only=True`: tensors and plain containers only, so a
+    resume directory cannot run code (a pickle that would is refused). ValueError naming the file otherwise."""
+    import pickle
+
+    path = os.path.join(ckpt, "trainer_state.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"--resume {path}: refused: not loadable as plain tensors and containers (weights_only), "
+                         f"so it was not unpickled; it is not an omniroll checkpoint, or one from an older "
+                         f"version: start a fresh run ({first})") from None
+    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"--resume {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
+    return state
+
+
 def save_val_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: int = 2) -> None:
     """uint8 [rows * cols, 3, H, W] -> one PNG, a row per prompt (nearest-neighbour upscaled by `scale`)."""
     from PIL import Image

@@ -29,6 +29,7 @@ from omniroll.sampling.window import window_for_step
 from omniroll.train import artifacts
 from omniroll.train.grpo import group_advantages
 from omniroll.train.policy import Policy
+from omniroll.train.tracking import Tracker
 from omniroll.train.trajectory import TrajectoryBatch
 from omniroll.train.update import train_on_batch
 
@@ -62,6 +63,8 @@ class FlowGRPOTrainer:
         self._critical = False
         self._checkpointing = False
         self._threads_before: Optional[int] = None
+        self.tracker: Optional[Tracker] = None
+        self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "FlowGRPOTrainer":
@@ -89,6 +92,7 @@ class FlowGRPOTrainer:
                                            weight_decay=self.tc.weight_decay)
         if self.resume_from:
             self._load(self.resume_from)
+        self.tracker = Tracker(self.config, self.out_dir, self._tracking_state, log=self.log)
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
         self.replicas = create_replicas(cfg.replicas.count, model, cfg.engine.engine_kwargs(),
@@ -121,6 +125,9 @@ class FlowGRPOTrainer:
 
         kill_replicas(self.replicas)
         self.replicas = []
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -170,7 +177,7 @@ class FlowGRPOTrainer:
                 signal.signal(signal.SIGINT, old)
             if bar is not None:
                 bar.close()
-            artifacts.plot_rewards(self.history_all(), os.path.join(self.out_dir, "reward_curve.png"))
+            artifacts.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"))
         return self.history
 
     def _on_sigint(self, signum, frame) -> None:
@@ -230,8 +237,7 @@ class FlowGRPOTrainer:
                  "rollout_s": max(last_gen - wall0, 0.0), "reward_wait_s": max(wall_back - last_gen, 0.0),
                  "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0}
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
-            artifacts.append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), m)
-            self.log(artifacts.format_step(m, self.tc.steps))
+            self.tracker.log_step(m, out)  # the step line, metrics.jsonl, trackers (trainer.logger)
         return m
 
     def _rollout(self, step: int) -> DataBatch:
@@ -266,6 +272,7 @@ class FlowGRPOTrainer:
         score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
         rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
         artifacts.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
+        self.tracker.log_validation(tag, self.step_done, out, score, path)
         self.log(f"validation {tag}: reward {score:.4f} -> {path}" if score is not None else f"validation {tag}")
         return rec
 
@@ -273,19 +280,21 @@ class FlowGRPOTrainer:
         path = os.path.join(self.out_dir, "checkpoints", f"step_{self.step_done:06d}")
         self.policy.save(path)
         torch.save({"step": self.step_done, "version": self.version, "optimizer": self.optimizer.state_dict(),
-                    "mode": self.tc.mode, "config": self.config.model_dump(mode="json")},
+                    "mode": self.tc.mode, "config": self.config.model_dump(mode="json"),
+                    "tracking": self.tracker.state(self.step_done) if self.tracker else None},
                    os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(self.out_dir, "checkpoints", "latest"), "w") as f:
             f.write(os.path.basename(path) + "\n")
         return path
 
     def _load(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        state = artifacts.read_trainer_state(path)  # weights_only: a resume directory cannot run code
         if state["mode"] != self.tc.mode:
             raise ValueError(f"trainer.mode: the checkpoint {path} was trained with mode {state['mode']!r}")
         self.policy.load(path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_done = int(state["step"])
+        self._tracking_state = state.get("tracking")
         self.log(f"resumed from {path} (step {self.step_done})")
 
     def history_all(self) -> list[dict]:

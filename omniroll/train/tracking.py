@@ -1,0 +1,234 @@
+"""Experiment tracking for `omniroll train`: verl's `trainer.logger` list over console, jsonl, tensorboard, wandb,
+swanlab and mlflow.
+
+    trainer:
+      logger: [console, jsonl, tensorboard, wandb]   # any subset; default [console, jsonl]
+      project_name: omniroll
+      experiment_name: null                          # default: {model}-{mode}-{YYYYmmdd-HHMMSS}
+      log_images_every: 10                           # training samples as captioned images (0: never)
+      log_images_count: 4
+
+What each step logs: every metric of the step line under a tracker name (`tracker_name`: `reward/mean`,
+`actor/clipfrac`, `timing/rollout_s`, ...; a key this table does not know keeps a prefix by its shape, never
+dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` when several reward functions are weighted, and the
+histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a few training samples
+(`train/samples`, one per prompt group, captioned `prompt | reward`); at every validation the samples
+(`val/samples`), the grid (`val/grid`) and `val/reward_mean`. Videos go as video where the backend has it.
+
+Console is the step line; jsonl is `metrics.jsonl` in the output directory. The other backends are optional extras
+(`pip install 'omniroll[tensorboard]'`, ...), imported only when named; `check_loggers` names a missing one with
+its pip command before anything starts. `Tracker.state()` (the backends' run ids) is kept in the checkpoint, so a
+resumed run continues the same tracker runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from omniroll.train import artifacts
+
+#: the backends are listed once, as `omniroll.config.LOGGERS`; these four are optional extras:
+#: backend -> (module that must import, what to pip install)
+_REQUIRES = {"tensorboard": ("tensorboard", "pip install 'omniroll[tensorboard]'  (or: pip install tensorboard)"),
+             "wandb": ("wandb", "pip install 'omniroll[wandb]'  (or: pip install wandb)"),
+             "swanlab": ("swanlab", "pip install 'omniroll[swanlab]'  (or: pip install swanlab)"),
+             "mlflow": ("mlflow", "pip install 'omniroll[mlflow]'  (or: pip install mlflow-skinny)")}
+
+_HINTS = {"wandb": " (no network or login: WANDB_MODE=offline)", "swanlab": " (no network: SWANLAB_MODE=offline)",
+          "mlflow": " (MLFLOW_TRACKING_URI; unset: a file store in the output directory)"}
+
+#: step-line keys -> tracker names (close to flow_grpo's and VeRL-Omni's)
+NAMES = {
+    "reward_mean": "reward/mean", "reward_std": "reward/std", "tied_groups": "reward/zero_std_groups",
+    "num_groups": "batch/num_groups", "num_samples": "batch/num_samples",
+    "ratio_max_abs_dev": "actor/ratio_max_abs_dev", "clip_frac": "actor/clipfrac", "approx_kl": "actor/approx_kl",
+    "loss": "actor/loss", "policy_loss": "actor/pg_loss", "kl": "actor/kl_loss", "grad_norm": "actor/grad_norm",
+    "optimizer_steps": "actor/optimizer_steps", "weight_version": "rollout/weight_version",
+    "synced_version": "rollout/synced_version",
+}
+#: a key these do not name gets a prefix by its shape (see `tracker_name`)
+_ASYNC_PREFIXES = ("staleness", "off_policy", "stale", "async", "partial", "min_weight_version",
+                   "max_weight_version", "dropped")
+
+
+def check_loggers(names: list[str]) -> None:
+    """ValueError naming `trainer.logger` and the pip command for each named backend that does not import."""
+    problems = [f"trainer.logger: {name!r} is not installed: {_REQUIRES[name][1]}" for name in names
+                if name in _REQUIRES and importlib.util.find_spec(_REQUIRES[name][0]) is None]
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def tracker_name(key: str) -> str:
+    """The tracker name of a step-line key: the table above; else kept if it already has a '/'; `*_s` under timing/;
+    staleness / off-policy / async keys under async/; `val_*` under val/; anything else under train/."""
+    if key in NAMES:
+        return NAMES[key]
+    if "/" in key:
+        return key
+    if key.endswith("_s"):
+        return f"timing/{key}"
+    if key.startswith(_ASYNC_PREFIXES):
+        return f"async/{key}"
+    if key.startswith("val_"):
+        return f"val/{key[4:]}"
+    return f"train/{key}"
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """Every number of a step record under its tracker name (bools as 0/1; nested dicts flattened with '/';
+    strings, lists and None are not scalars), plus the ratios derived from them."""
+    out: dict[str, float] = {}
+
+    def add(name: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                add(f"{name}/{k}", v)
+        elif isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+            out[name] = float(value)
+
+    for key, value in record.items():
+        if key != "step":
+            add(tracker_name(key), value)
+    if record.get("num_groups"):
+        out["reward/zero_std_ratio"] = record.get("tied_groups", 0) / record["num_groups"]
+    if record.get("num_samples") and record.get("step_s"):
+        out["perf/samples_per_s"] = record["num_samples"] / record["step_s"]
+    return out
+
+
+def reward_function_means(batch: Any) -> dict[str, float]:
+    """`reward/<fn>/mean` of each reward function when several are weighted (each function's own score)."""
+    keys = list(batch.meta_info.get("reward_extra_keys") or [])
+    if len(keys) < 2:
+        return {}
+    out = {}
+    for k in keys:
+        vals = [float(v) for v in batch.non_tensor_batch[k] if v is not None]
+        if vals:
+            out[f"reward/{k}/mean"] = float(np.mean(vals))
+    return out
+
+
+def default_experiment_name(config: Any) -> str:
+    model = os.path.basename(os.path.normpath(str(config.engine.model))) or "model"
+    return f"{model}-{config.trainer.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def samples_of(batch: Any, count: int, one_per_group: bool = True) -> list[tuple[np.ndarray, str]]:
+    """Up to `count` (pixels, caption) pairs of a batch: uint8 HWC images or THWC videos, `prompt | reward`."""
+    if count <= 0 or "responses" not in batch.batch.keys():
+        return []
+    pixels = batch.batch["responses"]
+    prompts = list(batch.non_tensor_batch.get("raw_prompt", [""] * len(pixels)))
+    uids = list(batch.non_tensor_batch.get("uid", range(len(pixels))))
+    scores = batch.batch["rm_scores"][:, 0].tolist() if "rm_scores" in batch.batch.keys() else None
+    rows, seen = [], set()
+    for i, uid in enumerate(uids):
+        if (uid not in seen or not one_per_group) and len(rows) < count:
+            rows.append(i)
+            seen.add(uid)
+    out = []
+    for i in rows:
+        px = pixels[i]
+        arr = (px.permute(1, 2, 0) if px.dim() == 3 else px.permute(0, 2, 3, 1)).contiguous().numpy()
+        caption = str(prompts[i]) + (f" | {scores[i]:.4f}" if scores is not None else "")
+        out.append((arr.astype(np.uint8), caption))
+    return out
+
+
+class Tracker:
+    """The loggers of one run. `log_step` / `log_validation` from the trainer; `state()` into the checkpoint."""
+
+    def __init__(self, config: Any, out_dir: str, resume_state: Optional[dict] = None,
+                 log: Callable[[str], None] = print):
+        tc = config.trainer
+        check_loggers(list(tc.logger))
+        state = dict(resume_state or {})
+        self.names = list(tc.logger)
+        self.total_steps = tc.steps
+        self.images_every, self.images_count = tc.log_images_every, tc.log_images_count
+        self.fps = config.pipeline.fps
+        self.out_dir = out_dir
+        self.log = log
+        self.project = tc.project_name
+        self.experiment = tc.experiment_name or state.get("experiment_name") or default_experiment_name(config)
+        self.backends: dict[str, Any] = {}
+        if any(n in _REQUIRES for n in self.names):
+            from omniroll.train import tracking_backends as tb
+
+            info = tb.RunInfo(project=self.project, experiment=self.experiment, out_dir=out_dir,
+                              config=config.model_dump(mode="json"), resume_step=int(state.get("step", 0)))
+            for name in self.names:
+                if name in _REQUIRES:
+                    try:
+                        self.backends[name] = tb.BACKENDS[name](info, state.get(f"{name}_run_id"))
+                    except Exception as e:  # noqa: BLE001 - e.g. wandb online without a login: one line, named
+                        self.close()
+                        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                        raise ValueError(f"trainer.logger: {name} could not start its run: {type(e).__name__}: "
+                                         f"{first}{_HINTS.get(name, '')}") from e
+
+    # ------------------------------------------------------------------ what the trainer calls
+    def log_step(self, m: dict, batch: Any = None) -> None:
+        """One training step: the step line (console), metrics.jsonl, and every backend's scalars, reward histogram
+        and, every `log_images_every` steps, a few captioned training samples."""
+        step = int(m["step"])
+        extra = reward_function_means(batch) if batch is not None else {}
+        if "console" in self.names:
+            self.log(artifacts.format_step(m, self.total_steps))
+        if "jsonl" in self.names:
+            artifacts.append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), {**m, **extra})
+        if not self.backends:
+            return
+        values = {**scalars(m), **extra}
+        rewards = (batch.batch["rm_scores"][:, 0].float().numpy()
+                   if batch is not None and "rm_scores" in batch.batch.keys() else None)
+        media = (samples_of(batch, self.images_count)
+                 if batch is not None and self.images_every and step % self.images_every == 0 else [])
+        for b in self.backends.values():
+            b.log_scalars(values, step)
+            if rewards is not None and len(rewards):
+                b.log_histogram("reward/hist", rewards, step)
+            if media:
+                b.log_media("train/samples", media, step, self.fps)
+
+    def log_validation(self, tag: str, step: int, batch: Any, score: Optional[float], grid_path: Optional[str],
+                       max_images: int = 16) -> None:
+        """A validation: `val/reward_mean`, the samples captioned `prompt | reward` and the grid image."""
+        if not self.backends:
+            return
+        media = samples_of(batch, max_images, one_per_group=False)
+        grid = None
+        if grid_path and os.path.isfile(grid_path):
+            from PIL import Image
+
+            grid = [(np.asarray(Image.open(grid_path).convert("RGB")), f"validation {tag} (step {step})")]
+        for b in self.backends.values():
+            if score is not None and math.isfinite(score):
+                b.log_scalars({"val/reward_mean": float(score)}, step)
+            if media:
+                b.log_media("val/samples", media, step, self.fps)
+            if grid:
+                b.log_media("val/grid", grid, step, self.fps)
+
+    def state(self, step: int) -> dict:
+        """What a checkpoint keeps so that a resumed run continues the same tracker runs."""
+        out: dict[str, Any] = {"project_name": self.project, "experiment_name": self.experiment, "step": step}
+        for name, b in self.backends.items():
+            out[f"{name}_run_id"] = b.run_id
+        return out
+
+    def close(self) -> None:
+        for name, b in list(self.backends.items()):
+            try:
+                b.close()
+            except Exception as e:  # noqa: BLE001 - a tracker that fails to flush must not hide the run's result
+                self.log(f"trainer.logger: {name} did not close cleanly: {type(e).__name__}: {e}")
+        self.backends = {}
