@@ -28,7 +28,9 @@ pooled width; absent keys are absent for the whole file):
 
 Metadata (safetensors string metadata, JSON values): `format` ("omniroll.trajectory/1"); `non_tensor_batch` (per-row
 lists: `raw_prompt`, `uid`, `_group_index`, `request_id`, `seed`, `sde_type`, `sampling_params` (each row's
-SamplingParams as given), `weight_version`, `status`, `error`, reward info, ...); `meta_info` (the batch's
+SamplingParams as given), `weight_version`, `step_weight_versions` (W ints: the weight version that ran each
+recorded step; recompute step k under it), `min_weight_version`, `max_weight_version`, `status`, `error`, reward
+info, ...); `meta_info` (the batch's
 JSON-able meta, e.g. `global_steps`, weight versions); `run` (command, model, device, dtype, batch invariance,
 seed base, package versions: `omniroll.files.run_info`).
 

@@ -37,6 +37,7 @@ def test_generate_health_and_bad_fields(engine):
     body = ok.json()
     img = Image.open(io.BytesIO(base64.b64decode(body["image_png_base64"])))
     assert img.size == (64, 64) and len(body["log_probs"]) == 1 and body["trajectory"]["sde_window"] == [0, 1]
+    assert body["trajectory"]["step_weight_versions"] == [0]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.height"
     assert extra.status_code == 400 and extra.json()["error"]["param"] == "bogus"
     assert health.json() == {"ok": True, "status": "ok"} and stats.json()["served"] >= 1

@@ -1,5 +1,11 @@
-"""The engine's control calls: weight updates, LoRA, sleep and wake, relabelling the weight version. Each runs on
-the engine thread between two denoising steps (`call_between_steps`).
+"""The engine's control calls: pausing generation, and the weight updates, LoRA, sleep and wake, relabelling the
+weight version. Each runs on the engine thread between two denoising steps (`call_between_steps`).
+
+Two sync policies for the samples in flight when a weight update arrives (`update_weights_from_ipc(partial=...)`):
+`partial=False` (the default) quiesces (below): no sample spans two versions; `partial=True` lands the update between
+two denoising steps and the samples in flight continue with the new weights, each recording the version of every
+step (`step_weight_versions`, see engine/packaging.py). `pause_generation(after_steps=k)` / `wait_for_pause` /
+`resume_generation` (engine/pause.py) make "the update lands after step k" a deterministic schedule.
 
 `ControlCalls` is a mixin of `DiffusionEngine` (the engine's public API keeps one class). Around
 `engine/lifecycle.py` it adds one control call at a time (a lock, with the caller's timeout), a deadline for the
@@ -18,7 +24,9 @@ from typing import Any, Callable, Optional
 
 from omniroll.engine.inbox import Inbox
 from omniroll.engine.lifecycle import SLEEP_LEVELS, Lifecycle
+from omniroll.engine.pause import StepPause
 from omniroll.engine.prompt_cache import PromptCache
+from omniroll.engine.scheduler import Scheduler
 
 
 def check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
@@ -43,34 +51,88 @@ class ControlCalls:
     wait_idle: Callable[[float], bool]
     abort_running: Callable[[], list[str]]
     fail_waiting: Callable[[BaseException], None]
+    scheduler: Scheduler
+    steps_run: int
 
     def _init_controls(self) -> None:
         self._control_lock = threading.Lock()  # one control call (update, LoRA, sleep, wake) at a time
         self._control_op: Optional[str] = None
+        self._pause = StepPause()  # pause_generation / resume_generation (engine/pause.py); the loop reads it
+
+    def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
+        """Run `after_steps` more denoising steps (forwards of the engine; 0: none), then pause: no step runs until
+        `resume_generation()`, or until `timeout_s` has passed since the pause began (then generation resumes by
+        itself: nothing hangs). Samples in flight keep their state (nothing is aborted), new requests queue, control
+        calls still run: a `partial=True` weight update sent while paused lands after exactly those steps. Returns
+        once armed (see `wait_for_pause`); arming again replaces the previous pause. A `partial=False` update while
+        paused cannot drain the paused samples (it aborts them after its `drain_timeout_s`)."""
+        if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 0:
+            raise ValueError(f"after_steps must be an int >= 0, got {after_steps!r}")
+        timeout_s = check_seconds("timeout_s", timeout_s)
+
+        def arm():
+            self._pause.arm(after_steps, timeout_s)
+            return {**self._pause.state(), "steps": self.steps_run}
+
+        return self.call_between_steps(arm, 60.0, op="pause_generation")
+
+    def wait_for_pause(self, timeout_s: float = 60.0) -> dict:
+        """Block until the pause armed by `pause_generation` has begun; TimeoutError if it has not within `timeout_s`
+        (e.g. fewer steps ran than it waits for). Returns the engine's step count and the running request ids."""
+        timeout_s = check_seconds("timeout_s", timeout_s)
+        self.inbox.check_open("wait_for_pause")
+        if not self._pause.began.wait(timeout_s):
+            raise TimeoutError(f"wait_for_pause: no pause began within {timeout_s:g}s ({self._pause.state()})")
+        return self.call_between_steps(
+            lambda: {"paused": self._pause.paused, "steps": self.steps_run,
+                     "running": [s.request_id for s in self.scheduler.running]}, timeout_s, op="wait_for_pause")
+
+    def resume_generation(self, timeout_s: float = 60.0) -> dict:
+        """End the pause (or disarm one that has not begun); returns whether generation was paused."""
+        return self.call_between_steps(lambda: {"resumed": self._pause.resume()}, timeout_s, op="resume_generation")
 
     def set_weight_version(self, version: int, timeout_s: float = 60.0) -> dict:
-        """Samples admitted from now on record `version` (an int >= the current one; the weights do not change)."""
+        """Steps run from now on record `version` (an int >= the current one; the weights do not change)."""
         with self._control_call("set_weight_version", timeout_s) as deadline:
             return self.call_between_steps(lambda: self.lifecycle.set_version(version),
                                            self._left("set_weight_version", deadline), op="set_weight_version")
 
     def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
                                 use_shm: bool = False, *, manifest, buckets, version: int,
-                                name_map: Optional[Callable[[str], str]] = None, drain_timeout_s: float = 10.0,
-                                timeout_s: float = 600.0) -> dict:
+                                name_map: Optional[Callable[[str], str]] = None,
+                                drain_timeout_s: Optional[float] = 10.0, timeout_s: float = 600.0,
+                                partial: bool = False) -> dict:
         """Apply one update from a stream of named-tensor buckets (see omniroll.weights.WeightSender), as a
         transaction (see engine/lifecycle.py): version (an int > the current one), names, shapes and dtypes are
-        checked first, before anything is drained or aborted; values (finite) as they arrive; no sample is ever
-        produced from a partly updated model. With `peft_config` it is a LoRA update, else full weights. Every
-        sample admitted afterwards records `version`. Returns the acknowledgement (with the aborted request ids)."""
+        checked first, before anything is drained or aborted; values (finite) as they arrive; no step ever runs on
+        a partly updated model. With `peft_config` it is a LoRA update, else full weights. Every step run afterwards
+        records `version`. The samples in flight:
+          partial=False  none spans two versions: admission closes, running samples finish on the old weights for
+                         up to `drain_timeout_s` (None: for as long as `timeout_s` allows, and if some still run
+                         then, TimeoutError: nothing applied, nothing aborted), what still runs after it is aborted
+                         (acknowledged; the ack's "aborted" lists them), the update lands, admission reopens.
+          partial=True   nothing waits and nothing is aborted: the update lands between two denoising steps and the
+                         samples in flight continue from their current latent with the new weights (the ack's
+                         "continued" lists them); `drain_timeout_s` is unused.
+        Returns the acknowledgement."""
+        if not isinstance(partial, bool):
+            raise ValueError(f"partial must be a bool, got {partial!r}")
         op = "update_weights_from_ipc"
         with self._control_call(op, timeout_s) as deadline:
             update = self.lifecycle.prepare_update(manifest, peft_config, version, name_map, buckets, use_shm)
             if update.staged:
                 update.receive(buckets, use_shm)  # the engine keeps serving the old weights meanwhile
-                return self._quiesced(op, lambda: self.lifecycle.commit_update(update), drain_timeout_s, deadline)
-            return self._quiesced(op, lambda: self._apply_in_place(update, buckets, use_shm), drain_timeout_s,
-                                  deadline)
+
+                def land():
+                    return self.lifecycle.commit_update(update)
+            else:
+                def land():
+                    return self._apply_in_place(update, buckets, use_shm)
+            if partial:
+                return self.call_between_steps(
+                    lambda: {"aborted": [], "continued": [s.request_id for s in self.scheduler.running], **land()},
+                    self._left(op, deadline), op=op)
+            return self._quiesced(op, land, drain_timeout_s, deadline)
 
     def add_lora(self, request, version: Optional[int] = None, drain_timeout_s: float = 10.0,
                  timeout_s: float = 120.0) -> dict:
@@ -134,13 +196,20 @@ class ControlCalls:
             raise TimeoutError(f"{op} ran out of its timeout")
         return left
 
-    def _quiesced(self, op: str, fn: Callable[[], Any], drain_timeout_s: float, deadline: float) -> dict:
+    def _quiesced(self, op: str, fn: Callable[[], Any], drain_timeout_s: Optional[float], deadline: float) -> dict:
         """Close admission, let running requests finish for up to `drain_timeout_s`, abort the rest (acknowledged:
-        each comes back with stop_reason="aborted"), run `fn` between steps, reopen admission (also on error)."""
-        drain_timeout_s = check_seconds("drain_timeout_s", drain_timeout_s, allow_zero=True)
+        each comes back with stop_reason="aborted"), run `fn` between steps, reopen admission (also on error).
+        `drain_timeout_s=None`: wait until `deadline` for every running request; if some still run, TimeoutError
+        and nothing is aborted or run."""
+        wait_all = drain_timeout_s is None
+        if not wait_all:
+            drain_timeout_s = check_seconds("drain_timeout_s", drain_timeout_s, allow_zero=True)
         self.pause_admission(self._left(op, deadline), op=op)
         try:
-            self.wait_idle(min(time.monotonic() + drain_timeout_s, deadline))
+            self.wait_idle(deadline if wait_all else min(time.monotonic() + drain_timeout_s, deadline))
+            if wait_all and self.scheduler.running:
+                raise TimeoutError(f"{op}: {len(self.scheduler.running)} sample(s) still in flight when its timeout_s "
+                                   f"ran out (drain_timeout_s=None waits for all of them); nothing applied or aborted")
 
             def swap():
                 aborted = self.abort_running()

@@ -6,12 +6,11 @@ run on the loop thread between two denoising steps, so they never race a forward
 
 No call hangs: every control call has a finite default timeout and raises TimeoutError naming the operation; after
 `shutdown()` (or if the loop ever died) every call raises EngineShutdownError at once, and pending requests and
-control calls fail with it. An engine the program never shut down is shut down at interpreter exit (an atexit hook
-stops the loop after its current step and joins it), so a script may simply end.
-Requests and control calls reach the loop through the `Inbox` (`engine/inbox.py`). The weights and memory state
-is the `lifecycle` component (`engine/lifecycle.py`); the calls that change it are `engine/control.py`, which drains
-and aborts around them through public methods (`pause_admission`, `wait_idle`, `abort_running`, `resume_admission`).
-Finished samples wait for their decode block in `engine/decode_queue.py`; `engine/admission.py` checks requests.
+control calls fail with it. An engine never shut down is shut down at interpreter exit (an atexit hook).
+Requests and control calls reach the loop through `engine/inbox.py`; the weights and memory state is `lifecycle`
+(`engine/lifecycle.py`), changed by `engine/control.py` through public methods (`pause_admission`, `wait_idle`,
+`abort_running`, `resume_admission`); finished samples wait in `engine/decode_queue.py`; `engine/admission.py`
+checks requests.
 """
 
 from __future__ import annotations
@@ -61,6 +60,10 @@ def _shutdown_live_engines() -> None:
             pass
 
 
+def _failed(error: BaseException) -> Callable[[RequestState], BaseException]:
+    return lambda s: EngineError(f"request {s.request_id} failed: {error!r}")
+
+
 class DiffusionEngine(ControlCalls):
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
@@ -86,7 +89,7 @@ class DiffusionEngine(ControlCalls):
         self._thread_lock = threading.Lock()
         self._idle = threading.Condition()  # notified by the loop after each step (see `wait_idle`)
         self.admission_paused = False
-        self._init_controls()
+        self._init_controls()  # engine/control.py: the control-call lock and the step pause (`_pause`)
 
     @property
     def weight_version(self) -> int:
@@ -149,6 +152,7 @@ class DiffusionEngine(ControlCalls):
             "weights_unusable": self.lifecycle.unusable,
             "lora": self.lifecycle.active_lora,
             "shut_down": self.inbox.closed is not None,
+            **self._pause.state(),
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
             "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
@@ -232,10 +236,6 @@ class DiffusionEngine(ControlCalls):
             s.on_done(None, result) if isinstance(result, BaseException) else s.on_done(result, None)
         return [s.request_id for s in states]
 
-    @staticmethod
-    def _failed(error: BaseException) -> Callable[[RequestState], BaseException]:
-        return lambda s: EngineError(f"request {s.request_id} failed: {error!r}")
-
     def _aborted(self, state: RequestState) -> DiffusionOutput:
         return aborted_output(state, self.weight_version)
 
@@ -304,7 +304,7 @@ class DiffusionEngine(ControlCalls):
 
     def _run_loop(self) -> None:
         while True:
-            taken = self.inbox.take(busy=self._runnable)
+            taken = self.inbox.take(busy=self._runnable, wait_s=self._pause.seconds_left)
             if taken is None:
                 return
             arrivals, controls = taken
@@ -324,6 +324,8 @@ class DiffusionEngine(ControlCalls):
     def _runnable(self) -> bool:
         if not self.lifecycle.can_step:
             return False  # requests wait (asleep_policy="wait") until wake_up and, after level 2, a weight sync
+        if self._pause.paused:
+            return False  # samples in flight keep their state until resume_generation
         if self.admission_paused:
             return bool(self.scheduler.running)
         return self.scheduler.has_work()
@@ -332,19 +334,19 @@ class DiffusionEngine(ControlCalls):
         try:
             self.step()
         except Exception as e:  # noqa: BLE001 - a bug outside the per-batch guards: fail loudly, lose nothing
-            self._settle(self.scheduler.drain_all(), self._failed(e))
+            self._settle(self.scheduler.drain_all(), _failed(e))
 
     def _fail(self, states: list[RequestState], error: BaseException) -> None:
         """Fail these requests (and only these) with `error`."""
         self.scheduler.finish(states)
-        self._settle(states, self._failed(error))
+        self._settle(states, _failed(error))
 
     def step(self) -> list[DiffusionOutput]:
         """Admit, run one denoising step for one batch, finish what completed. Returns finished outputs."""
         if not self.admission_paused:
             admitted = self.scheduler.admit()
             for s in admitted:
-                s.weight_version = self.weight_version  # admission fixes the weights a sample is made with
+                s.admitted_version = self.weight_version
             if admitted:
                 try:
                     self._encode(admitted)
@@ -353,12 +355,15 @@ class DiffusionEngine(ControlCalls):
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        for s in batch:
+            s.running_version = self.weight_version  # recorded per step: an update may land between two steps
         try:
             self.runner.step(batch)
         except Exception as e:  # noqa: BLE001 - fails the rows of this forward only
             self._fail(batch, e)
             return []
         self.steps_run += 1
+        self._pause.count_step()
         self.rows_run += sum(s.num_rows for s in batch)
         finished = [s for s in batch if s.done]
         if finished:
@@ -384,7 +389,7 @@ class DiffusionEngine(ControlCalls):
         try:
             decoded = self.runner.decode(torch.stack([s.latents for s in states]))
         except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
-            self._settle(states, self._failed(e))
+            self._settle(states, _failed(e))
             return []
         return [self._deliver(s, decoded[i]) for i, s in enumerate(states)]
 

@@ -94,11 +94,13 @@ class Inbox:
                     return s
         return None
 
-    def take(self, busy: Callable[[], bool]) -> Optional[tuple[list[RequestState], list[Control]]]:
-        """Everything queued, waiting first while nothing is queued and not `busy()`; None once closed."""
+    def take(self, busy: Callable[[], bool], wait_s: Callable[[], Optional[float]] = lambda: None
+             ) -> Optional[tuple[list[RequestState], list[Control]]]:
+        """Everything queued, waiting first while nothing is queued and not `busy()` (each wait at most `wait_s()`
+        seconds, None: until woken); None once closed."""
         with self._lock:
             while self.closed is None and not self._controls and not self._requests and not busy():
-                self._wakeup.wait()
+                self._wakeup.wait(wait_s())
             if self.closed is not None:
                 return None
             return self._take_locked()

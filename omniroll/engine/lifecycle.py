@@ -2,7 +2,7 @@
 serve. A component the engine owns (`engine.lifecycle`); it holds no reference to the engine.
 
 State (explicit, nothing else):
-  version        the weight version every admitted sample records (0: the checkpoint's weights)
+  version        the weight version every step run now records (0: the checkpoint's weights)
   asleep_level   0 awake, 1 weights offloaded to host memory, 2 the denoiser's weights dropped
   unusable       None, or why the denoiser's weights cannot serve: dropped by sleep(level=2), or an in-place update
                  that failed midway. Cleared only by a complete full update.

@@ -61,7 +61,12 @@ class RequestState:
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
         self.uncond: Optional[Conditioning] = None
-        self.weight_version: Optional[int] = None  # the engine's weight version, set when the request is admitted
+        # Weight versions (see `engine/packaging.py` for what the output reports): the engine's version when the request
+        # was admitted, the version the engine runs its next step with (set by the engine before each step), and the
+        # version that ran each step so far (index = step index; a prefix follower copies its leader's).
+        self.admitted_version: Optional[int] = None
+        self.running_version: Optional[int] = None
+        self.step_versions: list[int] = []
         # Recorded over the SDE window (device tensors until the output is built).
         self.rec_latents: list[torch.Tensor] = []
         self.rec_log_probs: list[torch.Tensor] = []
@@ -113,7 +118,8 @@ class RequestState:
         return torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32, device=self.device)
 
     def advance(self, new_latents: torch.Tensor, log_prob: torch.Tensor) -> None:
-        """Apply one step's result; record it when the step is in the window."""
+        """Apply one step's result (and the weight version that ran it); record it when the step is in the window."""
+        self.step_versions.append(int(self.running_version or 0))
         if self.in_window:
             if not self.rec_latents:
                 self.rec_latents.append(self.latents)

@@ -123,14 +123,28 @@ class RolloutReplica:
     # timeout (TimeoutError naming the call) and raises EngineShutdownError at once after shutdown().
     async def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
                                       use_shm: bool = False, *, manifest, buckets, version: int,
-                                      drain_timeout_s: float = 10.0, timeout_s: float = 600.0) -> dict:
+                                      drain_timeout_s: Optional[float] = 10.0, timeout_s: float = 600.0,
+                                      partial: bool = False) -> dict:
         """The specification's RPC: a LoRA update when `peft_config` is given, else full weights, fed by buckets
         (in-process objects, Ray object refs, or a /dev/shm stream). A transaction: see
-        `DiffusionEngine.update_weights_from_ipc`. Returns the acknowledgement."""
+        `DiffusionEngine.update_weights_from_ipc` (`partial=True`: lands between two denoising steps, samples in
+        flight continue with the new weights). Returns the acknowledgement."""
         ack = await asyncio.to_thread(
             self.engine.update_weights_from_ipc, peft_config, base_sync_done, use_shm,
-            manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
+            manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
+            partial=partial)
         return {**ack, "replica_index": self.replica_index}
+
+    async def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
+        """`DiffusionEngine.pause_generation`: pause after `after_steps` more denoising steps, samples kept."""
+        return await asyncio.to_thread(self.engine.pause_generation, after_steps, timeout_s)
+
+    async def wait_for_pause(self, timeout_s: float = 60.0) -> dict:
+        """Returns once the armed pause has begun (TimeoutError otherwise)."""
+        return await asyncio.to_thread(self.engine.wait_for_pause, timeout_s)
+
+    async def resume_generation(self) -> dict:
+        return await asyncio.to_thread(self.engine.resume_generation)
 
     async def remove_lora(self, version: Optional[int] = None, timeout_s: float = 120.0) -> dict:
         return await asyncio.to_thread(self.engine.remove_lora, version, 10.0, timeout_s)

@@ -135,6 +135,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         if body.return_trajectory:
             resp["trajectory"] = {k: ef[k].tolist() for k in ("all_timesteps", "sigmas", "sigmas_next") if k in ef}
             resp["trajectory"]["sde_window"] = list(ef.get("sde_window", ()))
+            resp["trajectory"]["step_weight_versions"] = list(ef.get("step_weight_versions", ()))
         return resp
 
     async def rollout(body: RolloutBody, request: Request):

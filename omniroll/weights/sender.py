@@ -97,13 +97,29 @@ class WeightSender:
     def __del__(self) -> None:
         self.close()
 
-    def send(self, weights: Any, version: int, peft_config: dict | None = None) -> list[dict]:
+    def send(self, weights: Any, version: int, peft_config: dict | None = None, *, partial: bool = False,
+             wait_for_inflight: bool = False) -> list[dict]:
+        """Push ``weights`` as ``version`` to every target; returns their acks. The samples in flight on a target
+        (see ``DiffusionEngine.update_weights_from_ipc``): by default they finish on the old weights for up to the
+        target's drain timeout and what still runs then is aborted; ``wait_for_inflight=True``: the update waits for
+        all of them (up to this sender's ``timeout_s``), none is aborted; either way no sample spans two versions.
+        ``partial=True``: the update lands between two denoising steps and they continue with the new weights."""
+        for name, value in (("partial", partial), ("wait_for_inflight", wait_for_inflight)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        if partial and wait_for_inflight:
+            raise ValueError("partial=True and wait_for_inflight=True exclude each other: a partial update lands "
+                             "between two steps of the samples in flight, it does not wait for them")
         named, peft_config = named_tensors_for(weights, peft_config)
         dups = sorted(n for n, c in Counter(n for n, _ in named).items() if c > 1)
         if dups:
             raise WeightSyncError(f"duplicate tensor names: {', '.join(dups[:20])}")
         manifest = WeightManifest.from_named_tensors(named)
         kw = dict(peft_config=peft_config, base_sync_done=self.base_sync_done, manifest=manifest, version=version)
+        if partial:  # only when asked: targets without the policy (e.g. verl's server) keep working
+            kw["partial"] = True
+        if wait_for_inflight:
+            kw.update(drain_timeout_s=None, timeout_s=self.timeout_s)
         if self.transport == "shm":
             acks = self._send_shm(named, kw)
         elif self.transport == "ray":
