@@ -43,11 +43,14 @@ def test_calls_run_on_the_loop_and_close_fails_what_is_left():
     with pytest.raises(TimeoutError, match="slow did not finish within 0.05s"):
         inbox.call(lambda: None, timeout_s=0.05, op="slow")  # no loop takes it: it never runs
     inbox = Inbox()
+    assert inbox.wait_until(lambda: True, time.monotonic()) and not inbox.wait_until(lambda: False, 0.0)
+    idle = concurrent.futures.ThreadPoolExecutor(1).submit(inbox.wait_until, lambda: False, time.monotonic() + 30)
     inbox.add([_State("x")])
     waiting = concurrent.futures.ThreadPoolExecutor(1).submit(inbox.call, lambda: None, 30, "late")
     while not inbox._controls:  # noqa: SLF001 - wait until the call is queued
         time.sleep(0.001)
     inbox.close("shut down")
+    assert idle.result(timeout=30)  # a close wakes every waiter
     assert inbox.take(busy=lambda: True) is None
     assert [s.request_id for s in inbox.drain()] == ["x"]
     with pytest.raises(EngineShutdownError, match="the engine is shut down"):

@@ -20,7 +20,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import threading
-import time
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -87,7 +86,6 @@ class DiffusionEngine(ControlCalls):
         self._to_decode = DecodeQueue(self.config.decode_batch_size)  # finished, waiting for a full decode block
         self._thread: Optional[threading.Thread] = None
         self._thread_lock = threading.Lock()
-        self._idle = threading.Condition()  # notified by the loop after each step (see `wait_idle`)
         self.admission_paused = False
         self._init_controls()  # engine/control.py: the control-call lock and the step pause (`_pause`)
 
@@ -198,9 +196,7 @@ class DiffusionEngine(ControlCalls):
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no request is running (or the engine is shut down), until `deadline` (time.monotonic());
         returns whether it got there."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self.scheduler.running or self.inbox.closed is not None,
-                                       timeout=max(0.0, deadline - time.monotonic()))
+        return self.inbox.wait_until(lambda: not self.scheduler.running, deadline)
 
     def fail_waiting(self, error: BaseException) -> None:
         """Between steps: fail every queued and running request with (a copy per request of) `error`."""
@@ -211,7 +207,6 @@ class DiffusionEngine(ControlCalls):
         """Stop the loop after its current step; pending requests and control calls fail with EngineShutdownError,
         and so does every later call, at once. Idempotent."""
         self.inbox.close("shut down")
-        self._notify_idle()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=timeout_s)
@@ -296,11 +291,6 @@ class DiffusionEngine(ControlCalls):
             raise
         finally:
             self._fail_pending()
-            self._notify_idle()
-
-    def _notify_idle(self) -> None:
-        with self._idle:
-            self._idle.notify_all()
 
     def _run_loop(self) -> None:
         while True:
@@ -319,7 +309,7 @@ class DiffusionEngine(ControlCalls):
             if self._to_decode and not self._runnable():
                 self._finish([], flush=True)
             if not self.scheduler.running:
-                self._notify_idle()
+                self.inbox.step_done()
 
     def _runnable(self) -> bool:
         if not self.lifecycle.can_step:

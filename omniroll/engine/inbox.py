@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -23,7 +24,8 @@ Control = tuple[Callable[[], Any], concurrent.futures.Future]
 class Inbox:
     def __init__(self):
         self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
+        self._wakeup = threading.Condition(self._lock)  # the loop thread waits on it
+        self._settled = threading.Condition(self._lock)  # callers of `wait_until` wait on it
         self._requests: deque[RequestState] = deque()
         self._controls: deque[Control] = deque()
         self._live_ids: set[str] = set()  # ids queued here or running in the engine, until `release`
@@ -113,10 +115,23 @@ class Inbox:
         return states
 
     def close(self, reason: str) -> None:
-        """Refuse every later add (the first reason stays) and wake the loop."""
+        """Refuse every later add (the first reason stays) and wake the loop and every `wait_until`."""
         with self._lock:
             self.closed = self.closed or reason
             self._wakeup.notify()
+            self._settled.notify_all()
+
+    def wait_until(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Wait (a caller thread) until `done()` or the inbox is closed, at most until `deadline`
+        (time.monotonic()); returns whether it got there. The loop calls `step_done` after each step."""
+        with self._lock:
+            return self._settled.wait_for(lambda: done() or self.closed is not None,
+                                          timeout=max(0.0, deadline - time.monotonic()))
+
+    def step_done(self) -> None:
+        """The loop finished a step: wake the `wait_until` callers to look again."""
+        with self._lock:
+            self._settled.notify_all()
 
     def wake(self) -> None:
         """Wake the loop to look at its state again (e.g. admission reopened)."""
