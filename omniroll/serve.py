@@ -1,7 +1,7 @@
 """`omniroll serve`: one engine behind the HTTP server (uvicorn), bound to 127.0.0.1 unless told otherwise.
 
 The composition of the layers below: the engine (`omniroll.engine`), the HTTP app (`omniroll.rollout.server`) and
-the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory`, the agent loop's batch on disk).
+the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory_file`, the agent loop's batch on disk).
 
 `serve(...)` runs until interrupted; `background_server(...)` runs the same server in a background thread and yields
 its base URL (for notebooks, scripts and tests), shutting the server and the engine down on exit.
@@ -46,7 +46,7 @@ def build_app(config: ServeConfig, cluster_config=None):
     (`omniroll.agent_loop.cluster.RolloutCluster`: Ray joined at RAY_ADDRESS or local, replicas placed as
     `replicas.placement` says). Returns (the engine or the cluster: `close_backend` stops it, the app)."""
     from omniroll.rollout.server import create_app
-    from omniroll.trajectory import trajectory_file
+    from omniroll.trajectory_file import trajectory_file
 
     if cluster_config is not None:
         from omniroll.agent_loop.cluster import RolloutCluster

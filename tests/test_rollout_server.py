@@ -46,7 +46,7 @@ def test_generate_health_and_bad_fields(engine):
 def test_rollout_route_only_when_its_composer_passes_the_trajectory_layout(engine):
     """`create_app` alone knows nothing of the agent loop's layout: /v1/rollout is absent (404) unless given
     `trajectory_file` (as `omniroll serve` does), and then returns that file."""
-    from omniroll.trajectory import read_trajectories, trajectory_file
+    from omniroll.trajectory_file import read_trajectories, trajectory_file
 
     body = {"prompts": ["a red cat"], "n": 2, "seed": 3, "sampling_params": SP}
 

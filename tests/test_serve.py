@@ -27,7 +27,7 @@ from omniroll.rollout.http_runner import run_in_background
 from omniroll.sampling import batch_prompt_uid
 from omniroll.rollout.server import create_app
 from omniroll.sampling import derive_seed
-from omniroll.trajectory import read_trajectories, trajectory_file
+from omniroll.trajectory_file import read_trajectories, trajectory_file
 
 EXTRA = {"num_inference_steps": 2, "max_sequence_length": 16, "guidance_scale": 1.0}
 LIMIT = 64 * 1024

@@ -3,7 +3,7 @@
 
 `run_rollout` is the same thing from Python. Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`
 (video: `.mp4`, or `.webp` without an H.264 encoder, plus `_frames.png`),
-`trajectories.safetensors` (the layout of `omniroll.trajectory`, as `omniroll generate` writes it), `rewards.jsonl`
+`trajectories.safetensors` (the layout of `omniroll.trajectory_file`, as `omniroll generate` writes it), `rewards.jsonl`
 (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json` (per-sample metrics,
 timing summary, weight versions, run: model, device, dtype, batch invariance, seeds, package versions).
 
@@ -87,7 +87,7 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
         cluster.close()
         out = _merge(parts, time.perf_counter() - t0) if parts else None
         if out_dir and out is not None:
-            write_outputs(out, out_dir, run_info_for(cfg, cluster.model), fps=cfg.pipeline.fps)
+            write_rollout_outputs(out, out_dir, run_info_for(cfg, cluster.model), fps=cfg.pipeline.fps)
             say(f"wrote {len(out)} of {len(batch)} samples to {out_dir}")
     if failures:
         raise CommandFailed(failures)
@@ -132,21 +132,22 @@ def _merge(parts: list, wall: float):
 
 
 def run_info_for(cfg, model: str) -> dict:
-    from omniroll.trajectory import run_info
+    from omniroll.files import run_info
 
     return run_info("rollout", model, cfg.engine.device, cfg.engine.dtype,
                     bool(cfg.engine.kwargs.get("batch_invariant", str(cfg.engine.device).startswith("cpu"))), cfg.seed,
                     num_threads=cfg.engine.num_threads, replicas=cfg.replicas.count)
 
 
-def write_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) -> list[str]:
+def write_rollout_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) -> list[str]:
     """Write a rollout batch into `out_dir` (files 0644); returns the paths written."""
     import io
 
     import torch
     from PIL import Image
 
-    from omniroll.trajectory import FILE_NAME, jsonable, write_bytes, write_json, write_text, write_trajectories
+    from omniroll.files import jsonable, write_bytes, write_json, write_text
+    from omniroll.trajectory_file import FILE_NAME, write_trajectories
 
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     nt = out.non_tensor_batch

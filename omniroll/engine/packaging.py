@@ -86,7 +86,7 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution:
         "sde_type": p.sde_type if p.stochastic else "ode",
         "sigma_max": float(state.sigma_max),
         "guidance_scale": float(p.guidance_scale),
-        "cfg_scale": float(state.cfg_scale) if state.cfg_scale is not None else 0.0,  # the CFG mix's scale; 0: no CFG
+        "cfg_scale": float(state.cfg_scale),  # the CFG mix's scale; NO_CFG (0.0): none
         "seed": int(state.request.seed),
         "sampling_params": p.model_dump(mode="json"),  # what this row was asked for, as given
         **version_fields(state, 0),

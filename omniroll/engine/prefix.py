@@ -26,14 +26,19 @@ import torch
 from omniroll.engine.request import RequestState
 
 
+#: sampling fields that act only from the SDE window on, or not on the denoising at all: samples that differ in them
+#: still share their ODE prefix. Every other field (a new one too) is part of the prefix key.
+AFTER_PREFIX = frozenset({"noise_level", "sde_type", "sde_window_size", "sde_window_range", "logprobs", "output_type",
+                          "fps"})
+
+
 def prefix_key(state: RequestState) -> Optional[tuple]:
     """What a shared prefix depends on; None when the sample has no prefix to share."""
     p, r = state.params, state.request
     if p.latent_seed is None or state.window[0] == 0:
         return None
-    return (p.latent_seed, repr(r.prompt), repr(r.negative_prompt), tuple(state.latents.shape), p.height, p.width,
-            p.num_inference_steps, p.guidance_scale, p.true_cfg_scale, p.max_sequence_length, state.window[0],
-            state.admitted_version)
+    return (repr(r.prompt), repr(r.negative_prompt), tuple(state.latents.shape), state.window[0],
+            state.admitted_version, tuple(sorted(p.model_dump(exclude=AFTER_PREFIX).items())))
 
 
 class _Group:

@@ -39,11 +39,11 @@ def _engine_kwargs(engine_kwargs: Optional[dict]) -> dict:
 class RolloutReplica:
     """Hosts one `DiffusionEngine`. Construct through Ray (`create_replicas`) or directly in-process for tests."""
 
-    def __init__(self, model_path: str, replica_rank: int = 0, engine_kwargs: Optional[dict] = None):
+    def __init__(self, model_path: str, replica_index: int = 0, engine_kwargs: Optional[dict] = None):
         from omniroll.engine.engine import DiffusionEngine
 
         self.model_path = model_path
-        self.replica_rank = int(replica_rank)
+        self.replica_index = int(replica_index)
         self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))
         self._in_flight = 0
         self._served = 0
@@ -74,7 +74,7 @@ class RolloutReplica:
             self._aborted += 1
         else:
             self._served += 1
-        out.extra_fields.setdefault("replica_rank", self.replica_rank)
+        out.extra_fields.setdefault("replica_index", self.replica_index)
         out.extra_fields.setdefault("replica_node_id", self._node_id)
         return output_to_wire(out)
 
@@ -92,7 +92,7 @@ class RolloutReplica:
         return {
             "ok": not closed,
             "state": "shut down" if closed else "serving",
-            "replica_rank": self.replica_rank,
+            "replica_index": self.replica_index,
             "weight_version": int(self.engine.weight_version),
             "pid": os.getpid(),
             "torch_threads": _torch_threads(),
@@ -110,7 +110,7 @@ class RolloutReplica:
     def stats(self) -> dict:
         s: dict[str, Any] = dict(self.engine.stats())
         return {
-            "replica_rank": self.replica_rank,
+            "replica_index": self.replica_index,
             "in_flight": self._in_flight,
             "queued": int(s.get("waiting", 0)),
             "running": int(s.get("running", 0)),
@@ -142,7 +142,7 @@ class RolloutReplica:
             self.engine.update_weights_from_ipc, peft_config, base_sync_done, use_shm,
             manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
             partial=partial)
-        return {**ack, "replica_rank": self.replica_rank, "node_id": self._node_id,
+        return {**ack, "replica_index": self.replica_index, "node_id": self._node_id,
                 "transport": transport_of(buckets, use_shm)}
 
     async def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
@@ -219,7 +219,7 @@ def create_replicas(
                 **({"resources": dict(resources)} if resources else {}))
     cls = ray.remote(RolloutReplica)
     handles = [cls.options(**opts, **(placement(r) if placement else {})).remote(
-        model_path, replica_rank=r, engine_kwargs=engine_kwargs) for r in range(n)]
+        model_path, replica_index=r, engine_kwargs=engine_kwargs) for r in range(n)]
     if wait_ready:
         try:
             ray.get([h.health.remote() for h in handles])

@@ -20,11 +20,12 @@ import signal
 import time
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
-from omniroll.agent_loop.batch import DataBatch
+from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
+from omniroll.sampling.seeds import batch_prompt_uid
+from omniroll.sampling.window import window_for_step
 from omniroll.train import artifacts
 from omniroll.train.grpo import group_advantages
 from omniroll.train.policy import Policy
@@ -245,14 +246,14 @@ class FlowGRPOTrainer:
         n, P = self.config.n, self.tc.prompts_per_step
         g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
-        rows = [i for i in picks for _ in range(n)]
         meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
-        window = artifacts.window_for_step(self.config, step)
+        a, tc = self.config.algo, self.tc
+        window = window_for_step(tc.window_schedule, step, self.config.pipeline.num_inference_steps,
+                                 a.sde_window_size, a.sde_window_range, tc.seed, tc.window_advance_every)
         if window is not None:
             meta["sampling_params"] = {"sde_window_range": window}
-        batch = DataBatch.from_dict(non_tensors={
-            "raw_prompt": [self.prompts[i] for i in rows], "uid": [f"prompt{i:05d}" for i in rows],
-            "data_source": ["train"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
+        # uid: the prompt's index in the training prompt list (the same function as the CLI's position uid)
+        batch = prompt_batch(self.prompts, n, batch_prompt_uid, indices=picks, data_source="train", meta_info=meta)
         return asyncio.run(self.manager.generate_sequences_async(batch))
 
     def _sync(self, version: int) -> None:
@@ -289,13 +290,11 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
         k = self.config.val_kwargs.n
-        rows = [i for i in range(len(self.val_prompts)) for _ in range(k)]
-        batch = DataBatch.from_dict(non_tensors={
-            "raw_prompt": [self.val_prompts[i] for i in rows], "uid": [f"val{i:04d}" for i in rows],
-            "data_source": ["val"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info={"validate": True})
+        batch = prompt_batch(self.val_prompts, k, lambda i: f"val{i:04d}", data_source="val",
+                             meta_info={"validate": True})
         out = asyncio.run(self.manager.generate_sequences_async(batch))
         path = os.path.join(self.out_dir, f"val_{tag}.png")
-        artifacts.save_grid(out.batch["responses"], len(self.val_prompts), k, path)
+        artifacts.save_val_grid(out.batch["responses"], len(self.val_prompts), k, path)
         score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
         rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
         artifacts.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
