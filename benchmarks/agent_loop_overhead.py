@@ -33,7 +33,6 @@ different engines). Medians are reported (the machine may be shared). The last l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -106,10 +105,9 @@ def main(argv=None) -> int:
     quiet_libraries(("diffusers", "transformers", "httpx", "uvicorn"))
     import ray
 
+    from omniroll.agent_loop.cluster import RolloutCluster
     from omniroll.agent_loop.manager import AgentLoopManager
     from omniroll.engine.engine import DiffusionEngine
-    from omniroll.reward import create_reward_workers
-    from omniroll.rollout import create_replicas, kill_replicas
     from omniroll.rollout.replica import _engine_kwargs
 
     startup: dict[str, float] = {}
@@ -130,11 +128,12 @@ def main(argv=None) -> int:
     engine_kwargs = _engine_kwargs(cfg.engine.engine_kwargs())
     engine = timed("engine_load", lambda: DiffusionEngine.from_pretrained(path, **engine_kwargs))
     eng_threads = engine.call_between_steps(torch.get_num_threads)
-    replicas, reward_handles, managers = [], [], {}
+    # the replica and the reward workers as every command starts them (RolloutCluster, attached to the Ray above)
+    cluster = RolloutCluster(cfg, with_rewards=not args.skip_reward, with_manager=False, log=None)
+    managers = {}
     try:
-        replicas = timed("replica_start", lambda: create_replicas(
-            1, path, cfg.engine.engine_kwargs(), num_cpus=cfg.replicas.num_cpus, num_gpus=0,
-            max_concurrency=cfg.replicas.max_concurrency))
+        timed("replica_and_reward_workers_start", cluster.start)
+        replicas, reward_handles = cluster.replicas, cluster.reward_workers
         replica = replicas[0]
         rep_threads = ray.get(replica.__ray_call__.remote(
             lambda self: self.engine.call_between_steps(torch.get_num_threads)))
@@ -146,8 +145,6 @@ def main(argv=None) -> int:
         def start_managers():
             managers["agent_loop"] = AgentLoopManager(cfg, replicas, None)
             if not args.skip_reward:
-                reward_handles.extend(create_reward_workers(cfg.reward.worker_config(), cfg.reward.num_workers,
-                                                            num_cpus=0))
                 for pid in ray.get([h.__ray_call__.remote(lambda self: os.getpid()) for h in reward_handles]):
                     roles[pid] = "reward workers"
                 managers["agent_loop_reward"] = AgentLoopManager(cfg, replicas, reward_handles)
@@ -155,7 +152,7 @@ def main(argv=None) -> int:
                 for pid in ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in m.workers]):
                     roles[pid] = "agent-loop workers"
 
-        timed("agent_and_reward_workers_start", start_managers)
+        timed("agent_workers_start", start_managers)
         meter = CpuMeter(roles)
         paths = [p for p in PATHS if p == "engine" or p in managers]
         tags = {"engine": 0, "agent_loop": 0, "agent_loop_reward": 1}  # (a) and (b) share prompts, in 2 engines
@@ -224,10 +221,7 @@ def main(argv=None) -> int:
     finally:
         for m in managers.values():
             m.shutdown()
-        for h in reward_handles:
-            with contextlib.suppress(Exception):
-                ray.kill(h, no_restart=True)
-        kill_replicas(replicas)
+        cluster.close()  # reward workers, replica (Ray stays: this script started it)
         engine.shutdown()
         server.close()
 

@@ -2,6 +2,7 @@
 latency, and peak extra memory.
 
     .venv/bin/python benchmarks/weight_sync.py [--layers 8] [--bucket-mb 16] [--repeats 3]
+    .venv/bin/python benchmarks/weight_sync.py --replicas 1 2 4 [--full-gb 1]   # scaling (see _weight_scaling.py)
 
 Baseline: ``dst.copy_(src)`` per tensor between two in-memory copies of the same weights
 (the bandwidth floor of any apply).  Full sync = manifest + pack + transport + validated
@@ -59,8 +60,21 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--replicas", type=int, nargs="+", default=None,
+                    help="instead: seconds per sync and bytes per receiver for these receiver counts, on one node "
+                         "and across simulated nodes (tiny model, SD3.5-Medium-shaped rank-64 LoRA, --full-gb state)")
+    ap.add_argument("--full-gb", type=float, default=1.0, help="size of the synthetic full state for --replicas")
     args = ap.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+    if args.replicas:
+        from _weight_scaling import run
+
+        from omniroll.models.tiny import build_tiny_sd3
+
+        tiny = build_tiny_sd3(os.path.join(".omniroll_cache", "tiny-sd3-weight-sync"), seed=0)
+        results = run(args.replicas, args.full_gb, args.repeats, args.bucket_mb, tiny)
+        print(json.dumps({"benchmark": "weight_sync_scaling", "results": results, "args": vars(args)}))
+        return 0
 
     from peft import LoraConfig, get_peft_model
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from omniroll.engine.params import SamplingParams
+from omniroll.engine.params import (Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SamplingParams,
+                                    SdeType, SequenceLength, Steps, TrueCfgScale, WindowRange, WindowSize,
+                                    overlay_sampling)
 from omniroll.errors import format_validation_error, validation_messages
 from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
 from omniroll.reward.manager import RewardFunctionConfig
@@ -37,11 +40,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+#: a Ray placement-group strategy, one bundle per actor (omniroll.rollout.ray_cluster)
+Placement = Literal["pack", "spread"]
+
+
+def _custom_only(resources: dict) -> dict:
+    bad = [k for k in resources if k in ("CPU", "GPU", "memory", "object_store_memory")]
+    if bad:
+        raise ValueError(f"custom resources only ({bad[0]!r} is set by num_cpus / num_gpus)")
+    return resources
+
+
+#: custom Ray resources per actor, e.g. {"a100_node": 1}
+Resources = Annotated[dict[str, Annotated[float, Field(gt=0)]], AfterValidator(_custom_only)]
+
+
 class ReplicasSection(_Strict):
     count: int = Field(1, ge=1, le=1024)
     num_cpus: float = Field(1.0, ge=0, allow_inf_nan=False)
     num_gpus: float = Field(0.0, ge=0, allow_inf_nan=False)
     max_concurrency: int = Field(1000, ge=1)
+    placement: Placement = Field("pack", description="pack: replicas together; spread: on distinct nodes when it can")
+    resources: Resources = Field(default_factory=dict, description="custom Ray resources each replica needs")
 
 
 class EngineSection(_Strict):
@@ -56,9 +76,9 @@ class EngineSection(_Strict):
     @field_validator("max_batch_size", mode="before")
     @classmethod
     def _rows_or_auto(cls, value):
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 4096):
-            return value
-        raise ValueError("must be an int in [2, 4096] (a CFG sample takes 2 rows) or 'auto'")
+        from omniroll.engine.config import check_max_batch_size  # the engine's rule (imported late: torch)
+
+        return check_max_batch_size(value, name=None)
 
     @field_validator("model")
     @classmethod
@@ -96,41 +116,42 @@ class EngineSection(_Strict):
         return kw
 
 
+# The sampling sections: each field's type and bounds are `omniroll.engine.params`'s (one declaration per field).
 class PipelineSection(_Strict):
-    height: int = Field(512, ge=16, le=4096)
-    width: int = Field(512, ge=16, le=4096)
-    num_frames: int = Field(1, ge=1, le=1025, description="1 for images; video models: their rule (Wan: 4k + 1)")
-    fps: int = Field(16, ge=1, le=240)
-    num_inference_steps: int = Field(10, ge=1, le=1000)
-    guidance_scale: float = Field(4.5, ge=0.0, le=100.0)
-    true_cfg_scale: float = Field(1.0, ge=1.0, le=100.0, description="guidance-distilled models (FLUX.1) only")
-    max_sequence_length: int = Field(128, ge=1, le=512)
-    output_type: Literal["pixel", "latent", "both"] = "pixel"
+    height: Pixels = 512
+    width: Pixels = 512
+    num_frames: NumFrames = Field(1, description="1 for images; video models: their rule (Wan: 4k + 1)")
+    fps: Fps = 16
+    num_inference_steps: Steps = 10
+    guidance_scale: GuidanceScale = 4.5
+    true_cfg_scale: TrueCfgScale = Field(1.0, description="guidance-distilled models (FLUX.1) only")
+    max_sequence_length: SequenceLength = 128
+    output_type: OutputType = "pixel"
 
 
 class AlgoSection(_Strict):
-    noise_level: float = Field(0.7, ge=0.0, le=10.0)
-    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
-    sde_window_size: Optional[int] = Field(None, ge=1)
-    sde_window_range: Optional[tuple[int, int]] = None
+    noise_level: NoiseLevel = 0.7
+    sde_type: SdeType = "sde"
+    sde_window_size: Optional[WindowSize] = None
+    sde_window_range: Optional[WindowRange] = None
     same_latent: bool = Field(False, description="training samples of a prompt group share their initial noise and "
                                                  "SDE window (flow_grpo's same_latent); their ODE prefix runs once")
 
 
 class _PartialPipeline(_Strict):
-    height: Optional[int] = Field(None, ge=16, le=4096)
-    width: Optional[int] = Field(None, ge=16, le=4096)
-    num_frames: Optional[int] = Field(None, ge=1, le=1025)
-    num_inference_steps: Optional[int] = Field(None, ge=1, le=1000)
-    guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
-    max_sequence_length: Optional[int] = Field(None, ge=1, le=512)
+    height: Optional[Pixels] = None
+    width: Optional[Pixels] = None
+    num_frames: Optional[NumFrames] = None
+    num_inference_steps: Optional[Steps] = None
+    guidance_scale: Optional[GuidanceScale] = None
+    max_sequence_length: Optional[SequenceLength] = None
 
 
 class _PartialAlgo(_Strict):
-    noise_level: float = Field(0.0, ge=0.0, le=10.0)
-    sde_type: Optional[Literal["sde", "cps", "dance_sde", "ode"]] = None
-    sde_window_size: Optional[int] = Field(None, ge=1)
-    sde_window_range: Optional[tuple[int, int]] = None
+    noise_level: NoiseLevel = 0.0
+    sde_type: Optional[SdeType] = None
+    sde_window_size: Optional[WindowSize] = None
+    sde_window_range: Optional[WindowRange] = None
 
 
 class ValKwargs(_Strict):
@@ -150,6 +171,8 @@ class AgentSection(_Strict):
     on_failure: Literal["raise", "mark"] = Field(
         "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
     )
+    placement: Placement = "pack"
+    resources: Resources = Field(default_factory=dict)
 
     @field_validator("default_agent_loop")
     @classmethod
@@ -170,6 +193,8 @@ class RewardSection(RewardWorkerConfig):
 
     num_workers: int = Field(1, ge=0, le=1024)
     functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict)
+    placement: Placement = "pack"
+    resources: Resources = Field(default_factory=dict)
 
     def worker_config(self) -> dict:
         """What `omniroll.reward.create_reward_workers` takes."""
@@ -188,7 +213,7 @@ class LoRASection(_Strict):
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
 
 
-class TrainerConfig(_Strict):
+class TrainerSection(_Strict):
     """The reference Flow-GRPO trainer (`omniroll train`). Group size is the top-level `n`; sampling comes from
     `pipeline` / `algo`; rewards from `reward`; validation images from `val_kwargs` (ODE)."""
 
@@ -220,7 +245,8 @@ class TrainerConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
     val_every: int = Field(0, ge=0, description="steps between validation grids (0: before and after only)")
     seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
-    weight_transport: Literal["ray", "shm"] = "ray"
+    weight_transport: Literal["auto", "object_store", "ray", "shm"] = Field(
+        "auto", description="auto: /dev/shm for replicas on the trainer's node, the Ray object store for the others")
     sync_timeout_s: float = Field(600.0, gt=0)
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
                                        "(None: torch's default); 1 is far faster on a busy small CPU")
@@ -291,7 +317,7 @@ class OmniRollConfig(_Strict):
     max_prompt_embed_length: Optional[int] = Field(None, ge=1)
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(2, ge=0, le=100)
-    trainer: Optional[TrainerConfig] = None
+    trainer: Optional[TrainerSection] = None
 
     @field_validator("pipeline", "val_kwargs")
     @classmethod
@@ -356,13 +382,11 @@ class OmniRollConfig(_Strict):
         """The per-request sampling dict (SamplingParams fields)."""
         sp = {**self.pipeline.model_dump(), **self.algo.model_dump(exclude={"same_latent"}),
               "logprobs": self.calculate_log_probs}
-        if validate:
-            sp.update({k: v for k, v in self.val_kwargs.pipeline.model_dump().items() if v is not None})
-            algo = self.val_kwargs.algo.model_dump()
-            sp["noise_level"] = algo.pop("noise_level")
-            sp.update({k: v for k, v in algo.items() if v is not None})
-            sp["logprobs"] = False
-        return sp
+        if not validate:
+            return sp
+        val = {**self.val_kwargs.pipeline.model_dump(exclude_none=True),
+               **self.val_kwargs.algo.model_dump(exclude_none=True)}  # noise_level: always set (default 0, the ODE)
+        return overlay_sampling(sp, val, validate=True)
 
 
 _SECTION = {k: "pipeline." for k in PipelineSection.model_fields} | {k: "algo." for k in AlgoSection.model_fields}

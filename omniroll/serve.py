@@ -1,7 +1,7 @@
 """`omniroll serve`: one engine behind the HTTP server (uvicorn), bound to 127.0.0.1 unless told otherwise.
 
 The composition of the layers below: the engine (`omniroll.engine`), the HTTP app (`omniroll.rollout.server`) and
-the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory`, the agent loop's batch on disk).
+the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory_file`, the agent loop's batch on disk).
 
 `serve(...)` runs until interrupted; `background_server(...)` runs the same server in a background thread and yields
 its base URL (for notebooks, scripts and tests), shutting the server and the engine down on exit.
@@ -40,25 +40,43 @@ class ServeConfig:
                 os.path.normpath(self.model))
 
 
-def build_app(config: ServeConfig):
-    """The engine (loaded now, so a bad model path fails before the port opens) and the app over it."""
-    from omniroll.engine.engine import DiffusionEngine
-    from omniroll.models import resolve_model
+def build_app(config: ServeConfig, cluster_config=None):
+    """What serves (loaded now, so a bad model path fails before the port opens) and the app over it: one engine in
+    this process, or, with `cluster_config` (an OmniRollConfig / path), its replicas on Ray through a routing client
+    (`omniroll.agent_loop.cluster.RolloutCluster`: Ray joined at RAY_ADDRESS or local, replicas placed as
+    `replicas.placement` says). Returns (the engine or the cluster: `close_backend` stops it, the app)."""
     from omniroll.rollout.server import create_app
-    from omniroll.trajectory import trajectory_file
+    from omniroll.trajectory_file import trajectory_file
 
-    engine = DiffusionEngine.from_pretrained(resolve_model(config.model), max_batch_size=config.max_batch_size)
-    app = create_app(engine, model_name=config.served_model_name, max_body_bytes=config.max_body_bytes,
+    if cluster_config is not None:
+        from omniroll.agent_loop.cluster import RolloutCluster
+        from omniroll.rollout.client import RolloutClient
+
+        backend = RolloutCluster(cluster_config, with_rewards=False, with_manager=False).start()
+        cfg = backend.config
+        serving = RolloutClient(backend.replicas, timeout_s=cfg.timeout_s, max_retries=cfg.max_retries)
+    else:
+        from omniroll.engine.engine import DiffusionEngine
+        from omniroll.models import resolve_model
+
+        backend = serving = DiffusionEngine.from_pretrained(resolve_model(config.model),
+                                                            max_batch_size=config.max_batch_size)
+    app = create_app(serving, model_name=config.served_model_name, max_body_bytes=config.max_body_bytes,
                      max_pending=config.max_pending, max_n=config.max_n, request_timeout_s=config.request_timeout_s,
                      trajectory_file=trajectory_file)
-    return engine, app
+    return backend, app
 
 
-def serve(config: ServeConfig) -> None:
+def close_backend(backend) -> None:
+    """Stop what `build_app` started: the engine, or the cluster (replicas, then Ray if it started it)."""
+    (backend.shutdown if hasattr(backend, "shutdown") else backend.close)()
+
+
+def serve(config: ServeConfig, cluster_config=None) -> None:
     """Listen, load the model, print the URL, serve until Ctrl-C (KeyboardInterrupt, after uvicorn's graceful
-    shutdown) or SIGTERM; the engine is shut down on the way out."""
+    shutdown) or SIGTERM; the engine (or the cluster, see `build_app`) is shut down on the way out."""
     sock = bind(config.host, config.port)
-    engine, app = build_app(config)
+    engine, app = build_app(config, cluster_config)
     host, port = sock.getsockname()[:2]
     print(f"omniroll serve: {config.served_model_name} on http://{host}:{port} "
           f"(POST /v1/images/generations, /v1/rollout, /v1/generate; GET /v1/models, /health, /metrics)",
@@ -67,7 +85,7 @@ def serve(config: ServeConfig) -> None:
         uvicorn_server(app, config.log_level).run(sockets=[sock])  # re-raises the Ctrl-C it handled gracefully
     finally:
         print("omniroll serve: stopped", file=sys.stderr, flush=True)
-        engine.shutdown()
+        close_backend(engine)
         sock.close()
 
 

@@ -13,7 +13,7 @@ from omniroll.cli import main
 from omniroll.engine.invariant import BatchInvariantMode
 from omniroll.models import load_adapter
 from omniroll.sampling import sde_step
-from omniroll.trajectory import DOCUMENTED_KEYS, read_trajectories
+from omniroll.trajectory_file import DOCUMENTED_KEYS, read_trajectories
 
 
 @pytest.fixture()

@@ -34,6 +34,10 @@ def test_val_kwargs_overlay():
     (["reward.functions.jpeg.fn=jpeg_compressibility", "reward.functions.jpeg.wieght=2"], "reward.functions.jpeg.wieght"),
     (["algo.sde_window_size=50"], "algo"),
     (["val_kwargs.algo.noise_level=-1"], "val_kwargs.algo.noise_level"),
+    (["replicas.placement=scatter"], "replicas.placement"),
+    (["replicas.resources={CPU: 1}"], "replicas.resources"),
+    (["agent.resources={head: 0}"], "agent.resources.head"),
+    (["reward.placement=x"], "reward.placement"),
 ])
 def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -45,3 +49,20 @@ def test_bad_sources():
         load_config("/nonexistent/x.yaml")
     with pytest.raises(ConfigError, match="dotted.key=value"):
         load_config(None, ["pipeline.height"])
+
+
+def test_each_sampling_field_is_declared_once():
+    """The YAML sections take each sampling field's type and bounds from `omniroll.engine.params`, and the SDE types
+    are the sampling layer's own list."""
+    from typing import get_args
+
+    from omniroll.config import AlgoSection, PipelineSection
+    from omniroll.engine.params import SamplingParams, SdeType
+    from omniroll.sampling.sde import SDE_TYPES
+
+    assert get_args(SdeType) == SDE_TYPES
+    for section in (PipelineSection, AlgoSection):
+        for name, field in section.model_fields.items():
+            if name in SamplingParams.model_fields:
+                mine, theirs = field, SamplingParams.model_fields[name]
+                assert (mine.annotation, mine.metadata) == (theirs.annotation, theirs.metadata), name

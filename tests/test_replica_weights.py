@@ -52,7 +52,7 @@ def test_full_sync_to_every_replica(setup, transport, version):
     handles, local, base = setup
     sd = weights(base, version)
     acks = WeightSender(handles, bucket_bytes=128 << 10, transport=transport).send(sd, version=version)
-    assert sorted(a["replica_rank"] for a in acks) == [0, 1]
+    assert sorted(a["replica_index"] for a in acks) == [0, 1]
     assert all(a["version"] == version and a["mode"] == "full" and a["num_buckets"] > 1 for a in acks)
     ref = reference(local, sd, "f", 3)
     for h in handles:

@@ -66,7 +66,7 @@ def test_generate_routing_and_stats(replicas, ray_cluster):
     d = (outs[0].diffusion_output.int() - outs[3].diffusion_output.int()).abs()
     assert torch.equal(outs[0].diffusion_output, outs[3].diffusion_output), (d.max(), (d > 0).sum(), [o.extra_fields["seed"] for o in outs])
     st = ray_cluster.get(replicas[0].stats.remote())
-    assert {"in_flight", "queued", "served", "weight_version", "replica_rank"} <= set(st)
+    assert {"in_flight", "queued", "served", "weight_version", "replica_index"} <= set(st)
     assert ray_cluster.get(replicas[1].health.remote())["ok"]
 
 

@@ -37,6 +37,7 @@ def test_generate_health_and_bad_fields(engine):
     body = ok.json()
     img = Image.open(io.BytesIO(base64.b64decode(body["image_png_base64"])))
     assert img.size == (64, 64) and len(body["log_probs"]) == 1 and body["trajectory"]["sde_window"] == [0, 1]
+    assert body["trajectory"]["step_weight_versions"] == [0]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.height"
     assert extra.status_code == 400 and extra.json()["error"]["param"] == "bogus"
     assert health.json() == {"ok": True, "status": "ok"} and stats.json()["served"] >= 1
@@ -45,7 +46,7 @@ def test_generate_health_and_bad_fields(engine):
 def test_rollout_route_only_when_its_composer_passes_the_trajectory_layout(engine):
     """`create_app` alone knows nothing of the agent loop's layout: /v1/rollout is absent (404) unless given
     `trajectory_file` (as `omniroll serve` does), and then returns that file."""
-    from omniroll.trajectory import read_trajectories, trajectory_file
+    from omniroll.trajectory_file import read_trajectories, trajectory_file
 
     body = {"prompts": ["a red cat"], "n": 2, "seed": 3, "sampling_params": SP}
 

@@ -23,7 +23,7 @@ def test_wait_is_bounded_by_other_active_keys():
     """Random arrivals of five keys (text lengths), steps from 1 to 60: while a running request waits, no key is
     served twice (one step per other active key at most); nothing starves."""
     rng = random.Random(0)
-    sched = Scheduler(max_rows=8)
+    sched = Scheduler(max_batch_size=8)
     served_while_waiting, worst, done, n = {}, 0, 0, 0
     for tick in range(3000):
         if n < 200 and rng.random() < 0.3:
@@ -54,7 +54,7 @@ def test_wait_is_bounded_by_other_active_keys():
 
 
 def test_full_key_does_not_block_another_key_in_the_queue():
-    sched = Scheduler(max_rows=4)
+    sched = Scheduler(max_batch_size=4)
     for i in range(3):
         sched.add(state(f"a{i}", steps=1000))  # CFG: two rows each, two fit
     sched.add(state("b", steps=2, height=32))

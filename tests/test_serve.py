@@ -27,7 +27,7 @@ from omniroll.rollout.http_runner import run_in_background
 from omniroll.sampling import batch_prompt_uid
 from omniroll.rollout.server import create_app
 from omniroll.sampling import derive_seed
-from omniroll.trajectory import read_trajectories, trajectory_file
+from omniroll.trajectory_file import read_trajectories, trajectory_file
 
 EXTRA = {"num_inference_steps": 2, "max_sequence_length": 16, "guidance_scale": 1.0}
 LIMIT = 64 * 1024
@@ -273,3 +273,28 @@ def test_bad_prompt_is_400_naming_prompt(live, prompt):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
         assert MARKER not in resp.text
     assert engine.stats()["served"] == served
+
+
+def test_serve_config_serves_the_configs_replicas_on_ray(ray_cluster, tiny_sd3_path):
+    """`omniroll serve --config`: the app over the config's replicas (a RolloutCluster, Ray already up here), each
+    sample saying which replica and node made it; closing stops the replicas."""
+    from omniroll.config import load_config
+    from omniroll.serve import ServeConfig, build_app, close_backend
+
+    cfg = load_config({"replicas": {"count": 2, "num_cpus": 0}, "engine": {"model": tiny_sd3_path,
+                                                                           "max_batch_size": 4}})
+    cluster, app = build_app(ServeConfig(model="unused", served_model_name="tiny"), cfg)
+    try:
+        assert len(cluster.replicas) == 2 and cluster.info.mode == "attached"
+        sp = {"height": 64, "width": 64, "num_inference_steps": 2, "max_sequence_length": 16, "sde_window_size": 1}
+        with run_in_background(app) as url, httpx.Client(base_url=url, timeout=120) as http:
+            r = http.post("/v1/rollout", json={"prompts": ["a red car", "a blue bird"], "n": 2, "seed": 1,
+                                               "sampling_params": sp})
+        assert r.status_code == 200, r.text
+        traj = read_trajectories(r.content)
+        node = ray_cluster.get_runtime_context().get_node_id()
+        assert list(traj.non_tensor_batch["replica_node_id"]) == [node] * 4
+        assert set(traj.non_tensor_batch["replica_index"]) <= {0, 1}
+    finally:
+        close_backend(cluster)
+    assert cluster.replicas == [] and ray_cluster.is_initialized()  # Ray was not this cluster's to stop

@@ -204,7 +204,12 @@ def test_prompt_colour_reward():
 
 
 def test_window_schedules_per_step():
-    from omniroll.train.artifacts import window_for_step
+    from omniroll.sampling.window import window_for_step as window
+
+    def window_for_step(cfg, step):
+        a, tc = cfg.algo, cfg.trainer
+        return window(tc.window_schedule, step, cfg.pipeline.num_inference_steps, a.sde_window_size,
+                      a.sde_window_range, tc.seed, tc.window_advance_every)
 
     base = {"reward": {"functions": {"c": {"fn": "prompt_colour"}}}, "n": 2,
             "pipeline": {"num_inference_steps": 10}, "algo": {"sde_window_size": 2, "sde_window_range": [0, 6]}}

@@ -100,3 +100,43 @@ def test_readme_custom_training_loop_runs_verbatim(tmp_path, monkeypatch):
     assert len(blocks) == 1
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__readme__"})
+
+
+def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_policy):
+    """The bitwise promise rests on one function, not two copies: the engine's step and the recompute both enter
+    `engine.invariant.execution_mode` and reach the model only through `DiffusionAdapter.guided_velocity`."""
+    from omniroll.engine import invariant, runner
+    from omniroll.models.base import DiffusionAdapter
+    from omniroll.train import recompute
+
+    assert runner.execution_mode is invariant.execution_mode and recompute.execution_mode is invariant.execution_mode
+    engine, policy = engine_and_policy
+    calls = []
+    for name, adapter in (("rollout", engine.adapter), ("recompute", policy)):
+        assert type(adapter).guided_velocity is DiffusionAdapter.guided_velocity
+        inside = []
+
+        def guided(*args, _a=adapter, _in=inside, _n=name, **kwargs):
+            _in.append(True)
+            try:
+                return type(_a).guided_velocity(_a, *args, **kwargs)
+            finally:
+                _in.pop()
+
+        def velocity(*args, _a=adapter, _in=inside, _n=name, **kwargs):
+            calls.append((_n, bool(_in), isinstance(torch.overrides._get_current_function_mode(),
+                                                     invariant.BatchInvariantMode)))
+            return type(_a).velocity(_a, *args, **kwargs)
+
+        adapter.guided_velocity, adapter.velocity = guided, velocity
+    try:
+        sp = SamplingParams(height=32, width=32, num_inference_steps=3, guidance_scale=4.5, max_sequence_length=8,
+                            sde_window_size=1)
+        traj = TrajectoryBatch.from_outputs(engine.generate(
+            [GenerationRequest(request_id=f"v{i}", prompt="a red car", seed=i, sampling_params=sp) for i in range(2)]))
+        assert torch.equal(recompute_log_probs(policy, traj, 0).log_prob.detach(), traj.log_probs[:, 0])
+    finally:
+        for adapter in (engine.adapter, policy):
+            del adapter.guided_velocity, adapter.velocity
+    assert {c[0] for c in calls} == {"rollout", "recompute"}
+    assert all(inside and invariant_mode for _, inside, invariant_mode in calls), calls

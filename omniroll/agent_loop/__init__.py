@@ -10,6 +10,7 @@ __all__ = [
     "AgentLoopError",
     "AgentLoopManager",
     "AgentLoopMetrics",
+    "RolloutCluster",
     "DataBatch",
     "DiffusionAgentLoopOutput",
     "DiffusionAgentLoopWorker",
@@ -25,4 +26,8 @@ def __getattr__(name):
         from omniroll.agent_loop.manager import AgentLoopManager
 
         return AgentLoopManager
+    if name == "RolloutCluster":
+        from omniroll.agent_loop.cluster import RolloutCluster
+
+        return RolloutCluster
     raise AttributeError(name)

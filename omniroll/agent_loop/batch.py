@@ -10,7 +10,7 @@ Differences from DataProto: `chunk` allows uneven chunks (sizes differ by at mos
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +24,25 @@ def to_object_array(values: Iterable[Any]) -> np.ndarray:
     for i, v in enumerate(values):
         arr[i] = v
     return arr
+
+
+def prompt_batch(prompts: Sequence[str], n: int, uid_of: Callable[[int], str], *, data_source: str,
+                 indices: Optional[Sequence[int]] = None, meta_info: Optional[dict] = None) -> "DataBatch":
+    """The agent loop's input batch: `n` rows for each prompt, grouped (p, p, ..., q, q, ...), with `raw_prompt`,
+    `uid`, `_group_index` (0..n-1 within the group), `data_source` and `extra_info` ({}).
+
+    `indices` picks the prompts (positions in `prompts`, default all, in order). The uid rule is the caller's and
+    explicit: row group i gets `uid_of(i)` of its prompt's position i in `prompts` (the CLI and `/v1/rollout`:
+    `batch_prompt_uid(i)`, the command-line position; the trainer: the same function of the index in its prompt
+    list; validation: `val{i:04d}`), and the uid with the row's group index seeds the sample."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    indices = range(len(prompts)) if indices is None else indices
+    rows = [(i, j) for i in indices for j in range(n)]
+    return DataBatch.from_dict(non_tensors={
+        "raw_prompt": [prompts[i] for i, _ in rows], "uid": [uid_of(i) for i, _ in rows],
+        "_group_index": [j for _, j in rows], "data_source": [data_source] * len(rows),
+        "extra_info": [{} for _ in rows]}, meta_info=dict(meta_info or {}))
 
 
 class DataBatch:

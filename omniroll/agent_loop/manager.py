@@ -4,8 +4,11 @@ Before splitting it fixes each row's `_group_index` (its position within its uid
 do not depend on the chunking. Chunks are cut at group boundaries and may be uneven; results are concatenated in the
 original row order, prompt embeddings re-padded to one length across chunks, and failures of all chunks reported in
 ONE `AgentLoopError` with global row numbers, carrying every chunk's succeeded rows merged into one batch
-(`error.batch`, `error.succeeded_rows`). In raise mode, rows that cannot share the output batch are refused for the
-whole batch before any chunk is sent (see `rows.py`).
+(`error.batch`, `error.succeeded_rows`). A worker whose actor dies (its node left the cluster) leaves the manager and
+its chunk is re-run whole on a live worker: same rows, same `_group_index`, so the same seeds and the same samples
+(its engine request ids get a `~rerunK` suffix, so they never collide with the lost worker's requests still running
+on the replicas; the output keeps the rows' own request ids). In raise mode, rows that cannot share the output batch
+are refused for the whole batch before any chunk is sent (see `rows.py`).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ _PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_we
 class AgentLoopManager:
     """config: OmniRollConfig / dict / DictConfig. rollout: a list of RolloutReplica handles, a `RolloutClient`, or
     a zero-argument factory returning a client (called here; the client is pickled into each worker, which gets its own
-    routing state). reward_worker_handles: reward workers for streaming scoring (or None)."""
+    routing state). reward_worker_handles: reward workers for streaming scoring (or None). worker_options: Ray actor
+    options of every worker; placement(i): extra options of worker i (its placement-group bundle)."""
 
     def __init__(self, config: Any, rollout: Union[list, Any, Callable[[], Any]],
-                 reward_worker_handles: Optional[list] = None, worker_options: Optional[dict] = None):
+                 reward_worker_handles: Optional[list] = None, worker_options: Optional[dict] = None,
+                 placement: Optional[Callable[[int], dict]] = None):
         import ray
 
         from omniroll.rollout.client import RolloutClient
@@ -46,9 +51,9 @@ class AgentLoopManager:
         else:
             raise TypeError(f"rollout must be replica handles, a RolloutClient or a factory, got {type(rollout)}")
         opts = {"num_cpus": 0, "max_concurrency": 1000, **(worker_options or {})}
-        cls = ray.remote(DiffusionAgentLoopWorker).options(**opts)
-        self.workers = [cls.remote(self.config, client, None, reward_worker_handles)
-                        for _ in range(self.config.agent.num_workers)]
+        cls = ray.remote(DiffusionAgentLoopWorker)
+        self.workers = [cls.options(**opts, **(placement(i) if placement else {})).remote(
+            self.config, client, None, reward_worker_handles) for i in range(self.config.agent.num_workers)]
         self._calls = 0
 
     @staticmethod
@@ -87,8 +92,7 @@ class AgentLoopManager:
         self._calls += 1
         workers = self.workers[start:] + self.workers[:start]
         jobs = [(w, c, int(off)) for w, c, off in zip(workers, chunks, offsets) if len(c)]
-        refs = [w.generate_sequences.remote(c) for w, c, _ in jobs]
-        results = await asyncio.gather(*[_await(r) for r in refs], return_exceptions=True)
+        results = await asyncio.gather(*[self._run_chunk(w, c) for w, c, _ in jobs], return_exceptions=True)
         failed_rows: list[dict] = []
         kept: list[DataBatch] = []
         kept_rows: list[int] = []
@@ -110,6 +114,27 @@ class AgentLoopManager:
         out = merge(list(results))
         out.meta_info["timing"] = _timing(out.meta_info["metrics"], time.perf_counter() - t0)
         return out
+
+    async def _run_chunk(self, worker: Any, chunk: DataBatch) -> DataBatch:
+        """One chunk on `worker`; if that worker's actor dies, the chunk again on a live one (see the module doc)."""
+        from ray.exceptions import RayActorError
+
+        rerun = 0
+        while True:
+            try:
+                return await _await(worker.generate_sequences.remote(chunk))
+            except RayActorError:
+                self.drop_workers([worker])
+                if not self.workers:
+                    raise
+                rerun += 1
+                worker = self.workers[rerun % len(self.workers)]
+                chunk = DataBatch(chunk.batch, chunk.non_tensor_batch, {**chunk.meta_info, "_rerun": rerun},
+                                  len(chunk))
+
+    def drop_workers(self, gone: list) -> None:
+        """Send no more chunks to these workers (their actors are gone)."""
+        self.workers = [w for w in self.workers if w not in gone]
 
     def shutdown(self) -> None:
         import ray

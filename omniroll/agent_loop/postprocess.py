@@ -7,6 +7,9 @@ requested), every tensor extra of the DiffusionOutput stacked as is (`all_latent
 `step_indices`, `pooled_prompt_embeds`, ...), `*prompt_embeds` zero-padded on the right to Lmax with a `*_mask`
 ([B, Lmax] int64, 1 = real token), per-row scalars `noise_level`, `sigma_max`, `guidance_scale` (fp32 [B]), `cfg_scale` (fp64 [B], 0: no CFG) and
 `sde_window` (int64 [B, 2]); `rm_scores` (fp32 [B, 1]) only when every row was scored; `failed` (bool [B]) in mark mode.
+Weight versions (non-tensor, per row; None for a failed row; see omniroll/engine/packaging.py): `weight_version`,
+`step_weight_versions` (a list of W ints, the version that ran each recorded step), `min_weight_version` /
+`max_weight_version` (ints); `meta_info["min_weight_version"]` / `["max_weight_version"]` span the batch.
 Lmax = `max_prompt_embed_length`, else the longest row of this batch (the manager re-pads across chunks).
 """
 
@@ -23,8 +26,9 @@ from omniroll.agent_loop.output import DiffusionAgentLoopOutput
 
 SCALAR_TENSORS = {"noise_level": torch.float32, "sigma_max": torch.float32, "guidance_scale": torch.float32,
                   "cfg_scale": torch.float64, "sde_window": torch.int64}
-NON_TENSOR_EXTRAS = ("weight_version", "sde_type", "sampling_params", "stop_reason", "replica_index",
-                     "rollout_attempts", "execution")
+NON_TENSOR_EXTRAS = ("weight_version", "step_weight_versions", "min_weight_version", "max_weight_version", "sde_type",
+                     "sampling_params", "stop_reason", "replica_index", "replica_node_id", "rollout_attempts",
+                     "execution")
 METRIC_EXTRAS = ("generate_seconds", "client_seconds", "generate_finished_at")
 
 
@@ -162,7 +166,8 @@ def assemble(rows: list[RowResult], inputs: DataBatch, *, prompt_length: int, ma
         m["score_started_at"] = r.score_started_at
         m["request_id"] = r.request_id
         metrics.append(m)
-    versions = [int(o.extra_fields["weight_version"]) for o in live if "weight_version" in o.extra_fields]
+    versions = [int(o.extra_fields[k]) for o in live for k in ("weight_version", "min_weight_version",
+                                                                  "max_weight_version") if k in o.extra_fields]
     meta = dict(inputs.meta_info)
     meta.update(metrics=metrics, reward_extra_keys=reward_keys,
                 min_weight_version=min(versions) if versions else None,

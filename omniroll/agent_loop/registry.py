@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 _REGISTRY: dict[str, type] = {}
@@ -22,8 +23,14 @@ def register(name: str) -> Callable[[type], type]:
     return deco
 
 
+#: the built-in loops: name -> the module that registers it (imported on first lookup, as `cli.COMMANDS` does), so
+#: this registry imports no loop and no loop's import of `register` makes a cycle.
+BUILTINS = {"diffusion_single_turn_agent": "omniroll.agent_loop.single_turn"}
+
+
 def get_agent_loop_class(name: str) -> type:
-    _ensure_builtins()
+    if name not in _REGISTRY and name in BUILTINS:
+        importlib.import_module(BUILTINS[name])
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -31,9 +38,6 @@ def get_agent_loop_class(name: str) -> type:
 
 
 def registered_names() -> list[str]:
-    _ensure_builtins()
+    for module in BUILTINS.values():
+        importlib.import_module(module)
     return sorted(_REGISTRY)
-
-
-def _ensure_builtins() -> None:
-    import omniroll.agent_loop.single_turn  # noqa: F401  (registers diffusion_single_turn_agent)

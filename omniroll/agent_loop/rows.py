@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from omniroll.engine.params import SamplingParams
+from omniroll.engine.params import SamplingParams, overlay_sampling
 from omniroll.errors import format_validation_error
 
 #: output-shaping quantity -> (the sampling field a user changes, why it matters)
@@ -31,13 +31,8 @@ _STACKED = {
 def base_sampling(config: Any, meta: dict, validate: bool) -> dict:
     """The batch's sampling dict: the config's (training or validation), then `meta_info["sampling_params"]`.
     Raises ValueError naming the field when it is not valid."""
-    sp = config.sampling_params(validate=validate)
-    override = meta.get("sampling_params") or {}
-    if not isinstance(override, dict):
-        raise ValueError(f"meta_info['sampling_params'] must be a dict, got {type(override).__name__}")
-    sp.update(override)
-    if validate:
-        sp["logprobs"] = False
+    sp = overlay_sampling(config.sampling_params(validate=validate), meta.get("sampling_params") or None, validate,
+                          name="meta_info['sampling_params']")
     try:
         SamplingParams.model_validate(sp)
     except ValidationError as e:
@@ -48,14 +43,7 @@ def base_sampling(config: Any, meta: dict, validate: bool) -> dict:
 
 def row_sampling(base_sp: dict, override: Any, validate: bool) -> dict:
     """One row's sampling dict: the batch's plus the row's override (validation keeps log-probs off)."""
-    sp = dict(base_sp)
-    if override is not None:
-        if not isinstance(override, dict):
-            raise ValueError(f"sampling_params must be a dict, got {type(override).__name__}")
-        sp.update(override)
-        if validate:
-            sp["logprobs"] = False
-    return sp
+    return overlay_sampling(base_sp, override, validate)
 
 
 def output_signature(sp: dict) -> Optional[dict]:

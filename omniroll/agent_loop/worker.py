@@ -206,6 +206,10 @@ class DiffusionAgentLoopWorker:
     async def generate_sequences(self, batch: DataBatch) -> DataBatch:
         """Generate one sample per row. Returns the output batch described in `postprocess`."""
         t0 = time.perf_counter()
+        rerun = int(batch.meta_info.get("_rerun", 0))  # the manager re-runs a lost worker's chunk (see manager.py)
+        if rerun:
+            batch = DataBatch(batch.batch, batch.non_tensor_batch,
+                              {k: v for k, v in batch.meta_info.items() if k != "_rerun"}, len(batch))
         validate = bool(batch.meta_info.get("validate", False))
         base_sp = base_sampling(self.config, batch.meta_info, validate)
         rows = self.plan(batch)
@@ -214,7 +218,7 @@ class DiffusionAgentLoopWorker:
         if rejected and not mark:
             raise AgentLoopError.from_rows(failed_entries(rows, rejected), len(rows),
                                            note=" before generation (nothing was generated)")
-        tasks = {i: asyncio.create_task(self._run_row(i, f, base_sp, validate))
+        tasks = {i: asyncio.create_task(self._run_row(i, f, base_sp, validate, rerun))
                  for i, f in enumerate(rows) if i not in rejected}
         try:
             done = dict(zip(tasks, await asyncio.gather(*tasks.values())))
@@ -244,13 +248,15 @@ class DiffusionAgentLoopWorker:
         out.non_tensor_batch["_group_index"] = to_object_array(f["_group_index"] for f in rows)
         return out
 
-    async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool) -> RowResult:
+    async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool, rerun: int = 0) -> RowResult:
         res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
         try:
             base = base_sp if fields.get("latent_seed") is None else {**base_sp, "latent_seed": fields["latent_seed"]}
             sp = row_sampling(base, fields.get("sampling_params"), validate)
             loop = self._agent_loop(fields.get("agent_name") or self.config.agent.default_agent_loop)
             row_kwargs = {k: v for k, v in fields.items() if k != "sampling_params"}
+            if rerun:  # the lost worker's requests may still run on the replicas under the row's own id
+                row_kwargs["request_id"] = f"{fields['request_id']}~rerun{rerun}"
             out = await loop.run(sp, **row_kwargs)
             err = embed_length_error(out, self.config.max_prompt_embed_length)
             if err is not None:

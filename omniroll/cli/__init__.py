@@ -31,6 +31,9 @@ COMMANDS = {
 
 from omniroll.errors import OutputWriteError  # noqa: E402 - no torch: `omniroll --help` stays fast
 
+#: the commands that start Ray: `--ray-address` (or RAY_ADDRESS) joins that cluster instead of starting a local one
+RAY_COMMANDS = ("rollout", "train", "serve")
+
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -75,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.HELP,
                            formatter_class=_HelpFormatter)
         module.add_arguments(p)
+        if name in RAY_COMMANDS:
+            p.add_argument("--ray-address", default=None,
+                           help="join the Ray cluster at this address (default: $RAY_ADDRESS, else a local Ray)")
         p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     return parser
 
@@ -87,6 +93,8 @@ def _say_error(command: str, lines) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
+    if getattr(args, "ray_address", None):
+        os.environ["RAY_ADDRESS"] = args.ray_address  # what connect_ray (and Ray itself) joins
     started = time.time()
     try:
         return int(_command(args.command).run(args) or 0)

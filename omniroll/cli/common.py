@@ -15,7 +15,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 from omniroll.cli import UserError
 
@@ -27,7 +27,7 @@ ENV_OVERRIDES = "OMNIROLL_OVERRIDES"
 
 
 def rows_or_auto(text: str):
-    """--max-batch-size: an int, or "auto" (the engine measures its forward rows)."""
+    """--max-batch-size: parsed to an int or "auto"; its range is checked by the config (`check_max_batch_size`)."""
     if text == "auto":
         return text
     try:
@@ -43,7 +43,7 @@ class Flag:
     type: Any
     help: str
     nargs: Optional[int] = None
-    choices: Optional[tuple] = None
+    choices: bool = False  # the values the schema's Literal allows (declared once, in the schema)
 
 
 FLAGS = [
@@ -51,7 +51,7 @@ FLAGS = [
          "offline) or a local diffusers SD3 / SD3.5, FLUX.1, Qwen-Image or Wan checkpoint directory"),
     Flag("--device", "engine.device", str, "torch device of the model, e.g. cpu, cuda, cuda:1"),
     Flag("--dtype", "engine.dtype", str, "model weights' dtype (the SDE math and log-probs are always fp32)",
-         choices=("float32", "bfloat16", "float16")),
+         choices=True),
     Flag("--max-batch-size", "engine.max_batch_size", rows_or_auto, "forward rows per denoising step (a CFG sample "
          "takes 2), or 'auto': measured per shape (see omniroll.engine.calibrate)"),
     Flag("--num-threads", "engine.num_threads", int, "torch CPU threads per engine (unset: torch's choice)"),
@@ -65,7 +65,7 @@ FLAGS = [
     Flag("--true-cfg", "pipeline.true_cfg_scale", float, "FLUX.1 only: real CFG on top of the distilled guidance"),
     Flag("--max-sequence-length", "pipeline.max_sequence_length", int, "T5 text length in tokens"),
     Flag("--noise-level", "algo.noise_level", float, "SDE noise level eta (0: the ODE)"),
-    Flag("--sde-type", "algo.sde_type", str, "SDE step", choices=("sde", "cps", "dance_sde", "ode")),
+    Flag("--sde-type", "algo.sde_type", str, "SDE step", choices=True),
     Flag("--window-size", "algo.sde_window_size", int, "SDE steps recorded per sample (unset: every step but the last)"),
     Flag("--window-range", "algo.sde_window_range", int, "LO HI: the window is drawn inside steps [LO, HI)", nargs=2),
     Flag("--n", "n", int, "samples per prompt (the group size)"),
@@ -73,17 +73,23 @@ FLAGS = [
 ]
 
 
+def _field(key: str):
+    """The config schema's field of a dotted key (walks the classes: building the config would run its validators,
+    which load models)."""
+    from omniroll.config import OmniRollConfig
+
+    cls: Any = OmniRollConfig
+    *sections, name = key.split(".")
+    for part in sections:
+        cls = cls.model_fields[part].annotation
+    return cls.model_fields[name]
+
+
 def schema_default(key: str) -> Any:
     """The config schema's default for a dotted key (the one set of defaults)."""
     from pydantic_core import PydanticUndefined
 
-    from omniroll.config import OmniRollConfig
-
-    cls: Any = OmniRollConfig  # walk the classes: building the config would run its validators (which load models)
-    *sections, name = key.split(".")
-    for part in sections:
-        cls = cls.model_fields[part].annotation
-    field = cls.model_fields[name]
+    field = _field(key)
     return field.default_factory() if field.default is PydanticUndefined and field.default_factory else field.default
 
 
@@ -97,7 +103,8 @@ def add_config_arguments(parser, config_help: str = "YAML config (see examples/r
         default = schema_default(f.key)
         shown = list(default) if isinstance(default, tuple) else default
         # SUPPRESS: a flag left out leaves no attribute, so the config (or the schema default shown) decides
-        parser.add_argument(f.flag, type=f.type, nargs=f.nargs, choices=f.choices, default=argparse.SUPPRESS,
+        choices = get_args(_field(f.key).annotation) if f.choices else None
+        parser.add_argument(f.flag, type=f.type, nargs=f.nargs, choices=choices, default=argparse.SUPPRESS,
                             metavar=("LO", "HI") if f.nargs == 2 else None,
                             help=f"{f.help} (config key {f.key}; default: {shown})")
 
@@ -195,29 +202,17 @@ def quiet_libraries() -> None:
         lib.set_verbosity_error()
 
 
-def prompt_uid(i: int) -> str:
-    """The uid (prompt group) of the i-th prompt of a CLI batch (`omniroll.sampling.seeds.batch_prompt_uid`)."""
-    from omniroll.sampling.seeds import batch_prompt_uid
-
-    return batch_prompt_uid(i)
-
-
 def make_batch(prompts: list[str], n: int, rollout_seed: Optional[int] = None, validate: bool = False):
-    """The CLI's input batch: `n` rows per prompt (p0, p0, ..., p1, ...), uid = `prompt_uid(position)`."""
-    from omniroll.agent_loop.batch import DataBatch
+    """The CLI's input batch: `n` rows per prompt (p0, p0, ..., p1, ...), uid = `batch_prompt_uid(position)`."""
+    from omniroll.agent_loop.batch import prompt_batch
+    from omniroll.sampling.seeds import batch_prompt_uid
 
     if not prompts:
         raise ValueError("prompts must not be empty")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    rows = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
     meta = {"global_steps": CLI_GLOBAL_STEP, "validate": validate}
     if rollout_seed is not None:
         meta["rollout_seed"] = rollout_seed
-    return DataBatch.from_dict(non_tensors={
-        "raw_prompt": [p for _, p in rows], "uid": [prompt_uid(i) for i, _ in rows],
-        "_group_index": [j for _ in prompts for j in range(n)],
-        "data_source": ["cli"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
+    return prompt_batch(prompts, n, batch_prompt_uid, data_source="cli", meta_info=meta)
 
 
 def sample_seed(base: Optional[int], uid: str, index: int) -> int:

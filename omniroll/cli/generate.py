@@ -1,10 +1,11 @@
 """`omniroll generate`: images or videos with SDE log-probs on one in-process engine.
 
 Writes into `--out`: `prompt_NNN.png` (one row of that prompt's samples; video: `prompt_NNN_sJ.mp4`, or `.webp`
-without an H.264 encoder, and `prompt_NNN_sJ_frames.png` per sample, `video_format` saying which), `trajectories.safetensors` (the layout of
-`omniroll.trajectory`, the same as `omniroll rollout` writes) and `metrics.json` (timing, run: model, device, dtype,
-batch invariance, seeds, package versions). Finished samples are written even when the run is interrupted (Ctrl-C,
-exit 130) or some samples fail (each failure is reported once, exit 1).
+without an H.264 encoder, and `prompt_NNN_sJ_frames.png` per sample, `video_format` saying which),
+`trajectories.safetensors` (the layout of `omniroll.trajectory_file`, the same as `omniroll rollout` writes) and
+`metrics.json` (timing, run: model, device, dtype, batch invariance, seeds, package versions). Finished samples are
+written even when the run is interrupted (Ctrl-C, exit 130) or some samples fail (each failure is reported once,
+exit 1).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def save_grid(images, path: Path, caption: str = "") -> str:
 
     from PIL import Image, ImageDraw
 
-    from omniroll.trajectory import write_bytes
+    from omniroll.files import write_bytes
 
     n, _, h, w = images.shape
     gap, top = 4, 16 if caption else 0
@@ -108,7 +109,7 @@ def run_generate(args, base: dict | None = None) -> dict:
         seconds = time.perf_counter() - t0
         stats = engine.stats()
         engine.shutdown()
-    metrics = write_outputs(args.out, cfg, model, prompts, batch, requests, results, errors, seconds, stats,
+    metrics = write_generate_outputs(args.out, cfg, model, prompts, batch, requests, results, errors, seconds, stats,
                             batch_invariant=engine.config.batch_invariant, interrupted=interrupted)
     for r, err in sorted(errors.items()):
         print(f"omniroll generate: row {r} ({requests[r].request_id}) failed: {err}", file=sys.stderr)
@@ -151,15 +152,14 @@ async def _generate_all(engine, requests, results: dict, errors: dict, progress:
             bar.close()
 
 
-def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors, seconds, stats, *,
-                  batch_invariant: bool, interrupted: bool) -> dict:
+def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors, seconds, stats, *,
+                           batch_invariant: bool, interrupted: bool) -> dict:
     """Write the finished samples (grids, trajectories, metrics); returns the metrics."""
     import torch
 
-    from omniroll.agent_loop.postprocess import RowResult, assemble
     from omniroll.cli.media import video_encoder
-    from omniroll.agent_loop.single_turn import agent_loop_output
-    from omniroll.trajectory import FILE_NAME, jsonable, run_info, write_json, write_trajectories
+    from omniroll.files import jsonable, run_info, write_json
+    from omniroll.trajectory_file import FILE_NAME, batch_from_outputs, write_trajectories
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,11 +169,9 @@ def write_outputs(out_dir, cfg, model, prompts, batch, requests, results, errors
                    num_threads=cfg.engine.num_threads)
     log_probs = None
     if done:
-        rows = [RowResult(index=k, request_id=requests[r].request_id, seed=requests[r].seed,
-                          out=agent_loop_output(results[r], results[r].extra_fields.get("generate_seconds", 0.0)))
-                for k, r in enumerate(done)]
-        traj = assemble(rows, batch[done], prompt_length=cfg.prompt_length,
-                        max_prompt_embed_length=cfg.max_prompt_embed_length, mark_failed=False, scored=False)
+        traj = batch_from_outputs([results[r] for r in done], prompts, cfg.n, rows=done,
+                                  prompt_length=cfg.prompt_length, max_prompt_embed_length=cfg.max_prompt_embed_length,
+                                  meta_info=batch.meta_info)
         images = traj.batch["responses"]
         if images.dtype == torch.uint8 and images.ndim == 5:  # video: a file and a frame strip per sample
             from omniroll.cli.media import save_sample

@@ -43,7 +43,7 @@ def save_strip(frames: torch.Tensor, path: Path) -> Path:
 
 def _save(path: Path, write) -> Path:
     """Run `write()`, which writes `path`. A failure to write (disk full, file too large, ...) removes what it left
-    and raises `OutputWriteError` naming the file, as `omniroll.trajectory.write_bytes` does."""
+    and raises `OutputWriteError` naming the file, as `omniroll.files.write_bytes` does."""
     try:
         write()
     except OSError as e:

@@ -1,8 +1,9 @@
-"""`omniroll rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager) on local Ray.
+"""`omniroll rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager) on Ray (joined at
+`RAY_ADDRESS` / `--ray-address`, else local; see `omniroll.agent_loop.cluster.RolloutCluster`).
 
 `run_rollout` is the same thing from Python. Writes, when `out_dir` is given: `images/{row:04d}_{uid}_{index}.png`
 (video: `.mp4`, or `.webp` without an H.264 encoder, plus `_frames.png`),
-`trajectories.safetensors` (the layout of `omniroll.trajectory`, as `omniroll generate` writes it), `rewards.jsonl`
+`trajectories.safetensors` (the layout of `omniroll.trajectory_file`, as `omniroll generate` writes it), `rewards.jsonl`
 (one line per row: request_id, uid, seed, status, score, components, error) and `metrics.json` (per-sample metrics,
 timing summary, weight versions, run: model, device, dtype, batch invariance, seeds, package versions).
 
@@ -23,7 +24,7 @@ from omniroll.cli import CommandFailed
 from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, make_batch, preflight,
                                  read_prompts)
 
-HELP = "the distributed path (replicas, agent loop, rewards) on local Ray"
+HELP = "the distributed path (replicas, agent loop, rewards) on Ray (local, or joined with --ray-address)"
 
 
 def add_arguments(parser) -> None:
@@ -65,47 +66,28 @@ async def run_rollout(config: Any, prompts: list[str], n: int, out_dir: Optional
     the run is interrupted (KeyboardInterrupt / cancellation, re-raised after writing)."""
     import asyncio
 
-    import ray
-
-    from omniroll.agent_loop.manager import AgentLoopManager
+    from omniroll.agent_loop.cluster import RolloutCluster
     from omniroll.config import OmniRollConfig, load_config
-    from omniroll.models import resolve_model
-    from omniroll.rollout.replica import create_replicas, kill_replicas
 
     cfg = config if isinstance(config, OmniRollConfig) else load_config(config)
     batch = make_batch(prompts, n, rollout_seed=cfg.seed, validate=validate)
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     say = (lambda msg: print(f"[omniroll] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     t0 = time.perf_counter()
-    model = resolve_model(cfg.engine.model)
-    replicas, reward_handles, manager = [], [], None
+    cluster = RolloutCluster(cfg, log=say)  # resolves the model; Ray, replicas, rewards, manager in start()
     tasks: list = []
     try:
-        say(f"starting {cfg.replicas.count} replica(s) of {model}")
-        replicas = create_replicas(cfg.replicas.count, model, cfg.engine.engine_kwargs(),
-                                   num_cpus=cfg.replicas.num_cpus, num_gpus=cfg.replicas.num_gpus,
-                                   max_concurrency=cfg.replicas.max_concurrency)
-        if cfg.reward.functions and cfg.reward.num_workers > 0:
-            from omniroll.reward import create_reward_workers
-
-            reward_handles = create_reward_workers(cfg.reward.worker_config(), cfg.reward.num_workers)
-        manager = AgentLoopManager(cfg, replicas, reward_handles or None)
+        cluster.start()
         say(f"generating {len(batch)} samples ({len(prompts)} prompts x {n})")
-        tasks = [asyncio.ensure_future(manager.generate_sequences_async(group))
+        tasks = [asyncio.ensure_future(cluster.manager.generate_sequences_async(group))
                  for group in batch.split([n] * len(prompts))]
         await asyncio.gather(*tasks, return_exceptions=True)
         say(f"done in {time.perf_counter() - t0:.1f}s")
     finally:
         parts, failures, interrupted = _collect(tasks, n)
-        if manager is not None:
-            manager.shutdown()
-        for h in reward_handles:
-            ray.kill(h, no_restart=True)
-        kill_replicas(replicas)
+        cluster.close()
         out = _merge(parts, time.perf_counter() - t0) if parts else None
         if out_dir and out is not None:
-            write_outputs(out, out_dir, run_info_for(cfg, model), fps=cfg.pipeline.fps)
+            write_rollout_outputs(out, out_dir, run_info_for(cfg, cluster.model), fps=cfg.pipeline.fps)
             say(f"wrote {len(out)} of {len(batch)} samples to {out_dir}")
     if failures:
         raise CommandFailed(failures)
@@ -150,21 +132,22 @@ def _merge(parts: list, wall: float):
 
 
 def run_info_for(cfg, model: str) -> dict:
-    from omniroll.trajectory import run_info
+    from omniroll.files import run_info
 
     return run_info("rollout", model, cfg.engine.device, cfg.engine.dtype,
                     bool(cfg.engine.kwargs.get("batch_invariant", str(cfg.engine.device).startswith("cpu"))), cfg.seed,
                     num_threads=cfg.engine.num_threads, replicas=cfg.replicas.count)
 
 
-def write_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) -> list[str]:
+def write_rollout_outputs(out, out_dir: str, run: Optional[dict] = None, fps: int = 16) -> list[str]:
     """Write a rollout batch into `out_dir` (files 0644); returns the paths written."""
     import io
 
     import torch
     from PIL import Image
 
-    from omniroll.trajectory import FILE_NAME, jsonable, write_bytes, write_json, write_text, write_trajectories
+    from omniroll.files import jsonable, write_bytes, write_json, write_text
+    from omniroll.trajectory_file import FILE_NAME, write_trajectories
 
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     nt = out.non_tensor_batch

@@ -7,6 +7,8 @@ HTTP contract: `omniroll.rollout.server`; defaults: `omniroll.serve.ServeConfig`
 
 from __future__ import annotations
 
+import os
+
 HELP = "serve the OpenAI images API (plus /v1/rollout, /metrics) over HTTP on one engine"
 
 
@@ -18,6 +20,9 @@ def add_arguments(parser) -> None:
     from omniroll.cli.common import rows_or_auto
 
     parser.add_argument("--model", default="tiny", help="'tiny' or a local diffusers SD3 checkpoint directory")
+    parser.add_argument("--config", default=None,
+                        help="serve this rollout config's replicas on Ray (engine, replicas.count / placement; "
+                             "--model is then ignored) instead of one engine in this process (default: none)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (the default serves this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     parser.add_argument("--served-model-name", default=SUPPRESS,
@@ -38,5 +43,12 @@ def run(args) -> int:
 
     optional = {k: getattr(args, k) for k in ("served_model_name", "max_batch_size", "max_body_bytes", "max_pending",
                                               "max_n", "request_timeout_s") if hasattr(args, k)}
-    serve(ServeConfig(model=args.model, host=args.host, port=args.port, **optional))
+    cluster_config = None
+    if args.config:
+        from omniroll.cli.common import env_overrides
+        from omniroll.config import load_config
+
+        cluster_config = load_config(args.config, overrides=env_overrides())  # fails before Ray starts, naming the key
+        optional.setdefault("served_model_name", os.path.basename(os.path.normpath(cluster_config.engine.model)))
+    serve(ServeConfig(model=args.model, host=args.host, port=args.port, **optional), cluster_config)
     return 0

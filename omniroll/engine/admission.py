@@ -59,7 +59,7 @@ def attach_encodings(prompt_cache: PromptCache, states: list[RequestState]) -> l
     failed: dict[int, tuple[RequestState, Exception]] = {}
     for length, group in by_len.items():
         conds = prompt_cache.get_many([s.request.prompt_input() for s in group], length)
-        cfg = [s for s in group if s.cfg_scale is not None]
+        cfg = [s for s in group if s.num_rows == 2]
         negs = prompt_cache.get_many([s.request.negative_input() for s in cfg], length)
         for field, members, encodings in (("prompt", group, conds), ("negative_prompt", cfg, negs)):
             for s, c in zip(members, encodings):

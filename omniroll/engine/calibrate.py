@@ -74,7 +74,7 @@ def _machine_busy() -> bool:
 
 
 class RowCalibrator:
-    """`rows_for(state)`: forward rows for the batch key of `state` (measured once per key and machine)."""
+    """`max_batch_size_for(state)`: forward rows for the batch key of `state` (measured once per key and machine)."""
 
     def __init__(self, adapter, execution_mode: Callable, device: str, dtype: torch.dtype, invariant: bool,
                  repeats: int = 2):
@@ -97,7 +97,7 @@ class RowCalibrator:
                  f"torch{torch.__version__}|{'|'.join(map(str, self.candidates))}")
         return ident
 
-    def rows_for(self, state: RequestState) -> int:
+    def max_batch_size_for(self, state: RequestState) -> int:
         key = self.cache_key(state)
         with _lock:
             if key in _memory:

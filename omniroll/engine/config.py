@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+
+MAX_BATCH_ROWS = 4096
+
+
+def check_max_batch_size(value: Any, name: Optional[str] = "max_batch_size"):
+    """The one `max_batch_size` rule (engine, YAML `engine.max_batch_size`, CLI `--max-batch-size`): an int in
+    [2, 4096] (a CFG request takes two rows) or "auto". Returns it; ValueError (starting with `name:` when given)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= MAX_BATCH_ROWS):
+        return value
+    why = f"must be an int in [2, {MAX_BATCH_ROWS}] (a CFG sample takes 2 rows) or 'auto', got {value!r}"
+    raise ValueError(f"{name} {why}" if name else why)
 
 
 @dataclass
@@ -59,10 +71,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.batch_invariant is None:
             self.batch_invariant = torch.device(self.device).type == "cpu"
-        if self.max_batch_size != "auto" and (isinstance(self.max_batch_size, bool)
-                                              or not isinstance(self.max_batch_size, int) or self.max_batch_size < 2):
-            raise ValueError(f"max_batch_size must be an int >= 2 (one CFG request takes two rows) or 'auto', "
-                             f"got {self.max_batch_size!r}")
+        check_max_batch_size(self.max_batch_size)
         if self.invariant_block_rows < 1:
             raise ValueError(f"invariant_block_rows must be >= 1, got {self.invariant_block_rows}")
         if self.prompt_cache_size < 1:

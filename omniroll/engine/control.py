@@ -1,12 +1,17 @@
-"""The engine's control calls: aborts, and the lifecycle calls (weight updates, LoRA, sleep and wake, relabelling the
-weight version). Each runs on the engine thread between two denoising steps (`call_between_steps`).
+"""The engine's control calls: pausing generation, and the weight updates, LoRA, sleep and wake, relabelling the
+weight version. Each runs on the engine thread between two denoising steps (`call_between_steps`).
 
-`ControlCalls` is a mixin of `DiffusionEngine` (the engine's public API keeps one class). An abort is acknowledged:
-the request completes with stop_reason="aborted" before the call returns. Around `engine/lifecycle.py` it adds one
-lifecycle call at a time (a lock, with the caller's timeout), a deadline for the whole call, and quiescing: close
-admission, let running requests drain for up to `drain_timeout_s`, abort the rest (acknowledged), run the change
-between two steps, reopen admission (also on error). The mixin uses the engine's `call_between_steps`, scheduler,
-inbox and lock.
+Two sync policies for the samples in flight when a weight update arrives (`update_weights_from_ipc(partial=...)`):
+`partial=False` (the default) quiesces (below): no sample spans two versions; `partial=True` lands the update between
+two denoising steps and the samples in flight continue with the new weights, each recording the version of every
+step (`step_weight_versions`, see engine/packaging.py). `pause_generation(after_steps=k)` / `wait_for_pause` /
+`resume_generation` (engine/pause.py) make "the update lands after step k" a deterministic schedule.
+
+`ControlCalls` is a mixin of `DiffusionEngine` (the engine's public API keeps one class). Around
+`engine/lifecycle.py` it adds one control call at a time (a lock, with the caller's timeout), a deadline for the
+whole call, and quiescing: close admission, let running requests drain for up to `drain_timeout_s`, abort the rest
+(acknowledged: each comes back with stop_reason="aborted"), run the change between two steps, reopen admission (also
+on error). It owns `_control_lock` / `_control_op` and uses only the engine's public surface, declared below.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from omniroll.engine.lifecycle import SLEEP_LEVELS
-from omniroll.engine.packaging import aborted_output
-from omniroll.engine.request import RequestState
+from omniroll.engine.inbox import Inbox
+from omniroll.engine.lifecycle import SLEEP_LEVELS, Lifecycle
+from omniroll.engine.pause import StepPause
+from omniroll.engine.prompt_cache import PromptCache
+from omniroll.engine.scheduler import Scheduler
 
 
 def check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
@@ -32,55 +39,112 @@ def check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
 
 
 class ControlCalls:
-    """Aborts, and the weight, LoRA and memory calls of the engine, each applied between two denoising steps."""
+    """The weight, LoRA and memory calls of the engine, each applied between two denoising steps."""
 
-    _lifecycle_lock: threading.Lock
-    _lifecycle_op: Optional[str]
+    # the host engine's public surface this mixin uses (DiffusionEngine defines every one of them)
+    inbox: Inbox
+    lifecycle: Lifecycle
+    prompt_cache: PromptCache
+    call_between_steps: Callable[..., Any]
+    pause_admission: Callable[..., None]
+    resume_admission: Callable[[], None]
+    wait_idle: Callable[[float], bool]
+    abort_running: Callable[[], list[str]]
+    fail_waiting: Callable[[BaseException], None]
+    scheduler: Scheduler
+    steps_run: int
 
-    def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
-        """Abort a waiting or running request; it completes with stop_reason="aborted". Returns whether it existed.
-        Blocks until the request has stopped (the abort is acknowledged, never fire-and-forget)."""
-        return self.call_between_steps(lambda: self._abort_now(request_id), timeout_s, op="abort")
+    def _init_controls(self) -> None:
+        self._control_lock = threading.Lock()  # one control call (update, LoRA, sleep, wake) at a time
+        self._control_op: Optional[str] = None
+        self._pause = StepPause()  # pause_generation / resume_generation (engine/pause.py); the loop reads it
 
-    def abort_all(self, timeout_s: float = 60.0) -> list[str]:
-        """Abort every request in the engine (acknowledged). Returns their ids."""
-        return self.call_between_steps(self._abort_all_now, timeout_s, op="abort_all")
+    def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
+        """Run `after_steps` more denoising steps (forwards of the engine; 0: none), then pause: no step runs until
+        `resume_generation()`, or until `timeout_s` has passed since the pause began (then generation resumes by
+        itself: nothing hangs). Samples in flight keep their state (nothing is aborted), new requests queue, control
+        calls still run: a `partial=True` weight update sent while paused lands after exactly those steps. Returns
+        once armed (see `wait_for_pause`); arming again replaces the previous pause. A `partial=False` update while
+        paused cannot drain the paused samples (it aborts them after its `drain_timeout_s`)."""
+        if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 0:
+            raise ValueError(f"after_steps must be an int >= 0, got {after_steps!r}")
+        timeout_s = check_seconds("timeout_s", timeout_s)
+
+        def arm():
+            self._pause.arm(after_steps, timeout_s)
+            return {**self._pause.state(), "steps": self.steps_run}
+
+        return self.call_between_steps(arm, 60.0, op="pause_generation")
+
+    def wait_for_pause(self, timeout_s: float = 60.0) -> dict:
+        """Block until the pause armed by `pause_generation` has begun; TimeoutError if it has not within `timeout_s`
+        (e.g. fewer steps ran than it waits for). Returns the engine's step count and the running request ids."""
+        timeout_s = check_seconds("timeout_s", timeout_s)
+        self.inbox.check_open("wait_for_pause")
+        if not self._pause.began.wait(timeout_s):
+            raise TimeoutError(f"wait_for_pause: no pause began within {timeout_s:g}s ({self._pause.state()})")
+        return self.call_between_steps(
+            lambda: {"paused": self._pause.paused, "steps": self.steps_run,
+                     "running": [s.request_id for s in self.scheduler.running]}, timeout_s, op="wait_for_pause")
+
+    def resume_generation(self, timeout_s: float = 60.0) -> dict:
+        """End the pause (or disarm one that has not begun); returns whether generation was paused."""
+        return self.call_between_steps(lambda: {"resumed": self._pause.resume()}, timeout_s, op="resume_generation")
 
     def set_weight_version(self, version: int, timeout_s: float = 60.0) -> dict:
-        """Samples admitted from now on record `version` (an int >= the current one; the weights do not change)."""
-        with self._lifecycle_call("set_weight_version", timeout_s) as deadline:
+        """Steps run from now on record `version` (an int >= the current one; the weights do not change)."""
+        with self._control_call("set_weight_version", timeout_s) as deadline:
             return self.call_between_steps(lambda: self.lifecycle.set_version(version),
                                            self._left("set_weight_version", deadline), op="set_weight_version")
 
     def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
                                 use_shm: bool = False, *, manifest, buckets, version: int,
-                                name_map: Optional[Callable[[str], str]] = None, drain_timeout_s: float = 10.0,
-                                timeout_s: float = 600.0) -> dict:
+                                name_map: Optional[Callable[[str], str]] = None,
+                                drain_timeout_s: Optional[float] = 10.0, timeout_s: float = 600.0,
+                                partial: bool = False) -> dict:
         """Apply one update from a stream of named-tensor buckets (see omniroll.weights.WeightSender), as a
         transaction (see engine/lifecycle.py): version (an int > the current one), names, shapes and dtypes are
-        checked first, before anything is drained or aborted; values (finite) as they arrive; no sample is ever
-        produced from a partly updated model. With `peft_config` it is a LoRA update, else full weights. Every
-        sample admitted afterwards records `version`. Returns the acknowledgement (with the aborted request ids)."""
+        checked first, before anything is drained or aborted; values (finite) as they arrive; no step ever runs on
+        a partly updated model. With `peft_config` it is a LoRA update, else full weights. Every step run afterwards
+        records `version`. The samples in flight:
+          partial=False  none spans two versions: admission closes, running samples finish on the old weights for
+                         up to `drain_timeout_s` (None: for as long as `timeout_s` allows, and if some still run
+                         then, TimeoutError: nothing applied, nothing aborted), what still runs after it is aborted
+                         (acknowledged; the ack's "aborted" lists them), the update lands, admission reopens.
+          partial=True   nothing waits and nothing is aborted: the update lands between two denoising steps and the
+                         samples in flight continue from their current latent with the new weights (the ack's
+                         "continued" lists them); `drain_timeout_s` is unused.
+        Returns the acknowledgement."""
+        if not isinstance(partial, bool):
+            raise ValueError(f"partial must be a bool, got {partial!r}")
         op = "update_weights_from_ipc"
-        with self._lifecycle_call(op, timeout_s) as deadline:
+        with self._control_call(op, timeout_s) as deadline:
             update = self.lifecycle.prepare_update(manifest, peft_config, version, name_map, buckets, use_shm)
             if update.staged:
                 update.receive(buckets, use_shm)  # the engine keeps serving the old weights meanwhile
-                return self._quiesced(op, lambda: self.lifecycle.commit_update(update), drain_timeout_s, deadline)
-            return self._quiesced(op, lambda: self._apply_in_place(update, buckets, use_shm), drain_timeout_s,
-                                  deadline)
+
+                def land():
+                    return self.lifecycle.commit_update(update)
+            else:
+                def land():
+                    return self._apply_in_place(update, buckets, use_shm)
+            if partial:
+                return self.call_between_steps(
+                    lambda: {"aborted": [], "continued": [s.request_id for s in self.scheduler.running], **land()},
+                    self._left(op, deadline), op=op)
+            return self._quiesced(op, land, drain_timeout_s, deadline)
 
     def add_lora(self, request, version: Optional[int] = None, drain_timeout_s: float = 10.0,
                  timeout_s: float = 120.0) -> dict:
         """Load an adapter (in-memory tensors or a saved PEFT directory) atomically between steps."""
-        with self._lifecycle_call("add_lora", timeout_s) as deadline:
+        with self._control_call("add_lora", timeout_s) as deadline:
             version = None if version is None else self.lifecycle.check_version(version)
             return self._quiesced("add_lora", lambda: self.lifecycle.add_lora(request, version), drain_timeout_s,
                                   deadline)
 
     def remove_lora(self, version: Optional[int] = None, drain_timeout_s: float = 10.0,
                     timeout_s: float = 120.0) -> dict:
-        with self._lifecycle_call("remove_lora", timeout_s) as deadline:
+        with self._control_call("remove_lora", timeout_s) as deadline:
             version = None if version is None else self.lifecycle.check_version(version)
             return self._quiesced("remove_lora", lambda: self.lifecycle.remove_lora(version), drain_timeout_s,
                                   deadline)
@@ -91,7 +155,7 @@ class ControlCalls:
         if isinstance(level, bool) or level not in SLEEP_LEVELS:
             raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
         op = f"sleep(level={level})"
-        with self._lifecycle_call(op, timeout_s) as deadline:
+        with self._control_call(op, timeout_s) as deadline:
             if level <= self.lifecycle.asleep_level:
                 return {"level": self.lifecycle.asleep_level, "changed": False, "aborted": []}
 
@@ -106,24 +170,24 @@ class ControlCalls:
         """Bring the weights back to the device (a no-op when awake). After a level-2 sleep a full weight update must
         come before requests run. Errors (e.g. out of memory) reach the caller; a wake that does not finish within
         `timeout_s` raises TimeoutError instead of hanging."""
-        with self._lifecycle_call("wake_up", timeout_s) as deadline:
+        with self._control_call("wake_up", timeout_s) as deadline:
             return self.call_between_steps(self.lifecycle.wake_up, self._left("wake_up", deadline), op="wake_up")
 
     @contextlib.contextmanager
-    def _lifecycle_call(self, op: str, timeout_s: float):
-        """One lifecycle call at a time; yields its deadline."""
+    def _control_call(self, op: str, timeout_s: float):
+        """One control call at a time; yields its deadline."""
         timeout_s = check_seconds("timeout_s", timeout_s)
         deadline = time.monotonic() + timeout_s
-        self._check_open(op)
-        if not self._lifecycle_lock.acquire(timeout=timeout_s):
-            raise TimeoutError(f"{op} did not start within {timeout_s:g}s: {self._lifecycle_op} was still running")
-        self._lifecycle_op = op
+        self.inbox.check_open(op)
+        if not self._control_lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"{op} did not start within {timeout_s:g}s: {self._control_op} was still running")
+        self._control_op = op
         try:
-            self._check_open(op)
+            self.inbox.check_open(op)
             yield deadline
         finally:
-            self._lifecycle_op = None
-            self._lifecycle_lock.release()
+            self._control_op = None
+            self._control_lock.release()
 
     @staticmethod
     def _left(op: str, deadline: float) -> float:
@@ -132,66 +196,33 @@ class ControlCalls:
             raise TimeoutError(f"{op} ran out of its timeout")
         return left
 
-    def _quiesced(self, op: str, fn: Callable[[], Any], drain_timeout_s: float, deadline: float) -> dict:
+    def _quiesced(self, op: str, fn: Callable[[], Any], drain_timeout_s: Optional[float], deadline: float) -> dict:
         """Close admission, let running requests finish for up to `drain_timeout_s`, abort the rest (acknowledged:
-        each comes back with stop_reason="aborted"), run `fn` between steps, reopen admission (also on error)."""
-        drain_timeout_s = check_seconds("drain_timeout_s", drain_timeout_s, allow_zero=True)
-        self.call_between_steps(lambda: setattr(self, "admission_paused", True), self._left(op, deadline), op=op)
+        each comes back with stop_reason="aborted"), run `fn` between steps, reopen admission (also on error).
+        `drain_timeout_s=None`: wait until `deadline` for every running request; if some still run, TimeoutError
+        and nothing is aborted or run."""
+        wait_all = drain_timeout_s is None
+        if not wait_all:
+            drain_timeout_s = check_seconds("drain_timeout_s", drain_timeout_s, allow_zero=True)
+        self.pause_admission(self._left(op, deadline), op=op)
         try:
-            drain_until = min(time.monotonic() + drain_timeout_s, deadline)
-            while self.scheduler.running and time.monotonic() < drain_until and self._closed is None:
-                time.sleep(0.002)
+            self.wait_idle(deadline if wait_all else min(time.monotonic() + drain_timeout_s, deadline))
+            if wait_all and self.scheduler.running:
+                raise TimeoutError(f"{op}: {len(self.scheduler.running)} sample(s) still in flight when its timeout_s "
+                                   f"ran out (drain_timeout_s=None waits for all of them); nothing applied or aborted")
 
             def swap():
-                aborted = self._abort_running_now()
+                aborted = self.abort_running()
                 return {"aborted": aborted, **(fn() or {})}
 
             return self.call_between_steps(swap, self._left(op, deadline), op=op)
         finally:
-            with self._lock:
-                self.admission_paused = False
-                self._wakeup.notify()
+            self.resume_admission()
 
     def _apply_in_place(self, update, buckets, use_shm: bool) -> dict:
         try:
             return self.lifecycle.apply_in_place(update, buckets, use_shm)
         except BaseException:
             if self.lifecycle.unusable is not None:  # nothing may run on these weights: fail what waits for them
-                error = self.lifecycle.unusable_error()
-                with self._lock:
-                    waiting = list(self._inbox)
-                    self._inbox.clear()
-                for s in self.scheduler.drain_all() + waiting:
-                    s.on_done(None, type(error)(f"request {s.request_id}: {error}"))
+                self.fail_waiting(self.lifecycle.unusable_error())
             raise
-
-    def _abort_running_now(self) -> list[str]:
-        states = list(self.scheduler.running)
-        self.scheduler.finish(states)
-        return self._settle_aborted(states)
-
-    def _abort_now(self, request_id: str) -> bool:
-        with self._lock:
-            for s in list(self._inbox):
-                if s.request_id == request_id:
-                    self._inbox.remove(s)
-                    self._settle_aborted([s])
-                    return True
-        state = self.scheduler.remove(request_id)
-        if state is None:
-            return False
-        self._settle_aborted([state])
-        return True
-
-    def _abort_all_now(self) -> list[str]:
-        with self._lock:
-            states = list(self._inbox)
-            self._inbox.clear()
-        states += self.scheduler.drain_all()
-        return self._settle_aborted(states)
-
-    def _settle_aborted(self, states: list[RequestState]) -> list[str]:
-        """Complete these (already removed) requests with stop_reason="aborted"; returns their ids."""
-        for s in states:
-            s.on_done(aborted_output(s, self.weight_version), None)
-        return [s.request_id for s in states]

@@ -6,11 +6,11 @@ run on the loop thread between two denoising steps, so they never race a forward
 
 No call hangs: every control call has a finite default timeout and raises TimeoutError naming the operation; after
 `shutdown()` (or if the loop ever died) every call raises EngineShutdownError at once, and pending requests and
-control calls fail with it. An engine the program never shut down is shut down at interpreter exit (an atexit hook
-stops the loop after its current step and joins it), so a script may simply end.
-The weights and memory state (version, sleep level, LoRA) is the `lifecycle` component (`engine/lifecycle.py`);
-the calls that change it (updates, LoRA, sleep, wake) and aborts are `engine/control.py`, which serialises them
-and drains / aborts around them; finished samples wait for their decode block in `engine/decode_queue.py`; what a request must pass to get in, and its prompt encodings, are `engine/admission.py`.
+control calls fail with it. An engine never shut down is shut down at interpreter exit (an atexit hook).
+Requests and control calls reach the loop through `engine/inbox.py`; the weights and memory state is `lifecycle`
+(`engine/lifecycle.py`), changed by `engine/control.py` through public methods (`pause_admission`, `wait_idle`,
+`abort_running`, `resume_admission`); finished samples wait in `engine/decode_queue.py`; `engine/admission.py`
+checks requests.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import threading
 import weakref
-from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -31,10 +30,11 @@ from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.control import ControlCalls, check_seconds
 from omniroll.engine.decode_queue import DecodeQueue
-from omniroll.engine.errors import EngineError, EngineShutdownError, RequestError
+from omniroll.engine.errors import EngineError, EngineShutdownError
+from omniroll.engine.inbox import Inbox
 from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
-from omniroll.engine.packaging import build_output
+from omniroll.engine.packaging import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.prompt_cache import PromptCache
 from omniroll.engine.request import RequestState
@@ -59,6 +59,10 @@ def _shutdown_live_engines() -> None:
             pass
 
 
+def _failed(error: BaseException) -> Callable[[RequestState], BaseException]:
+    return lambda s: EngineError(f"request {s.request_id} failed: {error!r}")
+
+
 class DiffusionEngine(ControlCalls):
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
@@ -71,25 +75,19 @@ class DiffusionEngine(ControlCalls):
         if rows == "auto":
             self.calibrator = RowCalibrator(adapter, self.runner.execution_mode, self.config.device, self.config.dtype,
                                             self.config.batch_invariant)
-            rows = self.calibrator.rows_for
+            rows = self.calibrator.max_batch_size_for
         self.scheduler = Scheduler(rows, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update)
         self.served = 0
         self.steps_run = 0
         self.rows_run = 0
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._inbox: deque[RequestState] = deque()
+        self.inbox = Inbox()  # submitted requests and control calls, on their way to the loop thread
         self._to_decode = DecodeQueue(self.config.decode_batch_size)  # finished, waiting for a full decode block
-        self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
-        self._live_ids: set[str] = set()  # request ids queued or running (unique; `abort(id)` names one request)
-        self._ids_lock = threading.Lock()  # taken inside `_lock` or alone, never the other way round
         self._thread: Optional[threading.Thread] = None
-        self._closed: Optional[str] = None  # why every call is refused: "shut down" or "shut down (its loop died: ..)"
+        self._thread_lock = threading.Lock()
         self.admission_paused = False
-        self._lifecycle_lock = threading.Lock()  # one lifecycle call (update, LoRA, sleep, wake) at a time
-        self._lifecycle_op: Optional[str] = None
+        self._init_controls()  # engine/control.py: the control-call lock and the step pause (`_pause`)
 
     @property
     def weight_version(self) -> int:
@@ -143,17 +141,16 @@ class DiffusionEngine(ControlCalls):
             raise
 
     def stats(self) -> dict:
-        with self._lock:
-            inbox = len(self._inbox)
         return {
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + inbox,
+            "waiting": len(self.scheduler.waiting) + len(self.inbox),
             "served": self.served,
             "weight_version": self.lifecycle.version,
             "asleep_level": self.lifecycle.asleep_level,
             "weights_unusable": self.lifecycle.unusable,
             "lora": self.lifecycle.active_lora,
-            "shut_down": self._closed is not None,
+            "shut_down": self.inbox.closed is not None,
+            **self._pause.state(),
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
             "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
@@ -168,27 +165,48 @@ class DiffusionEngine(ControlCalls):
         timeout_s = check_seconds("timeout_s", timeout_s)
         if self._thread is not None and threading.current_thread() is self._thread:
             return fn()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            self._check_open(op)
-            self._ensure_thread()
-            self._controls.append((fn, future))
-            self._wakeup.notify()
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            if future.done() and not future.cancelled():
-                raise  # fn itself raised a TimeoutError
-            future.cancel()
-            raise TimeoutError(f"{op} did not finish within {timeout_s:g}s (the engine thread was busy with a step "
-                               f"or an earlier call)") from None
+        self._ensure_thread(op)
+        return self.inbox.call(fn, timeout_s, op)
+
+    def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
+        """Abort a waiting or running request; it completes with stop_reason="aborted". Returns whether it existed.
+        Blocks until the request has stopped (the abort is acknowledged, never fire-and-forget)."""
+        return self.call_between_steps(lambda: self._abort_now(request_id), timeout_s, op="abort")
+
+    def abort_all(self, timeout_s: float = 60.0) -> list[str]:
+        """Abort every request in the engine (acknowledged). Returns their ids."""
+        return self.call_between_steps(
+            lambda: self._settle(self.inbox.take_requests() + self.scheduler.drain_all(), self._aborted),
+            timeout_s, op="abort_all")
+
+    def abort_running(self) -> list[str]:
+        """Between steps: abort every running request (acknowledged); returns their ids."""
+        states = list(self.scheduler.running)
+        self.scheduler.finish(states)
+        return self._settle(states, self._aborted)
+
+    def pause_admission(self, timeout_s: float = 60.0, op: str = "pause_admission") -> None:
+        """Admit no new request from the next step on (running ones go on); returns at that step boundary."""
+        self.call_between_steps(lambda: setattr(self, "admission_paused", True), timeout_s, op=op)
+
+    def resume_admission(self) -> None:
+        self.admission_paused = False
+        self.inbox.wake()
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Wait until no request is running (or the engine is shut down), until `deadline` (time.monotonic());
+        returns whether it got there."""
+        return self.inbox.wait_until(lambda: not self.scheduler.running, deadline)
+
+    def fail_waiting(self, error: BaseException) -> None:
+        """Between steps: fail every queued and running request with (a copy per request of) `error`."""
+        self._settle(self.scheduler.drain_all() + self.inbox.take_requests(),
+                     lambda s: type(error)(f"request {s.request_id}: {error}"))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop after its current step; pending requests and control calls fail with EngineShutdownError,
         and so does every later call, at once. Idempotent."""
-        with self._lock:
-            self._closed = self._closed or "shut down"
-            self._wakeup.notify()
+        self.inbox.close("shut down")
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=timeout_s)
@@ -196,29 +214,39 @@ class DiffusionEngine(ControlCalls):
             self._fail_pending()
         _LIVE_ENGINES.discard(self)
 
-    def _check_open(self, op: str) -> None:
-        if self._closed is not None:
-            raise EngineShutdownError(f"{op}: the engine is {self._closed}; create a new engine")
-
     def _fail_pending(self) -> None:
         """Fail every queued control call and every request with EngineShutdownError (loop stopped)."""
-        with self._lock:
-            controls, arrivals = list(self._controls), list(self._inbox)
-            self._controls.clear()
-            self._inbox.clear()
-        for _, future in controls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineShutdownError(f"the engine is {self._closed}"))
+        arrivals = self.inbox.drain()
+        closed = self.inbox.closed
         undecoded = self._to_decode.drain()
-        for state in self.scheduler.drain_all() + arrivals + undecoded:
-            state.on_done(None, EngineShutdownError(f"request {state.request_id}: the engine is {self._closed}"))
+        self._settle(self.scheduler.drain_all() + arrivals + undecoded,
+                     lambda s: EngineShutdownError(f"request {s.request_id}: the engine is {closed}"))
+
+    def _settle(self, states: list[RequestState],
+                outcome: Callable[[RequestState], DiffusionOutput | BaseException]) -> list[str]:
+        """Complete these requests (already out of the scheduler and the inbox), each with `outcome(state)`: its
+        output or its error. Returns their ids."""
+        for s in states:
+            result = outcome(s)
+            s.on_done(None, result) if isinstance(result, BaseException) else s.on_done(result, None)
+        return [s.request_id for s in states]
+
+    def _aborted(self, state: RequestState) -> DiffusionOutput:
+        return aborted_output(state, self.weight_version)
+
+    def _abort_now(self, request_id: str) -> bool:
+        state = self.inbox.remove(request_id) or self.scheduler.remove(request_id)
+        if state is None:
+            return False
+        self._settle([state], self._aborted)
+        return True
 
     # ------------------------------------------------------------------ submission (caller threads)
     def _submit_futures(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
         """Validate every request (errors raise here, in the caller's thread, before any is queued), then queue them
         all at once, so the first step already sees the whole batch. A request id already queued or running (or
         twice in `requests`) is refused with `RequestError`: ids name requests for `abort`, so they must be unique."""
-        self._check_open("generate")
+        self.inbox.check_open("generate")
         futures, states = [], []
         for request in requests:
             future: concurrent.futures.Future = concurrent.futures.Future()
@@ -229,28 +257,15 @@ class DiffusionEngine(ControlCalls):
         error = self.lifecycle.admission_error(self.config.asleep_policy)
         if error is not None:
             raise error
-        with self._lock:
-            self._check_open("generate")
-            with self._ids_lock:
-                ids = [s.request_id for s in states]
-                seen: set[str] = set()
-                for rid in ids:
-                    if rid in self._live_ids or rid in seen:
-                        raise RequestError(rid, "request_id is already in flight in this engine; request ids must "
-                                                "be unique among queued and running requests")
-                    seen.add(rid)
-                self._live_ids.update(ids)
-            self._ensure_thread()
-            self._inbox.extend(states)
-            self._wakeup.notify()
+        self._ensure_thread("generate")
+        self.inbox.add(states)
         return futures
 
     def _resolver(self, future: concurrent.futures.Future, request_id: str):
         """The RequestState callback that frees the request id, then settles `future` exactly once."""
 
         def on_done(output, error):
-            with self._ids_lock:
-                self._live_ids.discard(request_id)
+            self.inbox.release(request_id)
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(output)
 
@@ -259,80 +274,69 @@ class DiffusionEngine(ControlCalls):
     def _make_state(self, request: GenerationRequest, on_done) -> RequestState:
         return build_state(self.adapter, self.config, self.runner.device, request, on_done)
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="omniroll-engine", daemon=True)
-            self._thread.start()
-            _LIVE_ENGINES.add(self)
+    def _ensure_thread(self, op: str) -> None:
+        with self._thread_lock:
+            self.inbox.check_open(op)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="omniroll-engine", daemon=True)
+                self._thread.start()
+                _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ the loop (engine thread)
     def _loop(self) -> None:
         try:
             self._run_loop()
         except BaseException as e:  # a bug in the loop itself: refuse every call from now on, fail what is pending
-            with self._lock:
-                self._closed = f"shut down (its loop died: {e!r})"
+            self.inbox.close(f"shut down (its loop died: {e!r})")
             raise
         finally:
             self._fail_pending()
 
     def _run_loop(self) -> None:
         while True:
-            with self._lock:
-                while self._closed is None and not self._controls and not self._inbox and not self._runnable():
-                    self._wakeup.wait()
-                if self._closed is not None:
-                    return
-                controls = list(self._controls)
-                self._controls.clear()
-                arrivals = list(self._inbox)
-                self._inbox.clear()
+            taken = self.inbox.take(busy=self._runnable, wait_s=self._pause.seconds_left)
+            if taken is None:
+                return
+            arrivals, controls = taken
             for state in arrivals:
                 self.scheduler.add(state)
             if controls and self._to_decode:
                 self._finish([], flush=True)  # a control call never sees a finished sample waiting for its decode
-            for fn, future in controls:
-                self._run_control(fn, future)
+            for control in controls:
+                Inbox.run(control)
             if self._runnable():
                 self._step_safely()
             if self._to_decode and not self._runnable():
                 self._finish([], flush=True)
+            if not self.scheduler.running:
+                self.inbox.step_done()
 
     def _runnable(self) -> bool:
         if not self.lifecycle.can_step:
             return False  # requests wait (asleep_policy="wait") until wake_up and, after level 2, a weight sync
+        if self._pause.paused:
+            return False  # samples in flight keep their state until resume_generation
         if self.admission_paused:
             return bool(self.scheduler.running)
         return self.scheduler.has_work()
-
-    @staticmethod
-    def _run_control(fn, future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return  # its caller timed out before it started: it never runs
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            future.set_exception(e)
 
     def _step_safely(self) -> None:
         try:
             self.step()
         except Exception as e:  # noqa: BLE001 - a bug outside the per-batch guards: fail loudly, lose nothing
-            for state in self.scheduler.drain_all():
-                state.on_done(None, EngineError(f"request {state.request_id} failed: {e!r}"))
+            self._settle(self.scheduler.drain_all(), _failed(e))
 
     def _fail(self, states: list[RequestState], error: BaseException) -> None:
         """Fail these requests (and only these) with `error`."""
         self.scheduler.finish(states)
-        for s in states:
-            s.on_done(None, EngineError(f"request {s.request_id} failed: {error!r}"))
+        self._settle(states, _failed(error))
 
     def step(self) -> list[DiffusionOutput]:
         """Admit, run one denoising step for one batch, finish what completed. Returns finished outputs."""
         if not self.admission_paused:
             admitted = self.scheduler.admit()
             for s in admitted:
-                s.weight_version = self.weight_version  # admission fixes the weights a sample is made with
+                s.admitted_version = self.weight_version
             if admitted:
                 try:
                     self._encode(admitted)
@@ -341,12 +345,15 @@ class DiffusionEngine(ControlCalls):
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        for s in batch:
+            s.running_version = self.weight_version  # recorded per step: an update may land between two steps
         try:
             self.runner.step(batch)
         except Exception as e:  # noqa: BLE001 - fails the rows of this forward only
             self._fail(batch, e)
             return []
         self.steps_run += 1
+        self._pause.count_step()
         self.rows_run += sum(s.num_rows for s in batch)
         finished = [s for s in batch if s.done]
         if finished:
@@ -355,9 +362,9 @@ class DiffusionEngine(ControlCalls):
 
     def _encode(self, states: list[RequestState]) -> None:
         """Attach prompt encodings (see engine/admission.py); a request whose prompt fails to encode fails alone."""
-        for s, error in attach_encodings(self.prompt_cache, states):
-            self.scheduler.finish([s])
-            s.on_done(None, error)
+        failed = dict(attach_encodings(self.prompt_cache, states))  # state -> its error
+        self.scheduler.finish(list(failed))
+        self._settle(list(failed), failed.__getitem__)
 
     def _finish(self, states: list[RequestState], flush: bool = False) -> list[DiffusionOutput]:
         """Deliver finished requests: latents at once, pixels in the decode blocks `DecodeQueue` releases (`flush`:
@@ -372,8 +379,7 @@ class DiffusionEngine(ControlCalls):
         try:
             decoded = self.runner.decode(torch.stack([s.latents for s in states]))
         except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
-            for s in states:
-                s.on_done(None, EngineError(f"request {s.request_id} failed: {e!r}"))
+            self._settle(states, _failed(e))
             return []
         return [self._deliver(s, decoded[i]) for i, s in enumerate(states)]
 

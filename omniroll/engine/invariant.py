@@ -23,6 +23,8 @@ Implemented as a `TorchFunctionMode` active around the forward: no library code 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
@@ -35,6 +37,15 @@ _PER_SAMPLE = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, F.conv_transpose2d: 4, F.g
 _ELEMENTWISE = {F.silu, F.gelu, F.mish, torch.sigmoid, torch.tanh, torch.Tensor.sigmoid, torch.Tensor.tanh}
 _VECTOR_ELEMENTS = 64
 _FLASH = SDPBackend.FLASH_ATTENTION.value
+
+
+def execution_mode(execution: dict):
+    """The context every model call runs in, from an engine's `execution_info` (recorded in each trajectory as
+    `extra_fields["execution"]`): batch-invariant kernels with its block size when on, else nothing. The engine's
+    runner and the trainer's recompute both enter it through this function."""
+    if execution.get("batch_invariant"):
+        return BatchInvariantMode(int(execution["invariant_block_rows"]))
+    return contextlib.nullcontext()
 
 
 class BatchInvariantMode(TorchFunctionMode):

@@ -2,7 +2,7 @@
 serve. A component the engine owns (`engine.lifecycle`); it holds no reference to the engine.
 
 State (explicit, nothing else):
-  version        the weight version every admitted sample records (0: the checkpoint's weights)
+  version        the weight version every step run now records (0: the checkpoint's weights)
   asleep_level   0 awake, 1 weights offloaded to host memory, 2 the denoiser's weights dropped
   unusable       None, or why the denoiser's weights cannot serve: dropped by sleep(level=2), or an in-place update
                  that failed midway. Cleared only by a complete full update.
@@ -35,6 +35,7 @@ import torch
 from omniroll.engine.errors import EngineAsleepError, EngineError
 from omniroll.models.base import DiffusionAdapter
 from omniroll.weights import LoRAManager, OmniTensorLoRARequest, check_version, prepare_update
+from omniroll.weights.staging import StagingPool
 from omniroll.weights.transport import check_descriptor
 
 __all__ = ["Lifecycle", "EngineAsleepError"]
@@ -52,6 +53,7 @@ class Lifecycle:
         self.unusable: Optional[str] = None
         self._dropped = False  # unusable because sleep(level=2) dropped the weights (an EngineAsleepError)
         self._lora: Optional[LoRAManager] = None
+        self.staging = StagingPool()  # staged full updates reuse their staging tensors (dropped by sleep)
 
     @property
     def lora(self) -> LoRAManager:
@@ -94,7 +96,7 @@ class Lifecycle:
         # nothing is served from them until a complete update lands, and no staging copy is needed
         stage = self.stage and self.unusable is None
         update = prepare_update(self.adapter.denoiser, lora, manifest=manifest, peft_config=peft_config,
-                                name_map=name_map, stage=stage, version=version)
+                                name_map=name_map, stage=stage, version=version, staging=self.staging)
         update.version = version
         return update
 
@@ -147,6 +149,7 @@ class Lifecycle:
         are offloaded as in level 1. Never makes the engine less asleep: sleep(1) at level 2 stays at level 2."""
         if level <= self.asleep_level:
             return {"level": self.asleep_level, "changed": False}
+        self.staging.clear()  # the kept staging copy would hold device memory through the sleep
         removed_lora = None
         if level == 2 and self.active_lora is not None:
             removed_lora = self.active_lora

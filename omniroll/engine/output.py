@@ -15,7 +15,9 @@ class DiffusionOutput(BaseModel):
     stop_reason: "completed" | "aborted".
     num_preempted: times the request sat out a step it was ready for.
     extra_fields: all_latents [W+1, ...] fp32, all_timesteps [W], sigmas [W], sigmas_next [W], noise_level,
-        sde_type, sigma_max, window, seed, prompt embeddings, weight_version, ...; `expert_indices` [W] (the
+        sde_type, sigma_max, window, seed, prompt embeddings, ...; the weight versions `weight_version` (the version
+        that ran the first step), `step_weight_versions` ([W] ints: the version that ran each recorded step) and
+        `min_weight_version` / `max_weight_version` (see `omniroll.engine.packaging`); `expert_indices` [W] (the
         denoiser of each recorded step) for multi-expert models (Wan 2.2 A14B); `fps` for video.
     """
 
@@ -34,3 +36,8 @@ class DiffusionOutput(BaseModel):
     @property
     def weight_version(self) -> int:
         return int(self.extra_fields.get("weight_version", 0))
+
+    @property
+    def step_weight_versions(self) -> list[int]:
+        """The weight version that ran each recorded window step (one per log-prob)."""
+        return [int(v) for v in self.extra_fields.get("step_weight_versions", [])]

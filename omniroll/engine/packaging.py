@@ -1,4 +1,19 @@
-"""Packaging: turn a finished (or aborted) RequestState into a DiffusionOutput (`omniroll.engine.output`)."""
+"""Packaging: turn a finished (or aborted) RequestState into a DiffusionOutput (`omniroll.engine.output`).
+
+Weight versions in every output's `extra_fields` (a weight update with `partial=True` lands between two denoising
+steps of samples in flight, so one sample may run on several versions; versions never decrease):
+
+  weight_version        the version that ran the sample's first denoising step (a prefix follower: its leader's);
+                        for a sample that ran no step (aborted early), the version at admission, else the engine's
+                        version when it was aborted. When no update landed while the sample ran (always so with the
+                        default `partial=False` sync, which waits for or aborts the samples in flight), every step
+                        ran with it.
+  step_weight_versions  [W] ints: the version that ran each recorded window step, in the order of `log_probs`,
+                        `all_timesteps`, `step_indices` (a recompute of window step k must use version
+                        `step_weight_versions[k]`).
+  min_weight_version,   min / max of `step_weight_versions` (the versions behind the recorded log-probs); a sample
+  max_weight_version    with no recorded step (aborted before its window) reports `weight_version` for both.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +46,18 @@ def _embedding_fields(state: RequestState) -> dict:
     return fields
 
 
+def version_fields(state: RequestState, current_version: int) -> dict:
+    """The weight-version fields of an output (documented above); `current_version`: the engine's version now."""
+    if state.step_versions:
+        first = state.step_versions[0]
+    else:
+        first = state.admitted_version if state.admitted_version is not None else current_version
+    window = [int(state.step_versions[k]) for k in state.rec_steps]
+    return {"weight_version": int(first), "step_weight_versions": window,
+            "min_weight_version": min(window, default=int(first)),
+            "max_weight_version": max(window, default=int(first))}
+
+
 def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution: Optional[dict] = None) -> DiffusionOutput:
     """Package what RL needs. The window's sigmas, noise level and SDE type travel with the trajectory, so a trainer
     never has to recover sigma from a timestep or mirror the sampling config."""
@@ -59,10 +86,10 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution:
         "sde_type": p.sde_type if p.stochastic else "ode",
         "sigma_max": float(state.sigma_max),
         "guidance_scale": float(p.guidance_scale),
-        "cfg_scale": float(state.cfg_scale) if state.cfg_scale is not None else 0.0,  # the CFG mix's scale; 0: no CFG
+        "cfg_scale": float(state.cfg_scale),  # the CFG mix's scale; NO_CFG (0.0): none
         "seed": int(state.request.seed),
         "sampling_params": p.model_dump(mode="json"),  # what this row was asked for, as given
-        "weight_version": int(state.weight_version or 0),
+        **version_fields(state, 0),
         "execution": dict(execution or {}),  # batch_invariant, invariant_block_rows, dtype (ModelRunner)
         "generate_seconds": time.time() - state.submitted_at,
         **_embedding_fields(state),
@@ -83,7 +110,7 @@ def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution:
 
 
 def aborted_output(state: RequestState, weight_version: int) -> DiffusionOutput:
-    """An aborted request: no pixels, no trajectory, an explicit stop reason."""
+    """An aborted request: no pixels, no trajectory, an explicit stop reason. `weight_version`: the engine's now."""
     return DiffusionOutput(
         diffusion_output=torch.empty((0,), dtype=torch.uint8),
         log_probs=None,
@@ -92,7 +119,7 @@ def aborted_output(state: RequestState, weight_version: int) -> DiffusionOutput:
         extra_fields={
             "request_id": state.request_id,
             "seed": int(state.request.seed),
-            "weight_version": int(state.weight_version if state.weight_version is not None else weight_version),
+            **version_fields(state, weight_version),
             "steps_done": state.step_index,
         },
     )

@@ -1,15 +1,30 @@
-"""What a caller asks for: `SamplingParams` (validated, per request) and `GenerationRequest`."""
+"""What a caller asks for: `SamplingParams` (validated, per request) and `GenerationRequest`.
+
+Each sampling field's type and bounds are declared once, here (`Pixels`, `Steps`, `SdeType`, ...): the YAML
+sections (`omniroll.config`), the requests and the CLI flags all use these declarations. `overlay_sampling` is the one
+rule for laying an override over a sampling dict (validation turns log-probs off).
+"""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omniroll.sampling.window import sde_window_bounds
 
-SDE_TYPES = ("sde", "cps", "dance_sde", "ode")
-OUTPUT_TYPES = ("pixel", "latent", "both")
+Pixels = Annotated[int, Field(ge=16, le=4096)]
+NumFrames = Annotated[int, Field(ge=1, le=1025)]
+Fps = Annotated[int, Field(ge=1, le=240)]
+Steps = Annotated[int, Field(ge=1, le=1000)]
+GuidanceScale = Annotated[float, Field(ge=0.0, le=100.0)]
+TrueCfgScale = Annotated[float, Field(ge=1.0, le=100.0)]
+SequenceLength = Annotated[int, Field(ge=1, le=512)]
+NoiseLevel = Annotated[float, Field(ge=0.0, le=10.0)]
+SdeType = Literal["sde", "cps", "dance_sde", "ode"]  # = omniroll.sampling.sde.SDE_TYPES (tested; sde.py needs torch)
+WindowSize = Annotated[int, Field(ge=1, le=1000)]
+WindowRange = tuple[int, int]
+OutputType = Literal["pixel", "latent", "both"]
 
 
 class SamplingParams(BaseModel):
@@ -29,24 +44,22 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    height: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
-    width: int = Field(256, ge=16, le=4096, description="pixels, a multiple of the model's spatial factor")
-    num_frames: int = Field(1, ge=1, le=1025, description="1 for images; video models check their own rule "
-                                                          "(Wan: 4k + 1)")
-    fps: int = Field(16, ge=1, le=240, description="frames per second of a video output (metadata only)")
-    num_inference_steps: int = Field(10, ge=1, le=1000)
-    guidance_scale: float = Field(4.5, ge=0.0, le=100.0, description="CFG scale (<= 1 disables CFG); for "
-                                                                     "guidance-distilled models (FLUX.1) the "
-                                                                     "guidance the model is given")
-    true_cfg_scale: float = Field(1.0, ge=1.0, le=100.0, description="guidance-distilled models only: real CFG "
-                                                                     "on top (> 1 adds an unconditional row)")
-    max_sequence_length: int = Field(128, ge=1, le=512, description="T5 tokens")
-    noise_level: float = Field(0.7, ge=0.0, le=10.0, description="eta; 0 gives the ODE")
-    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
-    sde_window_size: Optional[int] = Field(None, ge=1, le=1000)
-    sde_window_range: Optional[tuple[int, int]] = None
+    height: Pixels = Field(256, description="pixels, a multiple of the model's spatial factor")
+    width: Pixels = Field(256, description="pixels, a multiple of the model's spatial factor")
+    num_frames: NumFrames = Field(1, description="1 for images; video models check their own rule (Wan: 4k + 1)")
+    fps: Fps = Field(16, description="frames per second of a video output (metadata only)")
+    num_inference_steps: Steps = 10
+    guidance_scale: GuidanceScale = Field(4.5, description="CFG scale (<= 1 disables CFG); for guidance-distilled "
+                                                           "models (FLUX.1) the guidance the model is given")
+    true_cfg_scale: TrueCfgScale = Field(1.0, description="guidance-distilled models only: real CFG on top (> 1 adds "
+                                                          "an unconditional row)")
+    max_sequence_length: SequenceLength = Field(128, description="T5 tokens")
+    noise_level: NoiseLevel = Field(0.7, description="eta; 0 gives the ODE")
+    sde_type: SdeType = "sde"
+    sde_window_size: Optional[WindowSize] = None
+    sde_window_range: Optional[WindowRange] = None
     logprobs: bool = True
-    output_type: Literal["pixel", "latent", "both"] = "pixel"
+    output_type: OutputType = "pixel"
     latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 
     @field_validator("*", mode="before")
@@ -69,6 +82,17 @@ class SamplingParams(BaseModel):
     def batch_key(self) -> tuple:
         """Rows that share this key can share a forward (same latent shape and text length)."""
         return (self.num_frames, self.height, self.width, self.max_sequence_length)
+
+
+def overlay_sampling(base: dict, override: Any, validate: bool, name: str = "sampling_params") -> dict:
+    """`base` with `override` (a dict of SamplingParams fields, or None) laid over it; validation samples never
+    compute log-probs. ValueError naming `name` when `override` is not a dict."""
+    if override is not None and not isinstance(override, dict):
+        raise ValueError(f"{name} must be a dict, got {type(override).__name__}")
+    sp = {**base, **(override or {})}
+    if validate:
+        sp["logprobs"] = False
+    return sp
 
 
 class GenerationRequest(BaseModel):

@@ -1,7 +1,7 @@
 """Group prefix sharing: samples that share their initial noise run their common ODE prefix once.
 
 Samples with the same `latent_seed` (flow_grpo's `same_latent`), prompt, negative prompt, latent shape, schedule,
-guidance, text length and weight version have the same initial latent and the same SDE window start `k`; every step
+guidance, text length and weight version at admission have the same initial latent and the same SDE window start `k`; every step
 before `k` is the same deterministic ODE step for all of them (no noise is drawn outside the window). One member,
 the leader, runs those steps; the others (followers) run no forward until the leader reaches step `k`, then each
 takes a copy of the leader's latent and goes on alone from step `k`, drawing its own window noise. The steps are the
@@ -9,8 +9,10 @@ same computation on the same inputs, so in batch-invariant mode every output is 
 sample alone (tested); the trainer needs nothing new.
 
 - A member admitted later joins the running leader, or forks at once from the latent the group recorded at step
-  `k` (kept while any member of the group is running; weights never change while requests run, see
-  `engine/lifecycle.py`).
+  `k` (kept while any member of the group is running; a member admitted after a weight update has another key, so
+  it never forks from a latent older weights made).
+- A follower's steps before `k` are its leader's, and so are their weight versions (`step_versions`): a weight update
+  with `partial=True` may land while the leader runs the prefix, and the follower records what really made its latent.
 - A leader that leaves before step `k` (aborted, failed) hands its latent and step to its first follower, which
   leads on: no follower loses a step, and no follower waits for a leader that is gone.
 """
@@ -24,14 +26,19 @@ import torch
 from omniroll.engine.request import RequestState
 
 
+#: sampling fields that act only from the SDE window on, or not on the denoising at all: samples that differ in them
+#: still share their ODE prefix. Every other field (a new one too) is part of the prefix key.
+AFTER_PREFIX = frozenset({"noise_level", "sde_type", "sde_window_size", "sde_window_range", "logprobs", "output_type",
+                          "fps"})
+
+
 def prefix_key(state: RequestState) -> Optional[tuple]:
     """What a shared prefix depends on; None when the sample has no prefix to share."""
     p, r = state.params, state.request
     if p.latent_seed is None or state.window[0] == 0:
         return None
-    return (p.latent_seed, repr(r.prompt), repr(r.negative_prompt), tuple(state.latents.shape), p.height, p.width,
-            p.num_inference_steps, p.guidance_scale, p.true_cfg_scale, p.max_sequence_length, state.window[0],
-            state.weight_version)
+    return (repr(r.prompt), repr(r.negative_prompt), tuple(state.latents.shape), state.window[0],
+            state.admitted_version, tuple(sorted(p.model_dump(exclude=AFTER_PREFIX).items())))
 
 
 class _Group:
@@ -41,6 +48,7 @@ class _Group:
         self.followers: list[RequestState] = []
         self.members: set[int] = {id(leader)}
         self.fork_latents: Optional[torch.Tensor] = None  # the leader's latent at fork_step, once it got there
+        self.fork_versions: list[int] = []  # the weight versions of the leader's steps before fork_step
 
 
 class PrefixSharing:
@@ -63,6 +71,7 @@ class PrefixSharing:
         for g in self._groups.values():
             if g.fork_latents is None and g.leader is not None and g.leader.step_index >= g.fork_step:
                 g.fork_latents = g.leader.latents.clone()
+                g.fork_versions = list(g.leader.step_versions[:g.fork_step])
                 for f in g.followers:
                     self._fork(f, g)
                 g.followers.clear()
@@ -86,6 +95,7 @@ class PrefixSharing:
     def _fork(self, s: RequestState, g: _Group) -> None:
         s.latents = g.fork_latents.clone()
         s.step_index = g.fork_step
+        s.step_versions = list(g.fork_versions)
         self._following.discard(id(s))
         self.steps_saved += g.fork_step
 
@@ -107,6 +117,7 @@ class PrefixSharing:
                     self._following.discard(id(heir))
                     heir.latents = s.latents.clone()
                     heir.step_index = s.step_index
+                    heir.step_versions = list(s.step_versions)
                     self.steps_saved += s.step_index
                     g.leader = heir
             if not g.members:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from omniroll.engine.params import GenerationRequest
-from omniroll.models.base import Conditioning
+from omniroll.models.base import NO_CFG, Conditioning
 from omniroll.sampling import draw_sde_window, make_generator
 from omniroll.sampling.sde import SDE_CODES
 
@@ -25,19 +25,19 @@ class RequestState:
     """One sample in flight. Everything random comes from its own generator (on the engine's device), in a fixed
     order: initial latent, window start, then one noise draw per SDE step, so the sample never depends on its batch
     mates. With `latent_seed` the initial latent and the window start come from a generator of that seed instead
-    (shared by a group), the window's noise still from the request's own. `cfg_scale` (None: no unconditional row)
+    (shared by a group), the window's noise still from the request's own. `cfg_scale` (`NO_CFG`: no unconditional row)
     and `experts` (the denoiser of each step) come from the adapter."""
 
     def __init__(self, request: GenerationRequest, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
                  on_done: DoneCallback, num_train_timesteps: int = 1000, device: torch.device | str = "cpu",
-                 cfg_scale: Optional[float] | str = "standard"):
+                 cfg_scale: float | str = "standard"):
         self.request = request
         self.params = p = request.sampling_params
         self.on_done = on_done
         self.submitted_at = time.time()
         self.device = torch.device(device)
         if cfg_scale == "standard":  # what SD3-style CFG does; the engine passes its adapter's answer
-            cfg_scale = float(p.guidance_scale) if p.guidance_scale > 1.0 else None
+            cfg_scale = float(p.guidance_scale) if p.guidance_scale > 1.0 else NO_CFG
         self.cfg_scale = cfg_scale
         self.sigmas = sigmas  # [T + 1] fp32 on the host, ends at 0
         self.timesteps = sigmas[:-1] * num_train_timesteps  # what the denoiser sees (as diffusers computes them)
@@ -61,7 +61,12 @@ class RequestState:
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
         self.uncond: Optional[Conditioning] = None
-        self.weight_version: Optional[int] = None  # the engine's weight version, set when the request is admitted
+        # Weight versions (see `engine/packaging.py` for what the output reports): the engine's version when the request
+        # was admitted, the version the engine runs its next step with (set by the engine before each step), and the
+        # version that ran each step so far (index = step index; a prefix follower copies its leader's).
+        self.admitted_version: Optional[int] = None
+        self.running_version: Optional[int] = None
+        self.step_versions: list[int] = []
         # Recorded over the SDE window (device tensors until the output is built).
         self.rec_latents: list[torch.Tensor] = []
         self.rec_log_probs: list[torch.Tensor] = []
@@ -73,7 +78,7 @@ class RequestState:
 
     @property
     def num_rows(self) -> int:
-        return 1 if self.cfg_scale is None else 2
+        return 1 if self.cfg_scale == NO_CFG else 2
 
     @property
     def done(self) -> bool:
@@ -113,7 +118,8 @@ class RequestState:
         return torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32, device=self.device)
 
     def advance(self, new_latents: torch.Tensor, log_prob: torch.Tensor) -> None:
-        """Apply one step's result; record it when the step is in the window."""
+        """Apply one step's result (and the weight version that ran it); record it when the step is in the window."""
+        self.step_versions.append(int(self.running_version or 0))
         if self.in_window:
             if not self.rec_latents:
                 self.rec_latents.append(self.latents)

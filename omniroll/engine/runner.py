@@ -7,14 +7,12 @@ back to the host, so a step queues its kernels without waiting for the previous 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from omniroll.engine.config import EngineConfig
-from omniroll.engine.invariant import BatchInvariantMode
+from omniroll.engine.invariant import execution_mode
 from omniroll.engine.request import RequestState
-from omniroll.models.base import DiffusionAdapter, stack_conditioning
+from omniroll.models.base import NO_CFG, DiffusionAdapter, stack_conditioning
 from omniroll.sampling import sde_step
 
 
@@ -26,9 +24,7 @@ class ModelRunner:
 
     def execution_mode(self):
         """The context every model call runs in (batch-invariant when configured)."""
-        if self.config.batch_invariant:
-            return BatchInvariantMode(self.config.invariant_block_rows)
-        return contextlib.nullcontext()
+        return execution_mode(self.execution_info())
 
     def execution_info(self) -> dict:
         """How this engine's model calls run; recorded in every trajectory (`extra_fields["execution"]`), so a
@@ -41,27 +37,21 @@ class ModelRunner:
     def step(self, states: list[RequestState]) -> None:
         """Advance every state by one step. Each row keeps its own sigma, guidance, noise level, SDE type, window.
         All rows share a batch key, hence a latent shape and a denoiser (`expert`)."""
-        B = len(states)
         inputs = [s.step_inputs() for s in states]  # (timestep, sigma, sigma_next, noise_level, sde_code)
-        cfg = [i for i, s in enumerate(states) if s.cfg_scale is not None]
-        rows = list(range(B)) + cfg  # forward rows: every state, then the unconditional rows
-        conds = [s.cond for s in states] + [states[i].uncond for i in cfg]
+        cfg = [s for s in states if s.cfg_scale != NO_CFG]
         latents = torch.stack([s.latents for s in states])
-        model_latents = torch.stack([states[i].latents for i in rows]) if cfg else latents
         guidance = None
         if self.adapter.guidance_kind == "distilled":
-            guidance = torch.stack([states[i].dev_guidance for i in rows])
+            guidance = torch.stack([s.dev_guidance for s in states])
         with self.execution_mode():
-            v_all = self.adapter.velocity(
-                model_latents, torch.stack([inputs[i][0] for i in rows]), stack_conditioning(conds),
+            v = self.adapter.guided_velocity(
+                latents, torch.stack([x[0] for x in inputs]), stack_conditioning([s.cond for s in states]),
+                stack_conditioning([s.uncond for s in cfg]) if cfg else None, [s.cfg_scale for s in states],
                 guidance=guidance, expert=states[0].expert,
-            ).float()
-        v = list(v_all[:B].unbind(0))
-        for j, i in enumerate(cfg):
-            v[i] = self.adapter.mix_cfg(v[i], v_all[B + j], states[i].cfg_scale)
+            )
 
         out = sde_step(
-            latents, torch.stack(v),
+            latents, v,
             torch.stack([x[1] for x in inputs]), torch.stack([x[2] for x in inputs]),
             noise_level=torch.stack([x[3] for x in inputs]),
             sde_type=torch.stack([x[4] for x in inputs]),

@@ -15,7 +15,7 @@ class Scheduler:
     Only rows of one batch key (latent shape and text length) can share a forward. Admission is FCFS per key: a
     waiting request is admitted when its key's running rows plus its own fit in the key's row budget (a CFG request is
     two rows); a request whose key is full never blocks a request of another key, and within a key nobody overtakes.
-    The budget is `max_rows`: an int, or a function of a request giving its key's rows (asked once per key; the
+    The budget is `max_batch_size`: an int, or a function of a request giving its key's rows (asked once per key; the
     engine's measured calibration, `omniroll.engine.calibrate`).
 
     Each step runs every runnable request of one key, whatever their step index, step count, noise level, SDE type,
@@ -23,11 +23,11 @@ class Scheduler:
     request sits out at most one step per other active key before it runs again (counted in `num_preempted`).
 
     With prefix sharing, followers of a group's leader (see `omniroll.engine.prefix`) are running but run no forward
-    until their fork; they keep their rows reserved, so a group never exceeds `max_rows` once it forks.
+    until their fork; they keep their rows reserved, so a group never exceeds `max_batch_size` once it forks.
     """
 
-    def __init__(self, max_rows: Union[int, Callable[[RequestState], int]], prefix_sharing: bool = True):
-        self._rows_of = max_rows if callable(max_rows) else (lambda state: max_rows)
+    def __init__(self, max_batch_size: Union[int, Callable[[RequestState], int]], prefix_sharing: bool = True):
+        self._rows_of = max_batch_size if callable(max_batch_size) else (lambda state: max_batch_size)
         self.key_rows: dict[tuple, int] = {}  # batch key -> its row budget
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -55,7 +55,7 @@ class Scheduler:
         admitted, kept, full = [], deque(), set()
         for state in self.waiting:
             key = state.batch_key
-            if key not in full and rows[key] + state.num_rows <= self.rows_for(state):
+            if key not in full and rows[key] + state.num_rows <= self.max_batch_size_for(state):
                 rows[key] += state.num_rows
                 admitted.append(state)
             else:
@@ -65,7 +65,7 @@ class Scheduler:
         self.running.extend(admitted)
         return admitted
 
-    def rows_for(self, state: RequestState) -> int:
+    def max_batch_size_for(self, state: RequestState) -> int:
         """The forward-row budget of this request's batch key (never below the request's own rows)."""
         key = state.batch_key
         if key not in self.key_rows:

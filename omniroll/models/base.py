@@ -22,6 +22,9 @@ import torch
 
 from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, require_checkpoint
 
+#: the CFG scale of a row that runs no unconditional row, in the engine and in every trajectory alike.
+NO_CFG = 0.0
+
 
 @dataclass
 class Conditioning:
@@ -166,14 +169,37 @@ class DiffusionAdapter(ABC):
             raise ValueError(f"true_cfg_scale must be 1.0 for {type(self).__name__} (its guidance_scale is the CFG "
                              f"scale), got {true_cfg_scale}")
 
-    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float = 1.0) -> Optional[float]:
-        """The CFG mixing scale of a request, or None when it runs no unconditional row."""
+    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float = 1.0) -> float:
+        """The CFG mixing scale of a request, or `NO_CFG` when it runs no unconditional row."""
         scale = true_cfg_scale if self.guidance_kind == "distilled" else guidance_scale
-        return float(scale) if scale > 1.0 else None
+        return float(scale) if scale > 1.0 else NO_CFG
 
     def mix_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance for one row: uncond + scale * (cond - uncond)."""
         return uncond + scale * (cond - uncond)
+
+    def guided_velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
+                        uncond: Optional[dict[str, torch.Tensor]], cfg_scale: list[float],
+                        guidance: Optional[torch.Tensor] = None, expert: int = 0) -> torch.Tensor:
+        """Velocity after CFG [B, ...] (fp32) for rows that share a conditioning shape and a denoiser: the one
+        function the engine's step and the trainer's recompute both call, so the two cannot drift apart.
+
+        `cfg_scale[i]` is row i's CFG scale (`NO_CFG`: none); `uncond` holds one row per CFG row, in row order.
+        One forward runs every row, then the unconditional copies of the CFG rows (same latent, timestep and
+        distilled `guidance`); each CFG row is then `mix_cfg(cond, uncond, cfg_scale[i])`."""
+        B = latents.shape[0]
+        cfg = [i for i, g in enumerate(cfg_scale) if g != NO_CFG]
+        if cfg:
+            latents = torch.cat([latents, latents[cfg]])
+            timesteps = torch.cat([timesteps, timesteps[cfg]])
+            cond = {k: torch.cat([cond[k], uncond[k]]) for k in cond}
+            if guidance is not None:
+                guidance = torch.cat([guidance, guidance[cfg]])
+        v_all = self.velocity(latents, timesteps, cond, guidance=guidance, expert=expert).float()
+        v = list(v_all[:B].unbind(0))
+        for j, i in enumerate(cfg):
+            v[i] = self.mix_cfg(v[i], v_all[B + j], cfg_scale[i])
+        return torch.stack(v)
 
     def expert_index(self, timestep: float) -> int:
         """Which denoiser runs at this timestep (sigma * 1000); 0 for single-denoiser families."""

@@ -4,7 +4,7 @@ with worker health: a dead worker leaves the pool and its samples are re-scored 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from omniroll.reward.manager import RewardConfig
 from omniroll.reward.types import RewardResult, RewardSample
@@ -135,8 +135,11 @@ def _first_line(e: BaseException) -> str:
 
 def create_reward_workers(config: Union[dict, list, RewardConfig], num_workers: int = 1, *,
                           max_concurrency: int = 1000, num_cpus: float = 0.0,
-                          runtime_env: Optional[dict] = None, **options) -> list[Any]:
+                          runtime_env: Optional[dict] = None, placement: Optional[Callable[[int], dict]] = None,
+                          **options) -> list[Any]:
     """Start `num_workers` `RewardLoopWorker` Ray actors (async, `max_concurrency` concurrent calls each).
+    `placement(i)`: extra actor options for worker i (its placement-group bundle; see `omniroll.rollout.ray_cluster`);
+    `options`: any other Ray actor option (e.g. `resources`).
 
     The config is validated here first, so a bad config fails in the caller, not inside an actor.
     """
@@ -151,4 +154,7 @@ def create_reward_workers(config: Union[dict, list, RewardConfig], num_workers: 
     if runtime_env is not None:
         opts["runtime_env"] = runtime_env
     remote_cls = ray.remote(RewardLoopWorker)
-    return [remote_cls.options(**opts).remote(cfg, worker_id=i) for i in range(num_workers)]
+    if not options.get("resources"):
+        opts.pop("resources", None)
+    return [remote_cls.options(**opts, **(placement(i) if placement else {})).remote(cfg, worker_id=i)
+            for i in range(num_workers)]

@@ -1,4 +1,5 @@
-"""Rollout replicas (one DiffusionEngine per Ray actor) and the in-process routing client."""
+"""Rollout replicas (one DiffusionEngine per Ray actor), the in-process routing client, and Ray itself: joining a
+cluster or starting a local one, placing actors (`ray_cluster`)."""
 
 from omniroll.rollout.client import RequestError, RolloutClient, RolloutError
 from omniroll.rollout.replica import RolloutReplica, create_replicas, kill_replicas

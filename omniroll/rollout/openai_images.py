@@ -19,6 +19,8 @@ Response: `{"created", "data": [{"b64_json", "revised_prompt": null, "seed", "re
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import re
 import secrets
 import time
@@ -100,9 +102,16 @@ def build_requests(body: ImagesBody, rid: str, model_name: str, max_n: int,
         raise classify(e, [body.prompt, body.negative_prompt]) from None
 
 
-def register_images_api(app, server) -> None:
-    from omniroll.rollout.server import png_base64
+def png_base64(pixels) -> str:
+    """uint8 pixels [3, H, W] -> a base64 PNG (the images API's `b64_json`, and `/v1/generate`'s image)."""
+    from PIL import Image
 
+    buf = io.BytesIO()
+    Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy()).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def register_images_api(app, server) -> None:
     @app.post("/v1/images/generations")
     async def images_generations(body: ImagesBody, request: Request):
         rid = request_id_of(request)

@@ -11,7 +11,7 @@ import asyncio
 import os
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
@@ -19,6 +19,7 @@ from omniroll.engine.errors import RequestError
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
 from omniroll.rollout.transfer import output_to_wire
+from omniroll.weights.transport import transport_of
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,17 +39,18 @@ def _engine_kwargs(engine_kwargs: Optional[dict]) -> dict:
 class RolloutReplica:
     """Hosts one `DiffusionEngine`. Construct through Ray (`create_replicas`) or directly in-process for tests."""
 
-    def __init__(self, model_path: str, replica_rank: int = 0, engine_kwargs: Optional[dict] = None):
+    def __init__(self, model_path: str, replica_index: int = 0, engine_kwargs: Optional[dict] = None):
         from omniroll.engine.engine import DiffusionEngine
 
         self.model_path = model_path
-        self.replica_rank = int(replica_rank)
+        self.replica_index = int(replica_index)
         self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))
         self._in_flight = 0
         self._served = 0
         self._failed = 0
         self._aborted = 0
         self._started_at = time.time()
+        self._node_id, self._node_address = _ray_node()
 
     async def generate(self, request: dict | GenerationRequest) -> dict:
         """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A request the engine will not serve (bad
@@ -72,7 +74,8 @@ class RolloutReplica:
             self._aborted += 1
         else:
             self._served += 1
-        out.extra_fields.setdefault("replica_rank", self.replica_rank)
+        out.extra_fields.setdefault("replica_index", self.replica_index)
+        out.extra_fields.setdefault("replica_node_id", self._node_id)
         return output_to_wire(out)
 
     async def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
@@ -89,19 +92,25 @@ class RolloutReplica:
         return {
             "ok": not closed,
             "state": "shut down" if closed else "serving",
-            "replica_rank": self.replica_rank,
+            "replica_index": self.replica_index,
             "weight_version": int(self.engine.weight_version),
             "pid": os.getpid(),
             "torch_threads": _torch_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "host": socket.gethostname(),
+            "node_id": self._node_id,
+            "node_address": self._node_address,
             "uptime_s": time.time() - self._started_at,
         }
+
+    def node_id(self) -> Optional[str]:
+        """The Ray node this replica lives on (None outside Ray): the weight sender picks its transport from it."""
+        return self._node_id
 
     def stats(self) -> dict:
         s: dict[str, Any] = dict(self.engine.stats())
         return {
-            "replica_rank": self.replica_rank,
+            "replica_index": self.replica_index,
             "in_flight": self._in_flight,
             "queued": int(s.get("waiting", 0)),
             "running": int(s.get("running", 0)),
@@ -123,14 +132,29 @@ class RolloutReplica:
     # timeout (TimeoutError naming the call) and raises EngineShutdownError at once after shutdown().
     async def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
                                       use_shm: bool = False, *, manifest, buckets, version: int,
-                                      drain_timeout_s: float = 10.0, timeout_s: float = 600.0) -> dict:
+                                      drain_timeout_s: Optional[float] = 10.0, timeout_s: float = 600.0,
+                                      partial: bool = False) -> dict:
         """The specification's RPC: a LoRA update when `peft_config` is given, else full weights, fed by buckets
         (in-process objects, Ray object refs, or a /dev/shm stream). A transaction: see
-        `DiffusionEngine.update_weights_from_ipc`. Returns the acknowledgement."""
+        `DiffusionEngine.update_weights_from_ipc` (`partial=True`: lands between two denoising steps, samples in
+        flight continue with the new weights). Returns the acknowledgement."""
         ack = await asyncio.to_thread(
             self.engine.update_weights_from_ipc, peft_config, base_sync_done, use_shm,
-            manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
-        return {**ack, "replica_rank": self.replica_rank}
+            manifest=manifest, buckets=buckets, version=version, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
+            partial=partial)
+        return {**ack, "replica_index": self.replica_index, "node_id": self._node_id,
+                "transport": transport_of(buckets, use_shm)}
+
+    async def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
+        """`DiffusionEngine.pause_generation`: pause after `after_steps` more denoising steps, samples kept."""
+        return await asyncio.to_thread(self.engine.pause_generation, after_steps, timeout_s)
+
+    async def wait_for_pause(self, timeout_s: float = 60.0) -> dict:
+        """Returns once the armed pause has begun (TimeoutError otherwise)."""
+        return await asyncio.to_thread(self.engine.wait_for_pause, timeout_s)
+
+    async def resume_generation(self) -> dict:
+        return await asyncio.to_thread(self.engine.resume_generation)
 
     async def remove_lora(self, version: Optional[int] = None, timeout_s: float = 120.0) -> dict:
         return await asyncio.to_thread(self.engine.remove_lora, version, 10.0, timeout_s)
@@ -143,6 +167,18 @@ class RolloutReplica:
     async def wake_up(self, timeout_s: float = 120.0) -> dict:
         """Restore the weights; an error (e.g. out of memory) or a timeout reaches the caller, nothing hangs."""
         return await asyncio.to_thread(self.engine.wake_up, timeout_s)
+
+
+def _ray_node() -> tuple[Optional[str], Optional[str]]:
+    """(node id, node IP address) of this process in Ray; (None, None) outside Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None, None
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not a Ray worker
+        return None, None
 
 
 def _torch_threads() -> int:
@@ -163,9 +199,13 @@ def create_replicas(
     num_gpus: float = 0,
     max_concurrency: int = 1000,
     wait_ready: bool = True,
+    resources: Optional[dict] = None,
+    placement: Optional[Callable[[int], dict]] = None,
 ) -> list:
     """Start `n` RolloutReplica actors (ranks 0..n-1). With `wait_ready`, blocks until every engine is loaded so a
-    bad model path or OOM surfaces here, not on the first generate."""
+    bad model path or OOM surfaces here, not on the first generate. `resources`: custom Ray resources per replica;
+    `placement(rank)`: extra actor options for that replica (its placement-group bundle, see
+    `omniroll.rollout.ray_cluster.ActorPlacement.options`)."""
     import ray
 
     if n < 1:
@@ -174,11 +214,12 @@ def create_replicas(
     # a later torch.set_num_threads(n) does not undo all of it (measured: the same engine ~5% slower). Start each
     # replica with the thread count it will use.
     threads = (engine_kwargs or {}).get("num_threads") or max(1, int(num_cpus))
-    cls = ray.remote(RolloutReplica).options(
-        max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
-    )
-    handles = [cls.remote(model_path, replica_rank=r, engine_kwargs=engine_kwargs) for r in range(n)]
+    opts = dict(max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+                **({"resources": dict(resources)} if resources else {}))
+    cls = ray.remote(RolloutReplica)
+    handles = [cls.options(**opts, **(placement(r) if placement else {})).remote(
+        model_path, replica_index=r, engine_kwargs=engine_kwargs) for r in range(n)]
     if wait_ready:
         try:
             ray.get([h.health.remote() for h in handles])

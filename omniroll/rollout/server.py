@@ -6,11 +6,11 @@
 - `POST /v1/generate` {request_id?, prompt, negative_prompt?, seed, sampling_params?, return_trajectory?}
   -> {request_id, image_png_base64, log_probs, weight_version, seed, stop_reason[, trajectory]}: one sample, JSON.
 - `POST /v1/rollout` {prompts, n, seed, global_step?, negative_prompt?, sampling_params?} -> a trajectory file
-  (`application/octet-stream`, the layout of `omniroll.trajectory`: what `omniroll generate` and `omniroll rollout`
-  write; `omniroll.trajectory.read_trajectories(response.content)` reads it). Sample j of prompt i gets the seed
+  (`application/octet-stream`, the layout of `omniroll.trajectory_file`: what `omniroll generate` and `omniroll rollout`
+  write; `omniroll.trajectory_file.read_trajectories(response.content)` reads it). Sample j of prompt i gets the seed
   `derive_seed(seed, global_step, batch_prompt_uid(i), j)`, as in `omniroll generate` / `rollout`. Served when
   `create_app` is given `trajectory_file` (the layout is the agent loop's batch, a layer above this one, so the
-  composer passes it in: `omniroll.serve` passes `omniroll.trajectory.trajectory_file`).
+  composer passes it in: `omniroll.serve` passes `omniroll.trajectory_file.trajectory_file`).
 - `GET /v1/models`, `GET /health` (200 when it can serve, 503 asleep or shut down), `GET /stats` (JSON),
   `GET /metrics` (Prometheus text).
 
@@ -22,8 +22,6 @@ pickle over the network).
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import time
 from typing import Any, Callable, Optional
 
@@ -63,14 +61,6 @@ class RolloutBody(BaseModel):
     global_step: int = Field(0, ge=0)
     negative_prompt: Optional[str] = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
-
-
-def png_base64(pixels) -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy()).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 class Server:
@@ -114,7 +104,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
     from omniroll.rollout.client import build_request
-    from omniroll.rollout.openai_images import register_images_api
+    from omniroll.rollout.openai_images import png_base64, register_images_api
     from omniroll.sampling import batch_prompt_uid, derive_seed
 
     if max_n < 1:
@@ -145,6 +135,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         if body.return_trajectory:
             resp["trajectory"] = {k: ef[k].tolist() for k in ("all_timesteps", "sigmas", "sigmas_next") if k in ef}
             resp["trajectory"]["sde_window"] = list(ef.get("sde_window", ()))
+            resp["trajectory"]["step_weight_versions"] = list(ef.get("step_weight_versions", ()))
         return resp
 
     async def rollout(body: RolloutBody, request: Request):

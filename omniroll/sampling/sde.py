@@ -44,7 +44,7 @@ import torch
 
 ScalarOrRows = Union[float, torch.Tensor]
 #: sde_type name -> the integer code `sde_step` also accepts (a tensor of codes keeps a device caller sync-free).
-SDE_CODES = {"ode": 0, "sde": 1, "cps": 2, "dance_sde": 3}
+SDE_CODES = {"sde": 1, "cps": 2, "dance_sde": 3, "ode": 0}
 SDE_TYPES = tuple(SDE_CODES)
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 

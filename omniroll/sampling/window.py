@@ -26,6 +26,26 @@ def sde_window_bounds(num_steps: int, window_size: Optional[int],
     return lo, hi
 
 
+def window_for_step(schedule: str, step: int, num_steps: int, window_size: Optional[int],
+                    window_range: Optional[tuple[int, int]], seed: int, advance_every: int = 1
+                    ) -> Optional[tuple[int, int]]:
+    """The SDE window range a trainer requests at `step` (MixGRPO-style; None: the sampling's own window).
+    "fixed": None; "random": a start drawn from (seed, step); "progressive": advances by the window size every
+    `advance_every` steps, wrapping inside `window_range` (default (0, T - 1))."""
+    import torch
+
+    if schedule == "fixed":
+        return None
+    lo, hi = window_range or (0, max(num_steps - 1, 1))
+    starts = hi - lo - window_size + 1
+    if schedule == "random":
+        g = torch.Generator().manual_seed(seed * 7919 + step)
+        start = lo + int(torch.randint(starts, (1,), generator=g))
+    else:
+        start = lo + ((step - 1) // advance_every * window_size) % starts
+    return (start, start + window_size)
+
+
 def draw_sde_window(
     num_steps: int,
     window_size: Optional[int],

@@ -9,13 +9,14 @@ log-prob under the current weights, with autograd, bitwise equal with the rollou
 
 from omniroll.train.grpo import Advantages, LossTerms, group_advantages, kl_to_reference, ppo_clip_loss
 from omniroll.train.objective import decoupled_ppo_loss
-from omniroll.train.recompute import enable_gradient_checkpointing, execution_mode, guided_velocity, recompute_log_probs
+from omniroll.train.recompute import (enable_gradient_checkpointing, execution_mode, recompute_log_probs,
+                                      trajectory_velocity)
 from omniroll.train.trajectory import TrajectoryBatch
 
 __all__ = [
     "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "decoupled_ppo_loss",
     "enable_gradient_checkpointing",
-    "execution_mode", "guided_velocity", "recompute_log_probs", "TrajectoryBatch", "FlowGRPOTrainer", "Policy",
+    "execution_mode", "trajectory_velocity", "recompute_log_probs", "TrajectoryBatch", "FlowGRPOTrainer", "Policy",
     "WeightVersionError",
 ]
 

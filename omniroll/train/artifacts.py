@@ -1,12 +1,11 @@
 """What a training run writes and reads: metrics.jsonl, the step line, reward_curve.png, validation grids,
-checkpoint lookup, and the MixGRPO-style SDE window of a step."""
+and checkpoint lookup."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -84,25 +83,7 @@ def read_trainer_state(ckpt: str) -> dict:
     return state
 
 
-def window_for_step(config: Any, step: int) -> Optional[tuple[int, int]]:
-    """The SDE window range to request at `step` (None: the config's own window). `random`: a start drawn from
-    (trainer.seed, step); `progressive`: advances by the window size every `window_advance_every` steps, wrapping."""
-    tc = config.trainer
-    if tc.window_schedule == "fixed":
-        return None
-    size = config.algo.sde_window_size
-    T = config.pipeline.num_inference_steps
-    lo, hi = config.algo.sde_window_range or (0, max(T - 1, 1))
-    starts = hi - lo - size + 1
-    if tc.window_schedule == "random":
-        g = torch.Generator().manual_seed(tc.seed * 7919 + step)
-        start = lo + int(torch.randint(starts, (1,), generator=g))
-    else:
-        start = lo + ((step - 1) // tc.window_advance_every * size) % starts
-    return (start, start + size)
-
-
-def save_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: int = 2) -> None:
+def save_val_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: int = 2) -> None:
     """uint8 [rows * cols, 3, H, W] -> one PNG, a row per prompt (nearest-neighbour upscaled by `scale`)."""
     from PIL import Image
 
@@ -169,10 +150,3 @@ def plot_reward_curves(runs: dict[str, list[dict]], path: str, title: str = "") 
     fig.savefig(path)
     plt.close(fig)
 
-
-def standard_error(values: list[float]) -> float:
-    n = len(values)
-    if n < 2:
-        return float("inf")
-    mu = sum(values) / n
-    return math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1) / n)

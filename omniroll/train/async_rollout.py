@@ -133,6 +133,28 @@ class RolloutPipeline:
                 del self.spans[k]
 
 
+def regenerate_in_flight(pipeline: RolloutPipeline, step_done: int, max_staleness: int, last_step: int,
+                         sync: Callable[[int], None], has_version: Callable[[int], bool], current_version: int,
+                         log: Callable[[str], None]) -> None:
+    """On resume: submit the batches that were in flight at the checkpoint as the straight run generated them (batch b
+    with version b-1-K: exact with partial_rollout false), syncing each version first, then the checkpoint's own
+    version. A version the checkpoint does not keep (written with a smaller K) is replaced by the checkpoint's, and
+    said."""
+    K, s, version = max_staleness, step_done, current_version
+    for b in range(s + 1, min(s + K, last_step) + 1):
+        v = max(0, b - 1 - K)
+        if not has_version(v):
+            log(f"resume: the checkpoint keeps no weights of version {v} (written with a smaller max_staleness): "
+                f"batch {b} is generated with version {s}, not as the straight run did")
+            v = s
+        if v > version:
+            sync(v)
+            version = v
+        pipeline.submit(b)
+    if s > version:
+        sync(s)
+
+
 def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Total length of the intersection of two unions of intervals."""
     def union(xs):
@@ -156,10 +178,16 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return total
 
 
+def rows_ahead(versions, current: int) -> list[int]:
+    """Rows with a window step that ran with a version newer than `current` (one the trainer never pushed)."""
+    high = versions.max(1).values
+    return [i for i in range(len(high)) if int(high[i]) > current]
+
+
 def stale_rows(versions, current: int, max_staleness: int) -> list[int]:
     """Rows with a window step that ran with a version older than current - max_staleness."""
     low = versions.min(1).values
     return [i for i in range(len(low)) if int(low[i]) < current - max_staleness]
 
 
-__all__ = ["RolloutPipeline", "overlap_seconds", "stale_rows"]
+__all__ = ["RolloutPipeline", "overlap_seconds", "regenerate_in_flight", "rows_ahead", "stale_rows"]

@@ -154,3 +154,27 @@ def log_probs_under_versions(store: VersionStore, traj: TrajectoryBatch, version
                 for chunk in rows.split(micro_batch_size) if len(rows) else ():
                     out[chunk, k] = recompute_log_probs(store.policy.adapter, traj.rows(chunk), k).log_prob.float()
     return out
+
+
+def behaviour_and_replay(store: VersionStore, traj: TrajectoryBatch, versions: torch.Tensor, *, old_log_prob: str,
+                         decoupled: bool, micro_batch_size: int,
+                         replay_rows: int) -> tuple[Optional[torch.Tensor], float]:
+    """The behaviour log-probs the loss uses (None: plain PPO-clip against the recorded ones) and
+    `behaviour_replay_max_abs_dev`: the first `replay_rows` rows' recorded log-probs against their recompute under
+    the versions that ran them (with `old_log_prob: recompute` that recompute is the behaviour itself)."""
+    sub = list(range(min(replay_rows, len(traj))))
+    if old_log_prob == "recompute":
+        behaviour = log_probs_under_versions(store, traj, versions, micro_batch_size)
+        replay = behaviour[sub]
+    else:
+        replay = log_probs_under_versions(store, traj.rows(sub), versions[sub], micro_batch_size)
+        behaviour = traj.log_probs if decoupled else None
+    return behaviour, float((replay - traj.log_probs[sub]).abs().max()) if sub else 0.0
+
+
+def off_policy_metrics(stats, versions: torch.Tensor, prox_version: int, replay_dev: float) -> dict:
+    """A step's staleness and exactness metrics (README "Asynchronous training")."""
+    return {**staleness_stats(versions, prox_version), "behaviour_replay_max_abs_dev": replay_dev,
+            "prox_ratio_max_abs_dev": stats.ratio_max_abs_dev, "behaviour_ratio_mean": stats.behaviour_ratio_mean,
+            "behaviour_ratio_max_abs_dev": stats.behaviour_ratio_max_abs_dev,
+            "behaviour_weight_capped_frac": stats.behaviour_weight_capped_frac}

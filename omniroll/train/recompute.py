@@ -1,10 +1,10 @@
 """The trainer's recompute: the log-prob of recorded window steps under the current policy, with autograd.
 
-It reproduces the rollout exactly: the same adapter `velocity` (differentiable; the engine calls it under no_grad),
-the same CFG mix (`uncond + g * (cond - uncond)`, rows without CFG use `cond`), the same `sde_step` fed with the
-trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, and the engine's execution mode (batch-invariant
-kernels with the same block size), read from the trajectory. With the rollout's weights it returns the rollout's
-log-probs bitwise, so a PPO ratio is exactly 1 before the first update.
+It reproduces the rollout exactly because it runs the rollout's own functions: `adapter.guided_velocity` (CFG rows
+stacked, `velocity`, the CFG mix; differentiable, the engine calls it under no_grad), `sde_step` fed with the
+trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.invariant.execution_mode`
+(batch-invariant kernels with the same block size), read from the trajectory. With the rollout's weights it returns
+the rollout's log-probs bitwise, so a PPO ratio is exactly 1 before the first update.
 
     out = recompute_log_probs(policy_adapter, traj, step=k)   # SDEStepOutput: log_prob [B] (with grad), mean, std
 """
@@ -17,17 +17,10 @@ from typing import Optional
 
 import torch
 
-from omniroll.engine.invariant import BatchInvariantMode
-from omniroll.models.base import DiffusionAdapter
+from omniroll.engine.invariant import execution_mode
+from omniroll.models.base import NO_CFG, DiffusionAdapter
 from omniroll.sampling import SDEStepOutput, sde_step
 from omniroll.train.trajectory import TrajectoryBatch
-
-
-def execution_mode(execution: dict):
-    """The context the engine ran its model calls in (`extra_fields["execution"]` of a trajectory)."""
-    if execution.get("batch_invariant"):
-        return BatchInvariantMode(int(execution["invariant_block_rows"]))
-    return contextlib.nullcontext()
 
 
 def check_dtype(adapter: DiffusionAdapter, execution: dict) -> None:
@@ -38,30 +31,25 @@ def check_dtype(adapter: DiffusionAdapter, execution: dict) -> None:
                          f"{want} for exact ratios (or pass check_dtype=False to accept the mismatch)")
 
 
-def guided_velocity(adapter: DiffusionAdapter, traj: TrajectoryBatch, latents: torch.Tensor,
-                    timesteps: torch.Tensor, step: int = 0) -> torch.Tensor:
-    """Velocity after CFG for every row, as the engine's runner computes it: the rows and the unconditional rows of
-    CFG rows in one forward per (prompt length, denoiser), distilled guidance as the model's input, then
-    `adapter.mix_cfg(cond, uncond, cfg_scale)` per CFG row."""
+def trajectory_velocity(adapter: DiffusionAdapter, traj: TrajectoryBatch, latents: torch.Tensor,
+                        timesteps: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """Velocity after CFG for every row: `adapter.guided_velocity` (the engine's own call) once per (prompt
+    lengths, denoiser) group, on the group's conditioning without padding."""
     B = len(traj)
     expert = [int(traj.experts[i, step]) if traj.experts is not None else 0 for i in range(B)]
     key = [tuple(int(traj.lengths[k][i]) for k in sorted(traj.lengths)) + (expert[i],) for i in range(B)]
     out: list[Optional[torch.Tensor]] = [None] * B
     for group in dict.fromkeys(key):
         rows = [i for i in range(B) if key[i] == group]
-        cfg = [i for i in rows if traj.uncond is not None and float(traj.cfg_scale[i]) > 0]
-        cond = {k: torch.cat([_trim(traj, k, traj.cond[k], rows)]
-                             + ([_trim(traj, f"negative_{k}", traj.uncond[k], cfg)] if cfg else []))
-                for k in traj.cond}
-        x = torch.cat([latents[rows], latents[cfg]])
-        t = torch.cat([timesteps[rows], timesteps[cfg]])
-        guidance = traj.guidance_scale[rows + cfg] if adapter.guidance_kind == "distilled" else None
-        v_all = adapter.velocity(x, t, cond, guidance=guidance, expert=group[-1]).float()
-        pos = {i: j for j, i in enumerate(rows)}
+        scales = [float(traj.cfg_scale[i]) if traj.uncond is not None else NO_CFG for i in rows]
+        cfg = [i for i, g in zip(rows, scales) if g != NO_CFG]
+        cond = {k: _trim(traj, k, traj.cond[k], rows) for k in traj.cond}
+        uncond = {k: _trim(traj, f"negative_{k}", traj.uncond[k], cfg) for k in traj.cond} if cfg else None
+        guidance = traj.guidance_scale[rows] if adapter.guidance_kind == "distilled" else None
+        v = adapter.guided_velocity(latents[rows], timesteps[rows], cond, uncond, scales, guidance=guidance,
+                                    expert=group[-1])
         for j, i in enumerate(rows):
-            out[i] = v_all[j]
-        for j, i in enumerate(cfg):
-            out[i] = adapter.mix_cfg(v_all[pos[i]], v_all[len(rows) + j], float(traj.cfg_scale[i]))
+            out[i] = v[j]
     return torch.stack(out)
 
 
@@ -87,7 +75,7 @@ def recompute_log_probs(adapter: DiffusionAdapter, traj: TrajectoryBatch, step: 
         check_dtype(adapter, traj.execution)
     x = traj.latents[:, step]
     with execution_mode(traj.execution):
-        v = guided_velocity(adapter, traj, x, traj.timesteps[:, step], step)
+        v = trajectory_velocity(adapter, traj, x, traj.timesteps[:, step], step)
     return sde_step(x, v, traj.sigmas[:, step], traj.sigmas_next[:, step], traj.noise_level, traj.sde_type,
                     prev_sample=traj.latents[:, step + 1], sigma_max=traj.sigma_max)
 

@@ -5,13 +5,11 @@ actors; rewards stream while generation runs); (2) GRPO advantages per prompt gr
 micro-batches and every recorded window step (`train_on_batch`, recompute by `recompute_log_probs`); (4) push the new
 weights to every replica through `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
 
-Every sample's `weight_version` must equal the version pushed before its rollout (else `WeightVersionError`), and
-`ratio_max_abs_dev` (max |ratio - 1| before the step's first optimizer update) is logged every step: exactly 0.0 with
-the engine's batch-invariant mode.
-
-Asynchronous mode (`trainer.max_staleness` K >= 1, README "Asynchronous training"): the rollouts of steps t+1..t+K
-run on a background event loop (`RolloutPipeline`) while step t trains; the loss is decoupled PPO
-(`train/objective.py`); a sample trains only if every window step ran with a version >= current - K (`on_stale`).
+A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
+step's first optimizer update) is logged every step: exactly 0.0 with the engine's batch-invariant mode. With
+`trainer.max_staleness` K >= 1 (README "Asynchronous training") the rollouts of steps t+1..t+K run on a background
+event loop (`RolloutPipeline`) while step t trains, the loss is decoupled PPO (`train/objective.py`), and a sample
+trains only if every window step ran with a version >= current - K (`on_stale`).
 """
 
 from __future__ import annotations
@@ -24,15 +22,17 @@ import signal
 import time
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
-from omniroll.agent_loop.batch import DataBatch
+from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
+from omniroll.sampling.seeds import batch_prompt_uid
+from omniroll.sampling.window import window_for_step
 from omniroll.train import artifacts
-from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, stale_rows
+from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
+                                          stale_rows)
 from omniroll.train.grpo import group_advantages
-from omniroll.train.objective import VersionStore, log_probs_under_versions, staleness_stats, step_versions
+from omniroll.train.objective import VersionStore, behaviour_and_replay, off_policy_metrics, step_versions
 from omniroll.train.policy import Policy
 from omniroll.train.tracking import Tracker
 from omniroll.train.trajectory import TrajectoryBatch
@@ -51,7 +51,7 @@ class FlowGRPOTrainer:
     validation grids, checkpoints. resume: a run directory or one of its checkpoint directories."""
 
     def __init__(self, config: Any, out_dir: str, resume: Optional[str] = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, ray_address: Optional[str] = None):
         self.config: OmniRollConfig = config if isinstance(config, OmniRollConfig) else load_config(config)
         if self.config.trainer is None:
             raise ValueError("trainer: the config has no trainer section")
@@ -66,6 +66,8 @@ class FlowGRPOTrainer:
         self.replicas: list = []
         self.reward_handles: list = []
         self.manager = None
+        self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started
+        self.ray_address = ray_address  # a cluster to join (default: RAY_ADDRESS, else a local Ray)
         self.history: list[dict] = []
         self._pending_interrupt = False
         self._critical = False
@@ -81,11 +83,7 @@ class FlowGRPOTrainer:
     def start(self) -> "FlowGRPOTrainer":
         import ray
 
-        from omniroll.agent_loop.manager import AgentLoopManager
-        from omniroll.models import resolve_model
-        from omniroll.reward import create_reward_workers
-        from omniroll.rollout.replica import create_replicas
-        from omniroll.weights import WeightSender
+        from omniroll.agent_loop.cluster import RolloutCluster
 
         cfg = self.config
         if self.tc.num_threads is not None:  # restored by close()
@@ -96,9 +94,9 @@ class FlowGRPOTrainer:
             for name in ("metrics.jsonl", "validation.jsonl"):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.out_dir, name))
-        model = resolve_model(cfg.engine.model)
-        self.policy = Policy(model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha, self.tc.lora.target_modules,
-                             dtype=cfg.engine.dtype, seed=self.tc.seed)
+        self.cluster = RolloutCluster(cfg, ray_address=self.ray_address, log=self.log)  # resolves the model
+        self.policy = Policy(self.cluster.model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha,
+                             self.tc.lora.target_modules, dtype=cfg.engine.dtype, seed=self.tc.seed)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
         self.store = VersionStore(self.policy, self.tc.max_staleness)
@@ -106,58 +104,47 @@ class FlowGRPOTrainer:
         if self.resume_from:
             self._load(self.resume_from)
         self.tracker = Tracker(self.config, self.out_dir, self._tracking_state, log=self.log)
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        self.replicas = create_replicas(cfg.replicas.count, model, cfg.engine.engine_kwargs(),
-                                        num_cpus=cfg.replicas.num_cpus, num_gpus=cfg.replicas.num_gpus,
-                                        max_concurrency=cfg.replicas.max_concurrency)
-        self.reward_handles = create_reward_workers(cfg.reward.worker_config(), cfg.reward.num_workers)
-        self.manager = AgentLoopManager(cfg, self.replicas, self.reward_handles)
-        self.sender = WeightSender(self.replicas, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+        self.cluster.start()  # Ray (joined or local), replicas, reward workers, agent-loop manager
+        self._adopt_cluster()
         self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
         if current > self.step_done or (self.step_done > 0 and current == self.step_done):
             raise WeightVersionError(f"replicas are at weight version {current}, ahead of this run's step "
                                      f"{self.step_done}: start the trainer with fresh replicas")
-        if self.step_done > 0:  # resumed: the replicas start from the checkpoint's weights
-            self._resume_in_flight()
+        if self.step_done > 0:  # resumed: the replicas start from the checkpoint's weights (and in-flight batches)
+            regenerate_in_flight(self.pipeline, self.step_done, self.tc.max_staleness, self.tc.steps, self._sync,
+                                 self.store.has, self.version, self.log)
         self.version = self.step_done
         return self
 
-    def _resume_in_flight(self) -> None:
-        """Regenerate the batches that were in flight at the checkpoint as the straight run did (batch b with version
-        b-1-K, exact with partial_rollout false), then push the checkpoint's version."""
-        K, s = self.tc.max_staleness, self.step_done
-        for b in range(s + 1, min(s + K, self.tc.steps) + 1):
-            v = max(0, b - 1 - K)
-            if not self.store.has(v):
-                self.log(f"resume: the checkpoint keeps no weights of version {v} (written with a smaller "
-                         f"max_staleness): batch {b} is generated with version {s}, not as the straight run did")
-                v = s
-            if v > self.version:
-                self._sync(v)
-            self.pipeline.submit(b)
-        if s > self.version:
-            self._sync(s)
+    def _adopt_cluster(self) -> None:
+        """The cluster's replicas, reward workers and manager (again after `prune`), and a sender to the replicas."""
+        from omniroll.weights import WeightSender
+
+        self.replicas = self.cluster.replicas
+        self.reward_handles = self.cluster.reward_workers
+        self.manager = self.cluster.manager
+        self.sender = WeightSender(self.replicas, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+
+    def _continue_without_lost_replicas(self) -> bool:
+        """Drop replicas whose node left the cluster; says so in one line. Returns whether any was lost."""
+        lost = self.cluster.prune()
+        if lost:
+            nodes = sorted({str(x["node_id"]) for x in lost})
+            self.log(f"lost {len(lost)} replica(s) (node(s) {', '.join(nodes)} left the cluster): continuing with "
+                     f"{len(self.cluster.replicas)} replica(s)")
+            self._adopt_cluster()
+        return bool(lost)
 
     def close(self) -> None:
-        import ray
-
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
-        if self.manager is not None:
-            self.manager.shutdown()
-            self.manager = None
-        for h in self.reward_handles:
-            with contextlib.suppress(Exception):
-                ray.kill(h, no_restart=True)
-        self.reward_handles = []
-        from omniroll.rollout.replica import kill_replicas
-
-        kill_replicas(self.replicas)
-        self.replicas = []
+        if self.cluster is not None:
+            self.cluster.close()  # the manager, reward workers, replicas, placement groups, Ray: in reverse
+            self.cluster = None
+        self.manager, self.reward_handles, self.replicas = None, [], []
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
@@ -255,15 +242,9 @@ class FlowGRPOTrainer:
             self._checkpointing = True
         t1 = time.time()
         decoupled = K > 0 or tc.old_log_prob == "recompute"
-        sub = list(range(min(REPLAY_ROWS, len(traj))))
-        behaviour = None
-        if tc.old_log_prob == "recompute":  # under the version that ran each step
-            behaviour = log_probs_under_versions(self.store, traj, versions, tc.micro_batch_size)
-            replay = behaviour[sub]
-        else:
-            replay = log_probs_under_versions(self.store, traj.rows(sub), versions[sub], tc.micro_batch_size)
-            behaviour = traj.log_probs if decoupled else None
-        replay_dev = float((replay - traj.log_probs[sub]).abs().max()) if sub else 0.0
+        behaviour, replay_dev = behaviour_and_replay(self.store, traj, versions, old_log_prob=tc.old_log_prob,
+                                                     decoupled=decoupled, micro_batch_size=tc.micro_batch_size,
+                                                     replay_rows=REPLAY_ROWS)
         with self._uninterruptible():
             stats = train_on_batch(
                 self.policy, self.optimizer, traj, adv.advantages, step=step, seed=tc.seed,
@@ -284,12 +265,8 @@ class FlowGRPOTrainer:
                  "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
                  "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
                  "weight_version": int(versions.min()), "synced_version": self.version,
-                 "max_staleness": K, "partial_rollout": tc.partial_rollout,
-                 **staleness_stats(versions, prox_version), **stale,
-                 "behaviour_replay_max_abs_dev": replay_dev, "prox_ratio_max_abs_dev": stats.ratio_max_abs_dev,
-                 "behaviour_ratio_mean": stats.behaviour_ratio_mean,
-                 "behaviour_ratio_max_abs_dev": stats.behaviour_ratio_max_abs_dev,
-                 "behaviour_weight_capped_frac": stats.behaviour_weight_capped_frac,
+                 "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale,
+                 **off_policy_metrics(stats, versions, prox_version, replay_dev),
                  "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t3), [(t1, t2)]) / max(wall, 1e-9),
                  "samples_per_s": len(traj) / max(wall, 1e-9),
                  "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
@@ -304,8 +281,8 @@ class FlowGRPOTrainer:
         than current - K (`on_stale`: drop them, or regenerate the batch with the current weights and wait)."""
         W = int(out.batch["rollout_log_probs"].shape[1])
         versions = step_versions(out, W)
-        ahead = [(out.non_tensor_batch["request_id"][i], int(versions[i].max())) for i in range(len(out))
-                 if int(versions[i].max()) > self.version]
+        ahead = [(out.non_tensor_batch["request_id"][i], int(versions[i].max())) for i in rows_ahead(versions,
+                                                                                                      self.version)]
         if ahead:
             raise WeightVersionError(f"step {step}: {len(ahead)} sample(s) were generated with weights the trainer "
                                      f"never pushed (trainer at version {self.version}): {ahead[:8]}")
@@ -323,41 +300,65 @@ class FlowGRPOTrainer:
         n, P = self.config.n, self.tc.prompts_per_step
         g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
-        rows = [i for i in picks for _ in range(n)]
         meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
-        window = artifacts.window_for_step(self.config, step)
+        a, tc = self.config.algo, self.tc
+        window = window_for_step(tc.window_schedule, step, self.config.pipeline.num_inference_steps,
+                                 a.sde_window_size, a.sde_window_range, tc.seed, tc.window_advance_every)
         if window is not None:
             meta["sampling_params"] = {"sde_window_range": window}
-        batch = DataBatch.from_dict(non_tensors={
-            "raw_prompt": [self.prompts[i] for i in rows], "uid": [f"prompt{i:05d}" for i in rows],
-            "data_source": ["train"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info=meta)
+        # uid: the prompt's index in the training prompt list (the same function as the CLI's position uid)
+        batch = prompt_batch(self.prompts, n, batch_prompt_uid, indices=picks, data_source="train", meta_info=meta)
         return await self.manager.generate_sequences_async(batch)
 
     def _sync(self, version: int) -> None:
         """Push `version`'s weights (the store's copy) to every replica. THE place where the in-flight policy is
-        chosen: partial_rollout true sends at once (the update lands between two denoise steps of in-flight samples,
-        which continue with it; until the engine supports that, it drains them first); false holds the pipeline, so
-        no sample spans two versions (a rollout that runs finishes before the sync, the next starts after it)."""
-        hold = contextlib.nullcontext() if self.tc.partial_rollout else self.pipeline.held()
+        chosen: partial_rollout true lands the update between two denoise steps of in-flight samples (they continue
+        with it); false holds the pipeline and waits for in-flight samples, so no sample spans two versions. Replicas
+        whose node left the cluster are dropped first (one line); a sync that fails because a receiver disappeared
+        meanwhile is completed on the survivors; any other failure names the version."""
+        from omniroll.weights import WeightSyncError
+
+        partial = self.tc.partial_rollout
+        policy = {"partial": True} if partial else {"wait_for_inflight": True}
+        hold = contextlib.nullcontext() if partial else self.pipeline.held()
         try:
             with hold, self.store.weights(version):
-                acks = self.sender.send(self.policy.weights_to_send(), version=version)
+                self._continue_without_lost_replicas()
+                try:
+                    acks = self.sender.send(self.policy.weights_to_send(), version=version, **policy)
+                except WeightSyncError:
+                    if not self._continue_without_lost_replicas():
+                        raise
+                    acks = self._sync_survivors(version, policy)
         except Exception as e:
             raise WeightVersionError(f"weight sync to version {version} failed: {type(e).__name__}: {e}") from e
         bad = [a for a in acks if int(a.get("version", -1)) != version]
         if len(acks) != len(self.replicas) or bad:
             raise WeightVersionError(f"weight sync to version {version}: acks {acks}")
         self.version = version
+
+    def _sync_survivors(self, version: int, policy: dict) -> list[dict]:
+        """After a sync that lost a receiver: send `version` to the survivors that do not have it yet."""
+        import ray
+
+        from omniroll.weights import WeightSender
+
+        have = [int(h["weight_version"]) for h in ray.get([r.health.remote() for r in self.replicas])]
+        behind = [r for r, v in zip(self.replicas, have) if v < version]
+        acks = [{"version": v} for v in have if v >= version]
+        if behind:
+            sender = WeightSender(behind, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+            acks += sender.send(self.policy.weights_to_send(), version=version, **policy)
+        return acks
+
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
         k = self.config.val_kwargs.n
-        rows = [i for i in range(len(self.val_prompts)) for _ in range(k)]
-        batch = DataBatch.from_dict(non_tensors={
-            "raw_prompt": [self.val_prompts[i] for i in rows], "uid": [f"val{i:04d}" for i in rows],
-            "data_source": ["val"] * len(rows), "extra_info": [{} for _ in rows]}, meta_info={"validate": True})
+        batch = prompt_batch(self.val_prompts, k, lambda i: f"val{i:04d}", data_source="val",
+                             meta_info={"validate": True})
         out = asyncio.run(self.manager.generate_sequences_async(batch))
         path = os.path.join(self.out_dir, f"val_{tag}.png")
-        artifacts.save_grid(out.batch["responses"], len(self.val_prompts), k, path)
+        artifacts.save_val_grid(out.batch["responses"], len(self.val_prompts), k, path)
         score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
         rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
         artifacts.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)

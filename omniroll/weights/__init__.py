@@ -1,7 +1,9 @@
 """Weight sync: trainers push new weights (full or LoRA) into rollout engines between steps.
 
-Trainer side: :class:`WeightSender`.  Engine side: pause generation, call
-:func:`apply_weight_update` on the transformer (with a :class:`LoRAManager`), resume.
+Trainer side: :class:`WeightSender` (buckets planned by `buckets`, moved by `transport`). Engine side: the engine's
+control calls (`engine/control.py`) run `engine/lifecycle.py`, which checks and applies an update through
+`update.prepare_update` (`FullUpdate` with `full`, `LoRAUpdate` with `lora`). `receiver` (`ModuleReceiver`,
+`apply_weight_update`) applies a stream to a bare module, without an engine (tests and custom loops).
 """
 
 from .buckets import (

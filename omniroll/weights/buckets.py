@@ -66,9 +66,13 @@ def str_dtype(name: str) -> torch.dtype:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """No NaN and no Inf in ``t`` (non-floating tensors always pass). One pass, no tensor-sized temporary:
-    ``aminmax`` propagates NaN and shows an Inf as the min or the max."""
+    """No NaN and no Inf in ``t`` (non-floating tensors always pass). One pass, no tensor-sized temporary: a sum
+    (several times faster than ``aminmax``) is finite whenever every value is, since a NaN or an Inf never leaves a
+    sum; only a non-finite sum (a NaN / Inf, or finite values that overflow) takes the exact check: ``aminmax``
+    propagates NaN and shows an Inf as the min or the max."""
     if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if torch.isfinite(t.detach().sum()):
         return True
     lo, hi = torch.aminmax(t.detach())
     return bool(torch.isfinite(lo) and torch.isfinite(hi))

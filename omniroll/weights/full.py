@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .buckets import Bucket, WeightManifest, WeightSyncError, all_finite, str_dtype, unpack_bucket
+from .staging import StagingPool
 
 NameMap = Callable[[str], str]
 _ADAPTER_PARAM = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
@@ -55,6 +56,11 @@ def _dtype_compatible(src: torch.dtype, dst: torch.dtype) -> bool:
     return src.is_floating_point and dst.is_floating_point
 
 
+def _nonfinite(names: list[str], index: int) -> WeightSyncError:
+    return WeightSyncError(f"weight update rejected: non-finite values (NaN or Inf) in tensor(s) {_fmt(names)} "
+                           f"(bucket {index})")
+
+
 class FullWeightLoader:
     """Applies one full (or ``allow_partial``) weight update to ``module`` in place.
 
@@ -69,8 +75,9 @@ class FullWeightLoader:
     """
 
     def __init__(self, module: nn.Module, name_map: NameMap | None = None, *, allow_partial: bool = False,
-                 stage: bool = True):
+                 stage: bool = True, staging: StagingPool | None = None):
         self.module = module
+        self.staging = staging if staging is not None else StagingPool()  # the receiver's pool: reused across updates
         self.name_map = name_map
         self.allow_partial = allow_partial
         self.stage = stage
@@ -157,21 +164,34 @@ class FullWeightLoader:
         if bad:
             raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(bad)}")
         views = unpack_bucket(bucket)
-        nonfinite = [name for name, src in views if not all_finite(src)]
-        if nonfinite:
-            raise WeightSyncError(f"weight update rejected: non-finite values (NaN or Inf) in tensor(s) "
-                                  f"{_fmt(nonfinite)} (bucket {bucket.index})")
-        with torch.no_grad():
-            for name, src in views:
-                target = self._targets[self._plan[name]]
-                if self.stage:
-                    self._staged[self._plan[name]] = torch.empty_like(target.data).copy_(src)
-                else:
+        if self.stage:
+            self._stage_bucket(bucket.index, views)
+        else:
+            nonfinite = [name for name, src in views if not all_finite(src)]
+            if nonfinite:
+                raise _nonfinite(nonfinite, bucket.index)
+            with torch.no_grad():
+                for name, src in views:
                     self.touched = True
-                    target.data.copy_(src)
-                self._received.add(name)
+                    self._targets[self._plan[name]].data.copy_(src)
+                    self._received.add(name)
         self.bytes_loaded += bucket.nbytes
         self.max_bucket_bytes = max(self.max_bucket_bytes, int(bucket.buffer.nbytes))
+
+    def _stage_bucket(self, index: int, views: list) -> None:
+        """Copy each tensor into its staging tensor, then check the copy while it is hot in cache (the module is
+        not touched before the commit, so checking after the copy changes nothing but the speed)."""
+        nonfinite = []
+        with torch.no_grad():
+            for name, src in views:
+                target = self._plan[name]
+                staged = self.staging.take(target, self._targets[target].data).copy_(src)
+                self._staged[target] = staged
+                self._received.add(name)
+                if not all_finite(staged):
+                    nonfinite.append(name)
+        if nonfinite:
+            raise _nonfinite(nonfinite, index)
 
     def check_complete(self) -> dict:
         """Raise unless every manifest name arrived; returns the stats of the update."""
@@ -186,10 +206,13 @@ class FullWeightLoader:
 
     def commit(self) -> None:
         """Swap the staged tensors in (cannot fail: names, shapes and values were checked). Each parameter keeps its
-        identity and takes the staged storage (no second copy); the old storage is freed."""
+        identity and takes the staged storage (no second copy); the old storage goes to the staging pool, to stage
+        the next update into."""
         with torch.no_grad():
             for name, value in self._staged.items():
+                previous = self._targets[name].data
                 self._targets[name].data = value
+                self.staging.give(name, previous)
         self._staged = {}
         self._plan = None
 

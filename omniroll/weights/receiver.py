@@ -13,7 +13,8 @@ from torch import nn
 from .buckets import WeightManifest
 from .full import NameMap
 from .lora import LoRAManager
-from .transport import check_descriptor
+from .staging import StagingPool
+from .transport import check_descriptor, transport_of
 from .update import check_version, prepare_update
 
 
@@ -32,6 +33,7 @@ def apply_weight_update(
     lora_int_id: int | None = None,
     load_inplace: bool = True,
     stage: bool = True,
+    staging: StagingPool | None = None,
 ) -> dict:
     """Apply one update (full weights if ``peft_config`` is None, else a LoRA adapter) as a transaction.
 
@@ -43,7 +45,7 @@ def apply_weight_update(
     check_descriptor(buckets, use_shm)
     update = prepare_update(module, lora_manager, manifest=manifest, peft_config=peft_config, name_map=name_map,
                             allow_partial=allow_partial, stage=stage, version=version, lora_name=lora_name,
-                            lora_int_id=lora_int_id, load_inplace=load_inplace)
+                            lora_int_id=lora_int_id, load_inplace=load_inplace, staging=staging)
     update.receive(buckets, use_shm)
     return {**update.commit(), "version": version}
 
@@ -60,6 +62,7 @@ class ModuleReceiver:
         self.lora_manager = LoRAManager(module)
         self.name_map = name_map
         self.version = 0
+        self.staging = StagingPool()  # staged full updates reuse their staging tensors
 
     def update_weights_from_ipc(self, peft_config=None, base_sync_done=False, use_shm=False, *, manifest, buckets,
                                 version):
@@ -67,9 +70,14 @@ class ModuleReceiver:
         and a rejected or broken one changes nothing."""
         version = check_version(version, self.version)
         ack = apply_weight_update(self.module, self.lora_manager, manifest=manifest, buckets=buckets,
-                                  peft_config=peft_config, use_shm=use_shm, name_map=self.name_map, version=version)
+                                  peft_config=peft_config, use_shm=use_shm, name_map=self.name_map, version=version,
+                                  staging=self.staging)
         self.version = version
-        return ack
+        return {**ack, "node_id": _ray_node_id(), "transport": transport_of(buckets, use_shm)}
+
+    def node_id(self) -> str | None:
+        """The Ray node this receiver runs on (None outside Ray): the sender picks its transport from it."""
+        return _ray_node_id()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
@@ -77,3 +85,11 @@ class ModuleReceiver:
     @torch.no_grad()
     def forward(self, **inputs) -> torch.Tensor:
         return self.module(**inputs).sample
+
+
+def _ray_node_id() -> str | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

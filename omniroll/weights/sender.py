@@ -13,7 +13,7 @@ from .buckets import Bucket, WeightManifest, WeightSyncError, pack_buckets, plan
 from .lora import lora_state_dict, peft_config_to_dict
 from .transport import RayBucketRef, ShmChannel
 
-TRANSPORTS = ("inproc", "ray", "shm")
+TRANSPORTS = ("auto", "inproc", "object_store", "ray", "shm")
 
 
 def _is_ray_target(target: Any) -> bool:
@@ -58,16 +58,22 @@ class WeightSender:
     ``update_weights_from_ipc(peft_config=None, base_sync_done=False, use_shm=False, *,
     manifest, buckets, version)``) and returns once every target has acknowledged.
 
-    ``transport``: ``"inproc"`` (Bucket objects; a single in-process target gets a lazy
-    iterator so only one bucket exists at a time), ``"ray"`` (``ray.put`` per bucket, refs
-    sent), ``"shm"`` (double-buffered /dev/shm stream, same host only).  By default the shm
-    files are created and unlinked within each ``send``; ``reuse_shm=True`` keeps the two
-    slot files between clean sends (allocating tmpfs pages is the dominant cost of a fresh
-    channel) and unlinks them on ``close()`` / context exit / garbage collection or on any
-    error.
+    ``transport``: ``"auto"`` (the default) chooses per receiver from Ray node ids (a Ray target reports its node
+    through a ``node_id()`` method): ``"shm"`` for receivers on the sender's node, ``"object_store"`` for receivers on
+    other nodes (or of unknown node; one ``ray.put`` per bucket, shared by all of them), ``"inproc"`` for in-process
+    targets. Forced: ``"inproc"`` (Bucket objects; a single in-process target gets a lazy iterator so only one bucket
+    exists at a time), ``"object_store"`` (alias ``"ray"``: ``ray.put`` per bucket, refs sent), ``"shm"`` (a
+    double-buffered /dev/shm stream; a receiver on another node is refused before any byte moves, naming it and its
+    node).  By default the shm files are created and unlinked within each ``send``; ``reuse_shm=True`` keeps the two
+    slot files between clean sends (allocating tmpfs pages is the dominant cost of a fresh channel) and unlinks them
+    on ``close()`` / context exit / garbage collection or on any error.
+
+    Every ack carries ``version``, ``transport`` and ``node_id`` (the receiver's node; None outside Ray). A send
+    fails as a whole: it waits for every receiver, then raises one ``WeightSyncError`` naming each receiver that
+    failed or is gone ("replica k on node N").
     """
 
-    def __init__(self, targets: Iterable[Any], bucket_bytes: int = 256 << 20, transport: str = "inproc", *,
+    def __init__(self, targets: Iterable[Any], bucket_bytes: int = 256 << 20, transport: str = "auto", *,
                  num_shm_slots: int = 2, timeout_s: float = 600.0, reuse_shm: bool = False):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -75,12 +81,13 @@ class WeightSender:
         if not self.targets:
             raise ValueError("WeightSender needs at least one target")
         self.bucket_bytes = int(bucket_bytes)
-        self.transport = transport
+        self.transport = "object_store" if transport == "ray" else transport
         self.num_shm_slots = num_shm_slots
         self.timeout_s = timeout_s
         self.base_sync_done = False
         self.reuse_shm = reuse_shm
         self._chan: ShmChannel | None = None
+        self._nodes: list[str | None] | None = None  # each target's Ray node id, looked up on the first send
 
     def close(self) -> None:
         """Unlink the kept shared-memory files (``reuse_shm=True``); idempotent."""
@@ -97,92 +104,165 @@ class WeightSender:
     def __del__(self) -> None:
         self.close()
 
-    def send(self, weights: Any, version: int, peft_config: dict | None = None) -> list[dict]:
+    # -- where each receiver is --------------------------------------------------------
+    @property
+    def nodes(self) -> list[str | None]:
+        """Each target's Ray node id (None: in-process, or a Ray target without ``node_id()``)."""
+        if self._nodes is None:
+            self._nodes = _nodes_of(self.targets, self.timeout_s)
+        return self._nodes
+
+    def routes(self) -> list[str]:
+        """The transport of each target for the next send; raises (before any byte moves) for a forced shm to a
+        receiver on another node."""
+        ray_targets = [_is_ray_target(t) for t in self.targets]
+        if self.transport == "inproc":
+            if any(ray_targets):
+                raise WeightSyncError("inproc transport cannot reach Ray actors; use transport='auto', 'ray' or "
+                                      "'shm'")
+            return ["inproc"] * len(self.targets)
+        if self.transport == "object_store":
+            return ["object_store"] * len(self.targets)
+        here = _this_node() if any(ray_targets) else None
+        if self.transport == "shm":
+            far = [(k, n) for k, (n, r) in enumerate(zip(self.nodes, ray_targets)) if r and n and here and n != here]
+            if far:
+                raise WeightSyncError("transport='shm' cannot reach " + ", ".join(
+                    f"replica {k} on node {n}" for k, n in far) + f": /dev/shm is shared only on the sender's node "
+                    f"{here}; nothing was sent (use transport='auto' or 'ray')")
+            return ["shm"] * len(self.targets)
+        return ["inproc" if not r else "shm" if n is not None and n == here else "object_store"
+                for n, r in zip(self.nodes, ray_targets)]
+
+    def send(self, weights: Any, version: int, peft_config: dict | None = None, *, partial: bool = False,
+             wait_for_inflight: bool = False) -> list[dict]:
+        """Push ``weights`` as ``version`` to every target; returns their acks. The samples in flight on a target
+        (see ``DiffusionEngine.update_weights_from_ipc``): by default they finish on the old weights for up to the
+        target's drain timeout and what still runs then is aborted; ``wait_for_inflight=True``: the update waits for
+        all of them (up to this sender's ``timeout_s``), none is aborted; either way no sample spans two versions.
+        ``partial=True``: the update lands between two denoising steps and they continue with the new weights."""
+        for name, value in (("partial", partial), ("wait_for_inflight", wait_for_inflight)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        if partial and wait_for_inflight:
+            raise ValueError("partial=True and wait_for_inflight=True exclude each other: a partial update lands "
+                             "between two steps of the samples in flight, it does not wait for them")
         named, peft_config = named_tensors_for(weights, peft_config)
         dups = sorted(n for n, c in Counter(n for n, _ in named).items() if c > 1)
         if dups:
             raise WeightSyncError(f"duplicate tensor names: {', '.join(dups[:20])}")
+        routes = self.routes()
         manifest = WeightManifest.from_named_tensors(named)
         kw = dict(peft_config=peft_config, base_sync_done=self.base_sync_done, manifest=manifest, version=version)
-        if self.transport == "shm":
-            acks = self._send_shm(named, kw)
-        elif self.transport == "ray":
-            acks = self._send_ray(named, kw)
-        else:
-            acks = self._send_inproc(named, kw)
+        if partial:  # only when asked: targets without the policy (e.g. verl's server) keep working
+            kw["partial"] = True
+        if wait_for_inflight:
+            kw.update(drain_timeout_s=None, timeout_s=self.timeout_s)
+        group = {t: [k for k, r in enumerate(routes) if r == t] for t in ("inproc", "object_store", "shm")}
+        acks: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        pending = self._start_object_store(named, kw, group["object_store"]) if group["object_store"] else {}
+        try:
+            if group["shm"]:
+                acks.update(self._send_shm(named, kw, group["shm"], errors))
+            if group["inproc"]:
+                acks.update(self._send_inproc(named, kw, group["inproc"]))
+        finally:  # every receiver is waited for, whatever the others did
+            for k, ref in pending.items():
+                try:
+                    acks[k] = self._result(ref) if _is_ray_target(self.targets[k]) else ref
+                except Exception as e:  # noqa: BLE001 - gathered, raised once below
+                    errors[k] = e
+        if any(_gone(e) for e in errors.values()):  # a receiver (its node) disappeared: name every failure
+            raise WeightSyncError(f"weight sync to version {version} failed as a whole (" + "; ".join(
+                f"replica {k} on node {self._node_name(k)}: {_why(e)}" for k, e in sorted(errors.items())) + ")")
+        if errors:  # a receiver refused the update: its own error, as it raised it
+            raise next(iter(errors.values()))
+        out = []
+        for k in range(len(self.targets)):
+            ack = acks[k]
+            if isinstance(ack, dict):
+                ack.setdefault("transport", routes[k])
+                ack.setdefault("node_id", self.nodes[k] if routes[k] != "inproc" else None)
+            out.append(ack)
         if peft_config is None:
             self.base_sync_done = True
-        return acks
+        return out
+
+    def _node_name(self, k: int) -> str:
+        return str(self._nodes[k]) if self._nodes is not None and self._nodes[k] else "unknown"
 
     # -- transports ---------------------------------------------------------------------
     def _call(self, target: Any, **kw) -> Any:
         fn = target.update_weights_from_ipc
         return fn.remote(**kw) if _is_ray_target(target) else fn(**kw)
 
-    def _send_inproc(self, named, kw) -> list[dict]:
-        if any(_is_ray_target(t) for t in self.targets):
-            raise WeightSyncError("inproc transport cannot reach Ray actors; use transport='ray' or 'shm'")
+    def _send_inproc(self, named, kw, idx: list[int]) -> dict[int, Any]:
         # Same process: buckets reference the sender's tensors, so every byte is copied once, straight into the
         # receiver's parameters, and no staging memory is needed.
-        if len(self.targets) == 1:
+        if len(idx) == 1:
             buckets = pack_buckets(named, self.bucket_bytes, by_reference=True)  # consumed lazily
-            return [self._call(self.targets[0], buckets=buckets, use_shm=False, **kw)]
+            return {idx[0]: self._call(self.targets[idx[0]], buckets=buckets, use_shm=False, **kw)}
         buckets: list[Bucket] = list(pack_buckets(named, self.bucket_bytes, by_reference=True))
-        return [self._call(t, buckets=buckets, use_shm=False, **kw) for t in self.targets]
+        return {k: self._call(self.targets[k], buckets=buckets, use_shm=False, **kw) for k in idx}
 
-    def _send_ray(self, named, kw) -> list[dict]:
+    def _start_object_store(self, named, kw, idx: list[int]) -> dict[int, Any]:
+        """One ``ray.put`` per bucket, shared by every receiver in ``idx``; returns their pending acks (Ray refs, or
+        the ack itself for an in-process target)."""
         import ray
 
         refs = [RayBucketRef(ray.put(b.buffer), b.entries, b.index) for b in pack_buckets(named, self.bucket_bytes)]
-        try:
-            results = [self._call(t, buckets=refs, use_shm=False, **kw) for t in self.targets]
-            return [ray.get(r, timeout=self.timeout_s) if isinstance(r, ray.ObjectRef) else r for r in results]
-        finally:
-            del refs  # the object store frees the buckets once receivers dropped theirs
+        # the object store frees the buckets once every receiver dropped its refs
+        return {k: self._call(self.targets[k], buckets=refs, use_shm=False, **kw) for k in idx}
 
-    def _send_shm(self, named, kw) -> list[dict]:
+    def _send_shm(self, named, kw, idx: list[int], errors: dict[int, BaseException]) -> dict[int, Any]:
         manifest: WeightManifest = kw["manifest"]
         plan = plan_buckets(manifest, self.bucket_bytes)
-        if self._chan is not None and self._chan.fits(plan, len(self.targets)):
+        if self._chan is not None and self._chan.fits(plan, len(idx)):
             chan = self._chan
             chan.reset(plan)
         else:
             self.close()
-            chan = ShmChannel(plan, len(self.targets), self.num_shm_slots, self.timeout_s)
+            chan = ShmChannel(plan, len(idx), self.num_shm_slots, self.timeout_s)
         keep = False
         pool = None
         futures: list[Any] = []
         try:
-            ray_targets = [_is_ray_target(t) for t in self.targets]
+            targets = [self.targets[k] for k in idx]
+            ray_targets = [_is_ray_target(t) for t in targets]
             if not all(ray_targets):
-                pool = cf.ThreadPoolExecutor(max_workers=len(self.targets), thread_name_prefix="omniroll-shm")
-            for k, t in enumerate(self.targets):
-                call = dict(buckets=chan.descriptor(k), use_shm=True, **kw)
-                futures.append(self._call(t, **call) if ray_targets[k] else pool.submit(self._call, t, **call))
+                pool = cf.ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="omniroll-shm")
+            for j, t in enumerate(targets):
+                call = dict(buckets=chan.descriptor(j), use_shm=True, **kw)
+                futures.append(self._call(t, **call) if ray_targets[j] else pool.submit(self._call, t, **call))
 
             def check() -> None:  # a receiver that returned or raised early ends the stream
-                for k, f in enumerate(futures):
-                    if chan.done(k) >= len(plan):
+                for j, f in enumerate(futures):
+                    if chan.done(j) >= len(plan):
                         continue
-                    if self._ready(f) or k in chan.failed():
+                    if self._ready(f) or j in chan.failed():
                         self._result(f, timeout=min(self.timeout_s, 30.0))  # re-raises the receiver's error
-                        raise WeightSyncError(f"shm receiver {k} returned before consuming all buckets")
+                        raise WeightSyncError(f"shm receiver {idx[j]} returned before consuming all buckets")
 
             chan.stream(named, check)
-            acks = [self._result(f) for f in futures]  # block on the receivers, no polling
-            short = [k for k in range(len(futures)) if chan.done(k) < len(plan)]
+            acks = {idx[j]: self._result(f) for j, f in enumerate(futures)}  # block on the receivers, no polling
+            short = [idx[j] for j in range(len(futures)) if chan.done(j) < len(plan)]
             if short:
                 raise WeightSyncError(f"shm receiver(s) {short} returned before consuming all buckets")
             keep = self.reuse_shm
             return acks
-        except BaseException:
+        except BaseException as e:
             chan.abort()
-            for f in futures:  # let receivers notice the abort and drop their maps
+            failed = {}
+            for j, f in enumerate(futures):  # let receivers notice the abort and drop their maps
                 try:
                     self._result(f, timeout=min(self.timeout_s, 30.0))
-                except Exception:
-                    pass
-            raise
+                except Exception as err:  # noqa: BLE001 - named in the one error of this send when one is gone
+                    failed[idx[j]] = err
+            if not isinstance(e, Exception) or not any(_gone(err) for err in failed.values()):
+                raise
+            errors.update(failed)
+            return {}
         finally:
             if keep:  # only after a clean update; any error unlinks right away
                 self._chan = chan
@@ -208,3 +288,43 @@ class WeightSender:
         import ray
 
         return ray.get(f, timeout=timeout)
+
+
+def _this_node() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _nodes_of(targets: list, timeout_s: float) -> list[str | None]:
+    """Each Ray target's node id from its ``node_id()`` method, asked of all at once (None: in-process, no such
+    method, or unreachable: the object store reaches it anyway)."""
+    refs = {k: t.node_id.remote() for k, t in enumerate(targets)
+            if _is_ray_target(t) and hasattr(getattr(t, "node_id", None), "remote")}
+    out: list[str | None] = [None] * len(targets)
+    if refs:
+        import ray
+
+        for k, ref in refs.items():
+            try:
+                out[k] = ray.get(ref, timeout=min(timeout_s, 60.0))
+            except Exception:  # noqa: BLE001 - unknown node
+                out[k] = None
+    return out
+
+
+def _gone(e: BaseException) -> bool:
+    """Whether a receiver's error says its actor is gone (it died, or its node left the cluster)."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:
+        return False
+    return isinstance(e, RayActorError)
+
+
+def _why(e: BaseException) -> str:
+    """One line: a receiver's error, or that its actor (its node) is gone."""
+    if _gone(e):
+        return f"gone ({type(e).__name__}: the actor or its node died)"
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"

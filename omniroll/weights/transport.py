@@ -13,7 +13,7 @@
   ready, ``[1]`` abort flag, ``[2 + 2k]`` buckets done by receiver ``k``, ``[3 + 2k]`` its
   error flag.  Only the sender creates and unlinks files (:meth:`ShmChannel.close`, always
   run from a ``finally``), so nothing is left in /dev/shm even when a receiver fails.
-  Receivers must run on the sender's host.
+  Receivers must run on the sender's node (the sender checks Ray node ids before any byte moves).
 
 Ordering: a writer stores data, then the counter; a reader loads the counter, then data.  A
 ``threading.Lock`` acquire/release pair (an atomic read-modify-write in CPython) sits between
@@ -256,6 +256,18 @@ def resolve_buckets(buckets: Any, use_shm: bool = False) -> Iterator[Bucket]:
     if isinstance(buckets, ShmStream):
         return iter_shm_buckets(buckets)
     return _resolve_each(buckets)
+
+
+def transport_of(buckets: Any, use_shm: bool) -> str:
+    """Which transport a descriptor came by, as acks name it: "shm", "object_store" or "inproc"."""
+    if use_shm or isinstance(buckets, ShmStream):
+        return "shm"
+    first = buckets[0] if isinstance(buckets, (list, tuple)) and buckets else None
+    if isinstance(first, ShmStream):
+        return "shm"
+    if isinstance(first, RayBucketRef) or type(first).__name__ == "ObjectRef":
+        return "object_store"
+    return "inproc"
 
 
 def check_descriptor(buckets: Any, use_shm: bool) -> Any:

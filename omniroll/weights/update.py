@@ -31,6 +31,7 @@ from torch import nn
 from .buckets import WeightManifest, WeightSyncError, all_finite, str_dtype, unpack_bucket
 from .full import FullWeightLoader, NameMap, _fmt
 from .lora import LoRAManager, OmniTensorLoRARequest
+from .staging import StagingPool
 from .transport import resolve_buckets
 
 
@@ -52,12 +53,13 @@ def check_version(version: Any, current: int) -> int:
 def prepare_update(module: nn.Module, lora_manager: LoRAManager | None, *, manifest: Any, peft_config: dict | None,
                    name_map: NameMap | None = None, allow_partial: bool = False, stage: bool = True,
                    version: int | None = None, lora_name: str | None = None, lora_int_id: int | None = None,
-                   load_inplace: bool = True) -> "FullUpdate | LoRAUpdate":
-    """Check an update against ``module`` from its manifest alone; returns the update, ready to receive."""
+                   load_inplace: bool = True, staging: StagingPool | None = None) -> "FullUpdate | LoRAUpdate":
+    """Check an update against ``module`` from its manifest alone; returns the update, ready to receive.
+    ``staging``: the receiver's :class:`StagingPool` (a staged full update reuses its tensors across updates)."""
     if not isinstance(manifest, WeightManifest):
         manifest = WeightManifest(list(manifest))
     if peft_config is None:
-        return FullUpdate(module, manifest, name_map, allow_partial=allow_partial, stage=stage)
+        return FullUpdate(module, manifest, name_map, allow_partial=allow_partial, stage=stage, staging=staging)
     if lora_manager is None:
         raise WeightSyncError("a LoRA update needs a LoRAManager")
     return LoRAUpdate(lora_manager, manifest, peft_config, version, lora_name, lora_int_id, load_inplace)
@@ -67,8 +69,8 @@ class FullUpdate:
     mode = "full"
 
     def __init__(self, module: nn.Module, manifest: WeightManifest, name_map: NameMap | None, *,
-                 allow_partial: bool, stage: bool):
-        self.loader = FullWeightLoader(module, name_map, allow_partial=allow_partial, stage=stage)
+                 allow_partial: bool, stage: bool, staging: StagingPool | None = None):
+        self.loader = FullWeightLoader(module, name_map, allow_partial=allow_partial, stage=stage, staging=staging)
         self.loader.begin(manifest)
         self.stats: dict | None = None
         self.num_buckets = 0

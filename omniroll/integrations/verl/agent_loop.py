@@ -13,9 +13,11 @@ Seeds: VeRL-Omni's (`seeds.verl_omni_seed`: rollout seed, step, the row's global
 Reward extras: the fields a `compute_score` returns besides `score` (verl's `reward_extra_info`) become
 `non_tensor_batch` columns named in `meta_info["reward_extra_keys"]` (those every row has), as verl's agent loop does.
 
-Output contract, on top of omniroll's (`agent_loop.postprocess`): `__num_turns__` int32, per-row `global_steps`,
-`min_global_steps`, `max_global_steps` (the trainer's step of the weights each sample was generated with, also its
-`weight_version` here), and `meta_info` reduced
+Output contract, on top of omniroll's (`agent_loop.postprocess`): `__num_turns__` int32, per-row `global_steps` (the
+trainer's step of the weights that ran the sample's first step, also its `weight_version` here), `min_global_steps`
+/ `max_global_steps` (the trainer's steps of the oldest / newest weights that ran its recorded steps, also its
+`min_weight_version` / `max_weight_version` here; they differ when a `partial` weight update landed while it ran;
+`step_weight_versions` holds each recorded step's trainer step), and `meta_info` reduced
 to what verl's manager merges across chunks without conflicts: `metrics` (with `tool_calls` = 0) and, when every row
 was scored, `reward_extra_keys`.
 """
@@ -61,6 +63,11 @@ class VerlClient:
                 ef["rollout_attempts"] = attempt + 1
                 # In verl's world a sample's weight version is the trainer's step of its weights.
                 ef["engine_weight_version"], ef["weight_version"] = ef.get("weight_version"), ef["global_steps"]
+                for key, steps in (("min_weight_version", "min_global_steps"),
+                                   ("max_weight_version", "max_global_steps"),
+                                   ("step_weight_versions", "step_global_steps")):
+                    if steps in ef:
+                        ef[key] = ef[steps]
                 return out
         raise RuntimeError(f"request {request_id!r} was aborted {self.max_abort_retries + 1} times")
 
@@ -95,9 +102,13 @@ class OmnirollVerlWorker(DiffusionAgentLoopWorker):
 def to_dataproto(out: DataBatch) -> DataProto:
     nt = dict(out.non_tensor_batch)
     nt["__num_turns__"] = np.asarray([int(t) for t in nt["__num_turns__"]], dtype=np.int32)
-    versions = [int(v) if v is not None else -1 for v in nt.get("weight_version", [None] * len(out))]
-    for key in ("global_steps", "min_global_steps", "max_global_steps"):
-        nt[key] = to_object_array(versions)
+    def column(key: str, fallback: str = "weight_version") -> np.ndarray:
+        vals = nt.get(key, nt.get(fallback, [None] * len(out)))
+        return to_object_array([int(v) if v is not None else -1 for v in vals])
+
+    nt["global_steps"] = column("weight_version")
+    nt["min_global_steps"] = column("min_weight_version")
+    nt["max_global_steps"] = column("max_weight_version")
     meta = out.meta_info
     metrics = [{**m, "tool_calls": 0.0} for m in meta.get("metrics", [])]
     new_meta: dict[str, Any] = {"metrics": metrics}

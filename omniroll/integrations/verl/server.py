@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from pydantic import ValidationError
@@ -39,12 +39,20 @@ def _from_wire(wire: dict) -> VerlDiffusionOutput:
     return VerlDiffusionOutput(**output_from_wire(wire).model_dump())
 
 
-def to_verl_output(out: DiffusionOutput, global_steps: int) -> VerlDiffusionOutput:
-    """Add VeRL-Omni's names: `global_steps` (the trainer's step of the weights the sample was generated with), `*_mask`
-    for the prompt embeddings (all ones: omniroll's embeddings carry no padding), `latents_clean` for output_type
-    "both"."""
+def to_verl_output(out: DiffusionOutput, global_steps: int,
+                   steps_of: Optional[Callable[[int], int]] = None) -> VerlDiffusionOutput:
+    """Add VeRL-Omni's names: `global_steps` (the trainer's step of the weights the sample was generated with), its
+    `min_global_steps` / `max_global_steps` and `step_global_steps` (the sample's `min_weight_version`,
+    `max_weight_version` and `step_weight_versions` through `steps_of`, the engine version -> trainer step map;
+    default: the versions as they are), `*_mask` for the prompt embeddings (all ones: omniroll's embeddings carry no
+    padding), `latents_clean` for output_type "both"."""
     ef = dict(out.extra_fields)
     ef["global_steps"] = int(global_steps)
+    steps_of = steps_of or int
+    if "min_weight_version" in ef:
+        ef["min_global_steps"] = int(steps_of(int(ef["min_weight_version"])))
+        ef["max_global_steps"] = int(steps_of(int(ef["max_weight_version"])))
+        ef["step_global_steps"] = [int(steps_of(int(v))) for v in ef.get("step_weight_versions", [])]
     for key in [k for k, v in ef.items() if k.endswith("prompt_embeds") and "pooled" not in k
                 and isinstance(v, torch.Tensor)]:
         ef[f"{key}_mask"] = torch.ones(ef[key].shape[0], dtype=torch.int64)
@@ -102,7 +110,8 @@ class OmnirollServer:
         out = await self.engine.generate_async(request)
         out.extra_fields.setdefault("replica_rank", self.replica_rank)
         version = int(out.extra_fields.get("weight_version", 0))
-        return to_verl_output(out, self._global_steps.get(version, version))
+        return to_verl_output(out, self._global_steps.get(version, version),
+                              lambda v: self._global_steps.get(v, v))
 
     @staticmethod
     def _prompt_fields(prompt, negative_prompt, extra_ids, negative_extra_ids) -> dict:

@@ -1,0 +1,88 @@
+"""Files every command writes: atomic writes (mode 0644), JSON-safe values, and `run_info` (what made a file).
+
+The trajectory layout itself is `omniroll.trajectory_file`; these writers know nothing of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from typing import Any, Optional
+
+FILE_MODE = 0o644
+
+
+def write_bytes(path: str, data: bytes) -> str:
+    """Write `data` to `path` atomically (a temporary file in the same directory, then a rename), mode 0644. A failed
+    write leaves no partial file and raises `OutputWriteError` naming the path and why (e.g. no space left)."""
+    from omniroll.errors import OutputWriteError
+
+    try:
+        return _write_atomic(path, data)
+    except OSError as e:
+        raise OutputWriteError(path, e) from e
+
+
+def _write_atomic(path: str, data: bytes) -> str:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text(path: str, text: str) -> str:
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str, obj: Any) -> str:
+    return write_text(path, json.dumps(jsonable(obj), indent=1) + "\n")
+
+
+def jsonable(x: Any) -> Any:
+    """A JSON-safe copy: numpy scalars to Python, non-finite floats to None, unknown objects to their repr."""
+    import math
+
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if hasattr(x, "item") and getattr(x, "shape", None) == ():
+        x = x.item()
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+        return jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x if isinstance(x, (str, int, float, bool)) or x is None else repr(x)
+
+
+def package_versions() -> dict:
+    """Versions of what decides the numbers: omniroll, Python, torch, diffusers, transformers, safetensors."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("omniroll", "torch", "diffusers", "transformers", "safetensors", "ray"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def run_info(command: str, model: str, device: str, dtype: str, batch_invariant: bool, seed: Optional[int],
+             **extra) -> dict:
+    """What made a file: recorded in the trajectory file's `run` metadata and in metrics.json."""
+    return {"command": command, "model": os.path.abspath(model) if os.path.isdir(model) else model,
+            "device": device, "dtype": str(dtype).removeprefix("torch."), "batch_invariant": bool(batch_invariant),
+            "seed": seed, "versions": package_versions(), "machine": platform.machine(),
+            "env_overrides": os.environ.get("OMNIROLL_OVERRIDES") or None, **extra}
