@@ -253,3 +253,14 @@ def test_log_probs_under_versions_rescore_each_window_step_under_its_own_version
         assert all(torch.equal(p, c) for p, c in zip(policy.parameters(), current))
     finally:
         engine.shutdown()
+
+
+def test_partial_rollout_samples_across_a_sync_are_replayed_exactly(ray_cluster, tiny_sd3_path, tmp_path):
+    """With partial_rollout the sync lands between two denoise steps of the next batch (where it lands is timing):
+    whatever versions each window step recorded, the replay under them and the proximal ratio are exact."""
+    out = str(tmp_path / "partial")
+    _run(train_config(tiny_sd3_path, steps=3, max_staleness=1, partial_rollout=True), out, 3)
+    hist = _metrics(out)
+    assert [m["behaviour_replay_max_abs_dev"] for m in hist] == [0.0] * 3
+    assert [m["prox_ratio_max_abs_dev"] for m in hist] == [0.0] * 3
+    assert all(m["staleness_max"] <= 1 and m["stale_dropped"] == 0 and m["partial_rollout"] for m in hist)
