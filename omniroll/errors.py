@@ -7,6 +7,7 @@ a bad field reads the same wherever it was caught: `dotted.key: what is wrong (g
 from __future__ import annotations
 
 import errno as _errno
+import re
 from typing import Any, Callable, Optional
 
 #: a shown input longer than this is cut (errors must never echo a whole prompt or request body back)
@@ -55,3 +56,23 @@ class OutputWriteError(OSError):
         reason = error.strerror or str(error) or type(error).__name__
         super().__init__(f"could not write {path}: {reason}" + (f" ({code})" if code else ""))
         self.path, self.errno = path, error.errno
+
+
+_SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\.\w+)*): (.+)$", re.S)
+
+
+def config_messages(error) -> list[str]:
+    """One `dotted.key: what is wrong` per problem. A section's validator that names its own key in its message
+    (`height: must be ...`, `kwargs.model_dir: directory not found: ...`) is reported under the full key
+    (`pipeline.height: ...`); several problems joined by "; " in one message become one line each."""
+    out = []
+    for err, line in zip(error.errors(), validation_messages(error)):
+        key = ".".join(str(p) for p in err.get("loc") or ())
+        parts = str(err.get("msg", "")).removeprefix("Value error, ").split("; ")
+        if not key or not any(_SUBKEY.match(p) for p in parts):
+            out.append(line)
+            continue
+        for part in parts:
+            m = _SUBKEY.match(part)
+            out.append(f"{key}.{m.group(1)}: {m.group(2)}" if m else f"{key}: {part}")
+    return out

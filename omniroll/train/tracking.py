@@ -33,7 +33,7 @@ import numpy as np
 
 from omniroll.train import artifacts
 
-#: the backends are listed once, as `omniroll.config.LOGGERS`; these four are optional extras:
+#: the backends are listed once, as `omniroll.config.LOGGERS` (config/trainer.py); these four are optional extras:
 #: backend -> (module that must import, what to pip install)
 _REQUIRES = {"tensorboard": ("tensorboard", "pip install 'omniroll[tensorboard]'  (or: pip install tensorboard)"),
              "wandb": ("wandb", "pip install 'omniroll[wandb]'  (or: pip install wandb)"),

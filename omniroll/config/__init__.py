@@ -1,0 +1,160 @@
+"""One YAML config for rollout, validated into typed pydantic objects.
+
+Key names follow VeRL-Omni's `rollout` config where they mean the same thing (`pipeline.*`, `algo.*`,
+`agent.num_workers`, `agent.default_agent_loop`, `val_kwargs`, `seed`, `n`, `prompt_length`,
+`max_prompt_embed_length`, `calculate_log_probs`). Unknown keys and bad values raise `ConfigError` naming the dotted
+key, e.g. `pipeline.heigth: Extra inputs are not permitted`.
+
+    cfg = load_config("rollout.yaml", overrides=["pipeline.height=64", "replicas.count=2"])
+    cfg.sampling_params()                # training sampling dict
+    cfg.sampling_params(validate=True)   # validation: val_kwargs overlay, noise_level 0, logprobs False
+
+Naming: a YAML section is a `*Section` class (`EngineSection`, `RewardSection`, ...); `*Config` names belong to the
+components themselves (`omniroll.engine.config.EngineConfig`, `omniroll.reward.RewardConfig`), so each name means
+one thing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
+                                      Placement, ReplicasSection, Resources, RewardSection, ValKwargs, _PartialAlgo,
+                                      _PartialPipeline, _Strict)
+from omniroll.config.trainer import LOGGERS, LoRASection, TrainerSection
+from omniroll.engine.params import SamplingParams, overlay_sampling
+from omniroll.errors import config_messages, format_validation_error
+
+__all__ = ["AgentSection", "AlgoSection", "ConfigError", "EngineSection", "LOGGERS", "LoRASection", "OmniRollConfig",
+           "PipelineSection", "Placement", "ReplicasSection", "Resources", "RewardSection", "TrainerSection",
+           "ValKwargs", "_PartialAlgo", "_PartialPipeline", "config_messages", "load_config", "validate_config"]
+
+
+class OmniRollConfig(_Strict):
+    replicas: ReplicasSection = Field(default_factory=ReplicasSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    algo: AlgoSection = Field(default_factory=AlgoSection)
+    agent: AgentSection = Field(default_factory=AgentSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
+    n: int = Field(1, ge=1, description="samples per prompt (the group size)")
+    seed: Optional[int] = Field(None, ge=0, description="rollout seed base; None = 0")
+    calculate_log_probs: bool = True
+    prompt_length: int = Field(512, ge=1)
+    max_prompt_embed_length: Optional[int] = Field(None, ge=1)
+    timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=100)
+    trainer: Optional[TrainerSection] = None
+
+    @field_validator("pipeline", "val_kwargs")
+    @classmethod
+    def _fits_model(cls, value, info: ValidationInfo):
+        """Resolution and text length against the model's limits (read from its config files; a tiny model is
+        built once, as every command does next): `pipeline.*` and the `val_kwargs.pipeline.*` it overrides."""
+        engine = info.data.get("engine")
+        if engine is None:  # engine.model is itself wrong (reported there)
+            return value
+        from omniroll.models import read_limits, resolve_model
+
+        limits = read_limits(resolve_model(engine.model))
+        p = value if info.field_name == "pipeline" else value.pipeline
+        problems = [] if limits is None else limits.problems(
+            p.height, p.width, p.max_sequence_length, prefix="" if info.field_name == "pipeline" else "pipeline.")
+        if problems:
+            raise ValueError("; ".join(m.replace(" must", ": must", 1) for m in problems))
+        return value
+
+    @model_validator(mode="after")
+    def _check_training(self):
+        if self.trainer is None:
+            return self
+        if not self.reward.functions or self.reward.num_workers < 1:
+            raise ValueError("reward.functions: training needs at least one reward function and reward.num_workers >= 1")
+        if self.algo.sde_type == "ode" or self.algo.noise_level <= 0:
+            raise ValueError("algo.sde_type / algo.noise_level: training needs a stochastic step (sde, cps or "
+                             f"dance_sde with noise_level > 0), got {self.algo.sde_type} at {self.algo.noise_level}")
+        if not self.calculate_log_probs:
+            raise ValueError("calculate_log_probs: training needs the rollout's log-probs")
+        if self.n < 2:
+            raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
+        if self.trainer.window_schedule != "fixed" and self.algo.sde_window_size is None:
+            raise ValueError(f"trainer.window_schedule: {self.trainer.window_schedule!r} moves a window of "
+                             f"algo.sde_window_size steps; set algo.sde_window_size")
+        return self
+
+    @model_validator(mode="after")
+    def _check_prompt_length(self):
+        from omniroll.models import prompt_ids_length
+
+        n = prompt_ids_length(self.engine.model)
+        if n is not None and self.prompt_length < n:
+            raise ValueError(f"prompt_length: must be >= {n}: the model's tokenizer pads prompt ids to {n} tokens "
+                             f"(engine.model={self.engine.model!r}), got {self.prompt_length}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        # the training and validation sampling dicts must both be valid SamplingParams
+        for validate, section in ((False, ""), (True, "val_kwargs.")):
+            try:
+                SamplingParams.model_validate(self.sampling_params(validate=validate))
+            except ValidationError as e:
+                raise ValueError(format_validation_error(
+                    e, with_input=False, empty_loc=f"{section}algo",
+                    locate=lambda loc: (f"{section}{_SECTION.get(str(loc[0]), '')}{'.'.join(map(str, loc))}"
+                                        if loc else ""))) from None
+        return self
+
+    def sampling_params(self, validate: bool = False) -> dict:
+        """The per-request sampling dict (SamplingParams fields)."""
+        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(exclude={"same_latent"}),
+              "logprobs": self.calculate_log_probs}
+        if not validate:
+            return sp
+        val = {**self.val_kwargs.pipeline.model_dump(exclude_none=True),
+               **self.val_kwargs.algo.model_dump(exclude_none=True)}  # noise_level: always set (default 0, the ODE)
+        return overlay_sampling(sp, val, validate=True)
+
+
+_SECTION = {k: "pipeline." for k in PipelineSection.model_fields} | {k: "algo." for k in AlgoSection.model_fields}
+
+
+def load_config(
+    path_or_dict: Union[str, Path, dict, "OmniRollConfig", None] = None, overrides: Optional[list[str]] = None
+) -> OmniRollConfig:
+    """YAML path / dict / DictConfig / None (defaults), plus OmegaConf dotlist overrides ("pipeline.height=64")."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(path_or_dict, OmniRollConfig):
+        base = OmegaConf.create(path_or_dict.model_dump(mode="json"))
+    elif path_or_dict is None:
+        base = OmegaConf.create({})
+    elif isinstance(path_or_dict, (str, Path)):
+        p = Path(path_or_dict)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        base = OmegaConf.load(p)
+    elif isinstance(path_or_dict, (dict, DictConfig)):
+        base = OmegaConf.create(path_or_dict)
+    else:
+        raise ConfigError(f"load_config takes a path, dict or DictConfig, got {type(path_or_dict).__name__}")
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like 'dotted.key=value', got {bad}")
+        base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    raw = OmegaConf.to_container(base, resolve=True)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a mapping at the top level, got {type(raw).__name__}")
+    return validate_config(raw)
+
+
+def validate_config(raw: dict) -> OmniRollConfig:
+    try:
+        return OmniRollConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError("invalid config: " + "; ".join(config_messages(e))) from None

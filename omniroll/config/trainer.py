@@ -1,0 +1,111 @@
+"""`trainer:`, the reference Flow-GRPO trainer's section of the YAML config (`omniroll train`): optimisation,
+asynchronous training and experiment tracking. `omniroll.config` puts it together with the rollout sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from omniroll.config.sections import _Strict
+
+
+class LoRASection(_Strict):
+    rank: int = Field(8, ge=1, le=4096)
+    alpha: float = Field(16.0, gt=0, le=1e6)
+    target_modules: Optional[list[str]] = Field(None, min_length=1, description="module names (PEFT target_modules); "
+                                                "None: the family's default (its attention projections)")
+
+
+#: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
+
+
+class TrainerSection(_Strict):
+    """The reference Flow-GRPO trainer (`omniroll train`). Group size is the top-level `n`; sampling comes from
+    `pipeline` / `algo`; rewards from `reward`; validation images from `val_kwargs` (ODE)."""
+
+    steps: int = Field(20, ge=1, le=10**7)
+    prompts: list[str] = Field(default_factory=list, description="training prompts (or prompts_file)")
+    prompts_file: Optional[str] = Field(None, description="one prompt per line, added to prompts")
+    val_prompts: list[str] = Field(default_factory=list, description="fixed validation prompts (default: the "
+                                                                     "first 4 training prompts)")
+    prompts_per_step: int = Field(4, ge=1, le=100_000)
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    clip_range: float = Field(1e-4, gt=0, le=10, description="PPO clip epsilon")
+    adv_clip_max: float = Field(5.0, gt=0, le=1e6)
+    global_std: bool = Field(False, description="normalise advantages by the whole batch's std, not the group's")
+    kl_beta: float = Field(0.0, ge=0, le=1e6, description="KL to the base model (LoRA: adapter disabled)")
+    num_inner_epochs: int = Field(1, ge=1, le=1000)
+    micro_batch_size: int = Field(8, ge=1, le=100_000, description="samples per forward")
+    micro_batches_per_update: Optional[int] = Field(None, ge=1, description="gradient accumulation: micro-batches "
+                                                    "per optimizer step; None: one step per inner epoch")
+    max_grad_norm: float = Field(1.0, gt=0)
+    mode: Literal["lora", "full"] = "lora"
+    lora: LoRASection = Field(default_factory=LoRASection)
+    window_schedule: Literal["fixed", "random", "progressive"] = Field(
+        "fixed", description="MixGRPO-style SDE window per step: fixed (algo.sde_window_*), random (from seed and "
+                             "step), progressive (advances by the window size every window_advance_every steps)")
+    window_advance_every: int = Field(1, ge=1)
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
+    val_every: int = Field(0, ge=0, description="steps between validation grids (0: before and after only)")
+    seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
+    weight_transport: Literal["auto", "object_store", "ray", "shm"] = Field(
+        "auto", description="auto: /dev/shm for replicas on the trainer's node, the Ray object store for the others")
+    sync_timeout_s: float = Field(600.0, gt=0)
+    num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
+                                       "(None: torch's default); 1 is far faster on a busy small CPU")
+    # asynchronous training (README "Asynchronous training"; omniroll/train/async_rollout.py, objective.py)
+    max_staleness: int = Field(0, ge=0, le=1000, description="K: 0 is the synchronous trainer; K >= 1 rolls out the "
+                               "next step(s) while a step trains, and trains a sample only if every window step "
+                               "ran with weight version >= current - K")
+    partial_rollout: bool = Field(False, description="False: a weight sync waits for in-flight samples to finish; "
+                                  "True: it lands between two denoise steps and they continue with the new weights")
+    on_stale: Literal["drop", "wait"] = Field("drop", description="a sample older than max_staleness: dropped "
+                                              "(counted) or regenerated with the current weights (the trainer waits)")
+    old_log_prob: Literal["rollout", "recompute"] = Field(
+        "rollout", description="the behaviour log-prob: as the engine recorded it, or recomputed by the trainer "
+                               "under the weight version that ran each window step")
+    behaviour_weight_cap: float = Field(2.0, ge=1.0, le=1e6, description="truncation of the importance weight "
+                                        "pi_prox / pi_behaviour per window step (>= 1, so K = 0 is exact)")
+    # experiment tracking (verl's key names; omniroll.train.tracking)
+    logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
+                              "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")
+    project_name: str = Field("omniroll", min_length=1)
+    experiment_name: Optional[str] = Field(None, min_length=1, description="default: {model}-{mode}-{time}; a "
+                                           "resumed run keeps its own")
+    log_images_every: int = Field(10, ge=0, description="steps between captioned training samples (0: never)")
+    log_images_count: int = Field(4, ge=0, le=64, description="training samples per image log (one per prompt)")
+
+    def all_prompts(self) -> list[str]:
+        prompts = list(self.prompts)
+        if self.prompts_file:
+            prompts += [ln.strip() for ln in Path(self.prompts_file).read_text().splitlines() if ln.strip()]
+        return prompts
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _logger_list(cls, value):
+        names = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+        if isinstance(names, (list, tuple)):
+            bad = [n for n in names if n not in LOGGERS]
+            if bad:
+                raise ValueError(f"unknown logger(s) {bad}: allowed {', '.join(LOGGERS)}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"names a logger twice: {list(names)}")
+        return names
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.prompts_file is not None and not Path(self.prompts_file).is_file():
+            raise ValueError(f"prompts_file: file not found: {self.prompts_file}")
+        n = len(self.all_prompts())
+        if n == 0:
+            raise ValueError("prompts: training needs at least one prompt (prompts or prompts_file)")
+        if self.prompts_per_step > n:
+            raise ValueError(f"prompts_per_step: must be <= the number of prompts ({n}), got {self.prompts_per_step}")
+        return self
