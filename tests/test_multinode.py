@@ -51,7 +51,7 @@ def nodes():
         ray.shutdown()
         cluster.shutdown()
         if had_local:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
 def rollout_config(model, **replicas):

@@ -35,7 +35,8 @@ class ClusterInfo:
 
 
 def connect_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> ClusterInfo:
-    """Join the cluster at `address` (else `RAY_ADDRESS`), or start a local one; reuse Ray when already initialised."""
+    """Join the cluster at `address` (else `RAY_ADDRESS`), or start a local one (never a `ray start` cluster that
+    happens to run on this machine); reuse Ray when already initialised."""
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -46,7 +47,7 @@ def connect_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -
         mode, started = "joined", True
     else:
         kw = {} if num_cpus is None else {"num_cpus": num_cpus}
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, **kw)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False, **kw)
         mode, started = "local", True
     res = ray.cluster_resources()
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
