@@ -2,7 +2,8 @@
 nothing is stale; max_staleness 0 through the decoupled path equals today's synchronous path bitwise (weights and
 metrics); with max_staleness 1 the rollout of step t+1 runs while step t trains, every sample is exactly one version
 old, the behaviour replay and the proximal ratio are exact, and a Ctrl-C'd run resumes to the same weights bitwise;
-the rollout pipeline's waiting hold; the staleness bookkeeping."""
+a replica killed mid-rollout has its samples re-run with the same seeds and versions (the run equals one without the
+kill bitwise); the rollout pipeline's waiting hold; the staleness bookkeeping."""
 
 import asyncio
 import json
@@ -264,3 +265,95 @@ def test_partial_rollout_samples_across_a_sync_are_replayed_exactly(ray_cluster,
     assert [m["behaviour_replay_max_abs_dev"] for m in hist] == [0.0] * 3
     assert [m["prox_ratio_max_abs_dev"] for m in hist] == [0.0] * 3
     assert all(m["staleness_max"] <= 1 and m["stale_dropped"] == 0 and m["partial_rollout"] for m in hist)
+
+
+
+def test_a_replica_killed_during_an_async_rollout_reruns_its_samples_with_their_seeds_and_versions(
+        ray_cluster, tiny_sd3_path, tmp_path):
+    """max_staleness 1, partial_rollout false, 2 replicas, 3 steps. After step 1 the test arms a pause on replica 1
+    after one denoising step: batch 3, generated with version 1 while step 2 trains, runs one step of its samples
+    there and stops (a deterministic point, no timing); the test then kills that replica. The routing client re-runs
+    those samples on the survivor (same request, same seed), the sync of version 2 (which waits for batch 3) drops the
+    lost replica and completes on the survivor, and every step trains on the full batch with the versions the
+    schedule dictates. Batch invariance makes the run, batch 3 included, bitwise equal to the run without the kill."""
+    import ray
+
+    from omniroll.config import load_config
+    from omniroll.train import FlowGRPOTrainer
+
+    raw = train_config(tiny_sd3_path, steps=3, max_staleness=1).model_dump(mode="json")
+    raw["replicas"].update(count=2, num_cpus=0.5)
+    raw["n"] = 2  # the 2 prompts of train_config, 2 samples each: every batch holds both prompt groups
+    cfg = load_config(raw)
+
+    class Recording(FlowGRPOTrainer):  # keeps every generated batch
+        async def _rollout(self, step):
+            out = await super()._rollout(step)
+            self.batches[step] = out
+            return out
+
+    killed: dict = {}
+
+    def kill_during_batch_3(tr):
+        def on_step(m):
+            if m["step"] != 1:
+                return
+            # batch 2 is back (the sync of version 1 waited for it); batch 3 is submitted when step 2 begins
+            victim = tr.replicas[1]
+            ray.get(victim.pause_generation.remote(after_steps=1, timeout_s=120))
+
+            def kill():
+                try:
+                    killed["paused"] = ray.get(victim.wait_for_pause.remote(timeout_s=120))
+                finally:
+                    ray.kill(victim, no_restart=True)
+
+            killed["thread"] = threading.Thread(target=kill, daemon=True)
+            killed["thread"].start()
+        return on_step
+
+    def run(out, kill):
+        logs: list = []
+        with Recording(cfg, out, log=logs.append) as tr:
+            tr.batches = {}
+            tr.train(3, on_step=kill_during_batch_3(tr) if kill else None)
+            return tr.batches, len(tr.replicas), logs
+
+    base, faulted = str(tmp_path / "base"), str(tmp_path / "killed")
+    ref_batches, ref_replicas, _ = run(base, kill=False)
+    batches, survivors, logs = run(faulted, kill=True)
+    killed["thread"].join(timeout=60)
+    assert ref_replicas == 2 and survivors == 1
+    assert sum("lost 1 replica(s)" in line for line in logs) == 1, logs
+    paused = killed["paused"]  # killed mid-denoise: one step of batch 3's samples had run there
+    assert paused["paused"] and paused["running"], paused
+
+    hist = _metrics(faulted)
+    assert [m["num_samples"] for m in hist] == [4, 4, 4]  # no sample lost
+    assert [m["weight_version"] for m in hist] == [0, 0, 1] and [m["synced_version"] for m in hist] == [1, 2, 3]
+    assert all(m["stale_dropped"] == 0 and m["behaviour_replay_max_abs_dev"] == 0.0
+               and m["prox_ratio_max_abs_dev"] == 0.0 and m["version_span_max"] == 0 for m in hist)
+
+    # the samples that ran on the killed replica (one prompt group) were re-run on the survivor, the others not
+    b3 = batches[3].non_tensor_batch
+    attempts = [int(a) for a in b3["rollout_attempts"]]
+    rerun = [i for i, a in enumerate(attempts) if a > 1]
+    assert sorted(attempts) == [1, 1, 2, 2], attempts
+    assert set(paused["running"]) <= {b3["request_id"][i] for i in rerun}, (paused, list(b3["request_id"]))
+    assert len({b3["uid"][i] for i in rerun}) == 1 and {int(i) for i in b3["replica_index"]} == {0}
+    # versions: batch 3 ran every window step with version 1, re-runs included
+    assert [int(v) for v in b3["min_weight_version"]] == [1] * 4 == [int(v) for v in b3["max_weight_version"]]
+    assert [[int(x) for x in v] for v in b3["step_weight_versions"]] == [[1, 1]] * 4
+    # same seeds: every batch, batch 3 included, is bitwise the one of the run without the kill
+    for step in (1, 2, 3):
+        a, b = batches[step], ref_batches[step]
+        assert list(a.non_tensor_batch["request_id"]) == list(b.non_tensor_batch["request_id"])
+        assert [[int(x) for x in v] for v in a.non_tensor_batch["step_weight_versions"]] == \
+            [[int(x) for x in v] for v in b.non_tensor_batch["step_weight_versions"]]
+        for k in ("responses", "rollout_log_probs", "all_latents", "rm_scores"):
+            assert torch.equal(a.batch[k], b.batch[k]), (step, k)
+    a = lora_weights(os.path.join(faulted, "checkpoints", "step_000003"))
+    b = lora_weights(os.path.join(base, "checkpoints", "step_000003"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [{k: v for k, v in m.items() if k not in TIMING} for m in hist] == \
+        [{k: v for k, v in m.items() if k not in TIMING} for m in _metrics(base)]
