@@ -102,6 +102,7 @@ class RolloutCluster:
     def _start_replicas(self) -> None:
         from omniroll.rollout.ray_cluster import bundle_for
         from omniroll.rollout.replica import create_replicas
+        from omniroll.weights.sender import actor_node_ids
 
         rc = self.config.replicas
         self.log(f"starting {rc.count} replica(s) of {self.model} ({rc.placement})")
@@ -111,7 +112,7 @@ class RolloutCluster:
                                         num_cpus=rc.num_cpus, num_gpus=rc.num_gpus,
                                         max_concurrency=rc.max_concurrency, resources=rc.resources,
                                         placement=where.options)
-        self.replica_nodes = self.node_ids(self.replicas)
+        self.replica_nodes = actor_node_ids(self.replicas, timeout_s=30.0)
         nodes = sorted({n for n in self.replica_nodes if n})
         self.log(f"{len(self.replicas)} replica(s) on {len(nodes)} node(s): "
                  + ", ".join(f"{n[:8]} x{self.replica_nodes.count(n)}" for n in nodes))
@@ -136,19 +137,6 @@ class RolloutCluster:
                                         worker_options=opts, placement=where.options)
 
     # ------------------------------------------------------------------ nodes and faults
-    @staticmethod
-    def node_ids(handles: list, timeout_s: float = 30.0) -> list[Optional[str]]:
-        """The node id of each actor (None for one that is gone)."""
-        import ray
-
-        out: list[Optional[str]] = []
-        for h in handles:
-            try:
-                out.append(ray.get(h.node_id.remote(), timeout=timeout_s))
-            except Exception:  # noqa: BLE001 - a dead or unreachable actor has no node
-                out.append(None)
-        return out
-
     def prune(self) -> list[dict]:
         """Drop the replicas, reward workers and agent-loop workers whose actors are gone (their node left the
         cluster); returns the lost replicas as [{"replica": index before pruning, "node_id": ...}]. The agent-loop

@@ -109,7 +109,7 @@ class WeightSender:
     def nodes(self) -> list[str | None]:
         """Each target's Ray node id (None: in-process, or a Ray target without ``node_id()``)."""
         if self._nodes is None:
-            self._nodes = _nodes_of(self.targets, self.timeout_s)
+            self._nodes = actor_node_ids(self.targets, self.timeout_s)
         return self._nodes
 
     def routes(self) -> list[str]:
@@ -296,9 +296,10 @@ def _this_node() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
-def _nodes_of(targets: list, timeout_s: float) -> list[str | None]:
+def actor_node_ids(targets: list, timeout_s: float) -> list[str | None]:
     """Each Ray target's node id from its ``node_id()`` method, asked of all at once (None: in-process, no such
-    method, or unreachable: the object store reaches it anyway)."""
+    method, gone or unreachable: the object store reaches it anyway). Also how `RolloutCluster` says where its
+    replicas landed."""
     refs = {k: t.node_id.remote() for k, t in enumerate(targets)
             if _is_ray_target(t) and hasattr(getattr(t, "node_id", None), "remote")}
     out: list[str | None] = [None] * len(targets)
