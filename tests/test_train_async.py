@@ -6,10 +6,12 @@ a replica killed mid-rollout has its samples re-run with the same seeds and vers
 kill bitwise); the rollout pipeline's waiting hold; the staleness bookkeeping."""
 
 import asyncio
+import gc
 import json
 import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -102,6 +104,24 @@ def test_rollout_pipeline_runs_in_order_holds_for_a_waiting_sync_and_discards():
         assert pipe.discard() == 8 and pipe.in_flight() == []
     finally:
         pipe.close()
+
+
+def test_discard_ends_every_batch_even_one_cancelled_before_it_started():
+    """A batch cancelled before its turn (queued behind another) still ends on the loop: nothing is left pending
+    when the loop closes, so no "coroutine RolloutPipeline._run was never awaited" warning."""
+    async def generate(step):
+        await asyncio.sleep(5)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = RolloutPipeline(generate, rows_per_batch=2)
+        for step in (1, 2, 3):
+            pipe.submit(step)
+        assert pipe.discard() == 6 and pipe.in_flight() == []
+        pipe.close()
+        del pipe
+        gc.collect()
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
 
 
 def test_async_options_are_validated():

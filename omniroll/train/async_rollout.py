@@ -91,15 +91,21 @@ class RolloutPipeline:
         return sorted(self._futures)
 
     def discard(self) -> int:
-        """Cancel every queued or running batch; returns how many sample rows were discarded."""
+        """Cancel every queued or running batch and wait until each has ended (also one cancelled before it started,
+        so none is left pending on the loop); returns how many sample rows were discarded."""
         steps = list(self._futures)
         for f in self._futures.values():
             f.cancel()
-        for f in self._futures.values():
-            with contextlib.suppress(BaseException):
-                f.result(timeout=30)
+        with contextlib.suppress(BaseException):
+            asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self._loop).result(timeout=30)
         self._futures.clear()
         return len(steps) * self.rows_per_batch
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def close(self) -> None:
         self.discard()
