@@ -12,6 +12,13 @@ pi_behaviour: the policy that sampled the step (the engine's recorded log-prob, 
 pi_prox: the trainer's weights at the start of the step (recomputed without grad, in the rollout's execution mode);
 pi_theta: the weights being trained. When every step ran with the trainer's current weights (max_staleness 0),
 pi_prox == pi_behaviour bitwise, so w == 1.0 exactly and the loss is `ppo_clip_loss`'s, bit for bit.
+
+w is the ratio of the two policies' densities of the step's transition. A recorded log-prob is Flow-GRPO's mean over
+the latent's D elements, so w = exp(D * (mean log pi_prox - mean log pi_behaviour)) (`density_log_ratio_scale`; for
+cps, whose log-prob is minus the mean squared error, D / (2 std^2)). The ratio of the means themselves, the D-th
+root of w, stays within a percent of 1 between two versions whose densities differ by a factor of e^0.5 on average
+and by 100 at worst (measured on the demo one step apart), so used as w it corrected nothing. r keeps Flow-GRPO's
+mean convention (clip_range is set for it).
 """
 
 from __future__ import annotations
@@ -32,11 +39,16 @@ if TYPE_CHECKING:
 
 def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
                        advantages: torch.Tensor, clip_range: float, behaviour_weight_cap: float,
-                       kl: Optional[torch.Tensor] = None, kl_beta: float = 0.0) -> LossTerms:
+                       kl: Optional[torch.Tensor] = None, kl_beta: float = 0.0,
+                       log_ratio_scale: torch.Tensor | float = 1.0) -> LossTerms:
     """Decoupled PPO-clip for one window step (see the module doc). `ratio`, `clipped` and `approx_kl` are measured
-    against pi_prox (the PPO anchor)."""
-    behaviour_ratio = torch.exp(prox_log_prob - behaviour_log_prob).detach()
-    w = behaviour_ratio.clamp(max=behaviour_weight_cap)
+    against pi_prox (the PPO anchor). log_ratio_scale ([B] or a float): turns prox_log_prob - behaviour_log_prob into
+    the log of the density ratio pi_prox / pi_behaviour (1.0 for log densities; `density_log_ratio_scale` for the
+    recorded mean log-probs)."""
+    log_w = torch.as_tensor(log_ratio_scale, dtype=torch.float64) * (prox_log_prob - behaviour_log_prob).detach(
+    ).double()  # fp64: a large ratio stays finite in the metrics
+    behaviour_ratio = torch.exp(log_w)
+    w = behaviour_ratio.clamp(max=behaviour_weight_cap).to(log_prob.dtype)
     ratio = torch.exp(log_prob - prox_log_prob)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
@@ -47,6 +59,16 @@ def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, beha
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
                      clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d),
                      behaviour_ratio=behaviour_ratio)
+
+
+def density_log_ratio_scale(std: torch.Tensor, sde_type: list[str], numel: int) -> torch.Tensor:
+    """[B] factor from a difference of two policies' recorded log-probs of one window step (each the mean over the
+    latent's `numel` elements, Flow-GRPO's convention, with the same std: it does not depend on the weights) to the log
+    of their density ratio: numel for a Gaussian step (sde, dance_sde), numel / (2 std^2) for cps (whose recorded
+    log-prob is minus the mean squared error)."""
+    cps = torch.tensor([t == "cps" for t in sde_type])
+    std = std.detach().double().reshape(-1)
+    return torch.where(cps, numel / (2 * std.clamp(min=1e-12) ** 2), torch.full_like(std, float(numel)))
 
 
 class VersionStore:

@@ -5,7 +5,8 @@ step's first optimizer update.
 With `behaviour_log_probs` (the asynchronous trainer) the loss is decoupled PPO (train/objective.py): the PPO anchor is
 the proximal policy (the weights at the start of the step, recomputed without grad; when every micro-batch runs before
 the first optimizer update, that is the first pass's own log-prob, detached, bitwise the same), and each window step
-is weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap). Without it, the behaviour is the anchor (plain
+is weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap) (the ratio of densities, not of the recorded mean
+log-probs: `density_log_ratio_scale`). Without it, the behaviour is the anchor (plain
 PPO-clip against the recorded log-probs)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from omniroll.train.grpo import kl_to_reference, ppo_clip_loss
-from omniroll.train.objective import decoupled_ppo_loss
+from omniroll.train.objective import decoupled_ppo_loss, density_log_ratio_scale
 from omniroll.train.policy import Policy
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory import TrajectoryBatch
@@ -98,7 +99,8 @@ def train_on_batch(policy: Policy, optimizer: torch.optim.Optimizer, traj: Traje
                         p = torch.where(torch.isnan(p), out.log_prob.detach().float(), p)
                         prox[rows, k] = p
                     terms = decoupled_ppo_loss(out.log_prob, p, behaviour_log_probs[rows, k], adv, clip_range,
-                                               behaviour_weight_cap, kl, kl_beta)
+                                               behaviour_weight_cap, kl, kl_beta,
+                                               density_log_ratio_scale(out.std, mb.sde_type, mb.latents[0, k].numel()))
                 (terms.loss / (group_size * W)).backward()
                 if updates == 0:
                     dev = max(dev, float((terms.ratio - 1.0).abs().max()))
