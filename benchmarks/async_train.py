@@ -79,11 +79,17 @@ def summary(hists: list[list[dict]]) -> dict:
                                     "std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0}}
 
 
-def seed_reward(hists: list[list[dict]], lag: int = 0) -> list[float]:
-    """Per step of the last quarter, the reward mean over a seed's runs (repeats); `lag`: shifted by that many steps."""
+def seed_curve(hists: list[list[dict]]) -> list[float]:
+    """A seed's reward per step, the mean over its runs (repeats)."""
     T = min(len(h) for h in hists)
-    steps = range(T - max(1, T // 4), T - lag)
-    return [statistics.fmean(h[t + lag]["reward_mean"] for h in hists) for t in steps]
+    return [statistics.fmean(h[t]["reward_mean"] for h in hists) for t in range(T)]
+
+
+def lagged_diff(mode: list[float], sync: list[float], lag: int) -> float:
+    """Mean over the last quarter (at least 1 + lag steps) of mode[t + lag] - sync[t]."""
+    T = min(len(mode), len(sync))
+    q = max(1 + lag, T // 4)
+    return statistics.fmean(mode[t + lag] - sync[t] for t in range(T - q, T - lag))
 
 
 def learning(runs: dict[str, dict[int, list[list[dict]]]]) -> dict:
@@ -92,15 +98,15 @@ def learning(runs: dict[str, dict[int, list[list[dict]]]]) -> dict:
     def mean_std(xs):
         return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
 
-    sync = runs["synchronous"]
+    sync = {s: seed_curve(h) for s, h in runs["synchronous"].items()}
     out = {}
     for mode, by_seed in runs.items():
-        per_seed = {s: statistics.fmean(seed_reward(h)) for s, h in by_seed.items()}
+        curves = {s: seed_curve(h) for s, h in by_seed.items()}
+        per_seed = {s: statistics.fmean(c[-max(1, len(c) // 4):]) for s, c in curves.items()}
         rec = {"per_seed": per_seed, **mean_std(list(per_seed.values()))}
         if mode != "synchronous":
-            diff = {s: per_seed[s] - statistics.fmean(seed_reward(sync[s])) for s in by_seed}
-            lagged = {s: statistics.fmean(a - b for a, b in zip(seed_reward(h, lag=1), seed_reward(sync[s])))
-                      for s, h in by_seed.items()}
+            diff = {s: lagged_diff(c, sync[s], 0) for s, c in curves.items()}
+            lagged = {s: lagged_diff(c, sync[s], 1) for s, c in curves.items()}
             rec["diff_vs_sync"] = {"per_seed": diff, **mean_std(list(diff.values()))}
             rec["lagged_diff_vs_sync"] = {"per_seed": lagged, **mean_std(list(lagged.values()))}
         out[mode] = rec
@@ -166,11 +172,13 @@ def main(argv=None) -> int:
               f"{s['overlap_frac']:>8.2f} {s['staleness_mean']:>9.2f} / {s['staleness_max']:<3} "
               f"{s['version_span_max']:>5} {s['rollout_s']:>10.2f} {s['train_s']:>8.2f} "
               f"{s['behaviour_replay_max_abs_dev']:>10.1e}")
-    print(f"\nreward, last quarter ({len(seeds)} seed(s); +- : std across seeds; diff: minus synchronous, per seed)")
+    spread = "std across seeds" if len(seeds) > 1 else "std of the per-step means"
+    print(f"\nreward, last quarter ({len(seeds)} seed(s); +- : {spread}; diff: minus synchronous, per seed)")
     print(f"{'mode':<14} {'reward':>18} {'diff vs sync':>20} {'lagged diff':>20}   per seed")
     for m, rec in learn.items():
         d, lag = rec.get("diff_vs_sync"), rec.get("lagged_diff_vs_sync")
-        cols = [f"{rec['mean']:+.4f} +- {rec['std']:.4f}",
+        sd = rec["std"] if len(seeds) > 1 else res[m]["reward_last_quarter"]["std"]
+        cols = [f"{rec['mean']:+.4f} +- {sd:.4f}",
                 f"{d['mean']:+.4f} +- {d['std']:.4f}" if d else "", f"{lag['mean']:+.4f} +- {lag['std']:.4f}" if lag
                 else ""]
         per = " ".join(f"{v:+.4f}" for v in (d or rec)["per_seed"].values())
@@ -184,7 +192,9 @@ def main(argv=None) -> int:
     print(f"reward curves -> {os.path.relpath(args.plot)}")
     speedup = {m: res[m]["steps_per_s"] / base["steps_per_s"] if m in res else None for m in MODES}
     out = {"speedup_async": speedup["async"], "speedup_partial": speedup["async_partial"],
-           "reward_last_quarter": {m: {"mean": rec["mean"], "std": rec["std"]} for m, rec in learn.items()},
+           "reward_last_quarter": {m: {"mean": rec["mean"], "std": rec["std"],  # std: across seeds
+                                       "step_std": res[m]["reward_last_quarter"]["std"]}  # of the per-step means
+                                   for m, rec in learn.items()},
            "reward_diff_vs_sync": {m: rec["diff_vs_sync"] for m, rec in learn.items() if "diff_vs_sync" in rec},
            "reward_lagged_diff_vs_sync": {m: rec["lagged_diff_vs_sync"] for m, rec in learn.items()
                                           if "lagged_diff_vs_sync" in rec},
