@@ -104,12 +104,12 @@ def test_readme_custom_training_loop_runs_verbatim(tmp_path, monkeypatch):
 
 def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_policy):
     """The bitwise promise rests on one function, not two copies: the engine's step and the recompute both enter
-    `engine.invariant.execution_mode` and reach the model only through `DiffusionAdapter.guided_velocity`."""
-    from omniroll.engine import invariant, runner
+    `engine.runner.execution_mode` and reach the model only through `DiffusionAdapter.guided_velocity`."""
+    from omniroll.engine import runner
     from omniroll.models.base import DiffusionAdapter
     from omniroll.train import recompute
 
-    assert runner.execution_mode is invariant.execution_mode and recompute.execution_mode is invariant.execution_mode
+    assert recompute.execution_mode is runner.execution_mode
     engine, policy = engine_and_policy
     calls = []
     for name, adapter in (("rollout", engine.adapter), ("recompute", policy)):

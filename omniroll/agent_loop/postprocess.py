@@ -7,7 +7,7 @@ requested), every tensor extra of the DiffusionOutput stacked as is (`all_latent
 `step_indices`, `pooled_prompt_embeds`, ...), `*prompt_embeds` zero-padded on the right to Lmax with a `*_mask`
 ([B, Lmax] int64, 1 = real token), per-row scalars `noise_level`, `sigma_max`, `guidance_scale` (fp32 [B]), `cfg_scale` (fp64 [B], 0: no CFG) and
 `sde_window` (int64 [B, 2]); `rm_scores` (fp32 [B, 1]) only when every row was scored; `failed` (bool [B]) in mark mode.
-Weight versions (non-tensor, per row; None for a failed row; see omniroll/engine/packaging.py): `weight_version`,
+Weight versions (non-tensor, per row; None for a failed row; see omniroll/engine/request.py): `weight_version`,
 `step_weight_versions` (a list of W ints, the version that ran each recorded step), `min_weight_version` /
 `max_weight_version` (ints); `meta_info["min_weight_version"]` / `["max_weight_version"]` span the batch.
 Lmax = `max_prompt_embed_length`, else the longest row of this batch (the manager re-pads across chunks).

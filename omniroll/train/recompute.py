@@ -2,7 +2,7 @@
 
 It reproduces the rollout exactly because it runs the rollout's own functions: `adapter.guided_velocity` (CFG rows
 stacked, `velocity`, the CFG mix; differentiable, the engine calls it under no_grad), `sde_step` fed with the
-trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.invariant.execution_mode`
+trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.runner.execution_mode`
 (batch-invariant kernels with the same block size), read from the trajectory. With the rollout's weights it returns
 the rollout's log-probs bitwise, so a PPO ratio is exactly 1 before the first update.
 
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from omniroll.engine.invariant import execution_mode
+from omniroll.engine.runner import execution_mode
 from omniroll.models.base import NO_CFG, DiffusionAdapter
 from omniroll.sampling import SDEStepOutput, sde_step
 from omniroll.train.trajectory import TrajectoryBatch
