@@ -191,7 +191,7 @@ def test_prompt_colour_reward():
     import numpy as np
 
     from omniroll.reward import RewardSample
-    from omniroll.reward.colour import prompt_colour
+    from omniroll.reward import prompt_colour
 
     red = np.zeros((3, 4, 4), dtype=np.uint8)
     red[0] = 255
