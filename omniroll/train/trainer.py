@@ -26,8 +26,7 @@ import torch
 
 from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.sampling.seeds import batch_prompt_uid
-from omniroll.sampling.window import window_for_step
+from omniroll.sampling.window import batch_prompt_uid, window_for_step
 from omniroll.train import artifacts
 from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
                                           stale_rows)
