@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omniroll.config import load_config
-from omniroll.train.grpo import group_advantages, ppo_clip_loss
+from omniroll.train.update import group_advantages, ppo_clip_loss
 
 PROMPTS = ["a blue car", "a green bird"]
 

@@ -107,9 +107,9 @@ def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_po
     `engine.runner.execution_mode` and reach the model only through `DiffusionAdapter.guided_velocity`."""
     from omniroll.engine import runner
     from omniroll.models.base import DiffusionAdapter
-    from omniroll.train import recompute
+    from omniroll.train import policy as train_policy
 
-    assert recompute.execution_mode is runner.execution_mode
+    assert train_policy.execution_mode is runner.execution_mode  # the recompute lives in train/policy.py
     engine, policy = engine_and_policy
     calls = []
     for name, adapter in (("rollout", engine.adapter), ("recompute", policy)):
