@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from omniroll.agent_loop.batch import DataBatch
 
-
+# ------------------------------------------------------------------------------------------------------- the registry
 _REGISTRY: dict[str, type] = {}
 
 
@@ -62,6 +62,7 @@ def registered_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+# ------------------------------------------------------------------------------------------------ what a loop returns
 class AgentLoopMetrics(BaseModel):
     """Seconds spent generating and scoring one sample; `num_preempted` is -1 when unknown."""
 
@@ -90,6 +91,7 @@ class DiffusionAgentLoopOutput(BaseModel):
     extra_fields: dict[str, Any] = {}
 
 
+# ----------------------------------------------------------------------------------------------- the single-turn loop
 def prompt_text(raw: Any, field: str = "raw_prompt") -> str:
     """A prompt as a plain string: a string as is; chat messages [{"role", "content"}, ...] -> the user text (all user
     messages joined by newlines; list-of-parts content keeps its text parts)."""
