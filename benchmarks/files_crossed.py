@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASE_FILE = "phase"
 ENV = "OMNIROLL_FILES_CROSSED"  # the recording directory; set for Ray workers through the environment
 LAYERS = ("sampling", "models", "engine", "weights", "rollout", "reward", "agent_loop", "train", "config", "integrations")
@@ -102,7 +103,7 @@ def run_sample(out_dir: str, n: int) -> None:
     from omniroll.cli.common import make_batch
     from omniroll.config import load_config
 
-    cfg = load_config("examples/rollout.yaml", [f"n={n}", "replicas.count=1"])
+    cfg = load_config(os.path.join(REPO, "examples", "rollout.yaml"), [f"n={n}", "replicas.count=1"])
     with RolloutCluster(cfg, log=None) as cluster:
         warm = make_batch(["a red car on a table"], n, rollout_seed=cfg.seed)
         asyncio.run(cluster.manager.generate_sequences_async(warm))
@@ -117,7 +118,7 @@ def run_train_step(out_dir: str, n: int) -> None:
     from omniroll.config import load_config
     from omniroll.train.trainer import FlowGRPOTrainer
 
-    cfg = load_config("examples/train.yaml", [f"n={n}", "trainer.prompts_per_step=1", "trainer.steps=2"])
+    cfg = load_config(os.path.join(REPO, "examples", "train.yaml"), [f"n={n}", "trainer.prompts_per_step=1", "trainer.steps=2"])
     trainer = FlowGRPOTrainer(cfg, os.path.join(out_dir, "train"), log=lambda msg: None)
     try:
         trainer.start()
