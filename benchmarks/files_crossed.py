@@ -118,7 +118,8 @@ def run_train_step(out_dir: str, n: int) -> None:
     from omniroll.config import load_config
     from omniroll.train.trainer import FlowGRPOTrainer
 
-    cfg = load_config(os.path.join(REPO, "examples", "train.yaml"), [f"n={n}", "trainer.prompts_per_step=1", "trainer.steps=2"])
+    cfg = load_config(os.path.join(REPO, "examples", "train.yaml"),
+                      [f"n={n}", "trainer.prompts_per_step=1", "trainer.steps=2"])
     trainer = FlowGRPOTrainer(cfg, os.path.join(out_dir, "train"), log=lambda msg: None)
     try:
         trainer.start()
