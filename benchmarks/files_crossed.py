@@ -35,7 +35,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASE_FILE = "phase"
 ENV = "OMNIROLL_FILES_CROSSED"  # the recording directory; set for Ray workers through the environment
-LAYERS = ("sampling", "models", "engine", "weights", "rollout", "reward", "agent_loop", "train", "config", "integrations")
+LAYERS = ("sampling", "models", "engine", "weights", "rollout", "reward", "agent_loop", "train", "config",
+          "integrations")
 _phase = ["setup"]
 
 
