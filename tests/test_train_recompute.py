@@ -125,7 +125,7 @@ def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_po
 
         def velocity(*args, _a=adapter, _in=inside, _n=name, **kwargs):
             calls.append((_n, bool(_in), isinstance(torch.overrides._get_current_function_mode(),
-                                                     invariant.BatchInvariantMode)))
+                                                     runner.BatchInvariantMode)))
             return type(_a).velocity(_a, *args, **kwargs)
 
         adapter.guided_velocity, adapter.velocity = guided, velocity
