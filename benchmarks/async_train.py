@@ -106,7 +106,7 @@ def main(argv=None) -> int:
               f"{s['overlap_frac']:>8.2f} {s['staleness_mean']:>9.2f} / {s['staleness_max']:<3} "
               f"{s['version_span_max']:>5} {s['rollout_s']:>10.2f} {s['train_s']:>8.2f} "
               f"{q['mean']:>+9.4f} +- {q['std']:.4f} {s['behaviour_replay_max_abs_dev']:>10.1e}")
-    from omniroll.train.artifacts import plot_reward_curves
+    from omniroll.train.tracking import plot_reward_curves
 
     labels = {"synchronous": "synchronous", "async": "max_staleness 1", "async_partial": "max_staleness 1 + partial"}
     plot_reward_curves({labels[m]: hs[0] for m, hs in runs.items()}, args.plot,

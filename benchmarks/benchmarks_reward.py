@@ -4,7 +4,7 @@ PYTHONPATH)."""
 
 import time
 
-from omniroll.reward.colour import prompt_colour
+from omniroll.reward import prompt_colour
 
 
 def delayed_colour(samples, delay_ms: float = 0.0):

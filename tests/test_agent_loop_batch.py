@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from omniroll.agent_loop import DataBatch, get_agent_loop_class, register, registered_names
-from omniroll.agent_loop.single_turn import DiffusionSingleTurnAgentLoop, prompt_text
+from omniroll.agent_loop.loop import DiffusionSingleTurnAgentLoop, prompt_text
 
 
 def batch(n=5):

@@ -8,7 +8,7 @@ import torch
 
 from omniroll import GenerationRequest, SamplingParams
 from omniroll.engine.engine import DiffusionEngine
-from omniroll.engine.packaging import quantize_pixels
+from omniroll.engine.request import quantize_pixels
 from omniroll.models.base import stack_conditioning
 from omniroll.sampling import make_generator, sde_step
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omniroll.config import load_config
-from omniroll.train.grpo import group_advantages, ppo_clip_loss
+from omniroll.train.update import group_advantages, ppo_clip_loss
 
 PROMPTS = ["a blue car", "a green bird"]
 
@@ -191,7 +191,7 @@ def test_prompt_colour_reward():
     import numpy as np
 
     from omniroll.reward import RewardSample
-    from omniroll.reward.colour import prompt_colour
+    from omniroll.reward import prompt_colour
 
     red = np.zeros((3, 4, 4), dtype=np.uint8)
     red[0] = 255

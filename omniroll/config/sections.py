@@ -160,7 +160,7 @@ class AgentSection(_Strict):
     @field_validator("default_agent_loop")
     @classmethod
     def _registered(cls, value):
-        from omniroll.agent_loop.registry import registered_names
+        from omniroll.agent_loop.loop import registered_names
 
         if value not in registered_names():
             raise ValueError(f"agent loop {value!r} is not registered; registered: {registered_names()} (import the "

@@ -1,19 +1,25 @@
-"""Admission: a request becomes a `RequestState` (every check first, in the caller's thread), and admitted states get
-their prompt encodings (each prompt in its own guard, on the engine thread).
+"""Admission: a request from its arrival to its first step. It becomes a `RequestState` (every check first, in the
+caller's thread), and admitted states get their prompt encodings (each prompt in its own guard, on the engine thread)
+from the engine's `PromptCache`, a bounded LRU: a prompt is encoded once however many samples of it are running.
 
 Both are the engine's only entry points for a request's content, so every check of a request lives here: the model's
 limits (resolution, text length, frames, guidance), prompt size, token ids. A failure is a `RequestError` naming the
 request before anything is queued or encoded; a prompt that fails to encode fails its own request only.
+
+A prompt is text or per-encoder token ids (`{"clip": [...], "t5": [...]}`); each is cached under its own key (the
+text, or the ids), with the text length.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Hashable, Union
+
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.errors import EngineError, RequestError
 from omniroll.engine.params import GenerationRequest
-from omniroll.engine.prompt_cache import PromptCache
 from omniroll.engine.request import RequestState
-from omniroll.models.base import DiffusionAdapter
+from omniroll.models.base import Conditioning, DiffusionAdapter
 
 
 def build_state(adapter: DiffusionAdapter, config: EngineConfig, device, request: GenerationRequest,
@@ -48,6 +54,64 @@ def build_state(adapter: DiffusionAdapter, config: EngineConfig, device, request
     if adapter.num_experts > 1:
         state.experts = [adapter.expert_index(float(t)) for t in state.timesteps]
     return state
+
+
+PromptInput = Union[str, dict]
+
+
+def prompt_key(prompt: PromptInput) -> Hashable:
+    """The cache key of a prompt: the text itself, or its token ids per encoder."""
+    if isinstance(prompt, str):
+        return prompt
+    return ("token_ids",) + tuple(sorted((k, tuple(int(i) for i in v)) for k, v in prompt.items()))
+
+
+class PromptCache:
+    def __init__(self, adapter: DiffusionAdapter, capacity: int):
+        self.adapter = adapter
+        self.capacity = capacity
+        self._cache: OrderedDict[tuple[Hashable, int], Conditioning] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get_many(self, prompts: list[PromptInput], max_sequence_length: int) -> list[Conditioning | Exception]:
+        """Encodings for `prompts` (texts or token ids; duplicates allowed); only the missing unique ones are
+        encoded, each inside its own guard: a prompt that fails to encode gets its exception in its place (never
+        cached) and the others are unaffected. The returned tensors are the cache's own: callers must not hand them
+        out (see outputs)."""
+        keys = [prompt_key(p) for p in prompts]
+        found: dict[Hashable, Conditioning | Exception] = {}
+        for k in keys:
+            if (k, max_sequence_length) in self._cache:
+                self._cache.move_to_end((k, max_sequence_length))
+                found[k] = self._cache[(k, max_sequence_length)]
+        missing = {k: p for k, p in zip(keys, prompts) if k not in found}
+        for k, prompt in missing.items():
+            try:
+                if isinstance(prompt, str):
+                    cond = self.adapter.encode_prompts([prompt], max_sequence_length)[0]
+                else:
+                    cond = self.adapter.encode_token_ids([prompt], max_sequence_length)[0]
+            except Exception as e:  # noqa: BLE001 - this prompt's requests fail, nobody else's
+                found[k] = e
+                continue
+            found[k] = cond
+            self._put((k, max_sequence_length), cond)
+        self.misses += len(missing)
+        self.hits += len(prompts) - len(missing)
+        return [found[k] for k in keys]
+
+    def _put(self, key, cond: Conditioning) -> None:
+        self._cache[key] = cond
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
 
 def attach_encodings(prompt_cache: PromptCache, states: list[RequestState]) -> list[tuple[RequestState, Exception]]:

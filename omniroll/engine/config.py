@@ -29,7 +29,7 @@ class EngineConfig:
         lowest cost per row. The default, 16, is the rule for CPU: the cost per row is flat from 8 to 16 rows and
         ~10% higher at 32 (measured, README); on a GPU use "auto".
     batch_invariant: run linear layers in fixed row blocks so a request's output is bitwise independent of what
-        else shares its batch (see `omniroll.engine.invariant`). None (default): on for CPU, where it is measured
+        else shares its batch (see `omniroll.engine.runner`). None (default): on for CPU, where it is measured
         and tested, off for other devices, where it is not verified (cuBLAS / cuDNN pick kernels by shape, so
         padding rows does not pin one kernel; see README "Device state and batch invariance").
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
@@ -45,7 +45,7 @@ class EngineConfig:
         denoiser on its device during the update). "in_place": no extra memory; the engine stops serving first, and
         an update that fails midway leaves it refusing requests until a complete update lands.
     prefix_sharing: run the common ODE prefix of samples that share `latent_seed` (and prompt, shape, schedule,
-        guidance) once per group and fork it at the SDE window's start (see `omniroll.engine.prefix`).
+        guidance) once per group and fork it at the SDE window's start (see `omniroll.engine.scheduler`).
     max_prompt_chars: the longest prompt (and negative prompt) accepted, in characters; longer ones are refused at
         submission, naming the request, before any encoding. Default 8192: T5 reads at most 512 tokens (a few
         thousand characters of English); text past that is truncated anyway, and tokenizing megabytes on the engine

@@ -7,10 +7,10 @@ run on the loop thread between two denoising steps, so they never race a forward
 No call hangs: every control call has a finite default timeout and raises TimeoutError naming the operation; after
 `shutdown()` (or if the loop ever died) every call raises EngineShutdownError at once, and pending requests and
 control calls fail with it. An engine never shut down is shut down at interpreter exit (an atexit hook).
-Requests and control calls reach the loop through `engine/inbox.py`; the weights and memory state is `lifecycle`
-(`engine/lifecycle.py`), changed by `engine/control.py` through public methods (`pause_admission`, `wait_idle`,
-`abort_running`, `resume_admission`); finished samples wait in `engine/decode_queue.py`; `engine/admission.py`
-checks requests.
+Requests and control calls reach the loop through the `Inbox` (`engine/control.py`); the weights and memory state
+is `lifecycle` (`engine/lifecycle.py`), changed by `engine/control.py` through public methods (`pause_admission`,
+`wait_idle`, `abort_running`, `resume_admission`); finished samples wait in `engine/decode_queue.py`;
+`engine/admission.py` checks requests; `engine/request.py` turns a finished one into its output.
 """
 
 from __future__ import annotations
@@ -25,19 +25,16 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from omniroll.engine.admission import attach_encodings, build_state
+from omniroll.engine.admission import PromptCache, attach_encodings, build_state
 from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
-from omniroll.engine.control import ControlCalls, check_seconds
+from omniroll.engine.control import ControlCalls, Inbox, check_seconds
 from omniroll.engine.decode_queue import DecodeQueue
 from omniroll.engine.errors import EngineError, EngineShutdownError
-from omniroll.engine.inbox import Inbox
 from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
-from omniroll.engine.packaging import aborted_output, build_output
 from omniroll.engine.params import GenerationRequest
-from omniroll.engine.prompt_cache import PromptCache
-from omniroll.engine.request import RequestState
+from omniroll.engine.request import RequestState, aborted_output, build_output
 from omniroll.engine.runner import ModelRunner
 from omniroll.engine.scheduler import Scheduler
 from omniroll.models.base import DiffusionAdapter

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import PackedLatentAdapter
-from omniroll.models.base import Conditioning, check_pipeline
-from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs,
-                                         tokenizer_padded_length)
+from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, ModelLimits, check_pipeline,
+                                  read_component_configs, tokenizer_padded_length)
 
 
 class FluxAdapter(PackedLatentAdapter):

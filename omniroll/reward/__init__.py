@@ -2,18 +2,19 @@
 
 from omniroll.reward.http import HttpScorer, RewardHTTPError, decode_png_batch, decode_safetensors_batch
 from omniroll.reward.manager import RewardConfig, RewardFunctionConfig, RewardManager
-from omniroll.reward.pool import RewardPoolError, RewardWorkerPool, create_reward_workers
 from omniroll.reward.scorers import (
     SCORER_REGISTRY,
+    RewardResult,
+    RewardSample,
     build_scorer,
     jpeg_compressibility,
     jpeg_incompressibility,
     load_function,
     per_sample_to_batch,
+    prompt_colour,
     register_scorer,
 )
-from omniroll.reward.types import RewardResult, RewardSample
-from omniroll.reward.worker import RewardLoopWorker
+from omniroll.reward.worker import RewardLoopWorker, RewardPoolError, RewardWorkerPool, create_reward_workers
 
 __all__ = [
     "HttpScorer",
@@ -35,5 +36,6 @@ __all__ = [
     "jpeg_incompressibility",
     "load_function",
     "per_sample_to_batch",
+    "prompt_colour",
     "register_scorer",
 ]

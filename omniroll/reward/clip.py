@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from omniroll.reward.types import RewardSample
+if TYPE_CHECKING:  # annotations only: scorers.py imports this module
+    from omniroll.reward.scorers import RewardSample
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: the LAION aesthetic head's Linear layers as `nn.Sequential` indices (dropouts at 1, 3, 5)

@@ -34,8 +34,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from omniroll.reward.scorers import build_scorer, is_async_callable, scorer_problems
-from omniroll.reward.types import RewardResult, RewardSample
+from omniroll.reward.scorers import RewardResult, RewardSample, build_scorer, is_async_callable, scorer_problems
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

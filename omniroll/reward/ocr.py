@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from omniroll.reward.types import RewardSample
+if TYPE_CHECKING:  # annotations only: scorers.py imports this module
+    from omniroll.reward.scorers import RewardSample
 
 _QUOTED = re.compile(r'"([^"]*)"')
 INSTALL_HINT = "pip install 'omniroll[ocr]'  (rapidocr-onnxruntime: PP-OCRv4 ONNX models inside the wheel)"

@@ -7,11 +7,10 @@ log-prob under the current weights, with autograd, bitwise equal with the rollou
 `FlowGRPOTrainer` for the whole loop.
 """
 
-from omniroll.train.grpo import Advantages, LossTerms, group_advantages, kl_to_reference, ppo_clip_loss
-from omniroll.train.objective import decoupled_ppo_loss
-from omniroll.train.recompute import (enable_gradient_checkpointing, execution_mode, recompute_log_probs,
-                                      trajectory_velocity)
-from omniroll.train.trajectory import TrajectoryBatch
+from omniroll.train.policy import (Policy, TrajectoryBatch, enable_gradient_checkpointing, execution_mode,
+                                   recompute_log_probs, trajectory_velocity)
+from omniroll.train.update import (Advantages, LossTerms, decoupled_ppo_loss, group_advantages, kl_to_reference,
+                                   ppo_clip_loss)
 
 __all__ = [
     "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "decoupled_ppo_loss",
@@ -26,8 +25,4 @@ def __getattr__(name):  # the trainer pulls in Ray and the agent loop: import it
         from omniroll.train import trainer
 
         return getattr(trainer, name)
-    if name == "Policy":
-        from omniroll.train.policy import Policy
-
-        return Policy
     raise AttributeError(name)

@@ -8,7 +8,7 @@ weights to every replica through `WeightSender` (version = the step) and wait fo
 A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
 step's first optimizer update) is logged every step: exactly 0.0 with the engine's batch-invariant mode. With
 `trainer.max_staleness` K >= 1 (README "Asynchronous training") the rollouts of steps t+1..t+K run on a background
-event loop (`RolloutPipeline`) while step t trains, the loss is decoupled PPO (`train/objective.py`), and a sample
+event loop (`RolloutPipeline`) while step t trains, the loss is decoupled PPO (`train/update.py`), and a sample
 trains only if every window step ran with a version >= current - K (`on_stale`).
 """
 
@@ -26,17 +26,14 @@ import torch
 
 from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.sampling.seeds import batch_prompt_uid
-from omniroll.sampling.window import window_for_step
-from omniroll.train import artifacts
+from omniroll.sampling.window import batch_prompt_uid, window_for_step
+from omniroll.train import tracking
 from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
                                           stale_rows)
-from omniroll.train.grpo import group_advantages
-from omniroll.train.objective import VersionStore, behaviour_and_replay, off_policy_metrics, step_versions
-from omniroll.train.policy import Policy
+from omniroll.train.policy import Policy, TrajectoryBatch
 from omniroll.train.tracking import Tracker
-from omniroll.train.trajectory import TrajectoryBatch
-from omniroll.train.update import train_on_batch
+from omniroll.train.update import (VersionStore, behaviour_and_replay, group_advantages, off_policy_metrics,
+                                   step_versions, train_on_batch)
 
 
 REPLAY_ROWS = 2  # the fixed subset (first rows) whose recorded log-probs are replayed every step
@@ -57,7 +54,7 @@ class FlowGRPOTrainer:
             raise ValueError("trainer: the config has no trainer section")
         self.tc = self.config.trainer
         self.out_dir = out_dir
-        self.resume_from = artifacts.find_checkpoint(resume) if resume else None  # fails before Ray starts
+        self.resume_from = tracking.find_checkpoint(resume) if resume else None  # fails before Ray starts
         self.log = log
         self.prompts = self.tc.all_prompts()
         self.val_prompts = list(self.tc.val_prompts) or self.prompts[:4]
@@ -200,7 +197,7 @@ class FlowGRPOTrainer:
                 signal.signal(signal.SIGINT, old)
             if bar is not None:
                 bar.close()
-            artifacts.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"))
+            tracking.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"))
         return self.history
 
     def _on_sigint(self, signum, frame) -> None:
@@ -236,7 +233,7 @@ class FlowGRPOTrainer:
         adv = group_advantages(rewards, list(out.non_tensor_batch["uid"]), tc.global_std, tc.adv_clip_max)
         traj = TrajectoryBatch.from_batch(out)
         if tc.gradient_checkpointing and not self._checkpointing:  # in the mode the rollout recorded
-            from omniroll.train.recompute import enable_gradient_checkpointing
+            from omniroll.train.policy import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
@@ -358,10 +355,10 @@ class FlowGRPOTrainer:
                              meta_info={"validate": True})
         out = asyncio.run(self.manager.generate_sequences_async(batch))
         path = os.path.join(self.out_dir, f"val_{tag}.png")
-        artifacts.save_val_grid(out.batch["responses"], len(self.val_prompts), k, path)
+        tracking.save_val_grid(out.batch["responses"], len(self.val_prompts), k, path)
         score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
         rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
-        artifacts.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
+        tracking.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
         self.tracker.log_validation(tag, self.step_done, out, score, path)
         self.log(f"validation {tag}: reward {score:.4f} -> {path}" if score is not None else f"validation {tag}")
         return rec
@@ -380,7 +377,7 @@ class FlowGRPOTrainer:
         return path
 
     def _load(self, path: str) -> None:
-        state = artifacts.read_trainer_state(path)  # weights_only: a resume directory cannot run code
+        state = tracking.read_trainer_state(path)  # weights_only: a resume directory cannot run code
         if state["mode"] != self.tc.mode:
             raise ValueError(f"trainer.mode: the checkpoint {path} was trained with mode {state['mode']!r}")
         self.policy.load(path)
@@ -393,4 +390,4 @@ class FlowGRPOTrainer:
 
     def history_all(self) -> list[dict]:
         """Every step's metrics in this out_dir (a resumed run appends to them)."""
-        return artifacts.read_jsonl(os.path.join(self.out_dir, "metrics.jsonl"))
+        return tracking.read_jsonl(os.path.join(self.out_dir, "metrics.jsonl"))

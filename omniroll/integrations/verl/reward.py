@@ -27,7 +27,7 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER, register
 
-from omniroll.agent_loop.single_turn import prompt_text
+from omniroll.agent_loop.loop import prompt_text
 from omniroll.reward import RewardResult, RewardSample
 
 REWARD_MANAGER_NAME = "omniroll_image"

@@ -23,7 +23,7 @@ from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.integrations.verl.lora_sync import current_job_id, engine_update, update_zmq_handle, zmq_handle_for
 from omniroll.integrations.verl.sampling import fresh_seed, map_sampling_params
-from omniroll.rollout.transfer import output_from_wire, output_to_wire
+from omniroll.rollout.replica import output_from_wire, output_to_wire
 
 BUCKET_BYTES = 256 << 20  # how a received ZMQ stream is handed to the engine (by reference: no copy)
 

@@ -1,13 +1,20 @@
-"""Stack per-sample agent-loop outputs into one `DataBatch` (the worker's output contract).
+"""One row's agent loop, and what comes out of it.
 
-Tensors ([B, ...]): `prompts` / `attention_mask` (int64 [B, prompt_length], token ids right-padded with 0; mask 1 on
-real tokens), `responses` (uint8 [B, 3, H, W]; video [B, T, 3, H, W]), `rollout_log_probs` (fp32 [B, W], when
-requested), every tensor extra of the DiffusionOutput stacked as is (`all_latents` [B, W+1, C, h, w] or video
-[B, W+1, C, t, h, w], `all_timesteps`, `sigmas`, `sigmas_next`,
+- The registry of loops: `@register("name")` on a loop class, `get_agent_loop_class(name)` to look one up (a row's
+  `agent_name`, else `agent.default_agent_loop`).
+- `DiffusionSingleTurnAgentLoop`, the built-in loop: one prompt in, one generated image (plus its trajectory) out.
+- What a loop returns: the specification's `DiffusionAgentLoopOutput` and `AgentLoopMetrics`.
+- How the worker stacks its rows' outputs into one `DataBatch` (`assemble`, the worker's output contract), below.
+
+Output contract of `assemble`. Tensors ([B, ...]): `prompts` / `attention_mask` (int64 [B, prompt_length], token ids
+right-padded with 0; mask 1 on real tokens), `responses` (uint8 [B, 3, H, W]; video [B, T, 3, H, W]),
+`rollout_log_probs` (fp32 [B, W], when requested), every tensor extra of the DiffusionOutput stacked as is
+(`all_latents` [B, W+1, C, h, w] or video [B, W+1, C, t, h, w], `all_timesteps`, `sigmas`, `sigmas_next`,
 `step_indices`, `pooled_prompt_embeds`, ...), `*prompt_embeds` zero-padded on the right to Lmax with a `*_mask`
-([B, Lmax] int64, 1 = real token), per-row scalars `noise_level`, `sigma_max`, `guidance_scale` (fp32 [B]), `cfg_scale` (fp64 [B], 0: no CFG) and
-`sde_window` (int64 [B, 2]); `rm_scores` (fp32 [B, 1]) only when every row was scored; `failed` (bool [B]) in mark mode.
-Weight versions (non-tensor, per row; None for a failed row; see omniroll/engine/packaging.py): `weight_version`,
+([B, Lmax] int64, 1 = real token), per-row scalars `noise_level`, `sigma_max`, `guidance_scale` (fp32 [B]), `cfg_scale`
+(fp64 [B], 0: no CFG) and `sde_window` (int64 [B, 2]); `rm_scores` (fp32 [B, 1]) only when every row was scored;
+`failed` (bool [B]) in mark mode.
+Weight versions (non-tensor, per row; None for a failed row; see omniroll/engine/request.py): `weight_version`,
 `step_weight_versions` (a list of W ints, the version that ran each recorded step), `min_weight_version` /
 `max_weight_version` (ints); `meta_info["min_weight_version"]` / `["max_weight_version"]` span the batch.
 Lmax = `max_prompt_embed_length`, else the longest row of this batch (the manager re-pads across chunks).
@@ -15,15 +22,157 @@ Lmax = `max_prompt_embed_length`, else the longest row of this batch (the manage
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from omniroll.agent_loop.batch import DataBatch
-from omniroll.agent_loop.output import DiffusionAgentLoopOutput
 
+# ------------------------------------------------------------------------------------------------------- the registry
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make an agent-loop class available as `agent_name=name`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"agent loop name must be a non-empty string, got {name!r}")
+
+    def deco(cls: type) -> type:
+        prev = _REGISTRY.get(name)
+        if prev is not None and prev is not cls and prev.__qualname__ != cls.__qualname__:
+            raise ValueError(f"agent loop {name!r} is already registered to {prev.__module__}.{prev.__qualname__}")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get_agent_loop_class(name: str) -> type:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown agent_name {name!r}; registered agent loops: {registered_names()}") from None
+
+
+def registered_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# ------------------------------------------------------------------------------------------------ what a loop returns
+class AgentLoopMetrics(BaseModel):
+    """Seconds spent generating and scoring one sample; `num_preempted` is -1 when unknown."""
+
+    generate_sequences: float = 0.0
+    compute_score: float = 0.0
+    num_preempted: int = -1
+
+
+class DiffusionAgentLoopOutput(BaseModel):
+    """Agent loop output.
+
+    prompt_ids: prompt token ids; response_diffusion_output: image tensor (CHW) / video tensor (TCHW);
+    response_logprobs: fp32 [W] log-probs of the recorded SDE steps; reward_score: the trajectory's reward;
+    num_turns: chat turns including user and assistant (2 for single turn); extra_fields: the DiffusionOutput's
+    extra fields (trajectory, embeddings, seed, weight_version, ...) plus `stop_reason`.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    prompt_ids: list[int]
+    response_diffusion_output: Any
+    response_logprobs: Optional[Any] = None
+    reward_score: Optional[float] = None
+    num_turns: int = 0
+    metrics: AgentLoopMetrics
+    extra_fields: dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------------------------------------- the single-turn loop
+def prompt_text(raw: Any, field: str = "raw_prompt") -> str:
+    """A prompt as a plain string: a string as is; chat messages [{"role", "content"}, ...] -> the user text (all user
+    messages joined by newlines; list-of-parts content keeps its text parts)."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, np.ndarray):
+        raw = raw.tolist()
+    if isinstance(raw, (list, tuple)):
+        texts = []
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"{field}[{i}] must be a chat message {{'role', 'content'}}, got {m!r}")
+            if m["role"] == "user":
+                texts.append(_content_text(m["content"], f"{field}[{i}].content"))
+        if not texts:
+            raise ValueError(f"{field} has no message with role 'user'")
+        return "\n".join(texts)
+    raise ValueError(f"{field} must be a string or a list of chat messages, got {type(raw).__name__}")
+
+
+def _content_text(content: Any, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+        return "".join(parts)
+    raise ValueError(f"{field} must be a string or a list of parts, got {type(content).__name__}")
+
+
+@register("diffusion_single_turn_agent")
+class DiffusionSingleTurnAgentLoop:
+    """Agent loop for diffusion model serving. Built once per worker (not per sample); `run` is re-entrant."""
+
+    def __init__(self, trainer_config: Any, server_manager: Any, tokenizer: Any = None, processor: Any = None,
+                 dataset_cls: Optional[type] = None, data_config: Any = None, **kwargs):
+        self.config = trainer_config
+        self.server_manager = server_manager
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.dataset_cls = dataset_cls
+        self.data_config = data_config
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> DiffusionAgentLoopOutput:
+        """Run one diffusion generation turn and package agent-loop output.
+
+        kwargs: per-sample fields: `raw_prompt` (required), `raw_negative_prompt`, `request_id`, `seed`, `uid`.
+        """
+        if kwargs.get("raw_prompt") is None:
+            raise ValueError("raw_prompt is missing for this row")
+        for f in ("request_id", "seed"):
+            if kwargs.get(f) is None:
+                raise ValueError(f"{f} is missing for this row")
+        prompt = prompt_text(kwargs["raw_prompt"])
+        neg = kwargs.get("raw_negative_prompt")
+        negative = None if neg is None else prompt_text(neg, "raw_negative_prompt")
+        t0 = time.perf_counter()
+        out = await self.server_manager.generate(
+            request_id=str(kwargs["request_id"]), prompt=prompt, sampling_params=sampling_params,
+            seed=int(kwargs["seed"]), negative_prompt=negative, group_id=kwargs.get("uid"),
+        )
+        return agent_loop_output(out, time.perf_counter() - t0)
+
+
+def agent_loop_output(out: Any, generate_seconds: float) -> DiffusionAgentLoopOutput:
+    """A DiffusionOutput as the single-turn agent loop's output (also how `omniroll generate` builds its batch)."""
+    extra = dict(out.extra_fields)
+    extra["stop_reason"] = out.stop_reason
+    extra["generate_finished_at"] = time.time()
+    return DiffusionAgentLoopOutput(
+        prompt_ids=list(extra.pop("prompt_ids", []) or []),
+        response_diffusion_output=out.diffusion_output,
+        response_logprobs=out.log_probs,
+        num_turns=2,
+        metrics=AgentLoopMetrics(
+            generate_sequences=generate_seconds,
+            num_preempted=-1 if out.num_preempted is None else int(out.num_preempted)),
+        extra_fields=extra,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- the batch
 SCALAR_TENSORS = {"noise_level": torch.float32, "sigma_max": torch.float32, "guidance_scale": torch.float32,
                   "cfg_scale": torch.float64, "sde_window": torch.int64}
 NON_TENSOR_EXTRAS = ("weight_version", "step_weight_versions", "min_weight_version", "max_weight_version", "sde_type",
