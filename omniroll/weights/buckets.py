@@ -74,10 +74,15 @@ def all_finite(t: torch.Tensor) -> bool:
     propagates NaN and shows an Inf as the min or the max."""
     if not t.is_floating_point() or t.numel() == 0:
         return True
-    if math.isfinite(t.detach().sum().item()):  # a Python float: no second tensor op per check
+    if math.isfinite(t.sum().item()):  # a Python float: no second tensor op per check
         return True
-    lo, hi = torch.aminmax(t.detach())
+    lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) and torch.isfinite(hi))
+
+
+def nonfinite(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The positions of the tensors that hold a NaN or an Inf (see :func:`all_finite`)."""
+    return [i for i, t in enumerate(tensors) if not all_finite(t)]
 
 
 def _align(n: int) -> int:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .buckets import Bucket, WeightManifest, WeightSyncError, all_finite, str_dtype, unpack_bucket
+from .buckets import Bucket, WeightManifest, WeightSyncError, all_finite, nonfinite, str_dtype, unpack_bucket
 from .staging import StagingPool
 
 NameMap = Callable[[str], str]
@@ -56,6 +56,42 @@ def _dtype_compatible(src: torch.dtype, dst: torch.dtype) -> bool:
     return src.is_floating_point and dst.is_floating_point
 
 
+def _targets_of(module: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """What a full update may address, {name: parameter or buffer}, and the names of the parameters: one walk of the
+    module, naming what ``named_parameters()`` and ``named_buffers()`` name. With a LoRA adapter injected, base
+    weights live under ".base_layer." and the adapter's own parameters are not part of a full update: a base weight
+    is addressed by its plain name (``to_q.weight``, not ``to_q.base_layer.weight``)."""
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
+    for prefix, m in module.named_modules():
+        dot = prefix + "." if prefix else ""
+        for k, p in m._parameters.items():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                name = _plain(dot + k)
+                if name is not None:
+                    params[name] = p
+        for k, b in m._buffers.items():
+            if b is not None and id(b) not in seen_buffers:
+                seen_buffers.add(id(b))
+                name = _plain(dot + k)
+                if name is not None:
+                    buffers.setdefault(name, b)
+    targets = dict(params)
+    for name, b in buffers.items():
+        targets.setdefault(name, b)
+    return targets, set(params)
+
+
+def _plain(name: str) -> str | None:
+    """A weight's name as a full update addresses it; None for a LoRA adapter's own parameter."""
+    if ".lora_" in name and _ADAPTER_PARAM.search(name):
+        return None
+    return name.replace(".base_layer.", ".")
+
+
 def _nonfinite(names: list[str], index: int) -> WeightSyncError:
     return WeightSyncError(f"weight update rejected: non-finite values (NaN or Inf) in tensor(s) {_fmt(names)} "
                            f"(bucket {index})")
@@ -83,19 +119,7 @@ class FullWeightLoader:
         self.stage = stage
         self._staged: dict[str, torch.Tensor] = {}  # target name -> staged value (stage=True)
         self.touched = False  # whether any byte of the module was written (stage=False)
-        self._targets: dict[str, torch.Tensor] = {}
-        self._params: set[str] = set()
-        # with a LoRA adapter injected, base weights live under ".base_layer." and the adapter's
-        # own parameters are not part of a full update: address the base by its plain name
-        for n, p in module.named_parameters():
-            if _ADAPTER_PARAM.search(n):
-                continue
-            n = n.replace(".base_layer.", ".")
-            self._targets[n] = p
-            self._params.add(n)
-        for n, b in module.named_buffers():
-            if not _ADAPTER_PARAM.search(n):
-                self._targets.setdefault(n.replace(".base_layer.", "."), b)
+        self._targets, self._params = _targets_of(module)
         self._plan: dict[str, str] | None = None  # source name -> target name
         self._received: set[str] = set()
         self.bytes_loaded = 0
@@ -167,9 +191,9 @@ class FullWeightLoader:
         if self.stage:
             self._stage_bucket(bucket.index, views)
         else:
-            nonfinite = [name for name, src in views if not all_finite(src)]
-            if nonfinite:
-                raise _nonfinite(nonfinite, bucket.index)
+            bad_values = nonfinite([src for _, src in views])
+            if bad_values:
+                raise _nonfinite([views[i][0] for i in bad_values], bucket.index)
             with torch.no_grad():
                 for name, src in views:
                     self.touched = True
@@ -179,19 +203,19 @@ class FullWeightLoader:
         self.max_bucket_bytes = max(self.max_bucket_bytes, int(bucket.buffer.nbytes))
 
     def _stage_bucket(self, index: int, views: list) -> None:
-        """Copy each tensor into its staging tensor, then check the copy while it is hot in cache (the module is
-        not touched before the commit, so checking after the copy changes nothing but the speed)."""
-        nonfinite = []
+        """Copy each tensor into its staging tensor and check the copy while it is hot in cache (the module is not
+        touched before the commit, so checking after the copy changes nothing but the speed)."""
+        bad_values = []
         with torch.no_grad():
             for name, src in views:
                 target = self._plan[name]
-                staged = self.staging.take(target, self._targets[target].data).copy_(src)
+                staged = self.staging.take(target, self._targets[target]).copy_(src)
                 self._staged[target] = staged
                 self._received.add(name)
                 if not all_finite(staged):
-                    nonfinite.append(name)
-        if nonfinite:
-            raise _nonfinite(nonfinite, index)
+                    bad_values.append(name)
+        if bad_values:
+            raise _nonfinite(bad_values, index)
 
     def check_complete(self) -> dict:
         """Raise unless every manifest name arrived; returns the stats of the update."""
