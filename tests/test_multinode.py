@@ -7,7 +7,8 @@ node and the object store for the others (the choice, read from the acks: on one
 all); a forced shm to another node fails before any byte moves, naming replica and node; `omniroll train` (the real
 command, joining the cluster with --ray-address) runs 2 steps with its replicas on the two worker nodes; a node
 removed mid-rollout still returns every sample, bitwise equal to a run without the fault; a sync during which a
-receiver's node disappears fails as a whole naming it, and the next sync to the survivors works.
+receiver's node disappears (before the send, and in the middle of it: the victim has every bucket and waits to
+commit) fails as a whole naming it, the survivors hold the complete update, and the next sync to them works.
 """
 
 from __future__ import annotations
@@ -140,6 +141,68 @@ def test_omniroll_train_joins_the_cluster_and_trains_on_two_worker_nodes(nodes, 
     assert [m["synced_version"] for m in lines] == [1, 2] and all(m["ratio_max_abs_dev"] == 0.0 for m in lines)
     replicas_line = next(x for x in p.stdout.splitlines() if "replica(s) on 2 node(s)" in x)
     assert ids["w0"][:8] in replicas_line and ids["w1"][:8] in replicas_line and ids["head"][:8] not in replicas_line
+
+
+def test_a_receivers_node_removed_in_the_middle_of_a_sync_fails_it_naming_replica_and_node_survivors_go_on(
+        nodes, tiny_sd3_path):
+    """The victim's replica has every bucket (received and checked) and waits to commit: its one sample is paused
+    in flight and the sync waits for samples in flight. Its node is removed there. The sync fails as a whole, naming
+    the replica and its node; the survivors (shm on the sender's node, the object store on another) each landed the
+    complete update (each receiver's update is all-or-nothing; nothing half-applied); the next sync to them works."""
+    import threading
+
+    from omniroll.models import load_adapter
+    from omniroll.rollout.replica import create_replicas, kill_replicas
+    from omniroll.weights import WeightSender, WeightSyncError
+    from omniroll.weights.transport import leftover_shm
+
+    cluster, _, ids = nodes
+    victim = cluster.add_node(num_cpus=1, resources={"victim_sync": 4})
+    cluster.wait_for_nodes()
+    kw = {"max_batch_size": 4, "num_threads": 1}
+    survivors = (create_replicas(1, tiny_sd3_path, kw, num_cpus=0, resources={"head": 1})
+                 + create_replicas(1, tiny_sd3_path, kw, num_cpus=0, resources={"w0": 1}))
+    doomed = create_replicas(1, tiny_sd3_path, kw, num_cpus=0, resources={"victim_sync": 1})[0]
+    weights = load_adapter(tiny_sd3_path).denoiser.state_dict()
+    try:
+        ray.get(doomed.pause_generation.remote(after_steps=1, timeout_s=120))
+        pending = doomed.generate.remote({"request_id": "in-flight", "prompt": "a red car", "seed": 1,
+                                          "sampling_params": SP})
+        assert ray.get(doomed.wait_for_pause.remote(timeout_s=120))["steps"] == 1
+        sender = WeightSender(survivors + [doomed], timeout_s=120)
+        assert sender.routes() == ["shm", "object_store", "object_store"]
+        result = {}
+
+        def sync():
+            try:
+                result["acks"] = sender.send(weights, version=1, wait_for_inflight=True)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                result["error"] = e
+
+        t = threading.Thread(target=sync)
+        t.start()
+        deadline = time.monotonic() + 60
+        # the update has arrived whole (admission closes only after every bucket was received and checked)
+        while not ray.get(doomed.stats.remote())["admission_paused"]:
+            assert time.monotonic() < deadline and t.is_alive(), result
+            time.sleep(0.05)
+        assert ray.get(doomed.stats.remote())["weight_version"] == 0  # not committed: waiting for its sample
+        cluster.remove_node(victim)
+        t.join(timeout=120)
+        assert not t.is_alive(), "the sync hung after its receiver's node was removed"
+        err = result.get("error")
+        assert isinstance(err, WeightSyncError), result
+        assert f"replica 2 on node {victim.node_id}" in str(err) and "failed as a whole" in str(err)
+        assert "replica 0" not in str(err) and "replica 1" not in str(err)
+        with pytest.raises(ray.exceptions.RayError):
+            ray.get(pending, timeout=60)
+        assert [h["weight_version"] for h in ray.get([r.health.remote() for r in survivors])] == [1, 1]
+        acks = WeightSender(survivors).send(weights, version=2)
+        assert [(a["version"], a["transport"], a["node_id"]) for a in acks] == [
+            (2, "shm", ids["head"]), (2, "object_store", ids["w0"])]
+        assert leftover_shm() == []
+    finally:
+        kill_replicas(survivors + [doomed])
 
 
 def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_goes_on_with_the_survivors(

@@ -145,6 +145,7 @@ class DiffusionEngine(ControlCalls):
             "weight_version": self.lifecycle.version,
             "asleep_level": self.lifecycle.asleep_level,
             "weights_unusable": self.lifecycle.unusable,
+            "admission_paused": self.admission_paused,  # e.g. an update draining its samples in flight
             "lora": self.lifecycle.active_lora,
             "shut_down": self.inbox.closed is not None,
             **self._pause.state(),

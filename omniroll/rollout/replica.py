@@ -129,6 +129,7 @@ class RolloutReplica:
             "weight_version": int(s.get("weight_version", self.engine.weight_version)),
             "asleep_level": int(s.get("asleep_level", 0)),
             "lora": s.get("lora"),
+            "admission_paused": bool(s.get("admission_paused", False)),  # an update draining samples in flight
         }
 
     def shutdown(self) -> None:
