@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
-
-if TYPE_CHECKING:  # annotations only: scorers.py imports this module
-    from omniroll.reward.scorers import RewardSample
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: the LAION aesthetic head's Linear layers as `nn.Sequential` indices (dropouts at 1, 3, 5)
@@ -133,7 +130,9 @@ class _ClipBase:
     def score_frames(self, frames_hwc: list[np.ndarray], prompts: list[str]) -> np.ndarray:
         raise NotImplementedError
 
-    def __call__(self, samples: list[RewardSample]) -> list[float]:
+    def __call__(self, samples: list) -> list[float]:
+        """`samples`: `omniroll.reward.RewardSample`s (read by attribute: `scorers.py`, their home, imports this
+        module for its registry, so this one does not import it back)."""
         frames, prompts, owner = [], [], []
         for i, s in enumerate(samples):
             for f in s.frames():

@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
-
-if TYPE_CHECKING:  # annotations only: scorers.py imports this module
-    from omniroll.reward.scorers import RewardSample
 
 _QUOTED = re.compile(r'"([^"]*)"')
 INSTALL_HINT = "pip install 'omniroll[ocr]'  (rapidocr-onnxruntime: PP-OCRv4 ONNX models inside the wheel)"
@@ -119,7 +116,9 @@ class OcrScorer:
             return None
         return "".join(str(line[1]) for line in (lines or []) if float(line[2]) > 0)
 
-    def score_one(self, sample: RewardSample) -> dict:
+    def score_one(self, sample) -> dict:
+        """`sample`: an `omniroll.reward.RewardSample` (read by attribute: `scorers.py`, its home, imports this module
+        for its registry, so this one does not import it back)."""
         target = target_text(sample.prompt)
         frames = sample.frames().transpose(0, 2, 3, 1)
         texts = [self.recognize(np.ascontiguousarray(f)) for f in frames]
@@ -128,7 +127,7 @@ class OcrScorer:
         reward = float(np.mean([ocr_reward(t, target) for t in texts]))
         return {"score": reward, "ocr_failed": failed, "text": texts[0] if texts[0] is not None else ""}
 
-    def __call__(self, samples: list[RewardSample]) -> list:
+    def __call__(self, samples: list) -> list:
         out: list = []
         for s in samples:
             try:
