@@ -22,17 +22,19 @@ def _is_ray_target(target: Any) -> bool:
 
 def _module_state(module: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], bool]:
     """``module.state_dict()``'s items and whether the module has LoRA layers, in one walk of the module tree (the
-    sender's per-update cost: ``state_dict()`` and a separate ``modules()`` probe cost about 3x as much). Where any
-    module in the tree has state-dict behaviour of its own (hooks, or an overridden ``state_dict``,
+    sender's per-update cost: ``state_dict()`` and a separate ``modules()`` probe cost about 3x as much). The walk
+    stops at the first LoRA layer (``([], True)``): a LoRA update sends the adapter, so nothing else is collected.
+    Where any module in the tree has state-dict behaviour of its own (hooks, or an overridden ``state_dict``,
     ``_save_to_state_dict`` or ``get_extra_state``), the items come from ``state_dict()`` itself."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     named: list[tuple[str, torch.Tensor]] = []
-    has_lora, plain = False, True
+    plain = True
     stack = [("", module)]
     while stack:  # pre-order, children in order: state_dict()'s order
         prefix, m = stack.pop()
-        has_lora = has_lora or isinstance(m, BaseTunerLayer)
+        if isinstance(m, BaseTunerLayer):  # a LoRA update: the caller reads the adapter, not this walk's items
+            return [], True
         cls = type(m)
         if (m._state_dict_hooks or m._state_dict_pre_hooks or cls.state_dict is not nn.Module.state_dict
                 or cls._save_to_state_dict is not nn.Module._save_to_state_dict
@@ -47,7 +49,7 @@ def _module_state(module: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], bo
         stack.extend((prefix + k + ".", c) for k, c in reversed(m._modules.items()) if c is not None)
     if not plain:
         named = list(module.state_dict().items())
-    return named, has_lora
+    return named, False
 
 
 def named_tensors_for(weights: Any, peft_config: dict | None) -> tuple[list[tuple[str, torch.Tensor]], dict | None]:
