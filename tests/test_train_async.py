@@ -1,5 +1,5 @@
-"""The asynchronous trainer (issue 18, trainer side): the decoupled PPO objective reduces bitwise to PPO-clip when
-nothing is stale; max_staleness 0 through the decoupled path equals today's synchronous path bitwise (weights and
+"""The asynchronous trainer (issue 18, trainer side; its objective's pure pieces: test_train_objective.py):
+max_staleness 0 through the decoupled path equals today's synchronous path bitwise (weights and
 metrics); with max_staleness 1 the rollout of step t+1 runs while step t trains, every sample is exactly one version
 old, the behaviour replay and the proximal ratio are exact, and a Ctrl-C'd run resumes to the same weights bitwise;
 a replica killed mid-rollout has its samples re-run with the same seeds and versions (the run equals one without the
@@ -13,66 +13,18 @@ import threading
 import time
 import warnings
 
-import numpy as np
 import pytest
 import torch
-from torch.distributions import Normal
 
 from omniroll.agent_loop.batch import DataBatch
 from omniroll.config import ConfigError, load_config
-from omniroll.sampling.sde import sde_step
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, stale_rows
-from omniroll.train.update import (decoupled_ppo_loss, density_log_ratio_scale, ppo_clip_loss, staleness_stats,
-                                     step_versions)
+from omniroll.train.update import staleness_stats, step_versions
 
 from test_train import lora_weights, train_config
 
 TIMING = {"rollout_s", "reward_wait_s", "rollout_wait_s", "train_s", "sync_s", "step_s", "overlap_frac",
           "samples_per_s"}
-
-
-def test_decoupled_loss_is_ppo_clip_bitwise_when_prox_is_behaviour_and_truncates_the_weight():
-    g = torch.Generator().manual_seed(0)
-    old = torch.randn(16, generator=g)
-    adv = torch.randn(16, generator=g)
-    grads = []
-    for fn in ("ppo", "decoupled"):
-        logp = (old + 1e-3 * torch.randn(16, generator=torch.Generator().manual_seed(1))).requires_grad_(True)
-        t = (ppo_clip_loss(logp, old, adv, 2e-4) if fn == "ppo"
-             else decoupled_ppo_loss(logp, old.clone(), old.clone(), adv, 2e-4, 2.0))
-        t.loss.backward()
-        grads.append((t.loss.detach(), logp.grad.clone(), t.ratio, t.clipped, t.approx_kl))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
-    # a stale step: the weight pi_prox / pi_behaviour multiplies the row's term, truncated at the cap
-    logp = old.clone().requires_grad_(True)
-    behaviour = old - torch.tensor([0.1, 2.0] * 8)  # weights e^0.1 and e^2 > 2
-    t = decoupled_ppo_loss(logp, old, behaviour, adv, 2e-4, 2.0)
-    w = torch.tensor([float(np.exp(0.1)), 2.0] * 8)
-    assert torch.allclose(t.loss, torch.mean(-adv * w)), (t.loss, torch.mean(-adv * w))
-
-
-@pytest.mark.parametrize("sde_type", ["sde", "dance_sde", "cps"])
-def test_the_behaviour_weight_is_the_ratio_of_the_two_policies_densities_of_the_window_step(sde_type):
-    """A step sampled by one policy (velocity v_b) and rescored by another (v_prox): the weight is
-    pi_prox(x' | x) / pi_behaviour(x' | x) of the Gaussian transition, computed independently here, although the
-    recorded log-probs are means over the latent's elements (whose own ratio, its D-th root, is near 1)."""
-    g = torch.Generator().manual_seed(0)
-    B, shape = 6, (16, 8, 8)
-    x, v_b = torch.randn(B, *shape, generator=g), torch.randn(B, *shape, generator=g)
-    v_prox = v_b + 0.02 * torch.randn(B, *shape, generator=g)  # the next version: a small change of the velocity
-    step = dict(sigma=0.7, sigma_next=0.6, noise_level=0.8, sde_type=sde_type)
-    behaviour = sde_step(x, v_b, **step, generator=g)
-    prox = sde_step(x, v_prox, **step, prev_sample=behaviour.prev_sample)
-    true_log_w = [Normal(o.mean[i], o.std[i]).log_prob(behaviour.prev_sample[i]).double().sum() for o in (prox, behaviour)
-                  for i in range(B)]
-    true_w = torch.exp(torch.stack(true_log_w[:B]) - torch.stack(true_log_w[B:]))
-    scale = density_log_ratio_scale(prox.std, [sde_type] * B, x[0].numel())
-    t = decoupled_ppo_loss(prox.log_prob, prox.log_prob, behaviour.log_prob, torch.ones(B), 1e-4, 1e9,
-                           log_ratio_scale=scale)
-    assert torch.allclose(t.behaviour_ratio, true_w, rtol=1e-3), (t.behaviour_ratio, true_w)
-    assert (true_w - 1).abs().max() > 0.1  # the densities differ ...
-    assert (torch.exp(prox.log_prob - behaviour.log_prob) - 1).abs().max() < 0.01  # ... their mean log-probs barely
 
 
 def _batch(versions=None, weight_version=None):
