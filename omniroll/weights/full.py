@@ -2,12 +2,16 @@
 
 Two ways to land the bytes (``stage``):
 
-* staged (the default): every received tensor is copied into a staging tensor (same device and
-  dtype as its parameter); the module changes only in :meth:`FullWeightLoader.commit`, after the
-  last bucket arrived and every check passed, which swaps each parameter's storage for its staged
-  one (no second copy). A stream that fails midway leaves the module
-  untouched. Memory: one extra copy of every tensor in the update (for a full update, the size of
-  the module) from the first bucket until the commit, plus the transport's bucket(s).
+* staged (the default): the module changes only in :meth:`FullWeightLoader.commit`, after the last bucket arrived
+  and every check passed; a stream that fails midway leaves the module untouched. Until the commit each tensor is
+  either
+  - staged: copied into a staging tensor (same device and dtype as its parameter, reused across updates, see
+    ``staging``) and checked there; the commit swaps each parameter's storage for its staged one (no second copy).
+    Memory: one extra copy of every tensor in the update until the commit, plus the transport's bucket(s). This is
+    how bytes from another process (shared memory, the object store) or another device land.
+  - or held: an in-process bucket references the sender's own tensors, which stay as they are until the sender
+    has every ack; on the parameter's device they are the staged copy already. They are checked as they arrive and
+    copied into the parameters' own storage at the commit: no extra memory, each byte copied once.
 * in place (``stage=False``): each bucket is copied straight into ``param.data`` once the whole
   bucket passed its checks; no extra memory beyond the bucket being applied (one for in-process
   streaming, two for shared memory). A stream that fails midway leaves the module partly
@@ -21,13 +25,16 @@ Two ways to land the bytes (``stage``):
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .buckets import Bucket, WeightManifest, WeightSyncError, all_finite, nonfinite, str_dtype, unpack_bucket
+from .buckets import (DTYPES, SMALL_TENSOR, Bucket, WeightManifest, WeightSyncError, nonfinite, str_dtype, unpack_bucket,
+                      value_total)
 from .staging import StagingPool
+from .tree import ModuleTree
 
 NameMap = Callable[[str], str]
 _ADAPTER_PARAM = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
@@ -56,27 +63,26 @@ def _dtype_compatible(src: torch.dtype, dst: torch.dtype) -> bool:
     return src.is_floating_point and dst.is_floating_point
 
 
-def _targets_of(module: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """What a full update may address, {name: parameter or buffer}, and the names of the parameters: one walk of the
-    module, naming what ``named_parameters()`` and ``named_buffers()`` name. With a LoRA adapter injected, base
+def _targets_of(tree: ModuleTree) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """What a full update may address, {name: parameter or buffer}, and the names of the parameters, read from the
+    module's tree: what ``named_parameters()`` and ``named_buffers()`` name. With a LoRA adapter injected, base
     weights live under ".base_layer." and the adapter's own parameters are not part of a full update: a base weight
     is addressed by its plain name (``to_q.weight``, not ``to_q.base_layer.weight``)."""
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
-    for prefix, m in module.named_modules():
-        dot = prefix + "." if prefix else ""
+    for prefix, m in tree.unique_modules():
         for k, p in m._parameters.items():
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
-                name = _plain(dot + k)
+                name = _plain(prefix + k)
                 if name is not None:
                     params[name] = p
         for k, b in m._buffers.items():
             if b is not None and id(b) not in seen_buffers:
                 seen_buffers.add(id(b))
-                name = _plain(dot + k)
+                name = _plain(prefix + k)
                 if name is not None:
                     buffers.setdefault(name, b)
     targets = dict(params)
@@ -118,8 +124,14 @@ class FullWeightLoader:
         self.allow_partial = allow_partial
         self.stage = stage
         self._staged: dict[str, torch.Tensor] = {}  # target name -> staged value (stage=True)
+        self._held: list[tuple[str, torch.Tensor]] = []  # (target name, in-process bucket tensor) (stage=True)
         self.touched = False  # whether any byte of the module was written (stage=False)
-        self._targets, self._params = _targets_of(module)
+        kept = self.staging.kept_targets(module)  # the targets read at the last update, if the tree is unchanged
+        if kept is None:
+            tree = ModuleTree(module)
+            kept = _targets_of(tree)
+            self.staging.keep_targets(tree, kept)
+        self._targets, self._params = kept
         self._plan: dict[str, str] | None = None  # source name -> target name
         self._received: set[str] = set()
         self.bytes_loaded = 0
@@ -146,9 +158,9 @@ class FullWeightLoader:
                 continue
             target_of[tgt] = e.name
             plan[e.name] = tgt
-            if tuple(t.shape) != tuple(e.shape):
+            if t.shape != e.shape and tuple(t.shape) != tuple(e.shape):  # a torch.Size equals its tuple
                 bad_shape.append(f"{e.name}: sent {tuple(e.shape)} vs module {tuple(t.shape)}")
-            if not _dtype_compatible(str_dtype(e.dtype), t.dtype):
+            if DTYPES.get(e.dtype) is not t.dtype and not _dtype_compatible(str_dtype(e.dtype), t.dtype):
                 bad_dtype.append(f"{e.name}: sent {e.dtype} vs module {t.dtype}")
         missing = [] if self.allow_partial else sorted(self._params - set(target_of))
         problems = []
@@ -169,26 +181,24 @@ class FullWeightLoader:
         self._plan = plan
         self._manifest = {e.name: e for e in manifest.entries}
         self._received = set()
-        self._staged = {}
+        self._staged, self._held = {}, []
         self.bytes_loaded = 0
 
     def load_bucket(self, bucket: Bucket) -> None:
         if self._plan is None:
             raise WeightSyncError("load_bucket() before begin()")
         # validate the whole bucket against the manifest before copying any of it
-        bad = []
-        for e in bucket.entries:
-            m = self._manifest.get(e.name)
-            if m is None:
-                bad.append(f"{e.name} (not in manifest)")
-            elif e.name in self._received:
-                bad.append(f"{e.name} (received twice)")
-            elif m.dtype != e.dtype or tuple(m.shape) != tuple(e.shape):
-                bad.append(f"{e.name} (bucket {e.dtype}{tuple(e.shape)} vs manifest {m.dtype}{tuple(m.shape)})")
-        if bad:
-            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(bad)}")
+        manifest, received = self._manifest, self._received
+        if any(m is None or e.name in received or m != e[:3] for e, m in ((e, manifest.get(e.name))
+                                                                       for e in bucket.entries)):
+            self._reject_bucket(bucket)
+        if len({e.name for e in bucket.entries}) != len(bucket.entries):
+            dup = sorted(n for n, c in Counter(e.name for e in bucket.entries).items() if c > 1)
+            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(dup)} (received twice)")
         views = unpack_bucket(bucket)
-        if self.stage:
+        if self.stage and bucket.tensors is not None and self._same_devices(views):
+            self._hold_bucket(bucket.index, views)
+        elif self.stage:
             self._stage_bucket(bucket.index, views)
         else:
             bad_values = nonfinite([src for _, src in views])
@@ -202,20 +212,57 @@ class FullWeightLoader:
         self.bytes_loaded += bucket.nbytes
         self.max_bucket_bytes = max(self.max_bucket_bytes, int(bucket.buffer.nbytes))
 
+    def _reject_bucket(self, bucket: Bucket) -> None:
+        """Raise naming every entry of ``bucket`` the manifest does not have as it is (where the quick check found
+        one); return if the difference was only in how a shape was spelled (a list for a tuple)."""
+        bad = []
+        for e in bucket.entries:
+            m = self._manifest.get(e.name)
+            if m is None:
+                bad.append(f"{e.name} (not in manifest)")
+            elif e.name in self._received:
+                bad.append(f"{e.name} (received twice)")
+            elif m.dtype != e.dtype or tuple(m.shape) != tuple(e.shape):
+                bad.append(f"{e.name} (bucket {e.dtype}{tuple(e.shape)} vs manifest {m.dtype}{tuple(m.shape)})")
+        if bad:
+            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(bad)}")
+
     def _stage_bucket(self, index: int, views: list) -> None:
-        """Copy each tensor into its staging tensor and check the copy while it is hot in cache (the module is not
-        touched before the commit, so checking after the copy changes nothing but the speed)."""
-        bad_values = []
+        """Copy each tensor into its staging tensor and sum the copy while it is hot in cache (the module is not
+        touched before the commit, so checking after the copy changes nothing but the speed; see :func:`nonfinite`
+        for the check)."""
+        plan, targets, take, staged_of = self._plan, self._targets, self.staging.take, self._staged
+        staged, totals = [], {}
         with torch.no_grad():
             for name, src in views:
-                target = self._plan[name]
-                staged = self.staging.take(target, self._targets[target]).copy_(src)
-                self._staged[target] = staged
-                self._received.add(name)
-                if not all_finite(staged):
-                    bad_values.append(name)
-        if bad_values:
-            raise _nonfinite(bad_values, index)
+                target = plan[name]
+                t = take(target, targets[target]).copy_(src)
+                staged_of[target] = t
+                if t.is_floating_point() and t.numel() >= SMALL_TENSOR:
+                    totals[len(staged)] = value_total(t)
+                staged.append(t)
+            bad = nonfinite(staged, totals)
+        self._received.update(name for name, _ in views)
+        if bad:
+            raise _nonfinite([views[i][0] for i in bad], index)
+
+    def _same_devices(self, views: list) -> bool:
+        """Whether every tensor is on its target's device: then holding it until the commit costs nothing more than
+        staging it. From another device (a host stream for a GPU model) it is staged: the transfer and the check run
+        on the target's device while the engine still serves, and the commit only swaps."""
+        plan, targets = self._plan, self._targets
+        return all(src.get_device() == targets[plan[name]].get_device() for name, src in views)
+
+    def _hold_bucket(self, index: int, views: list) -> None:
+        """An in-process bucket references the sender's own tensors, which stay as they are until the sender has
+        every ack: they are the staged copy. Check them now, keep them, copy them in at the commit."""
+        with torch.no_grad():
+            bad = nonfinite([src for _, src in views])
+        if bad:
+            raise _nonfinite([views[i][0] for i in bad], index)
+        plan = self._plan
+        self._held.extend((plan[name], src) for name, src in views)
+        self._received.update(name for name, _ in views)
 
     def check_complete(self) -> dict:
         """Raise unless every manifest name arrived; returns the stats of the update."""
@@ -223,21 +270,26 @@ class FullWeightLoader:
             raise WeightSyncError("check_complete() before begin()")
         never = sorted(set(self._plan) - self._received)
         if never:
-            self._plan, self._staged = None, {}
+            self._plan, self._staged, self._held = None, {}, []
             raise WeightSyncError(f"update incomplete: {len(never)} manifest name(s) never received: {_fmt(never)}")
         return {"num_tensors": len(self._received), "num_bytes": self.bytes_loaded,
                 "max_bucket_bytes": self.max_bucket_bytes}
 
     def commit(self) -> None:
-        """Swap the staged tensors in (cannot fail: names, shapes and values were checked). Each parameter keeps its
-        identity and takes the staged storage (no second copy); the old storage goes to the staging pool, to stage
-        the next update into."""
+        """Land the update (cannot fail: names, shapes and values were checked). A staged tensor is swapped in: its
+        parameter keeps its identity and takes the staged storage (no second copy), and the old storage goes to the
+        staging pool, to stage the next update into. A held tensor (an in-process bucket's) is copied into the
+        parameter's own storage."""
+        targets = self._targets
         with torch.no_grad():
             for name, value in self._staged.items():
-                previous = self._targets[name].data
-                self._targets[name].data = value
+                previous = targets[name].data
+                targets[name].data = value
                 self.staging.give(name, previous)
-        self._staged = {}
+            if self._held:  # one call for all; the last checked first, while it is still in cache
+                held = self._held[::-1]
+                torch._foreach_copy_([targets[name] for name, _ in held], [src for _, src in held])
+        self._staged, self._held = {}, []
         self._plan = None
 
     def finish(self) -> dict:

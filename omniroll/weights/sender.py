@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections import Counter
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
-from .buckets import Bucket, WeightManifest, WeightSyncError, pack_buckets, plan_buckets
+from .buckets import Bucket, BucketEntry, WeightManifest, WeightSyncError, pack_buckets, plan_buckets
 from .lora import lora_state_dict, peft_config_to_dict
 from .transport import RayBucketRef, ShmChannel
+from .tree import ModuleTree
 
 TRANSPORTS = ("auto", "inproc", "object_store", "ray", "shm")
 
@@ -20,36 +22,60 @@ def _is_ray_target(target: Any) -> bool:
     return hasattr(getattr(target, "update_weights_from_ipc", None), "remote")
 
 
-def _module_state(module: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-    """``module.state_dict()``'s items and whether the module has LoRA layers, in one walk of the module tree (the
-    sender's per-update cost: ``state_dict()`` and a separate ``modules()`` probe cost about 3x as much). The walk
-    stops at the first LoRA layer (``([], True)``): a LoRA update sends the adapter, so nothing else is collected.
-    Where any module in the tree has state-dict behaviour of its own (hooks, or an overridden ``state_dict``,
-    ``_save_to_state_dict`` or ``get_extra_state``), the items come from ``state_dict()`` itself."""
+def _has_lora(module: nn.Module) -> bool:
+    """Whether any module in the tree is a LoRA layer; the walk stops at the first one (a LoRA update, the trainer's
+    usual one, reads only the adapter: its layers come early in the tree)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    named: list[tuple[str, torch.Tensor]] = []
-    plain = True
-    stack = [("", module)]
-    while stack:  # pre-order, children in order: state_dict()'s order
-        prefix, m = stack.pop()
-        if isinstance(m, BaseTunerLayer):  # a LoRA update: the caller reads the adapter, not this walk's items
-            return [], True
-        cls = type(m)
-        if (m._state_dict_hooks or m._state_dict_pre_hooks or cls.state_dict is not nn.Module.state_dict
-                or cls._save_to_state_dict is not nn.Module._save_to_state_dict
-                or cls.get_extra_state is not nn.Module.get_extra_state):
-            plain = False
-        for k, p in m._parameters.items():
-            if p is not None:
-                named.append((prefix + k, p.detach()))
-        for k, b in m._buffers.items():
-            if b is not None and k not in m._non_persistent_buffers_set:
-                named.append((prefix + k, b.detach()))
-        stack.extend((prefix + k + ".", c) for k, c in reversed(m._modules.items()) if c is not None)
-    if not plain:
-        named = list(module.state_dict().items())
-    return named, False
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, BaseTunerLayer):
+            return True
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return False
+
+
+class StateReader:
+    """Reads what travels for ``weights`` (see :func:`named_tensors_for`), keeping the walk of a plain module's tree
+    between updates: the next update of the same module checks the tree (:meth:`ModuleTree.current`, a tenth of a
+    walk) instead of walking it again, and reads every tensor afresh (a ``param.data = ...`` is followed)."""
+
+    def __init__(self) -> None:
+        self._tree: ModuleTree | None = None
+        self._items: list[tuple[str, torch.Tensor]] = []
+
+    def __call__(self, weights: Any, peft_config: dict | None) -> tuple[list[tuple[str, torch.Tensor]], dict | None]:
+        tree = self._tree
+        if tree is not None and tree.module is weights and tree.current():
+            return [(n, t.detach()) for n, t in self._items], peft_config
+        self._tree, self._items = None, []
+        if isinstance(weights, nn.Module):
+            if _has_lora(weights):
+                return _lora_items(weights, peft_config)
+            tree = ModuleTree(weights)
+            items = tree.state_items()
+            if items is None:
+                return [(n, t.detach()) for n, t in weights.state_dict().items()], peft_config
+            self._tree, self._items = tree, items
+            return [(n, t.detach()) for n, t in items], peft_config
+        if isinstance(weights, Mapping):
+            bad = [str(k) for k, v in weights.items() if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise WeightSyncError(f"non-tensor values for: {', '.join(bad[:20])}")
+            return [(str(k), v.detach()) for k, v in weights.items()], peft_config
+        raise WeightSyncError(f"cannot send weights of type {type(weights).__name__}")
+
+
+def _lora_items(weights: nn.Module, peft_config: dict | None) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    if peft_config is None:
+        cfgs = getattr(weights, "peft_config", None) or {}
+        active = getattr(weights, "active_adapter", None)
+        name = active if isinstance(active, str) and active in cfgs else next(iter(cfgs), None)
+        if name is None:
+            raise WeightSyncError("module has LoRA layers but no peft_config; pass peft_config=")
+        peft_config = peft_config_to_dict(cfgs[name])
+    return list(lora_state_dict(weights).items()), peft_config
 
 
 def named_tensors_for(weights: Any, peft_config: dict | None) -> tuple[list[tuple[str, torch.Tensor]], dict | None]:
@@ -60,24 +86,7 @@ def named_tensors_for(weights: Any, peft_config: dict | None) -> tuple[list[tupl
     * plain ``nn.Module`` -> its ``state_dict()`` (persistent buffers included);
     * mapping -> its items as given (``peft_config`` decides full vs LoRA).
     """
-    if isinstance(weights, nn.Module):
-        named, has_lora = _module_state(weights)
-        if has_lora:
-            if peft_config is None:
-                cfgs = getattr(weights, "peft_config", None) or {}
-                active = getattr(weights, "active_adapter", None)
-                name = active if isinstance(active, str) and active in cfgs else next(iter(cfgs), None)
-                if name is None:
-                    raise WeightSyncError("module has LoRA layers but no peft_config; pass peft_config=")
-                peft_config = peft_config_to_dict(cfgs[name])
-            return list(lora_state_dict(weights).items()), peft_config
-        return named, peft_config
-    if isinstance(weights, Mapping):
-        bad = [str(k) for k, v in weights.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise WeightSyncError(f"non-tensor values for: {', '.join(bad[:20])}")
-        return [(str(k), v.detach()) for k, v in weights.items()], peft_config
-    raise WeightSyncError(f"cannot send weights of type {type(weights).__name__}")
+    return StateReader()(weights, peft_config)
 
 
 class WeightSender:
@@ -115,6 +124,8 @@ class WeightSender:
         self.reuse_shm = reuse_shm
         self._chan: ShmChannel | None = None
         self._nodes: list[str | None] | None = None  # each target's Ray node id, looked up on the first send
+        self._read = StateReader()  # keeps the walk of a full module's tree between sends
+        self._layout: tuple[list, list[list[BucketEntry]]] = ([], [])  # manifest entries -> their bucket layout
 
     def close(self) -> None:
         """Unlink the kept shared-memory files (``reuse_shm=True``); idempotent."""
@@ -174,7 +185,7 @@ class WeightSender:
         if partial and wait_for_inflight:
             raise ValueError("partial=True and wait_for_inflight=True exclude each other: a partial update lands "
                              "between two steps of the samples in flight, it does not wait for them")
-        named, peft_config = named_tensors_for(weights, peft_config)
+        named, peft_config = self._read(weights, peft_config)
         dups = sorted(n for n, c in Counter(n for n, _ in named).items() if c > 1)
         if dups:
             raise WeightSyncError(f"duplicate tensor names: {', '.join(dups[:20])}")
@@ -227,11 +238,26 @@ class WeightSender:
     def _send_inproc(self, named, kw, idx: list[int]) -> dict[int, Any]:
         # Same process: buckets reference the sender's tensors, so every byte is copied once, straight into the
         # receiver's parameters, and no staging memory is needed.
+        buckets = self._reference_buckets(named, kw["manifest"])
         if len(idx) == 1:
-            buckets = pack_buckets(named, self.bucket_bytes, by_reference=True)  # consumed lazily
-            return {idx[0]: self._call(self.targets[idx[0]], buckets=buckets, use_shm=False, **kw)}
-        buckets: list[Bucket] = list(pack_buckets(named, self.bucket_bytes, by_reference=True))
+            return {idx[0]: self._call(self.targets[idx[0]], buckets=buckets, use_shm=False, **kw)}  # consumed lazily
+        buckets = list(buckets)
         return {k: self._call(self.targets[k], buckets=buckets, use_shm=False, **kw) for k in idx}
+
+    def _bucket_layout(self, manifest: WeightManifest) -> list[list[BucketEntry]]:
+        """``plan_buckets(manifest)``, kept while the manifest stays the same (a full update's usually does)."""
+        entries, layout = self._layout
+        if manifest.entries != entries:
+            layout = plan_buckets(manifest, self.bucket_bytes)
+            self._layout = (list(manifest.entries), layout)
+        return layout
+
+    def _reference_buckets(self, named, manifest: WeightManifest) -> Iterator[Bucket]:
+        """In-process buckets that reference the tensors (``pack_buckets(by_reference=True)``'s, from the kept
+        layout)."""
+        tensors = iter([t for _, t in named])
+        for index, entries in enumerate(self._bucket_layout(manifest)):
+            yield Bucket(np.empty(0, dtype=np.uint8), entries, index, [next(tensors) for _ in entries])
 
     def _start_object_store(self, named, kw, idx: list[int]) -> dict[int, Any]:
         """One ``ray.put`` per bucket, shared by every receiver in ``idx``; returns their pending acks (Ray refs, or
@@ -244,7 +270,7 @@ class WeightSender:
 
     def _send_shm(self, named, kw, idx: list[int], errors: dict[int, BaseException]) -> dict[int, Any]:
         manifest: WeightManifest = kw["manifest"]
-        plan = plan_buckets(manifest, self.bucket_bytes)
+        plan = self._bucket_layout(manifest)
         if self._chan is not None and self._chan.fits(plan, len(idx)):
             chan = self._chan
             chan.reset(plan)

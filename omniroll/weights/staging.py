@@ -11,11 +11,19 @@ before the update, a view of it): such a storage is left alone and a fresh one i
 nothing rule is unchanged: staging tensors are written only before the commit, and the module only at the commit.
 Memory: the one extra copy of the updated tensors that a staged update needs now stays between updates; `clear()`
 drops it (the engine does before it sleeps).
+
+The pool also keeps the receiver's targets (which tensor each name lands in) with the `ModuleTree` they were read
+from: the next update checks the tree instead of walking the module again, and reads them afresh once it changed.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
+
+from .tree import ModuleTree
 
 
 def _unshared(t: torch.Tensor) -> bool:
@@ -31,6 +39,7 @@ class StagingPool:
     def __init__(self) -> None:
         self._spare: dict[str, torch.Tensor] = {}
         self.reused = 0  # staging tensors handed out again (for tests and stats)
+        self._targets: tuple[ModuleTree, Any] | None = None
 
     def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like `like` to stage `name` into: the kept one when it fits and is unshared, else new."""
@@ -45,8 +54,20 @@ class StagingPool:
         """Keep a parameter's previous storage (after the commit swapped it out) for the next update of `name`."""
         self._spare[name] = previous
 
+    def kept_targets(self, module: nn.Module) -> Any:
+        """What `keep_targets` kept for `module`, if the module's tree is still the one they were read from; else
+        None."""
+        kept = self._targets
+        if kept is not None and kept[0].module is module and kept[0].current():
+            return kept[1]
+        return None
+
+    def keep_targets(self, tree: ModuleTree, targets: Any) -> None:
+        self._targets = (tree, targets)
+
     def clear(self) -> None:
         self._spare = {}
+        self._targets = None
 
     def __len__(self) -> int:
         return len(self._spare)
