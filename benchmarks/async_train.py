@@ -39,18 +39,23 @@ MODES = {"synchronous": {"max_staleness": 0},
 RESEED = 1000  # sync_reseed's trainer.seed offset
 
 
-def run(mode: str, args, seed: int, out_dir: str) -> list[dict]:
+def run(mode: str, args, seed: int, out_dir: str) -> tuple[list[dict], dict[str, float]]:
+    """One run: its step metrics and its validation reward before and after training ({"before", "after"}: the
+    mean reward of `--val-n` ODE images per validation prompt at fixed seeds, the same for every mode)."""
     from omniroll.config import load_config
     from omniroll.train import FlowGRPOTrainer
 
     trainer_seed = seed + RESEED if mode == "sync_reseed" else seed
     overrides = [f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", "trainer.val_every=0",
-                 f"seed={seed}", f"trainer.seed={trainer_seed}"]
+                 f"seed={seed}", f"trainer.seed={trainer_seed}", f"val_kwargs.n={args.val_n}"]
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
     cfg = load_config(args.config, overrides=overrides)
     log = print if args.verbose else (lambda s: None)
     with FlowGRPOTrainer(cfg, out_dir, log=log) as tr:
-        return tr.train(args.steps)
+        hist = tr.train(args.steps)
+    with open(os.path.join(out_dir, "validation.jsonl")) as f:
+        val = {rec["tag"]: rec["val_reward_mean"] for rec in map(json.loads, f)}
+    return hist, val
 
 
 def last_quarter(hist: list[dict]) -> list[dict]:
@@ -92,11 +97,31 @@ def lagged_diff(mode: list[float], sync: list[float], lag: int) -> float:
     return statistics.fmean(mode[t + lag] - sync[t] for t in range(T - q, T - lag))
 
 
+def mean_std(xs):
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
+
+
+def validation(vals: dict[str, dict[int, list[dict]]]) -> dict:
+    """The validation reward after training per seed (the mean over repeats), its gain over the one before, and
+    against synchronous the paired per-seed difference of both: what the policy learned from the same samples, free of
+    the training batches' SDE noise and of an asynchronous batch's one-version lag."""
+    out = {}
+    for mode, by_seed in vals.items():
+        after = {s: statistics.fmean(v["after"] for v in vs) for s, vs in by_seed.items()}
+        gain = {s: statistics.fmean(v["after"] - v["before"] for v in vs) for s, vs in by_seed.items()}
+        rec = {"after": {"per_seed": after, **mean_std(list(after.values()))},
+               "gain": {"per_seed": gain, **mean_std(list(gain.values()))}}
+        if mode != "synchronous":
+            sync_after = out["synchronous"]["after"]["per_seed"]
+            diff = {s: a - sync_after[s] for s, a in after.items()}
+            rec["after_diff_vs_sync"] = {"per_seed": diff, **mean_std(list(diff.values()))}
+        out[mode] = rec
+    return out
+
+
 def learning(runs: dict[str, dict[int, list[list[dict]]]]) -> dict:
     """The reward per seed: per mode the mean and std across seeds of a run's last-quarter reward; against
     synchronous, the paired per-seed difference, at the same step and lagged (the mode's step t+1 vs sync step t)."""
-    def mean_std(xs):
-        return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
 
     sync = {s: seed_curve(h) for s, h in runs["synchronous"].items()}
     out = {}
@@ -134,6 +159,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--config", default=os.path.join(HERE, "..", "examples", "train.yaml"))
     p.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "async_reward_curve.png"))
+    p.add_argument("--val-n", type=int, default=16, help="validation images per prompt, before and after each run "
+                                                          "(ODE, fixed seeds; default 16)")
     p.add_argument("--verbose", action="store_true", help="print every step line")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
@@ -149,20 +176,24 @@ def main(argv=None) -> int:
     info = machine_info(1)
     record_loadavg(info, "loadavg_before")
     runs: dict[str, dict[int, list[list[dict]]]] = {m: {s: [] for s in seeds} for m in modes}
+    vals: dict[str, dict[int, list[dict]]] = {m: {s: [] for s in seeds} for m in modes}
     with tempfile.TemporaryDirectory(prefix="omniroll-async-bench-") as tmp:
         for r in range(args.repeats):
             for seed in seeds:
                 for mode in modes:
-                    hist = run(mode, args, seed, os.path.join(tmp, f"{mode}-{seed}-{r}"))
+                    hist, val = run(mode, args, seed, os.path.join(tmp, f"{mode}-{seed}-{r}"))
                     runs[mode][seed].append(hist)
+                    vals[mode][seed].append(val)
                     s = summary([hist])
                     print(f"round {r + 1} seed {seed} {mode:<14} {s['steps_per_s']:.3f} steps/s  "
                           f"{s['samples_per_s']:.2f} samples/s  overlap {s['overlap_frac']:.2f}  staleness mean "
                           f"{s['staleness_mean']:.2f} max {s['staleness_max']}  reward(last quarter) "
-                          f"{s['reward_last_quarter']['mean']:+.4f}", flush=True)
+                          f"{s['reward_last_quarter']['mean']:+.4f}  validation {val['before']:.4f} -> "
+                          f"{val['after']:.4f}", flush=True)
     record_loadavg(info, "loadavg_after")
     res = {m: summary([h for hs in by_seed.values() for h in hs]) for m, by_seed in runs.items()}
     learn = learning(runs)
+    val = validation(vals)
     base = res["synchronous"]
     print(f"\n{'mode':<14} {'steps/s':>8} {'x sync':>7} {'samples/s':>10} {'x sync':>7} {'overlap':>8} "
           f"{'stale mean/max':>15} {'span':>5} {'rollout s':>10} {'train s':>8} {'replay dev':>10}")
@@ -183,6 +214,15 @@ def main(argv=None) -> int:
                 else ""]
         per = " ".join(f"{v:+.4f}" for v in (d or rec)["per_seed"].values())
         print(f"{m:<14} {cols[0]:>18} {cols[1]:>20} {cols[2]:>20}   {per}")
+    print(f"\nvalidation after training ({args.val_n} ODE images per prompt at fixed seeds; +- : std across seeds)")
+    print(f"{'mode':<14} {'after':>18} {'gain over before':>20} {'after minus sync':>20}   per seed")
+    for m, rec in val.items():
+        d = rec.get("after_diff_vs_sync")
+        cols = [f"{rec['after']['mean']:+.4f} +- {rec['after']['std']:.4f}",
+                f"{rec['gain']['mean']:+.4f} +- {rec['gain']['std']:.4f}",
+                f"{d['mean']:+.4f} +- {d['std']:.4f}" if d else ""]
+        per = " ".join(f"{v:+.4f}" for v in (d or rec["after"])["per_seed"].values())
+        print(f"{m:<14} {cols[0]:>18} {cols[1]:>20} {cols[2]:>20}   {per}")
     from omniroll.train.tracking import plot_reward_curves
 
     labels = {"synchronous": "synchronous", "async": "max_staleness 1", "async_partial": "max_staleness 1 + partial",
@@ -200,7 +240,7 @@ def main(argv=None) -> int:
                                           if "lagged_diff_vs_sync" in rec},
            "behaviour_replay_max_abs_dev": max(s["behaviour_replay_max_abs_dev"] for s in res.values()),
            "prox_ratio_max_abs_dev": max(s["prox_ratio_max_abs_dev"] for s in res.values()),
-           "modes": res, "learning": learn,
+           "validation": val, "modes": res, "learning": learn,
            "reward_curves": {m: {s: [[x["reward_mean"] for x in h] for h in hs] for s, hs in by_seed.items()}
                              for m, by_seed in runs.items()},
            "steps": args.steps, "repeats": args.repeats, "seeds": seeds, "machine": info}
