@@ -15,17 +15,17 @@ serialises lifecycle calls, so the state they read does not change under them); 
 with nothing running (the engine drained or aborted it first); `set_version` runs on the engine thread between two
 steps.
 
-Weight update mechanism (see `omniroll.weights.update`): every check that the manifest allows (version, names,
-shapes, dtypes, LoRA binding) happens in `prepare_update`, before the engine drains or aborts anything. A full
-update is staged by default (`EngineConfig.weight_update="staged"`): buckets are read and checked into a copy while
-the engine keeps serving the old weights, and only a complete, finite update is copied in, between two steps (memory
-cost: one extra copy of the denoiser, on its device, during the update; none when an in-process sender's tensors are
-on the denoiser's device: they are checked while the engine serves and copied in at the commit). `weight_update="in_place"` needs no extra
-memory: the engine stops serving first, writes bucket by bucket, and if the stream fails midway after a byte landed,
-the weights are `unusable`: every request is refused with an error naming the failed version until a complete full
-update lands. Weights that are already unusable (after sleep(level=2), the usual colocated RL flow) are always
-written in place: nothing is served from them, so the staging copy would only cost memory. A LoRA update is always
-staged; the previous adapter stays active on any failure.
+Weight update mechanism (see `omniroll.weights.update`): every check that the manifest allows (version, names, shapes,
+dtypes, LoRA binding) happens in `prepare_update`, before the engine drains or aborts anything. A full update is
+staged by default (`EngineConfig.weight_update="staged"`): buckets are read and checked into a copy while the engine
+keeps serving the old weights, and only a complete, finite update is copied in, between two steps (memory cost: one
+extra copy of the denoiser, on its device, during the update; none when an in-process sender's tensors are on the
+denoiser's device: they are checked while the engine serves and copied in at the commit). `weight_update="in_place"`
+needs no extra memory: the engine stops serving first, writes bucket by bucket, and if the stream fails midway after a
+byte landed, the weights are `unusable`: every request is refused with an error naming the failed version until a
+complete full update lands. Weights that are already unusable (after sleep(level=2), the usual colocated RL flow) are
+always written in place: nothing is served from them, so the staging copy would only cost memory. A LoRA update is
+always staged; the previous adapter stays active on any failure.
 
 Step pause: `DiffusionEngine.pause_generation(after_steps=k)` arms it; the engine runs `k` more denoising steps
 (forwards; 0: none) and then runs no step until `resume_generation()` (or until the pause's own `timeout_s` has passed

@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .buckets import (DTYPES, SMALL_TENSOR, Bucket, WeightManifest, WeightSyncError, nonfinite, str_dtype, unpack_bucket,
-                      value_total)
+from .buckets import (DTYPES, SMALL_TENSOR, Bucket, WeightManifest, WeightSyncError, nonfinite, str_dtype,
+                      unpack_bucket, value_total)
 from .staging import StagingPool
 from .tree import ModuleTree
 

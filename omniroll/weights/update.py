@@ -13,9 +13,10 @@
 A full update is staged by default (``stage=True``): step 2 fills a copy (or, for an in-process bucket on the
 parameter's device, checks and keeps the sender's tensors) and step 3 lands it, so a failure in 1 or 2 leaves the
 module untouched; memory cost: one extra copy of the updated tensors (the module's size for a full update) until the
-commit, none for in-process buckets (see :mod:`omniroll.weights.full`). With ``stage=False`` step 2 writes in place (no extra memory) and a failure midway leaves the
-module partly written (``update.touched``): the caller must stop serving it until a complete update lands. A LoRA
-update is always staged (its tensors are small): the previous adapter stays active on any failure.
+commit, none for in-process buckets (see :mod:`omniroll.weights.full`). With ``stage=False`` step 2 writes in place
+(no extra memory) and a failure midway leaves the module partly written (``update.touched``): the caller must stop
+serving it until a complete update lands. A LoRA update is always staged (its tensors are small): the previous adapter
+stays active on any failure.
 
 :func:`check_version` is the one rule for weight versions: an int (not a bool), strictly greater than the current one.
 """

@@ -186,8 +186,9 @@ class OmnirollServer:
     async def load_weight_buckets(self, peft_config: Optional[dict] = None, base_sync_done: bool = False, *,
                                   manifest, buckets, global_steps: Optional[int] = None) -> dict:
         """omniroll's transactional weight update: the engine checks every name, shape and dtype before the first
-        byte lands and lands the update between two denoising steps, so a bad stream changes nothing. The engine's own version
-        counts updates (it only rises; verl may re-sync the same step); `global_steps` tags the new weights."""
+        byte arrives and lands the update between two denoising steps, so a bad stream changes nothing. The engine's
+        own version counts updates (it only rises; verl may re-sync the same step); `global_steps` tags the new
+        weights."""
         return await self._apply(peft_config, base_sync_done, manifest, buckets, global_steps)
 
     async def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
