@@ -72,3 +72,29 @@ def test_by_reference_buckets_share_the_senders_tensors():
     assert all(b.buffer.nbytes == 0 for b in ref)  # no staging memory
     for (n, src), (m, dst) in zip(named, out):
         assert n == m and dst.data_ptr() == src.data_ptr() and torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_batched_finite_check_names_exactly_the_tensors_with_a_nan_or_an_inf(bad):
+    """`nonfinite` checks all tensors at once (small ones concatenated, one total per dtype) and only then tensor by
+    tensor: every position it returns holds a NaN / Inf, whatever the dtype, size or layout, and finite values whose
+    sum or sum of squares overflows are not reported."""
+    from omniroll.weights.buckets import SMALL_TENSOR, nonfinite
+
+    g = torch.Generator().manual_seed(1)
+    tensors = [t for _, t in _mixed()] + [torch.randn(SMALL_TENSOR + 3, generator=g),  # a large fp32 tensor
+                                          torch.full((8,), 3e38),  # finite, its sum of squares overflows
+                                          torch.full((4,), 6e4, dtype=torch.float16)]  # finite, its sum overflows
+    assert nonfinite(tensors) == []
+
+    def spoiled(positions):
+        out = [t.clone() for t in tensors]
+        for i in positions:
+            out[i][tuple(s - 1 for s in out[i].shape)] = bad  # the last element (a 0-dim tensor's only one)
+        return out
+
+    floating = [i for i, t in enumerate(tensors) if t.is_floating_point() and t.numel() > 0]
+    assert len(floating) == 9
+    for i in floating:
+        assert nonfinite(spoiled([i])) == [i], (i, tensors[i].dtype, tuple(tensors[i].shape))
+    assert nonfinite(spoiled([floating[0], floating[-1]])) == [floating[0], floating[-1]]
