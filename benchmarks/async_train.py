@@ -13,7 +13,10 @@ the per-seed difference (mean, std across seeds) and the same lagged by one step
 synchronous step t: an asynchronous batch t+1 comes from the weights synchronous batch t came from). The optional
 mode `sync_reseed` is the synchronous trainer with `trainer.seed` + 1000 (another LoRA init and row order, the same
 sample seeds): its difference to synchronous is the run-to-run noise of that comparison. Writes the reward curves of
-the first seed's runs on one plot (`--plot`, default docs/async_reward_curve.png). The last line is JSON.
+the first seed's runs on one plot (`--plot`, default docs/async_reward_curve.png). Every run also validates before
+and after training (`--val-n` ODE images per validation prompt at fixed seeds, the same for every mode): the validation
+reward after training, its gain and its per-seed difference to synchronous say what the policy learned, free of the
+training batches' SDE noise and of an asynchronous batch's one-version lag. The last line is JSON.
 
     python benchmarks/async_train.py              # 30 steps per run (the README's table; a quiet 2-core machine)
     python benchmarks/async_train.py --steps 3    # a quick check that it runs
