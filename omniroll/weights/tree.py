@@ -47,7 +47,7 @@ class ModuleTree:
             if (type(m) is not cls or m._parameters is not params or m._buffers is not buffers
                     or m._modules is not children or len(params) != n_params or len(buffers) != n_buffers
                     or len(children) != n_children or m._non_persistent_buffers_set != non_persistent
-                    or bool(m._state_dict_hooks or m._state_dict_pre_hooks) is not hooked):
+                    or bool(m._state_dict_hooks or m._state_dict_pre_hooks) is not hooked):  # `_hooked`, inlined
                 return False
         for d, key, value in self._entries:
             if d.get(key) is not value:
