@@ -189,8 +189,7 @@ class FullWeightLoader:
             raise WeightSyncError("load_bucket() before begin()")
         # validate the whole bucket against the manifest before copying any of it
         manifest, received = self._manifest, self._received
-        if any(m is None or e.name in received or m != e[:3] for e, m in ((e, manifest.get(e.name))
-                                                                       for e in bucket.entries)):
+        if any((m := manifest.get(e.name)) is None or e.name in received or m != e[:3] for e in bucket.entries):
             self._reject_bucket(bucket)
         if len({e.name for e in bucket.entries}) != len(bucket.entries):
             dup = sorted(n for n, c in Counter(e.name for e in bucket.entries).items() if c > 1)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buckets import WeightManifest, WeightSyncError, all_finite, str_dtype, unpack_bucket
+from .buckets import WeightManifest, WeightSyncError, nonfinite, str_dtype, unpack_bucket
 from .full import FullWeightLoader, NameMap, _fmt
 from .lora import LoRAManager, OmniTensorLoRARequest
 from .staging import StagingPool
@@ -138,7 +138,8 @@ class LoRAUpdate:
         it = resolve_buckets(buckets, use_shm)
         try:
             for b in it:
-                for name, t in unpack_bucket(b):
+                views = unpack_bucket(b)
+                for name, t in views:
                     m = self.manifest.get(name)
                     if m is None or name in tensors:
                         why = "not in the manifest" if m is None else "received twice"
@@ -146,9 +147,12 @@ class LoRAUpdate:
                     if str_dtype(m.dtype) != t.dtype or tuple(m.shape) != tuple(t.shape):
                         raise WeightSyncError(f"LoRA update rejected: tensor {name!r} in bucket {b.index} is "
                                               f"{t.dtype}{tuple(t.shape)}, the manifest says {m.dtype}{tuple(m.shape)}")
-                    if not all_finite(t):
-                        raise WeightSyncError(f"LoRA update rejected: non-finite values (NaN or Inf) in tensor "
-                                              f"{name!r} (bucket {b.index})")
+                    tensors[name] = t  # cloned below, once the bucket's values are checked
+                bad = nonfinite([t for _, t in views])
+                if bad:
+                    raise WeightSyncError(f"LoRA update rejected: non-finite values (NaN or Inf) in tensor(s) "
+                                          f"{_fmt([views[i][0] for i in bad])} (bucket {b.index})")
+                for name, t in views:
                     tensors[name] = t.clone()  # the bucket buffer may be a reused / read-only slot
                 self.num_buckets += 1
                 del b
