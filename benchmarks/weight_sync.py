@@ -2,6 +2,7 @@
 latency, and peak extra memory.
 
     .venv/bin/python benchmarks/weight_sync.py [--layers 8] [--bucket-mb 16] [--repeats 3]
+    .venv/bin/python benchmarks/weight_sync.py --heads 16 --repeats 3   # the same shape at 1.1 GB (default 72 MB)
     .venv/bin/python benchmarks/weight_sync.py --replicas 1 2 4 [--full-gb 1]   # scaling (see _weight_scaling.py)
 
 Baseline: ``dst.copy_(src)`` per tensor between two in-memory copies of the same weights
