@@ -2,7 +2,7 @@
 latency, and peak extra memory.
 
     .venv/bin/python benchmarks/weight_sync.py [--layers 8] [--bucket-mb 16] [--repeats 3]
-    .venv/bin/python benchmarks/weight_sync.py --heads 16 --repeats 3   # the same shape at 1.1 GB (default 72 MB)
+    .venv/bin/python benchmarks/weight_sync.py --sizes 4 8 16   # in-process full sync at 72 MB, 284 MB, 1.1 GB
     .venv/bin/python benchmarks/weight_sync.py --replicas 1 2 4 [--full-gb 1]   # scaling (see _weight_scaling.py)
 
 Baseline: ``dst.copy_(src)`` per tensor between two in-memory copies of the same weights
@@ -54,6 +54,72 @@ def vm(field: str) -> int:
     return 0
 
 
+def copy_times(sd: dict, dst_sd: dict, repeats: int) -> tuple[float, float]:
+    """Best seconds of the baseline copy of ``sd`` into ``dst_sd``, and of the same copy after omniroll's finite check
+    of every source tensor (the floor of any apply that refuses NaN / Inf)."""
+    from omniroll.weights.buckets import nonfinite
+
+    sources = list(sd.values())
+
+    def plain_copy():
+        with torch.no_grad():
+            for k, t in sd.items():
+                dst_sd[k].copy_(t)
+
+    def checked_copy():  # what any apply that refuses NaN / Inf must do at least: read every value once more
+        with torch.no_grad():
+            if nonfinite(sources):
+                raise AssertionError("non-finite source")
+        plain_copy()
+
+    plain_copy()  # warm + raise the RSS high-water mark to the steady state
+    checked_copy()
+    return best_of(plain_copy, repeats), best_of(checked_copy, repeats)
+
+
+def size_sweep(args) -> int:
+    """The in-process full sync against copy and copy + check, for the same transformer at several widths: the
+    update's fixed cost (per tensor, not per byte) weighs less as the tensors grow."""
+    from omniroll.weights import ModuleReceiver, WeightSender
+
+    rows, results = [], {}
+    for heads in args.sizes:
+        src = build(args.layers, heads, args.head_dim, seed=1)
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(0.01)
+        dst = build(args.layers, heads, args.head_dim, seed=0)
+        sd, dst_sd = src.state_dict(), dst.state_dict()
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        t_copy, t_checked = copy_times(sd, dst_sd, args.repeats)
+        sender = WeightSender([ModuleReceiver(dst)], bucket_bytes=int(args.bucket_mb * (1 << 20)), transport="inproc")
+        versions = itertools.count(1)
+        sender.send(src, version=next(versions))  # warm-up
+        hwm0 = vm("VmHWM")
+        t = best_of(lambda: sender.send(src, version=next(versions)), args.repeats)
+        hwm_delta = vm("VmHWM") - hwm0
+        t_copy = min(t_copy, copy_times(sd, dst_sd, args.repeats)[0])  # the box is shared: the best copy seen
+        mb = round(nbytes / 2**20, 1)
+        results[str(mb)] = {"heads": heads, "tensors": len(sd), "copy_gbs": round(nbytes / t_copy / 1e9, 3),
+                            "checked_copy_vs_copy": round(t_copy / t_checked, 3), "seconds": round(t, 4),
+                            "ratio_vs_copy": round(t_copy / t, 3), "ratio_vs_checked_copy": round(t_checked / t, 3),
+                            "extra_mb_hwm_delta": round(hwm_delta / 2**20, 1)}
+        rows.append((mb, len(sd), nbytes / t_copy / 1e9, t_copy / t_checked, t, t_copy / t, t_checked / t,
+                     hwm_delta / 2**20))
+        del src, dst, sd, dst_sd, sender
+    print(f"in-process full sync by model size: {args.layers} layers, head_dim {args.head_dim}, bucket "
+          f"{args.bucket_mb} MB, threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
+    print(f"{'MB':>8s} {'tensors':>8s} {'copy GB/s':>10s} {'copy+check':>11s} {'sync s':>8s} {'vs copy':>8s} "
+          f"{'vs copy+check':>14s} {'HWM delta MB':>13s}")
+    for mb, n, gbs, floor, t, ratio, ratio_floor, hwm in rows:
+        print(f"{mb:8.1f} {n:8d} {gbs:10.2f} {floor:11.2f} {t:8.4f} {ratio:8.2f} {ratio_floor:14.2f} {hwm:13.1f}")
+    print(json.dumps({"benchmark": "weight_sync_sizes", "results": results,
+                      "targets_met": {"full_inproc_ge_0.5_copy": {mb: r["ratio_vs_copy"] >= 0.5
+                                                                  for mb, r in results.items()}},
+                      "args": vars(args)}))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -67,8 +133,13 @@ def main() -> int:
                     help="instead: seconds per sync and bytes per receiver for these receiver counts, on one node "
                          "and across simulated nodes (tiny model, SD3.5-Medium-shaped rank-64 LoRA, --full-gb state)")
     ap.add_argument("--full-gb", type=float, default=1.0, help="size of the synthetic full state for --replicas")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, metavar="HEADS",
+                    help="instead: copy, copy + finite check and the in-process full sync for the same transformer "
+                         "with each of these --heads (4: 72 MB, 8: 284 MB, 16: 1.1 GB), all in this one run")
     args = ap.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+    if args.sizes:
+        return size_sweep(args)
     if args.replicas:
         from _weight_scaling import run
 
@@ -82,7 +153,6 @@ def main() -> int:
     from peft import LoraConfig, get_peft_model
 
     from omniroll.weights import ModuleReceiver, WeightSender
-    from omniroll.weights.buckets import nonfinite
     from omniroll.weights.transport import leftover_shm
 
     src = build(args.layers, args.heads, args.head_dim, seed=1)
@@ -95,24 +165,8 @@ def main() -> int:
     dst = build(args.layers, args.heads, args.head_dim, seed=0)
     dst_sd = dst.state_dict()
 
-    def plain_copy():
-        with torch.no_grad():
-            for k, t in sd.items():
-                dst_sd[k].copy_(t)
-
-    sources = list(sd.values())
-
-    def checked_copy():  # what any apply that refuses NaN / Inf must do at least: read every value once more
-        with torch.no_grad():
-            if nonfinite(sources):
-                raise AssertionError("non-finite source")
-        plain_copy()
-
-    plain_copy()  # warm + raise the RSS high-water mark to the steady state
-    t_copy = best_of(plain_copy, args.repeats)
+    t_copy, t_checked = copy_times(sd, dst_sd, args.repeats)
     copy_gbs = nbytes / t_copy / 1e9
-    checked_copy()
-    t_checked = best_of(checked_copy, args.repeats)
 
     results = {"model_mb": round(nbytes / 2**20, 1), "bucket_mb": args.bucket_mb, "copy_gbs": round(copy_gbs, 3),
                "checked_copy_gbs": round(nbytes / t_checked / 1e9, 3)}
@@ -150,7 +204,7 @@ def main() -> int:
         if transport == "ray":
             ray.kill(actor)
     assert leftover_shm() == [], leftover_shm()
-    t_copy2 = best_of(plain_copy, args.repeats)  # the box is shared: keep the best baseline seen
+    t_copy2 = copy_times(sd, dst_sd, args.repeats)[0]  # the box is shared: keep the best baseline seen
     if t_copy2 < t_copy:
         t_copy, copy_gbs = t_copy2, nbytes / t_copy2 / 1e9
         rows[0] = ("torch copy_ (baseline)", t_copy, copy_gbs, 1.0, 0, "-")
