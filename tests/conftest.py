@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 
 import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests send Ctrl-C (SIGINT) to the CLI, in this process and in subprocesses. A shell starts a background job with
+# SIGINT ignored, and Python then keeps it ignored, so `make test &` would make those tests fail for the harness's
+# sake: take SIGINT back here (the subprocesses' Pythons then start with their usual KeyboardInterrupt too).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # engines calibrate their forward rows (max_batch_size="auto") into this cache: one per test session, never ~/.cache
 os.environ.setdefault("OMNIROLL_CACHE_DIR", tempfile.mkdtemp(prefix="omniroll-test-cache-"))
 
