@@ -24,14 +24,13 @@ w is the ratio of the two policies' densities of the step's transition. A record
 the latent's D elements, so w = exp(D * (mean log pi_prox - mean log pi_behaviour)) (`density_log_ratio_scale`; for
 cps, whose log-prob is minus the mean squared error, D / (2 std^2)). The ratio of the means themselves, the D-th
 root of w, stayed within 0.5 % of 1 on the demo one version apart while log w averaged 0.16-0.5 in absolute value and
-w reached 414, so used as w it corrected nothing. r keeps Flow-GRPO's
-mean convention (clip_range is set for it).
+w reached 414, so used as w it corrected nothing. r keeps Flow-GRPO's mean convention (clip_range is set for it).
 
 With `behaviour_log_probs` (the asynchronous trainer) `train_on_batch`'s loss is decoupled PPO: the PPO anchor is the
 proximal policy (the weights at the start of the step, recomputed without grad; when every micro-batch runs before
 the first optimizer update, that is the first pass's own log-prob, detached, bitwise the same), and each window step
-is weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap) (the density ratio). Without it, the behaviour is the anchor (plain
-PPO-clip against the recorded log-probs).
+is weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap) (the density ratio). Without it, the behaviour is
+the anchor (plain PPO-clip against the recorded log-probs).
 """
 
 from __future__ import annotations
