@@ -1,0 +1,85 @@
+"""GenEval's rules on the checker's detections: strict success (as GenEval scores a picture) and partial credit (the
+share of the prompt's requirements met, as Flow-GRPO's GenEval reward gives it).
+
+Strict (GenEval's `evaluate`): for each `include` requirement, take the `count` largest detections of its shape (the
+checker's confidence order); there must be that many, of the required colour, each in the required relation to every
+object of its target requirement; and for each `exclude` entry, fewer than `count` of that shape.
+
+Partial credit, one term per check, averaged:
+- count, per requirement: 1 - |count - found| / count, floored at 0 (Flow-GRPO's term compares with the exact count:
+  the world's scenes hold exactly the prompted objects, so an extra object costs credit);
+- colour, per requirement that names one: the share of its `count` largest detections that have the colour;
+- position, per requirement that has one: 1 when its largest detection and its target's stand in the relation.
+Flow-GRPO scores the colour and position terms only when the count is exact; here they are scored on the largest
+detections whenever there are any, which gives a denser signal (a wrong count already costs its own term).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omniroll.tasks.shapes.detect import Detection
+from omniroll.tasks.shapes.grammar import PromptSpec
+from omniroll.tasks.shapes.scene import relations
+
+#: GenEval's POSITION_THRESHOLD
+POSITION_THRESHOLD = 0.1
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """strict: GenEval's pass / fail. partial: credit in [0, 1]. reasons: why strict failed (empty on a pass)."""
+
+    strict: bool
+    partial: float
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _by_shape(detections: list[Detection]) -> dict[str, list[Detection]]:
+    out: dict[str, list[Detection]] = {}
+    for d in detections:  # already largest first
+        if d.shape is not None:
+            out.setdefault(d.shape, []).append(d)
+    return out
+
+
+def judge(spec: PromptSpec, detections: list[Detection]) -> Judgement:
+    """Score one picture's detections against one prompt (see the module doc)."""
+    objects = _by_shape(detections)
+    strict, reasons, terms = True, [], []
+    groups: list = []  # per requirement: its matched objects, or None
+    for req in spec.include:
+        all_of = objects.get(req.shape, [])
+        found = all_of[: req.count]
+        terms.append(max(0.0, 1.0 - abs(req.count - len(all_of)) / req.count))
+        matched = len(found) >= req.count
+        if not matched:
+            reasons.append(f"expected {req.shape}>={req.count}, found {len(found)}")
+        if req.colour is not None:
+            hits = sum(d.colour == req.colour for d in found)
+            terms.append(hits / req.count)
+            if matched and hits < req.count:
+                matched = False
+                reasons.append(f"expected {req.colour} {req.shape}>={req.count}, found {hits} {req.colour}")
+        if req.position is not None:
+            rel, target = req.position
+            targets = groups[target] if target < len(groups) else None
+            top = all_of[:1]
+            ok_partial = bool(top) and bool(objects.get(spec.include[target].shape)) and \
+                rel in relations(top[0].box, objects[spec.include[target].shape][0].box, POSITION_THRESHOLD)
+            terms.append(1.0 if ok_partial else 0.0)
+            if matched:
+                if targets is None:
+                    matched = False
+                    reasons.append(f"no target for {req.shape} to be {rel}")
+                elif not all(rel in relations(d.box, t.box, POSITION_THRESHOLD) for d in found for t in targets):
+                    matched = False
+                    reasons.append(f"expected {req.shape} {rel} target")
+        strict = strict and matched
+        groups.append(found if matched else None)
+    for shape, count in spec.exclude:
+        n = len(objects.get(shape, []))
+        if n >= count:
+            strict = False
+            reasons.append(f"expected {shape}<{count}, found {n}")
+    return Judgement(strict, sum(terms) / len(terms), tuple(reasons))

@@ -1,0 +1,162 @@
+"""GenEval-style reports of the shapes world: pictures scored against their prompts, tabulated per category, with a
+chance baseline, and a captioned grid of pictures.
+
+`score_pictures(prompts, pictures)` gives one `Scored` row per picture. `Report.from_rows(rows)` tabulates them:
+strict accuracy per category (the share of its pictures that pass), overall = the mean of the category accuracies
+(GenEval's overall score), the mean partial credit, and the chance baseline: the same pictures scored against
+another prompt of their category with a different requirement (the next one in the grammar's order), which is what
+a model that ignores the prompt's details would score.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omniroll.tasks.shapes.detect import detect
+from omniroll.tasks.shapes.grammar import TAGS, PromptSpec, all_prompts, parse_prompt
+from omniroll.tasks.shapes.judge import Judgement, judge
+from omniroll.tasks.shapes.world import DEFAULT_WORLD, World
+
+
+@dataclass(frozen=True)
+class Scored:
+    prompt: str
+    tag: str
+    strict: bool
+    partial: float
+    chance: bool  # strict against the chance prompt
+    reasons: tuple[str, ...] = ()
+
+
+def chance_prompt(spec: PromptSpec, world: World = DEFAULT_WORLD) -> str:
+    """The next prompt of `spec`'s category (in the grammar's order, wrapping) whose requirement differs."""
+    same = [p for p in all_prompts(world) if parse_prompt(p, world).tag == spec.tag]
+    start = same.index(spec.prompt) if spec.prompt in same else 0
+    for k in range(1, len(same) + 1):
+        q = same[(start + k) % len(same)]
+        if parse_prompt(q, world).key != spec.key:
+            return q
+    raise ValueError(f"category {spec.tag!r} has a single requirement: no chance prompt")
+
+
+def hwc(picture) -> np.ndarray:
+    """A picture as a contiguous [H, W, 3] array (the engine's pictures are [3, H, W])."""
+    picture = np.asarray(picture)
+    if picture.ndim == 3 and picture.shape[0] == 3 and picture.shape[2] != 3:
+        picture = picture.transpose(1, 2, 0)
+    return np.ascontiguousarray(picture)
+
+
+def score_picture(spec: PromptSpec, picture, world: World = DEFAULT_WORLD) -> Judgement:
+    """Judge an [H, W, 3] uint8 picture (or [3, H, W]) against a parsed prompt."""
+    return judge(spec, detect(hwc(picture), world))
+
+
+def score_pictures(prompts: list[str], pictures, world: World = DEFAULT_WORLD) -> list[Scored]:
+    if len(prompts) != len(pictures):
+        raise ValueError(f"{len(prompts)} prompts for {len(pictures)} pictures")
+    rows = []
+    for prompt, pic in zip(prompts, pictures):
+        spec = parse_prompt(prompt, world)
+        dets = detect(hwc(pic), world)
+        j = judge(spec, dets)
+        c = judge(parse_prompt(chance_prompt(spec, world), world), dets)
+        rows.append(Scored(spec.prompt, spec.tag, j.strict, j.partial, c.strict, j.reasons))
+    return rows
+
+
+@dataclass
+class Report:
+    """Per category: strict accuracy, partial credit, chance and the number of pictures; overall: their means over
+    the categories present."""
+
+    categories: dict[str, dict] = field(default_factory=dict)
+    overall: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(cls, rows: list[Scored]) -> "Report":
+        cats = {}
+        for tag in TAGS:
+            mine = [r for r in rows if r.tag == tag]
+            if mine:
+                cats[tag] = {"strict": float(np.mean([r.strict for r in mine])),
+                             "partial": float(np.mean([r.partial for r in mine])),
+                             "chance": float(np.mean([r.chance for r in mine])), "n": len(mine)}
+        overall = {k: float(np.mean([c[k] for c in cats.values()])) if cats else float("nan")
+                   for k in ("strict", "partial", "chance")}
+        overall["n"] = len(rows)
+        return cls(cats, overall)
+
+    def to_dict(self) -> dict:
+        return {"categories": self.categories, "overall": self.overall}
+
+    def flat(self, prefix: str) -> dict[str, float]:
+        """`{prefix}/strict`, `{prefix}/<tag>/strict`, ...: for metrics.jsonl and the trackers."""
+        out = {f"{prefix}/{k}": v for k, v in self.overall.items() if k != "n"}
+        for tag, c in self.categories.items():
+            out.update({f"{prefix}/{tag}/{k}": v for k, v in c.items() if k != "n"})
+        return out
+
+    def table(self, title: str = "") -> str:
+        """A plain-text table (percentages), one line per category and the overall line."""
+        lines = [title] if title else []
+        lines.append(f"{'category':<14} {'strict %':>8} {'partial':>8} {'chance %':>8} {'images':>7}")
+        for tag, c in self.categories.items():
+            lines.append(f"{tag:<14} {100 * c['strict']:>8.1f} {c['partial']:>8.3f} {100 * c['chance']:>8.1f} "
+                         f"{c['n']:>7}")
+        o = self.overall
+        lines.append(f"{'overall':<14} {100 * o['strict']:>8.1f} {o['partial']:>8.3f} {100 * o['chance']:>8.1f} "
+                     f"{o['n']:>7}")
+        return "\n".join(lines)
+
+
+def _caption_font(size: int = 11):
+    """DejaVu Sans from matplotlib's own fonts when present (readable at small sizes), else PIL's default."""
+    from PIL import ImageFont
+
+    try:
+        import matplotlib
+
+        return ImageFont.truetype(os.path.join(matplotlib.get_data_path(), "fonts", "ttf", "DejaVuSans.ttf"), size)
+    except (ImportError, OSError):
+        return ImageFont.load_default()
+
+
+def captioned_grid(pictures, captions: list[str], passed: list[bool] | None = None, columns: int = 8,
+                   scale: int = 2) -> np.ndarray:
+    """uint8 [H, W, 3]: the pictures (HWC or CHW; None leaves a cell blank) in rows of `columns`, each enlarged
+    `scale` times above its caption (wrapped to three lines), the caption green when the picture passed and red when
+    it failed (black when `passed` is None)."""
+    from PIL import Image, ImageDraw
+
+    cells = [None if p is None else hwc(p) for p in pictures]
+    first = next((p for p in cells if p is not None), None)
+    if first is None:
+        raise ValueError("no pictures")
+    h, w = first.shape[0] * scale, first.shape[1] * scale
+    font = _caption_font()
+    cap_h = 40
+    rows = (len(cells) + columns - 1) // columns
+    canvas = Image.new("RGB", (columns * (w + 6), rows * (h + cap_h + 6)), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for i, (pic, text) in enumerate(zip(cells, captions)):
+        if pic is None:
+            continue
+        x, y = (i % columns) * (w + 6), (i // columns) * (h + cap_h + 6)
+        canvas.paste(Image.fromarray(pic.astype(np.uint8)).resize((w, h), Image.NEAREST), (x, y))
+        colour = (0, 0, 0) if passed is None else ((0, 120, 0) if passed[i] else (190, 0, 0))
+        lines, line = [], ""
+        for word in text.split():
+            trial = f"{line} {word}".strip()
+            if draw.textlength(trial, font=font) > w and line:
+                lines.append(line)
+                line = word
+            else:
+                line = trial
+        lines.append(line)
+        for k, ln in enumerate(lines[:3]):
+            draw.text((x + 1, y + h + 1 + 12 * k), ln, fill=colour, font=font)
+    return np.asarray(canvas)

@@ -1,0 +1,204 @@
+"""The shapes world: grammar, splits, scene sampler, renderer and the exact checker (GenEval's rules)."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from omniroll.tasks.shapes.detect import connected_components, detect
+from omniroll.tasks.shapes.grammar import TAGS, PromptError, all_prompts, grammar_words, parse_prompt
+from omniroll.tasks.shapes.judge import judge
+from omniroll.tasks.shapes.render import render
+from omniroll.tasks.shapes.report import Report, chance_prompt, score_pictures
+from omniroll.tasks.shapes.scene import Scene, SceneObject, relations, sample_scene
+from omniroll.tasks.shapes.splits import split_prompts
+from omniroll.tasks.shapes.world import World
+
+
+def test_grammar_covers_genevals_six_categories_with_their_metadata():
+    prompts = all_prompts()
+    assert len(prompts) == len(set(prompts)) == 240
+    tags = collections.Counter(parse_prompt(p).tag for p in prompts)
+    assert tags == {"single_object": 3, "two_object": 6, "counting": 9, "colors": 18, "position": 24,
+                    "color_attr": 180}
+    assert parse_prompt("three squares").metadata() == {
+        "tag": "counting", "include": [{"class": "square", "count": 3}], "prompt": "three squares",
+        "exclude": [{"class": "square", "count": 4}]}
+    assert parse_prompt("a circle left of a square").metadata() == {
+        "tag": "position", "prompt": "a circle left of a square",
+        "include": [{"class": "square", "count": 1}, {"class": "circle", "count": 1, "position": ["left of", 0]}]}
+    assert parse_prompt("a red circle and a blue triangle").metadata()["include"] == [
+        {"class": "circle", "count": 1, "color": "red"}, {"class": "triangle", "count": 1, "color": "blue"}]
+    assert parse_prompt("  A Red Circle. ").prompt == "a red circle"  # case, spaces and a full stop are forgiven
+
+
+def test_twin_wordings_share_one_requirement_and_others_do_not():
+    key = lambda p: parse_prompt(p).key  # noqa: E731
+    assert key("a circle and a square") == key("a square and a circle")
+    assert key("a circle left of a square") == key("a square right of a circle")
+    assert key("a circle above a square") == key("a square below a circle")
+    assert key("a circle left of a square") != key("a square left of a circle")
+    assert key("a red circle and a blue square") == key("a blue square and a red circle")
+    assert key("a red circle and a blue square") != key("a blue circle and a red square")
+    assert len({key(p) for p in all_prompts()}) == 3 + 3 + 9 + 18 + 12 + 90
+
+
+@pytest.mark.parametrize("bad, nearest", [
+    ("a red circel", "a red circle"), ("five circles", "four circles"), ("a dog", None),
+    ("a circle left of a circle", None), ("a red circle and a red square", None), ("", None)])
+def test_a_prompt_outside_the_grammar_is_refused_naming_the_nearest_valid_one(bad, nearest):
+    with pytest.raises(PromptError) as e:
+        parse_prompt(bad)
+    assert repr(bad) in str(e.value) and e.value.nearest in all_prompts()
+    if nearest is not None:
+        assert e.value.nearest == nearest
+
+
+def test_every_grammar_word_is_a_word_of_the_prompts():
+    words = grammar_words()
+    assert {"circle", "squares", "left", "above", "purple", "four"} <= set(words)
+    assert len(words) == len(set(words))
+
+
+def test_splits_are_fixed_disjoint_and_keep_twins_and_vocabulary_together():
+    train, held = split_prompts("train"), split_prompts("heldout")
+    assert (len(train), len(held)) == (187, 53)
+    assert set(train).isdisjoint(held) and sorted(train + held) == sorted(all_prompts())
+    train_keys = {parse_prompt(p).key for p in train}
+    assert not train_keys & {parse_prompt(p).key for p in held}  # twins fall on one side
+    assert "a circle" in train and "a circle and a triangle" in held and "a triangle and a circle" in held
+    held_tags = collections.Counter(parse_prompt(p).tag for p in held)
+    assert set(held_tags) == set(TAGS) - {"single_object"}
+    colours = [parse_prompt(p).include[0] for p in train if parse_prompt(p).tag == "colors"]
+    world = World()
+    assert {r.colour for r in colours} == set(world.colours) and {r.shape for r in colours} == set(world.shapes)
+
+
+def test_scenes_are_seeded_hold_exactly_the_prompted_objects_and_never_touch():
+    spec = parse_prompt("a red circle and a blue square")
+    a = sample_scene(spec, np.random.default_rng(7))
+    assert a == sample_scene(spec, np.random.default_rng(7)) != sample_scene(spec, np.random.default_rng(8))
+    assert sorted((o.shape, o.colour) for o in a.objects) == [("circle", "red"), ("square", "blue")]
+    world = World()
+    rng = np.random.default_rng(0)
+    for p in ["four triangles", "a circle left of a square", "a triangle below a circle"]:
+        for _ in range(50):
+            objs = sample_scene(parse_prompt(p), rng).objects
+            assert all(world.margin <= v <= world.size - world.margin for o in objs for v in o.box)
+            for i, x in enumerate(objs):
+                for y in objs[i + 1:]:
+                    gap_x = max(y.box[0] - x.box[2], x.box[0] - y.box[2])
+                    gap_y = max(y.box[1] - x.box[3], x.box[1] - y.box[3])
+                    assert max(gap_x, gap_y) >= world.gap
+
+
+def test_position_scenes_stand_in_their_relation_and_in_no_other():
+    rng = np.random.default_rng(1)
+    for p in [q for q in all_prompts() if parse_prompt(q).tag == "position"]:
+        spec = parse_prompt(p)
+        for _ in range(10):
+            target, mover = sample_scene(spec, rng).objects
+            assert relations(mover.box, target.box) == {spec.include[1].position[0]}
+
+
+def test_relations_follow_genevals_rule():
+    box = lambda cx, cy, s=10: (cx - s / 2, cy - s / 2, cx + s / 2, cy + s / 2)  # noqa: E731
+    assert relations(box(10, 30), box(40, 30)) == {"left of"}
+    assert relations(box(40, 30), box(10, 30)) == {"right of"}
+    assert relations(box(30, 10), box(30, 40)) == {"above"}
+    assert relations(box(10, 10), box(40, 40)) == {"left of", "above"}  # diagonal: both
+    assert relations(box(30, 30), box(31, 30)) == set()  # within 0.1 x (sum of widths): too close to say
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_the_checker_passes_the_renderers_own_pictures_and_fails_contradicting_prompts(tag):
+    rng = np.random.default_rng(abs(hash(tag)) % 2**32)
+    prompts = [p for p in all_prompts() if parse_prompt(p).tag == tag]
+    passed, wrong = [], []
+    for i in range(150):
+        spec = parse_prompt(prompts[i % len(prompts)])
+        dets = detect(render(sample_scene(spec, rng)))
+        passed.append(judge(spec, dets).strict)
+        assert judge(spec, dets).partial == 1.0
+        others = [q for q in prompts if parse_prompt(q).key != spec.key]
+        wrong.append(judge(parse_prompt(others[int(rng.integers(len(others)))]), dets).strict)
+    assert np.mean(passed) >= 0.99 and np.mean(wrong) <= 0.01
+
+
+def _picture(*objects):
+    return render(Scene(tuple(SceneObject(*o) for o in objects)))
+
+
+def test_counting_is_exact_and_partial_credit_counts_the_shortfall():
+    three = parse_prompt("three squares")
+    two = _picture(("square", "red", 12, 12, 16), ("square", "blue", 40, 40, 16))
+    four = _picture(("square", "red", 12, 12, 16), ("square", "blue", 40, 40, 16), ("square", "red", 12, 45, 16),
+                    ("square", "green", 45, 12, 16))
+    j2, j4 = judge(three, detect(two)), judge(three, detect(four))
+    assert not j2.strict and j2.partial == pytest.approx(2 / 3)
+    assert not j4.strict and j4.partial == pytest.approx(2 / 3)  # one too many costs as much as one too few
+    assert judge(parse_prompt("four squares"), detect(four)).strict
+
+
+def test_colour_attribution_and_position_need_the_right_binding():
+    pic = _picture(("circle", "red", 15, 32, 18), ("square", "blue", 48, 32, 18))
+    assert judge(parse_prompt("a red circle and a blue square"), detect(pic)).strict
+    swapped = judge(parse_prompt("a blue circle and a red square"), detect(pic))
+    assert not swapped.strict and swapped.partial == 0.5  # both shapes there, both colours wrong
+    assert judge(parse_prompt("a circle left of a square"), detect(pic)).strict
+    assert judge(parse_prompt("a square right of a circle"), detect(pic)).strict
+    above = judge(parse_prompt("a circle above a square"), detect(pic))
+    assert not above.strict and above.partial == pytest.approx(2 / 3)
+    assert judge(parse_prompt("a square"), detect(pic)).strict  # GenEval: at least one
+
+
+def test_an_empty_canvas_and_specks_earn_nothing():
+    blank = render(Scene(()))
+    assert detect(blank) == []
+    assert judge(parse_prompt("a circle"), []).partial == 0.0
+    specks = blank.copy()
+    specks[10:13, 10:13] = (215, 35, 35)  # 9 red pixels: below min_area
+    assert detect(specks) == []
+
+
+def test_connected_components_match_a_flood_fill():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        mask = rng.random((24, 31)) < 0.45
+        labels = connected_components(mask)
+        seen = np.zeros_like(mask, dtype=bool)
+        expected = []
+        for r, c in zip(*np.nonzero(mask)):
+            if seen[r, c]:
+                continue
+            comp, stack = set(), [(r, c)]
+            seen[r, c] = True
+            while stack:
+                y, x = stack.pop()
+                comp.add((y, x))
+                for dy, dx in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+                    yy, xx = y + dy, x + dx
+                    if 0 <= yy < 24 and 0 <= xx < 31 and mask[yy, xx] and not seen[yy, xx]:
+                        seen[yy, xx] = True
+                        stack.append((yy, xx))
+            expected.append(comp)
+        got = {}
+        for y, x in zip(*np.nonzero(labels)):
+            got.setdefault(labels[y, x], set()).add((y, x))
+        assert sorted(map(sorted, got.values())) == sorted(map(sorted, expected))
+        assert ((labels > 0) == mask).all()
+
+
+def test_report_tabulates_categories_and_a_chance_baseline_of_another_requirement():
+    rng = np.random.default_rng(5)
+    prompts = ["a circle", "three squares", "a red circle", "a circle left of a square"]
+    pics = [render(sample_scene(parse_prompt(p), rng)) for p in prompts]
+    rows = score_pictures(prompts, [p.transpose(2, 0, 1) for p in pics])  # the engine's CHW layout too
+    rep = Report.from_rows(rows)
+    assert rep.overall["strict"] == 1.0 and rep.overall["chance"] == 0.0 and rep.overall["n"] == 4
+    assert set(rep.categories) == {"single_object", "counting", "colors", "position"}
+    assert rep.flat("eval/train")["eval/train/counting/strict"] == 1.0
+    for p in all_prompts():
+        spec = parse_prompt(p)
+        c = parse_prompt(chance_prompt(spec))
+        assert c.tag == spec.tag and c.key != spec.key
