@@ -24,11 +24,11 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
                                       Placement, ReplicasSection, Resources, RewardSection, ValKwargs, _PartialAlgo,
                                       _PartialPipeline, _Strict)
-from omniroll.config.trainer import LOGGERS, LoRASection, TrainerSection
+from omniroll.config.trainer import LOGGERS, EvaluationSection, LoRASection, TrainerSection
 from omniroll.engine.params import SamplingParams, overlay_sampling
 from omniroll.errors import config_messages, format_validation_error
 
-__all__ = ["AgentSection", "AlgoSection", "ConfigError", "EngineSection", "LOGGERS", "LoRASection", "OmniRollConfig",
+__all__ = ["AgentSection", "AlgoSection", "ConfigError", "EngineSection", "EvaluationSection", "LOGGERS", "LoRASection", "OmniRollConfig",
            "PipelineSection", "Placement", "ReplicasSection", "Resources", "RewardSection", "TrainerSection",
            "ValKwargs", "_PartialAlgo", "_PartialPipeline", "config_messages", "load_config", "validate_config"]
 
@@ -81,6 +81,16 @@ class OmniRollConfig(_Strict):
             raise ValueError("calculate_log_probs: training needs the rollout's log-probs")
         if self.n < 2:
             raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
+        if self.trainer.evaluation is not None and self.val_kwargs.seed_mode == "shared":
+            raise ValueError("val_kwargs.seed_mode: trainer.evaluation draws every picture of a prompt at its own "
+                             "fixed seed; 'shared' would make them one picture (use per_row)")
+        from omniroll.reward.scorers import prompt_problems
+
+        for key, prompts in (("trainer.prompts", self.trainer.all_prompts()), ("trainer.val_prompts",
+                                                                             self.trainer.val_prompts)):
+            problems = [line for f in self.reward.functions.values() for line in prompt_problems(f.fn, prompts)]
+            if problems:
+                raise ValueError(f"{key}: " + "; ".join(problems))
         if self.trainer.window_schedule != "fixed" and self.algo.sde_window_size is None:
             raise ValueError(f"trainer.window_schedule: {self.trainer.window_schedule!r} moves a window of "
                              f"algo.sde_window_size steps; set algo.sde_window_size")
@@ -150,7 +160,25 @@ def load_config(
     raw = OmegaConf.to_container(base, resolve=True)
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a mapping at the top level, got {type(raw).__name__}")
-    return validate_config(raw)
+    return validate_config(with_model_defaults(raw))
+
+
+def with_model_defaults(raw: dict) -> dict:
+    """`raw` laid over the sampling defaults its model states (`omniroll.models.sampling_defaults`: the shapes
+    model's 64 x 64 and 12 tokens, say), so a key the user leaves out takes the model's value before the schema's."""
+    from omegaconf import OmegaConf
+
+    from omniroll.models import sampling_defaults
+
+    engine = raw.get("engine")
+    model = engine.get("model") if isinstance(engine, dict) else None
+    try:
+        defaults = sampling_defaults(model if isinstance(model, str) else EngineSection.model_fields["model"].default)
+    except ValueError as e:
+        raise ConfigError(f"engine.model: {e}") from None
+    if not defaults:
+        return raw
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(defaults), OmegaConf.create(raw)), resolve=True)
 
 
 def validate_config(raw: dict) -> OmniRollConfig:

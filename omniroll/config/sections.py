@@ -48,7 +48,8 @@ class ReplicasSection(_Strict):
 
 
 class EngineSection(_Strict):
-    model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, or "tiny" (built on demand)')
+    model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, "shapes" (shipped) or "tiny" '
+                                                         '(built on demand)')
     max_batch_size: Union[Literal["auto"], int] = Field(
         16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
     device: str = "cpu"
@@ -69,7 +70,7 @@ class EngineSection(_Strict):
         """A tiny name, or a local diffusers checkpoint directory (nothing is built or loaded here)."""
         from omniroll.models import TINY_MODELS, resolve_model
 
-        if value not in TINY_MODELS:
+        if value not in TINY_MODELS:  # the shipped models and directories: checked, nothing built
             try:
                 resolve_model(value)
             except FileNotFoundError as e:

@@ -7,7 +7,7 @@ import os
 import torch
 
 from omniroll.models.base import (INDEX_FILE, Conditioning, DiffusionAdapter, ModelLimits, pipeline_class_name,
-                                  require_checkpoint, stack_conditioning)
+                                  read_sampling_defaults, require_checkpoint, stack_conditioning)
 from omniroll.models.flux import FluxAdapter
 from omniroll.models.qwen_image import QwenImageAdapter
 from omniroll.models.sd3 import SD3Adapter
@@ -23,6 +23,8 @@ ADAPTERS: dict[str, type[DiffusionAdapter]] = {
 }
 #: the `--model` names that build a tiny random checkpoint ("tiny" is the SD3 one)
 TINY_MODELS = {"tiny": "sd3", **{f"tiny-{f}": f for f in FAMILIES}}
+#: the `--model` names of checkpoints shipped with the package
+SHIPPED_MODELS = ("shapes",)
 
 
 def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionAdapter:
@@ -36,9 +38,14 @@ def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
 
 
 def resolve_model(model: str, cache_dir: str | None = None) -> str:
-    """A checkpoint directory for `model`: "tiny" (SD3) or "tiny-<family>" (sd3, flux, qwen-image, wan, wan2.2)
-    builds (once, cached) that family's deterministic tiny checkpoint under `cache_dir` (default: $OMNIROLL_CACHE
-    or .omniroll_cache); anything else must be a local diffusers checkpoint directory (nothing is downloaded)."""
+    """A checkpoint directory for `model`: "shapes" is the shipped shapes model (`omniroll.models.shapes`); "tiny"
+    (SD3) or "tiny-<family>" (sd3, flux, qwen-image, wan, wan2.2) builds (once, cached) that family's deterministic
+    tiny checkpoint under `cache_dir` (default: $OMNIROLL_CACHE or .omniroll_cache); anything else must be a local
+    diffusers checkpoint directory (nothing is downloaded)."""
+    if model == "shapes":
+        from omniroll.models.shapes import checkpoint_dir
+
+        return checkpoint_dir()
     if model in TINY_MODELS:
         family = TINY_MODELS[model]
         root = cache_dir or os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")
@@ -50,8 +57,8 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
                 f"(nothing is downloaded at run time). Download it first, e.g. "
                 f"`hf download {model} --local-dir checkpoints/{model.split('/')[-1]}` (gated models need "
                 f"`hf auth login` and an accepted license), then pass that directory as the model")
-        raise FileNotFoundError(f"model {model!r} is neither one of {sorted(TINY_MODELS)} nor a diffusers checkpoint "
-                                f"directory (no {INDEX_FILE}); nothing is downloaded at run time")
+        raise FileNotFoundError(f"model {model!r} is neither one of {[*SHIPPED_MODELS, *sorted(TINY_MODELS)]} nor a "
+                                f"diffusers checkpoint directory (no {INDEX_FILE}); nothing is downloaded at run time")
     return model
 
 
@@ -81,15 +88,29 @@ def prompt_ids_length(model: str) -> int | None:
 
         return CLIP_MAX_LENGTH if TINY_MODELS[model] in ("sd3", "flux") else None
     try:
+        model = resolve_model(model) if model in SHIPPED_MODELS else model
         adapter = ADAPTERS.get(pipeline_class_name(model))
     except (FileNotFoundError, ValueError):
         return None
     return adapter.prompt_ids_length(model) if adapter is not None else None
 
 
+def sampling_defaults(model: str) -> dict:
+    """The sampling defaults `model` (a name or a checkpoint directory) states (`read_sampling_defaults`); {} for
+    the tiny models and for paths that are not checkpoints (the config reports those)."""
+    if model in TINY_MODELS:
+        return {}
+    try:
+        return read_sampling_defaults(resolve_model(model))
+    except FileNotFoundError:
+        return {}
+
+
 __all__ = [
     "prompt_ids_length",
     "resolve_model",
+    "sampling_defaults",
+    "SHIPPED_MODELS",
     "read_limits",
     "require_checkpoint",
     "ModelLimits",

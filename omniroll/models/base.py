@@ -134,6 +134,27 @@ def read_sd3_limits(path: str) -> ModelLimits:
                        max_sequence_length=seq)
 
 
+#: a checkpoint's own sampling defaults (optional): {"pipeline": {...}, "algo": {...}} in config keys
+SAMPLING_DEFAULTS_FILE = "omniroll_defaults.json"
+
+
+def read_sampling_defaults(path: str) -> dict:
+    """The sampling defaults a checkpoint directory states in `omniroll_defaults.json` (e.g. the shapes model: its
+    64 x 64 resolution and 12-token text), as a dict of config sections; {} when it states none. Config loading puts
+    them under what the user sets, above the schema's defaults. ValueError naming the file when it is malformed."""
+    f = os.path.join(os.fspath(path), SAMPLING_DEFAULTS_FILE)
+    if not os.path.isfile(f):
+        return {}
+    try:
+        data = _read_json(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {f}: {e}") from e
+    if not isinstance(data, dict) or not set(data) <= {"pipeline", "algo"} \
+            or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"{f} must map 'pipeline' and / or 'algo' to dicts of config keys, got {data!r}")
+    return data
+
+
 def read_component_configs(path: str, *components: str) -> list[dict]:
     """The config.json of each component directory (ValueError naming the directory when unreadable)."""
     require_checkpoint(path)

@@ -42,9 +42,9 @@ high quality best masterpiece sharp focus lighting studio natural cinematic dram
 """.split()
 
 
-def _word_stream() -> list[str]:
-    """The training corpus: each word repeated with a Zipf-like count (deterministic)."""
-    unique = list(dict.fromkeys(WORDS))
+def _word_stream(words: tuple[str, ...] | None = None) -> list[str]:
+    """The training corpus: each word (default: `WORDS`) repeated with a Zipf-like count (deterministic)."""
+    unique = list(dict.fromkeys(WORDS if words is None else words))
     out = []
     for rank, w in enumerate(unique):
         out.extend([w] * max(1, 64 // (1 + rank // 16)))
@@ -111,32 +111,34 @@ def _train_bpe(words: tuple[str, ...], style: str = "clip") -> tuple[tuple[str, 
 CLIP_MAX_LENGTH = 77
 
 
-def train_clip_tokenizer():
-    """CLIP byte-level BPE (normalizer, pre-tokenizer and `</w>` suffix come with `CLIPTokenizer`)."""
+def train_clip_tokenizer(words: tuple[str, ...] | None = None, max_length: int = CLIP_MAX_LENGTH):
+    """CLIP byte-level BPE (normalizer, pre-tokenizer and `</w>` suffix come with `CLIPTokenizer`) on `words`
+    (default: `WORDS`; each becomes one token), padding prompts to `max_length` ids."""
     from transformers import CLIPTokenizer
 
-    tokens, merges = _train_bpe(tuple(_word_stream()))
+    tokens, merges = _train_bpe(tuple(_word_stream(words)))
     vocab = {t: i for i, t in enumerate(tokens)}
     eos = "<|endoftext|>"
     return CLIPTokenizer(
         vocab=vocab, merges=list(merges), bos_token="<|startoftext|>", eos_token=eos, unk_token=eos, pad_token=eos,
-        model_max_length=CLIP_MAX_LENGTH,
+        model_max_length=max_length,
     )
 
 
-def build_t5_tokenizer():
-    """A Unigram (SentencePiece-style) T5 tokenizer: `<pad>`=0, `</s>`=1, `<unk>`=2, whole words and characters."""
+def build_t5_tokenizer(words: tuple[str, ...] | None = None, max_length: int = 512):
+    """A Unigram (SentencePiece-style) T5 tokenizer: `<pad>`=0, `</s>`=1, `<unk>`=2, whole words (default: `WORDS`)
+    and characters; `max_length` is its `model_max_length` (the longest `max_sequence_length` a model takes)."""
     from transformers import T5TokenizerFast
 
     counts: dict[str, int] = {}
-    for w in _word_stream():
+    for w in _word_stream(words):
         counts["\u2581" + w] = counts.get("\u2581" + w, 0) + 1
     total = sum(counts.values())
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?;:'\"-()/&+*#%=_"
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
     vocab += [(piece, math.log(c / total)) for piece, c in counts.items()]
     vocab += [(ch, -20.0) for ch in chars] + [("\u2581" + ch, -19.0) for ch in chars]
-    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",

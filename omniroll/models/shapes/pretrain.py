@@ -1,0 +1,171 @@
+"""`omniroll pretrain shapes`: the shapes model from scratch, in five steps, each with a progress bar.
+
+1. Train the VAE on pictures of the world; check it on held-out pictures (PSNR, and the checker's accuracy on
+   reconstructions: the ceiling any generator with this VAE can reach).
+2. Encode `dit.num_latents` captioned pictures to normalised latents (the VAE's shift and scale set to mean 0, std 1).
+3. Embed every training caption and the empty prompt with the frozen text encoders, through the SD3 adapter's own
+   prompt encoding (what the engine will feed the transformer).
+4. Train the transformer (rectified flow, CFG dropout, EMA).
+5. Save the pipeline with the EMA transformer as a diffusers checkpoint (+ sampling defaults, `recipe.json`,
+   `SHA256SUMS`), the loss curves (`loss_curve.png`), and `pretrain.json` (recipe, timings, the VAE check and what
+   `evaluate` returns: the CLI passes the GenEval-style evaluation of `omniroll.evaluation.shapes`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from omniroll.models.shapes import write_sums
+from omniroll.models.shapes.assemble import assemble_pipeline, save_checkpoint
+from omniroll.models.shapes.data import CaptionedScenes, to_unit_range
+from omniroll.models.shapes.dit import build_transformer, train_transformer
+from omniroll.models.shapes.recipe import ShapesRecipe
+from omniroll.models.shapes.text import TEXT_LENGTH, build_text_stack, joint_attention_dim, pooled_dim
+from omniroll.models.shapes.vae import build_vae, latent_stats, reconstruct, train_vae
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=not enabled)
+
+
+def check_vae(vae, recipe: ShapesRecipe) -> dict:
+    """PSNR and the checker's strict accuracy per category on reconstructions of held-out pictures."""
+    from omniroll.tasks.shapes.report import Report, score_pictures
+
+    data = CaptionedScenes(recipe.vae_data_seed + 1000, weights=recipe.category_weights)
+    caps, pics = data.batch(recipe.check_pictures)
+    rec = reconstruct(vae, pics)
+    psnr = float(10 * np.log10(255.0 ** 2 / np.mean((rec.astype(np.float64) - pics) ** 2)))
+    report = Report.from_rows(score_pictures(caps, list(rec)))
+    return {"psnr_db": psnr, "checker_on_reconstructions": report.to_dict()}
+
+
+def encode_latents(vae, recipe: ShapesRecipe, progress: bool) -> tuple[list[str], torch.Tensor, float, float]:
+    """(captions, normalised latents [N, C, h, w], shift, scale)."""
+    data = CaptionedScenes(recipe.latent_data_seed, weights=recipe.category_weights)
+    n, chunk = recipe.dit.num_latents, 512
+    caps, zs = [], []
+    bar = _bar(n, "latents", progress)
+    with torch.no_grad():
+        for i in range(0, n, chunk):
+            c, pics = data.batch(min(chunk, n - i))
+            caps += c
+            zs.append(vae.encode(to_unit_range(pics)).latent_dist.mean)
+            bar.update(len(c))
+    bar.close()
+    z = torch.cat(zs)
+    shift, scale = float(z.double().mean()), float(1.0 / z.double().std())
+    return caps, ((z - shift) * scale).float(), shift, scale
+
+
+def plot_losses(vae_hist: list[dict], dit_hist: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(xs, k=50):
+        xs = np.asarray(xs, dtype=np.float64)
+        return np.convolve(xs, np.ones(k) / k, mode="valid") if len(xs) > k else xs
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, hist, name in ((axes[0], vae_hist, "VAE (L1 + MSE + KL)"), (axes[1], dit_hist, "transformer (flow)")):
+        loss = [h["loss"] for h in hist]
+        ax.plot(np.arange(1, len(loss) + 1), loss, color="0.8", lw=0.6, label="per step")
+        s = smooth(loss)
+        ax.plot(np.arange(len(loss) - len(s) + 1, len(loss) + 1), s, color="C0", lw=1.5, label="mean of 50")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        ax.legend()
+    fig.suptitle("omniroll pretrain shapes: training losses")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def pretrain(recipe: ShapesRecipe, out_dir: str, evaluate: Optional[Callable[[str], dict]] = None,
+             progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Run the recipe into `out_dir` (see the module doc); returns the `pretrain.json` record. `evaluate(path)`
+    scores the saved checkpoint (optional)."""
+    os.makedirs(out_dir, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.torch_threads)
+    times, t_start = {}, time.time()
+    try:
+        # 1. the VAE
+        t0 = time.time()
+        vae = build_vae(recipe.vae, sample_size=64)
+        bar = _bar(recipe.vae.steps, "vae", progress)
+        vae_hist = train_vae(vae, recipe.vae, CaptionedScenes(recipe.vae_data_seed, weights=recipe.category_weights),
+                             on_step=lambda s, h: (bar.update(1), bar.set_postfix(loss=f"{h['loss']:.4f}")))
+        bar.close()
+        vae_check = check_vae(vae, recipe)
+        times["vae_s"] = time.time() - t0
+        log(f"vae: {recipe.vae.steps} steps in {times['vae_s']:.0f} s; PSNR {vae_check['psnr_db']:.1f} dB, checker on "
+            f"reconstructions {100 * vae_check['checker_on_reconstructions']['overall']['strict']:.1f} %")
+
+        # 2. latents, 3. caption embeddings
+        t0 = time.time()
+        caps, latents, shift, scale = encode_latents(vae, recipe, progress)
+        vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+        text = build_text_stack(recipe.text)
+        transformer = build_transformer(recipe.dit, recipe.vae.latent_channels, 64 // recipe.vae.scale_factor,
+                                        joint_attention_dim(recipe.text), pooled_dim(recipe.text))
+        from omniroll.models.sd3 import SD3Adapter
+
+        prompts = sorted(set(caps)) + [""]
+        conds = SD3Adapter(assemble_pipeline(transformer, vae, text, recipe.sampling.shift)).encode_prompts(
+            prompts, TEXT_LENGTH)
+        embeds = torch.stack([c.tensors["prompt_embeds"] for c in conds])
+        pooled = torch.stack([c.tensors["pooled_prompt_embeds"] for c in conds])
+        index = {p: i for i, p in enumerate(prompts)}
+        caption_ids = torch.tensor([index[c] for c in caps])
+        times["latents_s"] = time.time() - t0
+
+        # 4. the transformer
+        t0 = time.time()
+        bar = _bar(recipe.dit.steps, "transformer", progress)
+        ema, dit_hist = train_transformer(
+            transformer, recipe.dit, latents, caption_ids, embeds, pooled, index[""],
+            on_step=lambda s, h, _: (bar.update(1), bar.set_postfix(loss=f"{h['loss']:.4f}")))
+        bar.close()
+        times["transformer_s"] = time.time() - t0
+
+        # 5. the checkpoint, the curves, the record
+        ckpt = os.path.join(out_dir, "checkpoint")
+        save_checkpoint(assemble_pipeline(ema.module, vae, text, recipe.sampling.shift), ckpt,
+                        recipe.sampling_defaults())
+        with open(os.path.join(ckpt, "recipe.json"), "w") as f:
+            json.dump(recipe.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        write_sums(ckpt)
+        plot_losses(vae_hist, dit_hist, os.path.join(out_dir, "loss_curve.png"))
+        times["train_total_s"] = time.time() - t_start
+        record = {
+            "recipe": recipe.to_dict(), "checkpoint": ckpt, "times": times, "vae_check": vae_check,
+            "final_loss": {"vae": float(np.mean([h["loss"] for h in vae_hist[-100:]])),
+                           "transformer": float(np.mean([h["loss"] for h in dit_hist[-100:]]))},
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                        "threads": recipe.torch_threads},
+            "params": {"transformer": sum(p.numel() for p in transformer.parameters()),
+                       "vae": sum(p.numel() for p in vae.parameters())}}
+        if evaluate is not None:
+            t0 = time.time()
+            record["evaluation"] = evaluate(ckpt)
+            times["evaluation_s"] = time.time() - t0
+        with open(os.path.join(out_dir, "pretrain.json"), "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+        return record
+    finally:
+        torch.set_num_threads(threads)
