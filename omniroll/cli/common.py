@@ -233,9 +233,19 @@ def preflight(cfg, prompts: list[str]) -> str:
     except FileNotFoundError as e:
         raise UserError(f"--model (engine.model): {e}") from None
     problems = _cuda_problems(cfg.engine.device) if cfg.engine.device.startswith("cuda") else []
+    problems += reward_prompt_problems(cfg, prompts)
     if problems:
         raise UserError(problems)
     return model
+
+
+def reward_prompt_problems(cfg, prompts: list[str]) -> list[str]:
+    """Prompts a configured reward function cannot score (`omniroll.reward.scorers.prompt_problems`), each line
+    naming the function's config key."""
+    from omniroll.reward.scorers import prompt_problems
+
+    return [f"reward.functions.{name}: {line}" for name, f in cfg.reward.functions.items()
+            for line in prompt_problems(f.fn, prompts)]
 
 
 def _cuda_problems(device: str) -> list[str]:

@@ -31,6 +31,7 @@ from PIL import Image
 from omniroll.reward.clip import AestheticScorer, ClipScoreScorer, PickScoreScorer
 from omniroll.reward.http import HttpScorer, decode_png_batch, decode_safetensors_batch
 from omniroll.reward.ocr import OcrScorer
+from omniroll.reward.shapes import SHAPES_SCORERS
 
 # ------------------------------------------------------------------------------------------------ the contract
 RewardStatus = Literal["ok", "flagged", "failed"]
@@ -153,6 +154,7 @@ __all__ = [
     "load_function",
     "per_sample_to_batch",
     "prompt_colour",
+    "prompt_problems",
     "register_scorer",
     "scorer_problems",
 ]
@@ -292,6 +294,7 @@ SCORER_REGISTRY: dict[str, Callable[..., Scorer]] = {
     "pickscore": PickScoreScorer,
     "clip_score": ClipScoreScorer,
     "aesthetic": AestheticScorer,
+    **SHAPES_SCORERS,
 }
 
 
@@ -334,6 +337,15 @@ def scorer_problems(fn: Union[str, Callable], kwargs: dict | None = None) -> lis
             return [f"kwargs: {e}"]
     check = getattr(obj, "check_kwargs", None)
     return list(check(kwargs)) if callable(check) else []
+
+
+def prompt_problems(fn: Union[str, Callable], prompts: Sequence[str]) -> list[str]:
+    """The prompts a registered scorer cannot score, one line each, found before anything runs: the factory's own
+    `check_prompts(prompts)` (the shapes rewards: a prompt outside the grammar, with its nearest valid form); []
+    for scorers that take any prompt."""
+    factory = SCORER_REGISTRY.get(fn) if isinstance(fn, str) else None
+    check = getattr(factory, "check_prompts", None)
+    return list(check(list(prompts))) if callable(check) else []
 
 
 def build_scorer(fn: Union[str, Callable], kwargs: dict | None = None, per_sample: bool = False) -> Scorer:
