@@ -23,7 +23,9 @@ import time
 #: subcommand -> module under omniroll.cli
 COMMANDS = {
     "demo": "omniroll.cli.demo",
+    "eval": "omniroll.cli.eval",
     "generate": "omniroll.cli.generate",
+    "pretrain": "omniroll.cli.pretrain",
     "rollout": "omniroll.cli.rollout",
     "serve": "omniroll.cli.serve",
     "train": "omniroll.cli.train",

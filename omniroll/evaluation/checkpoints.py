@@ -1,0 +1,47 @@
+"""A checkpoint `omniroll train` wrote, applied to an in-process engine for inference: a LoRA checkpoint goes in
+through the engine's own `add_lora` (what a replica does with a weight sync), a full one replaces the transformer's
+weights before the engine starts. The formats are `omniroll.train.policy.Policy.save`'s."""
+
+from __future__ import annotations
+
+import os
+
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
+FULL_FILE = os.path.join("transformer", "diffusion_pytorch_model.safetensors")
+
+
+def checkpoint_kind(path: str) -> str:
+    """"lora" or "full"; ValueError naming what a checkpoint directory should hold."""
+    if all(os.path.isfile(os.path.join(path, f)) for f in LORA_FILES):
+        return "lora"
+    if os.path.isfile(os.path.join(path, FULL_FILE)):
+        return "full"
+    raise ValueError(f"{path} is not a trainer checkpoint: it holds neither a LoRA ({', '.join(LORA_FILES)}) nor "
+                     f"full weights ({FULL_FILE})")
+
+
+def load_full_weights(adapter, path: str) -> None:
+    """Copy a full checkpoint's transformer weights into `adapter`'s denoiser (before an engine owns it)."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(path, FULL_FILE))
+    own = dict(adapter.denoiser.named_parameters())
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ValueError(f"{path}: the full checkpoint lacks {len(missing)} of the model's weights, e.g. "
+                         f"{missing[:3]} (trained on another model?)")
+    with torch.no_grad():
+        for name, p in own.items():
+            if tuple(state[name].shape) != tuple(p.shape):
+                raise ValueError(f"{path}: weight {name} has shape {tuple(state[name].shape)}, the model's is "
+                                 f"{tuple(p.shape)} (trained on another model?)")
+            p.copy_(state[name])
+
+
+def add_lora_checkpoint(engine, path: str) -> None:
+    """Load a LoRA checkpoint into a running engine as weight version 1."""
+    from omniroll.weights import OmniTensorLoRARequest
+
+    engine.add_lora(OmniTensorLoRARequest(lora_name=os.path.basename(os.path.normpath(path)), lora_int_id=1,
+                                          lora_path=path), version=1)

@@ -1,0 +1,101 @@
+"""GenEval on the shapes world: generate every prompt at fixed seeds with the deterministic ODE, score each picture
+with the exact checker, and tabulate strict accuracy per category against a chance baseline
+(`omniroll.tasks.shapes.report`).
+
+`evaluate(engine, prompts, seeds, sampling)` runs it on an in-process `DiffusionEngine` (`omniroll eval`,
+`omniroll pretrain shapes`); the trainer validates with the same prompts, seeds and scoring through its replicas.
+`write_evaluation` writes `eval.json` (the table, every picture's prompt, seed and result) and a captioned grid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from omniroll.tasks.shapes.report import Report, Scored, captioned_grid, score_pictures
+
+__all__ = ["Evaluation", "eval_sampling", "eval_seed", "eval_uid", "evaluate", "prompts_of", "scored",
+           "write_evaluation"]
+from omniroll.tasks.shapes.splits import prompts_of
+
+
+@dataclass
+class Evaluation:
+    prompts: list[str]  # one per picture
+    seeds: list[int]
+    pictures: list[np.ndarray]  # uint8 [H, W, 3]
+    rows: list[Scored]
+    report: Report
+
+    def to_dict(self) -> dict:
+        return {**self.report.to_dict(), "pictures": [
+            {"prompt": r.prompt, "seed": s, "tag": r.tag, "strict": r.strict, "partial": r.partial,
+             "chance": r.chance, "reasons": list(r.reasons)} for r, s in zip(self.rows, self.seeds)]}
+
+
+def eval_sampling(config) -> dict:
+    """The evaluation's sampling: the config's validation sampling (`val_kwargs` over `pipeline`; the ODE, no
+    log-probs), which is what the trainer's validation uses."""
+    return config.sampling_params(validate=True)
+
+
+def eval_uid(prompt: str) -> str:
+    """The prompt group an evaluation picture belongs to: the prompt itself, so its seeds do not depend on where the
+    prompt sits in a list."""
+    return f"eval|{prompt}"
+
+
+def eval_seed(base: int, prompt: str, index: int) -> int:
+    """The seed of a prompt's index-th evaluation picture: the agent loop's validation seed of that row
+    (`derive_seed(val_kwargs.seed, 0, eval_uid(prompt), index)`), so `omniroll eval` on a checkpoint draws exactly
+    the pictures the trainer's evaluation drew with those weights."""
+    from omniroll.sampling.window import derive_seed
+
+    return derive_seed(base, 0, eval_uid(prompt), index)
+
+
+def evaluate(engine, prompts: list[str], seeds: int, sampling: dict, base_seed: int,
+             progress: bool = False) -> Evaluation:
+    """Every prompt `seeds` times (seeds `eval_seed(base_seed, prompt, 0 .. seeds - 1)`) on `engine` (a
+    `DiffusionEngine`), scored and tabulated."""
+    from omniroll import GenerationRequest, SamplingParams
+
+    sp = SamplingParams(**{**sampling, "logprobs": False})
+    reqs = [GenerationRequest(request_id=f"eval-{i}-{j}", prompt=p, seed=eval_seed(base_seed, p, j), sampling_params=sp)
+            for i, p in enumerate(prompts) for j in range(seeds)]
+    outs = engine.generate(reqs, progress=progress)
+    pictures = [o.diffusion_output.permute(1, 2, 0).contiguous().numpy() for o in outs]
+    return scored(pictures, [r.prompt for r in reqs], [r.seed for r in reqs])
+
+
+def scored(pictures: list[np.ndarray], prompts: list[str], seeds: list[int]) -> Evaluation:
+    rows = score_pictures(prompts, pictures)
+    return Evaluation(prompts, seeds, pictures, rows, Report.from_rows(rows))
+
+
+def write_evaluation(ev: Evaluation, out_dir: str, name: str = "eval", title: str = "",
+                     grid_per_category: int = 8, extra: Optional[dict] = None) -> dict:
+    """`{name}.json` and `{name}_grid.png` (a row per category: its first `grid_per_category` pictures, captioned
+    with the prompt, green for a pass and red for a fail) under `out_dir`; returns {json, grid} paths."""
+    from PIL import Image
+
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, f"{name}.json")
+    with open(json_path, "w") as f:
+        json.dump({"title": title, **(extra or {}), **ev.to_dict()}, f, indent=1)
+        f.write("\n")
+    cells, caps, passed = [], [], []
+    for tag in ev.report.categories:  # one row per category
+        mine = [i for i, r in enumerate(ev.rows) if r.tag == tag][:grid_per_category]
+        pad = grid_per_category - len(mine)
+        cells += [ev.pictures[i] for i in mine] + [None] * pad
+        caps += [ev.rows[i].prompt for i in mine] + [""] * pad
+        passed += [ev.rows[i].strict for i in mine] + [False] * pad
+    grid = captioned_grid(cells, caps, passed, columns=grid_per_category)
+    grid_path = os.path.join(out_dir, f"{name}_grid.png")
+    Image.fromarray(grid).save(grid_path)
+    return {"json": json_path, "grid": grid_path}
