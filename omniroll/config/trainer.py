@@ -18,6 +18,32 @@ class LoRASection(_Strict):
                                                 "None: the family's default (its attention projections)")
 
 
+class EvaluationSection(_Strict):
+    """`trainer.evaluation`: a task evaluation before the first step, every `val_every` steps and after the last
+    (`omniroll.train.task_eval`), beside the validation grids."""
+
+    task: Literal["shapes"] = Field("shapes", description="shapes: GenEval's strict accuracy per category on the "
+                                                          "shapes world (omniroll eval)")
+    splits: list[str] = Field(default_factory=lambda: ["train", "heldout"], min_length=1,
+                              description="each a split of the task's prompts (train, heldout, all) or a file of "
+                                          "prompts, one a line")
+    seeds: int = Field(4, ge=1, le=1000, description="pictures per prompt (fixed seeds, the ODE)")
+
+    @field_validator("splits")
+    @classmethod
+    def _known_splits(cls, value):
+        from omniroll.tasks.shapes.splits import prompts_of
+
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a split twice: {value}")
+        for split in value:
+            try:
+                prompts_of(split)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(str(e).splitlines()[0]) from None
+        return value
+
+
 #: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
 
@@ -52,7 +78,10 @@ class TrainerSection(_Strict):
     window_advance_every: int = Field(1, ge=1)
     gradient_checkpointing: bool = False
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
-    val_every: int = Field(0, ge=0, description="steps between validation grids (0: before and after only)")
+    val_every: int = Field(0, ge=0, description="steps between validations (grids, and the task evaluation when "
+                                                "`evaluation` is set; 0: before and after only)")
+    evaluation: Optional[EvaluationSection] = Field(None, description="a task evaluation (GenEval on the shapes "
+                                                                      "world) at every validation; None: none")
     seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
     weight_transport: Literal["auto", "object_store", "ray", "shm"] = Field(
         "auto", description="auto: /dev/shm for replicas on the trainer's node, the Ray object store for the others")

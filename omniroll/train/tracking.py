@@ -221,6 +221,18 @@ class Tracker:
             if grid:
                 b.log_media("val/grid", grid, step, self.fps)
 
+    def log_eval(self, tag: str, step: int, metrics: dict[str, float], lines: list[str]) -> None:
+        """A task evaluation (`omniroll.train.task_eval`): its summary lines (console), one metrics.jsonl record
+        `{"step", "eval": tag, "eval/<split>/...": ...}` (training steps' records hold `reward_mean`; these do not)
+        and the scalars to every backend."""
+        if "console" in self.names:
+            for line in lines:
+                self.log(line)
+        if "jsonl" in self.names:
+            append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), {"step": step, "eval": tag, **metrics})
+        for b in self.backends.values():
+            b.log_scalars(dict(metrics), step)
+
     def state(self, step: int) -> dict:
         """What a checkpoint keeps so that a resumed run continues the same tracker runs."""
         out: dict[str, Any] = {"project_name": self.project, "experiment_name": self.experiment, "step": step}
@@ -275,8 +287,9 @@ def mode_label(m: dict) -> str:
     return f"async K={k}" + (" + partial" if m.get("partial_rollout") else "")
 
 
-def find_checkpoint(path: str) -> str:
-    """A checkpoint directory: `path` itself (it holds trainer_state.pt) or a run directory's latest checkpoint."""
+def find_checkpoint(path: str, flag: str = "--resume") -> str:
+    """A checkpoint directory: `path` itself (it holds trainer_state.pt) or a run directory's latest checkpoint;
+    FileNotFoundError naming `flag` otherwise."""
     if os.path.isfile(os.path.join(path, "trainer_state.pt")):
         return path
     latest = os.path.join(path, "checkpoints", "latest")
@@ -285,7 +298,7 @@ def find_checkpoint(path: str) -> str:
             ckpt = os.path.join(path, "checkpoints", f.read().strip())
         if os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
             return ckpt
-    raise FileNotFoundError(f"--resume {path}: neither a checkpoint (trainer_state.pt) nor a run directory with "
+    raise FileNotFoundError(f"{flag} {path}: neither a checkpoint (trainer_state.pt) nor a run directory with "
                             f"checkpoints/latest")
 
 

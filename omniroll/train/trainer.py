@@ -361,6 +361,12 @@ class FlowGRPOTrainer:
         tracking.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
         self.tracker.log_validation(tag, self.step_done, out, score, path)
         self.log(f"validation {tag}: reward {score:.4f} -> {path}" if score is not None else f"validation {tag}")
+        if self.tc.evaluation is not None:
+            from omniroll.train.task_eval import eval_lines, run_task_eval
+
+            metrics, results = run_task_eval(self.manager, self.config, self.out_dir, tag, self.step_done)
+            self.tracker.log_eval(tag, self.step_done, metrics, eval_lines(tag, self.step_done, results))
+            rec.update(metrics)
         return rec
 
     def save_checkpoint(self) -> str:
@@ -390,4 +396,4 @@ class FlowGRPOTrainer:
 
     def history_all(self) -> list[dict]:
         """Every step's metrics in this out_dir (a resumed run appends to them)."""
-        return tracking.read_jsonl(os.path.join(self.out_dir, "metrics.jsonl"))
+        return [m for m in tracking.read_jsonl(os.path.join(self.out_dir, "metrics.jsonl")) if "reward_mean" in m]

@@ -1,0 +1,136 @@
+"""The shapes model: the shipped checkpoint (integrity, its sampling defaults, loading in the engine), `omniroll
+pretrain shapes` end to end on a miniature recipe, and `omniroll eval`."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from omniroll.config import ConfigError, load_config
+from omniroll.models import resolve_model, sampling_defaults
+from omniroll.models.shapes import CHECKPOINT, SUMS_FILE, file_digests, verified
+
+
+def test_the_shipped_checkpoint_matches_its_sha256_sums_and_names_a_changed_file(tmp_path):
+    path = resolve_model("shapes")
+    assert path == CHECKPOINT and os.path.isfile(os.path.join(path, SUMS_FILE))
+    total = sum(os.path.getsize(os.path.join(path, f)) for f in file_digests(path))
+    assert total < 25e6  # it lives in git
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(path, copy)
+    assert verified(copy) == copy
+    weights = os.path.join(copy, "transformer", "diffusion_pytorch_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\0\0\0\0")
+    verified.cache_clear()
+    with pytest.raises(FileNotFoundError, match="transformer/diffusion_pytorch_model.safetensors"):
+        verified(copy)
+    verified.cache_clear()
+
+
+def test_a_models_sampling_defaults_sit_between_the_schema_and_the_user():
+    assert sampling_defaults("tiny") == {}
+    cfg = load_config({"engine": {"model": "shapes"}})
+    assert (cfg.pipeline.height, cfg.pipeline.width, cfg.pipeline.max_sequence_length) == (64, 64, 12)
+    cfg = load_config({"engine": {"model": "shapes"}, "pipeline": {"guidance_scale": 2.0}},
+                      overrides=["pipeline.num_inference_steps=6"])
+    assert (cfg.pipeline.guidance_scale, cfg.pipeline.num_inference_steps, cfg.pipeline.height) == (2.0, 6, 64)
+    assert load_config({"engine": {"model": "tiny"}}).pipeline.height == 512  # the schema's
+    with pytest.raises(ConfigError, match="max_sequence_length"):
+        load_config({"engine": {"model": "shapes"}, "pipeline": {"max_sequence_length": 128}})
+
+
+def test_a_shapes_reward_refuses_a_training_prompt_outside_the_grammar_before_anything_starts():
+    raw = {"engine": {"model": "shapes"}, "n": 2, "reward": {"functions": {"geneval": {"fn": "shapes"}}},
+           "trainer": {"prompts": ["a circle", "three squars"], "prompts_per_step": 1}}
+    with pytest.raises(ConfigError, match=r"trainer.prompts: prompt 1: prompt 'three squars' .* nearest valid "
+                                          r"prompt is 'three squares'"):
+        load_config(raw)
+
+
+def test_the_shipped_model_generates_the_worlds_pictures_in_the_engine():
+    import torch
+
+    from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
+
+    cfg = load_config({"engine": {"model": "shapes"}})
+    engine = DiffusionEngine.from_pretrained(resolve_model("shapes"), max_batch_size=8)
+    try:
+        sp = SamplingParams(**{**cfg.sampling_params(), "sde_window_size": 2, "sde_window_range": (0, 4)})
+        out = engine.generate([GenerationRequest(request_id="r", prompt="a red circle", seed=0, sampling_params=sp)])[0]
+    finally:
+        engine.shutdown()
+    assert out.diffusion_output.shape == (3, 64, 64) and out.diffusion_output.dtype == torch.uint8
+    assert out.log_probs.shape == (2,) and torch.isfinite(out.log_probs).all()
+    assert out.extra_fields["all_latents"].shape[1:] == (4, 16, 16)
+
+
+def test_pretrain_runs_the_whole_recipe_in_miniature_and_eval_scores_its_checkpoint(tmp_path, capsys):
+    from omniroll.cli import main
+
+    out = tmp_path / "pt"
+    mini = ["vae.steps=4", "vae.batch_size=4", "dit.steps=3", "dit.batch_size=4", "dit.num_latents=64",
+            "check_pictures=8", "torch_threads=1"]
+    assert main(["pretrain", "shapes", "--out", str(out), "--no-eval", "--quiet",
+                 *sum([["--override", o] for o in mini], [])]) == 0
+    record = json.loads((out / "pretrain.json").read_text())
+    assert record["recipe"]["dit"]["steps"] == 3 and record["times"]["transformer_s"] > 0
+    assert set(record["vae_check"]["checker_on_reconstructions"]["categories"]) <= set(
+        ["single_object", "two_object", "counting", "colors", "position", "color_attr"])
+    ckpt = out / "checkpoint"
+    assert verified(str(ckpt)) == str(ckpt) and (out / "loss_curve.png").is_file()
+    assert json.loads((ckpt / "omniroll_defaults.json").read_text())["pipeline"]["height"] == 64
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a circle\n\nthree squares\n")
+    capsys.readouterr()
+    assert main(["eval", "--model", str(ckpt), "--prompts", str(prompts), "--seeds", "2", "--out",
+                 str(tmp_path / "ev"), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "single_object" in printed and "counting" in printed and "overall" in printed
+    ev = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert ev["overall"]["n"] == 4 and len(ev["pictures"]) == 4 and (tmp_path / "ev" / "eval_grid.png").is_file()
+    again = tmp_path / "ev2"
+    assert main(["eval", "--model", str(ckpt), "--prompts", str(prompts), "--seeds", "2", "--out", str(again),
+                 "--quiet"]) == 0
+    assert json.loads((again / "eval.json").read_text())["pictures"] == ev["pictures"]  # fixed seeds, the ODE
+
+
+def test_eval_refuses_a_prompt_file_line_outside_the_grammar_naming_it(tmp_path, capsys):
+    from omniroll.cli import main
+
+    bad = tmp_path / "bad.txt"
+    bad.write_text("a circle\na blue squre\n")
+    assert main(["eval", "--model", "shapes", "--prompts", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and "'a blue square'" in err
+    assert main(["eval", "--model", "shapes", "--prompts", "validation", "--out", str(tmp_path / "o")]) == 2
+    assert "train" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_the_shapes_rewards_stream_per_category_extras_and_fail_outside_the_grammar():
+    import asyncio
+
+    import numpy as np
+
+    from omniroll.reward import RewardManager, RewardSample
+    from omniroll.tasks.shapes.grammar import parse_prompt
+    from omniroll.tasks.shapes.render import render
+    from omniroll.tasks.shapes.scene import sample_scene
+
+    rng = np.random.default_rng(0)
+    prompts = ["three squares", "a red circle", "a circle left of a square"]
+    samples = [RewardSample(sample_id=f"s{i}", prompt=p,
+                            image=np.ascontiguousarray(render(sample_scene(parse_prompt(p), rng)).transpose(2, 0, 1)))
+               for i, p in enumerate(prompts)]
+    samples.append(RewardSample(sample_id="wrong", prompt="three circles", image=samples[0].image))
+    samples.append(RewardSample(sample_id="bad", prompt="a dog", image=samples[0].image))
+    mgr = RewardManager({"geneval": {"fn": "shapes", "max_retries": 0},
+                         "strict": {"fn": "shapes_strict", "weight": 0.0, "max_retries": 0}})
+    res = asyncio.run(mgr.score(samples))
+    assert [r.score for r in res[:4]] == [1.0, 1.0, 1.0, 0.0]
+    assert res[0].extra_info["geneval/counting"] == 1.0 and "geneval/colors" not in res[0].extra_info
+    assert res[3].extra_info["strict/strict"] == 0.0 and res[3].components["strict"] == 0.0
+    assert res[4].status == "failed" and res[4].score is None and "nearest valid prompt" in res[4].error
