@@ -119,9 +119,13 @@ def reward_function_means(batch: Any) -> dict[str, float]:
     return out
 
 
+def model_name(config: Any) -> str:
+    """The run's model as a person names it: `engine.model`, the last part of it for a path."""
+    return os.path.basename(os.path.normpath(str(config.engine.model))) or "model"
+
+
 def default_experiment_name(config: Any) -> str:
-    model = os.path.basename(os.path.normpath(str(config.engine.model))) or "model"
-    return f"{model}-{config.trainer.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"{model_name(config)}-{config.trainer.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def samples_of(batch: Any, count: int, one_per_group: bool = True) -> list[tuple[np.ndarray, str]]:
@@ -179,13 +183,14 @@ class Tracker:
                                          f"{first}{_HINTS.get(name, '')}") from e
 
     # ------------------------------------------------------------------ what the trainer calls
-    def log_step(self, m: dict, batch: Any = None) -> None:
-        """One training step: the step line (console), metrics.jsonl, and every backend's scalars, reward histogram
-        and, every `log_images_every` steps, a few captioned training samples."""
+    def log_step(self, m: dict, batch: Any = None, total: Optional[int] = None) -> None:
+        """One training step: the step line (console; `total`: the step the run goes to, default `trainer.steps`),
+        metrics.jsonl, and every backend's scalars, reward histogram and, every `log_images_every` steps, a few
+        captioned training samples."""
         step = int(m["step"])
         extra = reward_function_means(batch) if batch is not None else {}
         if "console" in self.names:
-            self.log(format_step(m, self.total_steps))
+            self.log(format_step(m, total or self.total_steps))
         if "jsonl" in self.names:
             append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), {**m, **extra})
         if not self.backends:
@@ -323,8 +328,9 @@ def save_val_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: 
     img.save(path)
 
 
-def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None) -> None:
-    """reward_curve.png: mean training reward per step with a +-1 std band (and validation points if any)."""
+def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model") -> None:
+    """reward_curve.png: mean training reward per step with a +-1 std band (and validation points if any); the
+    title names `model` (`model_name(config)`) and the mode."""
     if not history:
         return
     import matplotlib
@@ -345,15 +351,20 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
-    mode = mode_label(history[-1])
-    if mode != "synchronous":
-        mode += f", staleness max {max(m.get('staleness_max', 0) for m in history)}"
-    ax.set_title(f"Flow-GRPO on the tiny SD3 (omniroll train, {mode})")
+    ax.set_title(curve_title(history, model))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def curve_title(history: list[dict], model: str) -> str:
+    """reward_curve.png's title: the model and the mode, e.g. 'Flow-GRPO on tiny (omniroll train, synchronous)'."""
+    mode = mode_label(history[-1])
+    if mode != "synchronous":
+        mode += f", staleness max {max(m.get('staleness_max', 0) for m in history)}"
+    return f"Flow-GRPO on {model} (omniroll train, {mode})"
 
 
 def plot_reward_curves(runs: dict[str, list[dict]], path: str, title: str = "") -> None:

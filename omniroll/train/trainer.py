@@ -197,7 +197,8 @@ class FlowGRPOTrainer:
                 signal.signal(signal.SIGINT, old)
             if bar is not None:
                 bar.close()
-            tracking.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"))
+            tracking.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"),
+                                  model=tracking.model_name(self.config))
         return self.history
 
     def _on_sigint(self, signum, frame) -> None:
@@ -270,7 +271,7 @@ class FlowGRPOTrainer:
                  "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall}
             self.pipeline.forget_before(t0)
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
-            self.tracker.log_step(m, out)  # the step line, metrics.jsonl, trackers (trainer.logger)
+            self.tracker.log_step(m, out, total=self._last)  # the step line, metrics.jsonl, trackers (trainer.logger)
         return m
 
     def _fresh(self, step: int, out: DataBatch) -> tuple[DataBatch, torch.Tensor, dict]:
