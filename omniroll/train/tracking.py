@@ -1,6 +1,6 @@
 """What a training run writes and reads: experiment tracking for `omniroll train` (verl's `trainer.logger` list over
 console, jsonl, tensorboard, wandb, swanlab and mlflow), and its files: metrics.jsonl, the step line,
-reward_curve.png, validation grids, and checkpoint lookup (below `Tracker`).
+reward_curve.png, and checkpoint lookup (below `Tracker`). The validation grids are drawn by `val_grid.py`.
 
     trainer:
       logger: [console, jsonl, tensorboard, wandb]   # any subset; default [console, jsonl]
@@ -11,10 +11,12 @@ reward_curve.png, validation grids, and checkpoint lookup (below `Tracker`).
 
 What each step logs: every metric of the step line under a tracker name (`tracker_name`: `reward/mean`,
 `actor/clipfrac`, `timing/rollout_s`, ...; a key this table does not know keeps a prefix by its shape, never
-dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` when several reward functions are weighted, and the
-histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a few training samples
+dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` (each reward function's own score, whatever its weight) and
+`reward/<fn>/<key>` (each numeric extra a scorer returned; both also in metrics.jsonl, `reward_breakdown.py`), and
+the histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a few training samples
 (`train/samples`, one per prompt group, captioned `prompt | reward`); at every validation the samples
-(`val/samples`), the grid (`val/grid`) and `val/reward_mean`. Videos go as video where the backend has it.
+(`val/samples`), the grid (`val/grid`), `val/reward_mean` and `val/reward/<fn>/...`. Videos go as video where the
+backend has it.
 
 Console is the step line; jsonl is `metrics.jsonl` in the output directory. The other backends are optional extras
 (`pip install 'omniroll[tensorboard]'`, ...), imported only when named; `check_loggers` names a missing one with
@@ -34,6 +36,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from omniroll.train.reward_breakdown import reward_breakdown
 
 
 #: the backends are listed once, as `omniroll.config.LOGGERS` (config/trainer.py); these four are optional extras:
@@ -106,19 +109,6 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
-def reward_function_means(batch: Any) -> dict[str, float]:
-    """`reward/<fn>/mean` of each reward function when several are weighted (each function's own score)."""
-    keys = list(batch.meta_info.get("reward_extra_keys") or [])
-    if len(keys) < 2:
-        return {}
-    out = {}
-    for k in keys:
-        vals = [float(v) for v in batch.non_tensor_batch[k] if v is not None]
-        if vals:
-            out[f"reward/{k}/mean"] = float(np.mean(vals))
-    return out
-
-
 def model_name(config: Any) -> str:
     """The run's model as a person names it: `engine.model`, the last part of it for a path."""
     return os.path.basename(os.path.normpath(str(config.engine.model))) or "model"
@@ -188,7 +178,7 @@ class Tracker:
         metrics.jsonl, and every backend's scalars, reward histogram and, every `log_images_every` steps, a few
         captioned training samples."""
         step = int(m["step"])
-        extra = reward_function_means(batch) if batch is not None else {}
+        extra = {f"reward/{k}": v for k, v in reward_breakdown(batch).items()}
         if "console" in self.names:
             self.log(format_step(m, total or self.total_steps))
         if "jsonl" in self.names:
@@ -209,9 +199,11 @@ class Tracker:
 
     def log_validation(self, tag: str, step: int, batch: Any, score: Optional[float], grid_path: Optional[str],
                        max_images: int = 16) -> None:
-        """A validation: `val/reward_mean`, the samples captioned `prompt | reward` and the grid image."""
+        """A validation: `val/reward_mean`, `val/reward/<fn>/mean` and `val/reward/<fn>/<key>` (each reward
+        function's own mean, each numeric scorer extra), the samples captioned `prompt | reward` and the grid image."""
         if not self.backends:
             return
+        parts = {f"val/reward/{k}": v for k, v in reward_breakdown(batch).items()}
         media = samples_of(batch, max_images, one_per_group=False)
         grid = None
         if grid_path and os.path.isfile(grid_path):
@@ -221,6 +213,8 @@ class Tracker:
         for b in self.backends.values():
             if score is not None and math.isfinite(score):
                 b.log_scalars({"val/reward_mean": float(score)}, step)
+            if parts:
+                b.log_scalars(parts, step)
             if media:
                 b.log_media("val/samples", media, step, self.fps)
             if grid:
@@ -314,18 +308,6 @@ def read_trainer_state(ckpt: str) -> dict:
     if missing:
         raise ValueError(f"--resume {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
     return state
-
-
-def save_val_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: int = 2) -> None:
-    """uint8 [rows * cols, 3, H, W] -> one PNG, a row per prompt (nearest-neighbour upscaled by `scale`)."""
-    from PIL import Image
-
-    n, _, H, W = images.shape
-    grid = images.reshape(rows, cols, 3, H, W).permute(0, 3, 1, 4, 2).reshape(rows * H, cols * W, 3)
-    img = Image.fromarray(grid.numpy())
-    if scale > 1:
-        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-    img.save(path)
 
 
 def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model") -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
@@ -34,6 +33,7 @@ from omniroll.train.policy import Policy, TrajectoryBatch
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import (VersionStore, behaviour_and_replay, group_advantages, off_policy_metrics,
                                    step_versions, train_on_batch)
+from omniroll.train.validation import run_validation
 
 
 REPLAY_ROWS = 2  # the fixed subset (first rows) whose recorded log-probs are replayed every step
@@ -351,18 +351,9 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
-        k = self.config.val_kwargs.n
-        batch = prompt_batch(self.val_prompts, k, lambda i: f"val{i:04d}", data_source="val",
-                             meta_info={"validate": True})
-        out = asyncio.run(self.manager.generate_sequences_async(batch))
-        path = os.path.join(self.out_dir, f"val_{tag}.png")
-        tracking.save_val_grid(out.batch["responses"], len(self.val_prompts), k, path)
-        score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
-        rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
-        tracking.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
-        self.tracker.log_validation(tag, self.step_done, out, score, path)
-        self.log(f"validation {tag}: reward {score:.4f} -> {path}" if score is not None else f"validation {tag}")
-        return rec
+        """The validation grid, validation.jsonl, the trackers and one line (`train/validation.py`)."""
+        return run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
+                              self.step_done, self.tracker, self.log)
 
     def save_checkpoint(self) -> str:
         path = os.path.join(self.out_dir, "checkpoints", f"step_{self.step_done:06d}")
