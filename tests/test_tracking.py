@@ -287,3 +287,13 @@ def test_a_tracker_that_cannot_start_its_run_is_one_line_naming_it(tmp_path, mon
     cfg = train_config(tiny_sd3_path, logger=["tensorboard", "wandb"], experiment_name="x")
     with pytest.raises(ValueError, match=r"trainer.logger: wandb could not start its run: .*WANDB_MODE=offline"):
         Tracker(cfg, str(tmp_path / "out"), log=lambda s: None)
+
+
+def test_the_step_line_shows_how_far_the_update_moved_the_policy():
+    from omniroll.train.tracking import format_step, tracker_name
+
+    assert "policy_kl" not in format_step(STEP, 3)  # not measured (policy_move_rows 0): not shown
+    line = format_step({**STEP, "policy_kl": 2.5e-5, "post_approx_kl": 1e-4, "post_clip_frac": 0.25}, 3)
+    assert "gnorm 0.100  policy_kl 2.5e-05  post_akl 1.0e-04  post_clip 0.25  v0" in line
+    assert [tracker_name(k) for k in ("policy_kl", "post_approx_kl", "post_clip_frac", "policy_move_s")] == \
+        ["actor/policy_kl", "actor/post_approx_kl", "actor/post_clipfrac", "timing/policy_move_s"]

@@ -72,6 +72,10 @@ class TrainerSection(_Strict):
                                "under the weight version that ran each window step")
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=1e6, description="truncation of the importance weight "
                                         "pi_prox / pi_behaviour per window step (>= 1, so K = 0 is exact)")
+    # what a step reports about itself (omniroll/train/policy_move.py, signal_check.py)
+    policy_move_rows: int = Field(8, ge=0, le=100_000, description="rows (the step's first ones) whose transitions "
+                                  "are recomputed before and after the update to measure policy_kl, post_approx_kl "
+                                  "and post_clip_frac; 0: not measured")
     # experiment tracking (verl's key names; omniroll.train.tracking)
     logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
                               "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")

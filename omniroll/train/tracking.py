@@ -55,7 +55,8 @@ NAMES = {
     "num_groups": "batch/num_groups", "num_samples": "batch/num_samples",
     "ratio_max_abs_dev": "actor/ratio_max_abs_dev", "clip_frac": "actor/clipfrac", "approx_kl": "actor/approx_kl",
     "loss": "actor/loss", "policy_loss": "actor/pg_loss", "kl": "actor/kl_loss", "grad_norm": "actor/grad_norm",
-    "optimizer_steps": "actor/optimizer_steps", "weight_version": "rollout/weight_version",
+    "optimizer_steps": "actor/optimizer_steps", "policy_kl": "actor/policy_kl", "post_approx_kl": "actor/post_approx_kl",
+    "post_clip_frac": "actor/post_clipfrac", "weight_version": "rollout/weight_version",
     "synced_version": "rollout/synced_version",
 }
 #: a key these do not name gets a prefix by its shape (see `tracker_name`)
@@ -252,9 +253,17 @@ def read_jsonl(path: str) -> list[dict]:
 def format_step(m: dict, total: int) -> str:
     return (f"step {m['step']:>4}/{total}  reward {m['reward_mean']:+.4f} +- {m['reward_std']:.4f}  "
             f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  kl {m['approx_kl']:.1e}  "
-            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  v{m['weight_version']}  "
+            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  {_move_part(m)}v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
             f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s" + _async_part(m))
+
+
+def _move_part(m: dict) -> str:
+    """How far the update moved the policy (policy_move.py; absent when not measured)."""
+    if "policy_kl" not in m:
+        return ""
+    return (f"policy_kl {m['policy_kl']:.1e}  post_akl {m['post_approx_kl']:.1e}  "
+            f"post_clip {m['post_clip_frac']:.2f}  ")
 
 
 def _async_part(m: dict) -> str:

@@ -30,6 +30,7 @@ from omniroll.train import tracking
 from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
                                           stale_rows)
 from omniroll.train.policy import Policy, TrajectoryBatch
+from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import (VersionStore, behaviour_and_replay, group_advantages, off_policy_metrics,
                                    step_versions, train_on_batch)
@@ -238,6 +239,8 @@ class FlowGRPOTrainer:
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
+        t_move = time.time()
+        before = snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
         t1 = time.time()
         decoupled = K > 0 or tc.old_log_prob == "recompute"
         behaviour, replay_dev = behaviour_and_replay(self.store, traj, versions, old_log_prob=tc.old_log_prob,
@@ -256,19 +259,23 @@ class FlowGRPOTrainer:
             self._sync(step)
             self.step_done = step
             t3 = time.time()
-            wall = t3 - t0
+            move = policy_move(before, snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size),
+                               tc.clip_range)
+            t4 = time.time()
+            wall = t4 - t0
             m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
                  "tied_groups": adv.tied_groups, "num_groups": adv.num_groups, "num_samples": len(traj),
                  "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
                  "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
-                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
+                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps, **move,
                  "weight_version": int(versions.min()), "synced_version": self.version,
                  "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale,
                  **off_policy_metrics(stats, versions, prox_version, replay_dev),
-                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t3), [(t1, t2)]) / max(wall, 1e-9),
+                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t4), [(t1, t2)]) / max(wall, 1e-9),
                  "samples_per_s": len(traj) / max(wall, 1e-9),
                  "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
-                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall}
+                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall,
+                 "policy_move_s": (t1 - t_move) + (t4 - t3)}
             self.pipeline.forget_before(t0)
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
             self.tracker.log_step(m, out, total=self._last)  # the step line, metrics.jsonl, trackers (trainer.logger)
