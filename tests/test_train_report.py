@@ -1,6 +1,7 @@
 """What a training run reports about itself, on real runs (local Ray, the tiny SD3): how far each update moved the
 policy (without changing the training), every reward function's own mean and every numeric scorer extra per step and
-per validation, captioned validation grids, the step line's total. The pure pieces: tests/test_policy_move.py."""
+per validation, captioned validation grids, the step line's total, and a run without learning signal that stops
+with its checkpoint and exit 1. The pure pieces: tests/test_policy_move.py, tests/test_signal_check.py."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from omniroll.config import load_config
@@ -102,3 +104,41 @@ def test_steps_and_validations_report_every_reward_function_and_extra_and_the_gr
         for c in range(2):
             band = grid[r * cell_h + 64: (r + 1) * cell_h, c * MIN_CELL: (c + 1) * MIN_CELL]
             assert (band < 80).sum() > 100 and (band == 255).mean() > 0.5  # text on white
+
+
+def test_a_run_without_learning_signal_stops_with_its_checkpoint_and_exits_1(ray_cluster, tiny_sd3_path, tmp_path,
+                                                                              capsys):
+    """The only reward function weighted 0: every reward is 0, every group tied, every update a no-op. The run warns
+    once, stops after trainer.signal_check.stop_after_tied_steps = 2 steps with the checkpoint of step 2 and exits 1,
+    one line per problem, no traceback; the move of a no-op update is exactly 0; the zero-weight function's own
+    score is still reported."""
+    from omniroll.cli import main
+
+    cfg = load_config(train_config(tiny_sd3_path, steps=6, signal_check={"stop_after_tied_steps": 2}),
+                      overrides=["reward.functions.colour.weight=0"])
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    out = str(tmp_path / "run")
+    assert main(["train", "--config", str(cfg_file), "--out", out, "--steps", "4"]) == 1
+    std = capsys.readouterr()
+    err = std.err.strip().splitlines()
+    assert len(err) == 4 and all(ln.startswith("omniroll train: error: ") for ln in err), std.err
+    assert "Traceback" not in std.err + std.out
+    assert "no learning signal" in err[0] and "for 2 consecutive steps, 1-2: tied_groups/num_groups 2/2, 2/2" in err[0]
+    assert "reward mean +- std +0 +- 0, +0 +- 0" in err[0]
+    assert "likely cause: a learning rate too high" in err[1] and "trainer.lr=0.01" in err[1] and "(n=4)" in err[1]
+    assert "what to change: lower trainer.lr" in err[2]
+    assert f"stopped after step 2; its checkpoint is in {os.path.join(out, 'checkpoints')}" in err[3]
+    warnings = [ln for ln in std.out.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: step 1: 2/2 prompt groups have tied rewards")
+    assert [ln.split()[1] for ln in std.out.splitlines() if ln.startswith("step ")] == ["1/4", "2/4"]
+    assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step_000002"
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step_000002", "trainer_state.pt"))
+
+    metrics = _jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [(m["step"], m["tied_groups"], m["num_groups"], m["reward_std"]) for m in metrics] == [(1, 2, 2, 0.0),
+                                                                                                  (2, 2, 2, 0.0)]
+    assert [(m["policy_kl"], m["post_approx_kl"], m["post_clip_frac"]) for m in metrics] == [(0.0, 0.0, 0.0)] * 2
+    (before,) = _jsonl(os.path.join(out, "validation.jsonl"))
+    assert before["val_reward_mean"] == 0.0 and before["reward/colour/mean"] != 0.0
+    assert all(m["reward/colour/mean"] != 0.0 for m in metrics)

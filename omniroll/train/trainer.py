@@ -31,6 +31,7 @@ from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, rege
                                           stale_rows)
 from omniroll.train.policy import Policy, TrajectoryBatch
 from omniroll.train.policy_move import policy_move, snapshot
+from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import (VersionStore, behaviour_and_replay, group_advantages, off_policy_metrics,
                                    step_versions, train_on_batch)
@@ -167,6 +168,7 @@ class FlowGRPOTrainer:
             from tqdm import tqdm
 
             bar = tqdm(total=last, initial=self.step_done, desc="train", unit="step", dynamic_ncols=True)
+        check = LearningSignalCheck.for_config(self.config, self.log, self.history_all() or self.history)
         old = signal.getsignal(signal.SIGINT)
         with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
             signal.signal(signal.SIGINT, self._on_sigint)
@@ -180,12 +182,16 @@ class FlowGRPOTrainer:
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", dev=m["ratio_max_abs_dev"])
                 if on_step is not None:
                     on_step(m)
+                check.observe(m)  # warns when the batches lose their learning signal; stops (below) without any
                 if self.tc.checkpoint_every and self.step_done % self.tc.checkpoint_every == 0:
                     self.save_checkpoint()
                 if self.tc.val_every and self.step_done % self.tc.val_every == 0 and self.step_done < last:
                     self.validate(f"step{self.step_done:06d}")
             self.validate("after")
             self.save_checkpoint()
+        except NoLearningSignal:
+            self.save_checkpoint()  # the last completed step; the caller says why the run stopped
+            raise
         except KeyboardInterrupt:
             n = self.pipeline.discard() if self.pipeline is not None else 0
             self.discarded_samples += n
