@@ -9,9 +9,9 @@ What is filtered, and why a user cannot act on it:
 - transformers' "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`"
   (and the same for every `*ImageProcessor`), logged once per process when diffusers imports its pipelines (the SD3
   pipeline names `SiglipImageProcessor`, diffusers' IP-adapter loader `CLIPImageProcessor`, both for optional image
-  encoders omniroll never loads) or a CLIP scorer loads its processor. The PIL backend it falls back to is the one transformers used before
-  5.x and the one omniroll's scorers are tested with; torchvision is not an omniroll dependency, and the other fix the
-  message offers (import the Pil class) is in diffusers' code, not the user's.
+  encoders omniroll never loads) or a CLIP scorer loads its processor. The PIL backend it falls back to is the one
+  transformers used before 5.x and the one omniroll's scorers are tested with; torchvision is not an omniroll
+  dependency, and the other fix the message offers (import the Pil class) is in diffusers' code, not the user's.
 
 With the installed versions (transformers 5.24, diffusers 0.42, torch 2.13, Ray 2.60) that is all a run of
 `examples/train.yaml` printed besides omniroll's own lines and Ray's token note, in the driver and in the actors'

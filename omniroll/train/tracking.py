@@ -55,8 +55,9 @@ NAMES = {
     "num_groups": "batch/num_groups", "num_samples": "batch/num_samples",
     "ratio_max_abs_dev": "actor/ratio_max_abs_dev", "clip_frac": "actor/clipfrac", "approx_kl": "actor/approx_kl",
     "loss": "actor/loss", "policy_loss": "actor/pg_loss", "kl": "actor/kl_loss", "grad_norm": "actor/grad_norm",
-    "optimizer_steps": "actor/optimizer_steps", "policy_kl": "actor/policy_kl", "post_approx_kl": "actor/post_approx_kl",
-    "post_clip_frac": "actor/post_clipfrac", "weight_version": "rollout/weight_version",
+    "optimizer_steps": "actor/optimizer_steps", "policy_kl": "actor/policy_kl",
+    "post_approx_kl": "actor/post_approx_kl", "post_clip_frac": "actor/post_clipfrac",
+    "weight_version": "rollout/weight_version",
     "synced_version": "rollout/synced_version",
 }
 #: a key these do not name gets a prefix by its shape (see `tracker_name`)
