@@ -131,3 +131,15 @@ NOT_CALLABLE = 42
 
 def huge(samples):
     return [1e308] * len(samples)
+
+
+def colour_channels(samples):
+    """A scorer that returns dicts: a strict pass as the score (1.0 when the prompt's colour channel is the image's
+    strongest, else 0.0) and, as extras, each channel's mean in [0, 1] (`red`, `green`, `blue`)."""
+    from omniroll.reward.scorers import prompt_colour_name
+
+    out = []
+    for s in samples:
+        means = {c: float(s.image[i].astype(np.float64).mean()) / 255.0 for i, c in enumerate(("red", "green", "blue"))}
+        out.append({"score": float(max(means, key=means.get) == prompt_colour_name(s.prompt)), **means})
+    return out

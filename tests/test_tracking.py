@@ -191,6 +191,30 @@ def test_tracker_names_keep_unknown_keys_under_a_prefix():
     assert tracker_name("val_reward_mean") == "val/reward_mean"
 
 
+#: a step's metrics as the step line needs them
+STEP = {"step": 1, "reward_mean": 0.1, "reward_std": 0.01, "ratio_max_abs_dev": 0.0, "clip_frac": 0.0,
+        "approx_kl": 0.0, "loss": 0.0, "grad_norm": 0.1, "weight_version": 0, "rollout_s": 1.0, "reward_wait_s": 0.0,
+        "train_s": 1.0, "sync_s": 0.0, "step_s": 2.0}
+
+
+def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_model(tmp_path, tiny_sd3_path):
+    from omniroll.train.tracking import Tracker, curve_title, model_name
+
+    lines = []
+    tracker = Tracker(train_config(tiny_sd3_path, steps=60, logger=["console"]), str(tmp_path), log=lines.append)
+    tracker.log_step(STEP)
+    tracker.log_step(STEP, total=3)  # the trainer passes train(steps)'s
+    assert [ln.split()[1] for ln in lines] == ["1/60", "1/3"]
+
+    cfg = train_config(tiny_sd3_path)
+    assert model_name(cfg) == os.path.basename(tiny_sd3_path.rstrip("/"))
+    assert model_name(load_config(cfg, overrides=["engine.model=tiny"])) == "tiny"
+    assert curve_title([STEP], "stable-diffusion-3.5-medium") == \
+        "Flow-GRPO on stable-diffusion-3.5-medium (omniroll train, synchronous)"
+    assert curve_title([{**STEP, "max_staleness": 1, "staleness_max": 1}], "tiny") == \
+        "Flow-GRPO on tiny (omniroll train, async K=1, staleness max 1)"
+
+
 def test_swanlab_offline_run_holds_the_scalars_and_a_captioned_image(tmp_path, monkeypatch, tiny_sd3_path):
     """swanlab (offline), read back with swanlab's own DataStoreReader. Not in
     `make test`: swanlab pins protobuf < 7, which would downgrade the suite's protobuf (`pip install
@@ -263,3 +287,13 @@ def test_a_tracker_that_cannot_start_its_run_is_one_line_naming_it(tmp_path, mon
     cfg = train_config(tiny_sd3_path, logger=["tensorboard", "wandb"], experiment_name="x")
     with pytest.raises(ValueError, match=r"trainer.logger: wandb could not start its run: .*WANDB_MODE=offline"):
         Tracker(cfg, str(tmp_path / "out"), log=lambda s: None)
+
+
+def test_the_step_line_shows_how_far_the_update_moved_the_policy():
+    from omniroll.train.tracking import format_step, tracker_name
+
+    assert "policy_kl" not in format_step(STEP, 3)  # not measured (policy_move_rows 0): not shown
+    line = format_step({**STEP, "policy_kl": 2.5e-5, "post_approx_kl": 1e-4, "post_clip_frac": 0.25}, 3)
+    assert "gnorm 0.100  policy_kl 2.5e-05  post_akl 1.0e-04  post_clip 0.25  v0" in line
+    assert [tracker_name(k) for k in ("policy_kl", "post_approx_kl", "post_clip_frac", "policy_move_s")] == \
+        ["actor/policy_kl", "actor/post_approx_kl", "actor/post_clipfrac", "timing/policy_move_s"]

@@ -49,9 +49,11 @@ def test_lora_training_is_exact_every_step_ctrl_c_checkpoints_and_resumes_bitwis
     assert [m["weight_version"] for m in hist] == [0, 1, 2, 3]
     assert [m["synced_version"] for m in hist] == [1, 2, 3, 4]
     assert all(m["grad_norm"] > 0 and m["optimizer_steps"] == 1 for m in hist)
+    assert all(m["policy_kl"] > 0 and m["post_approx_kl"] > 0 for m in hist)  # the update moved the policy
     lines = [json.loads(x) for x in open(os.path.join(straight, "metrics.jsonl"))]
     need = {"step", "reward_mean", "reward_std", "ratio_max_abs_dev", "clip_frac", "approx_kl", "loss", "grad_norm",
-            "weight_version", "rollout_s", "reward_wait_s", "train_s", "sync_s", "step_s"}
+            "policy_kl", "post_approx_kl", "post_clip_frac", "weight_version", "rollout_s", "reward_wait_s",
+            "train_s", "sync_s", "step_s", "policy_move_s"}
     assert len(lines) == 4 and all(need <= set(m) for m in lines)
     for f in ("reward_curve.png", "val_before.png", "val_after.png"):
         assert os.path.getsize(os.path.join(straight, f)) > 0
@@ -126,6 +128,7 @@ def test_full_finetuning_learns_exactly_with_kl_epochs_and_accumulation(ray_clus
     assert [m["ratio_max_abs_dev"] for m in hist] == [0.0] * LEARNING_STEPS
     assert [m["optimizer_steps"] for m in hist] == [4] * LEARNING_STEPS  # 24 samples / 8 per micro-batch: 2 x 2 epochs
     assert all(m["kl"] > 0 for m in hist[1:]) and all(m["approx_kl"] > 0 for m in hist)
+    assert all(m["policy_kl"] > 0 for m in hist)  # full fine-tuning: the move after 4 updates a step
     rewards = [m["reward_mean"] for m in hist]
     assert rise_t_value(rewards) > 3.0, [round(r, 4) for r in rewards]
 

@@ -32,6 +32,7 @@ COMMANDS = {
 }
 
 from omniroll.errors import OutputWriteError  # noqa: E402 - no torch: `omniroll --help` stays fast
+from omniroll.library_warnings import silence_library_warnings  # noqa: E402 - the standard library only
 
 #: the commands that start Ray: `--ray-address` (or RAY_ADDRESS) joins that cluster instead of starting a local one
 RAY_COMMANDS = ("rollout", "train", "serve")
@@ -93,6 +94,7 @@ def _say_error(command: str, lines) -> None:
 
 
 def main(argv=None) -> int:
+    silence_library_warnings()  # third-party warnings a user cannot act on (omniroll.library_warnings)
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
     if getattr(args, "ray_address", None):

@@ -3,9 +3,11 @@
 The config (with its `trainer` section) is validated before Ray starts: a bad key fails at once, named. One line per
 step above a progress bar over steps (the bar only on a terminal: in a log file, one clean line per step). Trackers:
 `trainer.logger` (omniroll.train.tracking). Ctrl-C writes the checkpoint of the last completed step and exits 130
-(an update and its weight sync are never cut in half). Writes to DIR: metrics.jsonl, reward_curve.png, val_before.png /
-val_after.png (ODE grids of the fixed validation prompts and seeds), checkpoints/step_N/ (LoRA in PEFT's
-save_pretrained format, trainer_state.pt), checkpoints/latest.
+(an update and its weight sync are never cut in half). A run whose every GRPO group has been tied for
+`trainer.signal_check.stop_after_tied_steps` steps stops: the checkpoint of its last step, then exit 1 with what was
+measured, the likely cause and what to change, one line each (`NoLearningSignal`). Writes to DIR: metrics.jsonl,
+reward_curve.png, val_before.png / val_after.png (captioned ODE grids of the fixed validation prompts and seeds),
+validation.jsonl, checkpoints/step_N/ (LoRA in PEFT's save_pretrained format, trainer_state.pt), checkpoints/latest.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
+    from omniroll.cli import CommandFailed
+    from omniroll.train.signal_check import NoLearningSignal
     from omniroll.train.trainer import FlowGRPOTrainer
 
     def log(line: str) -> None:
@@ -71,6 +75,9 @@ def run(args) -> int:
         print(f"\nomniroll train: interrupted; checkpoint of step {trainer.step_done} in "
               f"{os.path.join(args.out, 'checkpoints')} (continue with --resume {args.out})", file=sys.stderr)
         return 130
+    except NoLearningSignal as e:  # exit 1, one line per problem (omniroll.cli.main)
+        raise CommandFailed(e.problems + [f"stopped after step {trainer.step_done}; its checkpoint is in "
+                                          f"{os.path.join(args.out, 'checkpoints')}"]) from None
     out = os.path.abspath(args.out)
     print(f"omniroll train: {trainer.step_done} steps; outputs in {out}")
     for name in sorted(os.listdir(out)):

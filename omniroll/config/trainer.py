@@ -44,6 +44,22 @@ class EvaluationSection(_Strict):
         return value
 
 
+class SignalCheckSection(_Strict):
+    """`trainer.signal_check`: whether the batches still carry a GRPO learning signal (omniroll.train.signal_check).
+    A group is tied when all its rewards are equal: its advantages are 0 and it teaches nothing."""
+
+    tied_warn_frac: float = Field(0.75, gt=0, le=1, description="warn (once, until it falls back below) when at "
+                                  "least this share of a step's prompt groups is tied, in (0, 1]")
+    stop_after_tied_steps: int = Field(5, ge=0, le=10**6, description="stop the run (checkpoint of the last step, "
+                                       "then NoLearningSignal; the CLI exits 1) when every group has been tied for "
+                                       "this many consecutive steps; 0: never stop")
+    reward_window: int = Field(3, ge=1, le=10**4, description="steps averaged at the run's start and at its end by "
+                               "the reward-drop warning")
+    reward_drop_stds: float = Field(2.0, gt=0, le=1e6, description="warn (once, until it recovers) when the mean "
+                                    "reward of the last reward_window steps is more than this many times the start's "
+                                    "within-step reward std below the mean reward of the first reward_window steps")
+
+
 #: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
 
@@ -101,6 +117,11 @@ class TrainerSection(_Strict):
                                "under the weight version that ran each window step")
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=1e6, description="truncation of the importance weight "
                                         "pi_prox / pi_behaviour per window step (>= 1, so K = 0 is exact)")
+    # what a step reports about itself (omniroll/train/policy_move.py, signal_check.py)
+    policy_move_rows: int = Field(8, ge=0, le=100_000, description="rows (the step's first ones) whose transitions "
+                                  "are recomputed before and after the update to measure policy_kl, post_approx_kl "
+                                  "and post_clip_frac; 0: not measured")
+    signal_check: SignalCheckSection = Field(default_factory=SignalCheckSection)
     # experiment tracking (verl's key names; omniroll.train.tracking)
     logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
                               "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")

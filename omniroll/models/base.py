@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from omniroll.library_warnings import silence_library_warnings
+
 
 # ----------------------------------------------------------------------------------------------- the checkpoint
 INDEX_FILE = "model_index.json"
@@ -212,6 +214,7 @@ def check_pipeline(pipeline, cls: type, family: str, components: tuple[str, ...]
 
 def load_pipeline(class_name: str, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load a diffusers pipeline (by class name) from a local checkpoint directory, offline, onto `device`."""
+    silence_library_warnings()  # before diffusers imports the pipeline (and transformers' image processors)
     import diffusers
     from diffusers.utils import deprecation_utils
 

@@ -24,6 +24,7 @@ import collections
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
+from omniroll.library_warnings import silence_library_warnings
 from omniroll.reward.manager import RewardConfig, RewardManager
 from omniroll.reward.scorers import RewardResult, RewardSample
 
@@ -33,6 +34,7 @@ class RewardLoopWorker:
 
     def __init__(self, config: Union[dict, list, RewardConfig], worker_id: int = 0,
                  max_batch_size: Optional[int] = None, max_wait_ms: Optional[float] = None):
+        silence_library_warnings()  # this actor's process: third-party warnings its user cannot act on
         cfg = RewardConfig.from_any(config)
         updates = {}
         if max_batch_size is not None:

@@ -29,6 +29,7 @@ from omniroll.engine.errors import RequestError
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
+from omniroll.library_warnings import silence_library_warnings
 from omniroll.weights.transport import transport_of
 
 
@@ -51,6 +52,7 @@ class RolloutReplica:
     def __init__(self, model_path: str, replica_index: int = 0, engine_kwargs: Optional[dict] = None):
         from omniroll.engine.engine import DiffusionEngine
 
+        silence_library_warnings()  # this actor's process: third-party warnings its user cannot act on
         self.model_path = model_path
         self.replica_index = int(replica_index)
         self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))

@@ -4,11 +4,13 @@ below imports it).
 Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns), `recompute_log_probs` (the rollout's
 log-prob under the current weights, with autograd, bitwise equal with the rollout's weights), `group_advantages`,
 `ppo_clip_loss`, `decoupled_ppo_loss` (the asynchronous trainer's off-policy loss), `kl_to_reference`, `Policy`, and
-`FlowGRPOTrainer` for the whole loop.
+`FlowGRPOTrainer` for the whole loop. `NoLearningSignal`: what `FlowGRPOTrainer.train` raises when every GRPO group
+has been tied for `trainer.signal_check.stop_after_tied_steps` steps (`LearningSignalCheck`, signal_check.py).
 """
 
 from omniroll.train.policy import (Policy, TrajectoryBatch, enable_gradient_checkpointing, execution_mode,
                                    recompute_log_probs, trajectory_velocity)
+from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.update import (Advantages, LossTerms, decoupled_ppo_loss, group_advantages, kl_to_reference,
                                    ppo_clip_loss)
 
@@ -16,7 +18,7 @@ __all__ = [
     "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "decoupled_ppo_loss",
     "enable_gradient_checkpointing",
     "execution_mode", "trajectory_velocity", "recompute_log_probs", "TrajectoryBatch", "FlowGRPOTrainer", "Policy",
-    "WeightVersionError",
+    "WeightVersionError", "LearningSignalCheck", "NoLearningSignal",
 ]
 
 

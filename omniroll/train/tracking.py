@@ -1,6 +1,6 @@
 """What a training run writes and reads: experiment tracking for `omniroll train` (verl's `trainer.logger` list over
 console, jsonl, tensorboard, wandb, swanlab and mlflow), and its files: metrics.jsonl, the step line,
-reward_curve.png, validation grids, and checkpoint lookup (below `Tracker`).
+reward_curve.png, and checkpoint lookup (below `Tracker`). The validation grids are drawn by `val_grid.py`.
 
     trainer:
       logger: [console, jsonl, tensorboard, wandb]   # any subset; default [console, jsonl]
@@ -11,10 +11,12 @@ reward_curve.png, validation grids, and checkpoint lookup (below `Tracker`).
 
 What each step logs: every metric of the step line under a tracker name (`tracker_name`: `reward/mean`,
 `actor/clipfrac`, `timing/rollout_s`, ...; a key this table does not know keeps a prefix by its shape, never
-dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` when several reward functions are weighted, and the
-histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a few training samples
+dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` (each reward function's own score, whatever its weight) and
+`reward/<fn>/<key>` (each numeric extra a scorer returned; both also in metrics.jsonl, `reward_breakdown.py`), and
+the histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a few training samples
 (`train/samples`, one per prompt group, captioned `prompt | reward`); at every validation the samples
-(`val/samples`), the grid (`val/grid`) and `val/reward_mean`. Videos go as video where the backend has it.
+(`val/samples`), the grid (`val/grid`), `val/reward_mean` and `val/reward/<fn>/...`. Videos go as video where the
+backend has it.
 
 Console is the step line; jsonl is `metrics.jsonl` in the output directory. The other backends are optional extras
 (`pip install 'omniroll[tensorboard]'`, ...), imported only when named; `check_loggers` names a missing one with
@@ -34,6 +36,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from omniroll.train.reward_breakdown import reward_breakdown
 
 
 #: the backends are listed once, as `omniroll.config.LOGGERS` (config/trainer.py); these four are optional extras:
@@ -52,7 +55,9 @@ NAMES = {
     "num_groups": "batch/num_groups", "num_samples": "batch/num_samples",
     "ratio_max_abs_dev": "actor/ratio_max_abs_dev", "clip_frac": "actor/clipfrac", "approx_kl": "actor/approx_kl",
     "loss": "actor/loss", "policy_loss": "actor/pg_loss", "kl": "actor/kl_loss", "grad_norm": "actor/grad_norm",
-    "optimizer_steps": "actor/optimizer_steps", "weight_version": "rollout/weight_version",
+    "optimizer_steps": "actor/optimizer_steps", "policy_kl": "actor/policy_kl",
+    "post_approx_kl": "actor/post_approx_kl", "post_clip_frac": "actor/post_clipfrac",
+    "weight_version": "rollout/weight_version",
     "synced_version": "rollout/synced_version",
 }
 #: a key these do not name gets a prefix by its shape (see `tracker_name`)
@@ -106,22 +111,13 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
-def reward_function_means(batch: Any) -> dict[str, float]:
-    """`reward/<fn>/mean` of each reward function when several are weighted (each function's own score)."""
-    keys = list(batch.meta_info.get("reward_extra_keys") or [])
-    if len(keys) < 2:
-        return {}
-    out = {}
-    for k in keys:
-        vals = [float(v) for v in batch.non_tensor_batch[k] if v is not None]
-        if vals:
-            out[f"reward/{k}/mean"] = float(np.mean(vals))
-    return out
+def model_name(config: Any) -> str:
+    """The run's model as a person names it: `engine.model`, the last part of it for a path."""
+    return os.path.basename(os.path.normpath(str(config.engine.model))) or "model"
 
 
 def default_experiment_name(config: Any) -> str:
-    model = os.path.basename(os.path.normpath(str(config.engine.model))) or "model"
-    return f"{model}-{config.trainer.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"{model_name(config)}-{config.trainer.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def samples_of(batch: Any, count: int, one_per_group: bool = True) -> list[tuple[np.ndarray, str]]:
@@ -179,13 +175,14 @@ class Tracker:
                                          f"{first}{_HINTS.get(name, '')}") from e
 
     # ------------------------------------------------------------------ what the trainer calls
-    def log_step(self, m: dict, batch: Any = None) -> None:
-        """One training step: the step line (console), metrics.jsonl, and every backend's scalars, reward histogram
-        and, every `log_images_every` steps, a few captioned training samples."""
+    def log_step(self, m: dict, batch: Any = None, total: Optional[int] = None) -> None:
+        """One training step: the step line (console; `total`: the step the run goes to, default `trainer.steps`),
+        metrics.jsonl, and every backend's scalars, reward histogram and, every `log_images_every` steps, a few
+        captioned training samples."""
         step = int(m["step"])
-        extra = reward_function_means(batch) if batch is not None else {}
+        extra = {f"reward/{k}": v for k, v in reward_breakdown(batch).items()}
         if "console" in self.names:
-            self.log(format_step(m, self.total_steps))
+            self.log(format_step(m, total or self.total_steps))
         if "jsonl" in self.names:
             append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), {**m, **extra})
         if not self.backends:
@@ -204,9 +201,11 @@ class Tracker:
 
     def log_validation(self, tag: str, step: int, batch: Any, score: Optional[float], grid_path: Optional[str],
                        max_images: int = 16) -> None:
-        """A validation: `val/reward_mean`, the samples captioned `prompt | reward` and the grid image."""
+        """A validation: `val/reward_mean`, `val/reward/<fn>/mean` and `val/reward/<fn>/<key>` (each reward
+        function's own mean, each numeric scorer extra), the samples captioned `prompt | reward` and the grid image."""
         if not self.backends:
             return
+        parts = {f"val/reward/{k}": v for k, v in reward_breakdown(batch).items()}
         media = samples_of(batch, max_images, one_per_group=False)
         grid = None
         if grid_path and os.path.isfile(grid_path):
@@ -216,6 +215,8 @@ class Tracker:
         for b in self.backends.values():
             if score is not None and math.isfinite(score):
                 b.log_scalars({"val/reward_mean": float(score)}, step)
+            if parts:
+                b.log_scalars(parts, step)
             if media:
                 b.log_media("val/samples", media, step, self.fps)
             if grid:
@@ -265,9 +266,17 @@ def read_jsonl(path: str) -> list[dict]:
 def format_step(m: dict, total: int) -> str:
     return (f"step {m['step']:>4}/{total}  reward {m['reward_mean']:+.4f} +- {m['reward_std']:.4f}  "
             f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  kl {m['approx_kl']:.1e}  "
-            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  v{m['weight_version']}  "
+            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  {_move_part(m)}v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
             f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s" + _async_part(m))
+
+
+def _move_part(m: dict) -> str:
+    """How far the update moved the policy (policy_move.py; absent when not measured)."""
+    if "policy_kl" not in m:
+        return ""
+    return (f"policy_kl {m['policy_kl']:.1e}  post_akl {m['post_approx_kl']:.1e}  "
+            f"post_clip {m['post_clip_frac']:.2f}  ")
 
 
 def _async_part(m: dict) -> str:
@@ -324,20 +333,9 @@ def read_trainer_state(ckpt: str) -> dict:
     return state
 
 
-def save_val_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: int = 2) -> None:
-    """uint8 [rows * cols, 3, H, W] -> one PNG, a row per prompt (nearest-neighbour upscaled by `scale`)."""
-    from PIL import Image
-
-    n, _, H, W = images.shape
-    grid = images.reshape(rows, cols, 3, H, W).permute(0, 3, 1, 4, 2).reshape(rows * H, cols * W, 3)
-    img = Image.fromarray(grid.numpy())
-    if scale > 1:
-        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-    img.save(path)
-
-
-def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None) -> None:
-    """reward_curve.png: mean training reward per step with a +-1 std band (and validation points if any)."""
+def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model") -> None:
+    """reward_curve.png: mean training reward per step with a +-1 std band (and validation points if any); the
+    title names `model` (`model_name(config)`) and the mode."""
     if not history:
         return
     import matplotlib
@@ -358,15 +356,20 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
-    mode = mode_label(history[-1])
-    if mode != "synchronous":
-        mode += f", staleness max {max(m.get('staleness_max', 0) for m in history)}"
-    ax.set_title(f"Flow-GRPO on the tiny SD3 (omniroll train, {mode})")
+    ax.set_title(curve_title(history, model))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def curve_title(history: list[dict], model: str) -> str:
+    """reward_curve.png's title: the model and the mode, e.g. 'Flow-GRPO on tiny (omniroll train, synchronous)'."""
+    mode = mode_label(history[-1])
+    if mode != "synchronous":
+        mode += f", staleness max {max(m.get('staleness_max', 0) for m in history)}"
+    return f"Flow-GRPO on {model} (omniroll train, {mode})"
 
 
 def plot_reward_curves(runs: dict[str, list[dict]], path: str, title: str = "") -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
@@ -31,9 +30,12 @@ from omniroll.train import tracking
 from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
                                           stale_rows)
 from omniroll.train.policy import Policy, TrajectoryBatch
+from omniroll.train.policy_move import policy_move, snapshot
+from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import (VersionStore, behaviour_and_replay, group_advantages, off_policy_metrics,
                                    step_versions, train_on_batch)
+from omniroll.train.validation import run_validation
 
 
 REPLAY_ROWS = 2  # the fixed subset (first rows) whose recorded log-probs are replayed every step
@@ -166,6 +168,7 @@ class FlowGRPOTrainer:
             from tqdm import tqdm
 
             bar = tqdm(total=last, initial=self.step_done, desc="train", unit="step", dynamic_ncols=True)
+        check = LearningSignalCheck.for_config(self.config, self.log, self.history_all() or self.history)
         old = signal.getsignal(signal.SIGINT)
         with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
             signal.signal(signal.SIGINT, self._on_sigint)
@@ -179,12 +182,16 @@ class FlowGRPOTrainer:
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", dev=m["ratio_max_abs_dev"])
                 if on_step is not None:
                     on_step(m)
+                check.observe(m)  # warns when the batches lose their learning signal; stops (below) without any
                 if self.tc.checkpoint_every and self.step_done % self.tc.checkpoint_every == 0:
                     self.save_checkpoint()
                 if self.tc.val_every and self.step_done % self.tc.val_every == 0 and self.step_done < last:
                     self.validate(f"step{self.step_done:06d}")
             self.validate("after")
             self.save_checkpoint()
+        except NoLearningSignal:
+            self.save_checkpoint()  # the last completed step; the caller says why the run stopped
+            raise
         except KeyboardInterrupt:
             n = self.pipeline.discard() if self.pipeline is not None else 0
             self.discarded_samples += n
@@ -197,7 +204,8 @@ class FlowGRPOTrainer:
                 signal.signal(signal.SIGINT, old)
             if bar is not None:
                 bar.close()
-            tracking.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"))
+            tracking.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"),
+                                  model=tracking.model_name(self.config))
         return self.history
 
     def _on_sigint(self, signum, frame) -> None:
@@ -237,6 +245,8 @@ class FlowGRPOTrainer:
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
+        t_move = time.time()
+        before = snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
         t1 = time.time()
         decoupled = K > 0 or tc.old_log_prob == "recompute"
         behaviour, replay_dev = behaviour_and_replay(self.store, traj, versions, old_log_prob=tc.old_log_prob,
@@ -255,22 +265,26 @@ class FlowGRPOTrainer:
             self._sync(step)
             self.step_done = step
             t3 = time.time()
-            wall = t3 - t0
+            move = policy_move(before, snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size),
+                               tc.clip_range)
+            t4 = time.time()
+            wall = t4 - t0
             m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
                  "tied_groups": adv.tied_groups, "num_groups": adv.num_groups, "num_samples": len(traj),
                  "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
                  "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
-                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
+                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps, **move,
                  "weight_version": int(versions.min()), "synced_version": self.version,
                  "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale,
                  **off_policy_metrics(stats, versions, prox_version, replay_dev),
-                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t3), [(t1, t2)]) / max(wall, 1e-9),
+                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t4), [(t1, t2)]) / max(wall, 1e-9),
                  "samples_per_s": len(traj) / max(wall, 1e-9),
                  "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
-                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall}
+                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall,
+                 "policy_move_s": (t1 - t_move) + (t4 - t3)}
             self.pipeline.forget_before(t0)
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
-            self.tracker.log_step(m, out)  # the step line, metrics.jsonl, trackers (trainer.logger)
+            self.tracker.log_step(m, out, total=self._last)  # the step line, metrics.jsonl, trackers (trainer.logger)
         return m
 
     def _fresh(self, step: int, out: DataBatch) -> tuple[DataBatch, torch.Tensor, dict]:
@@ -350,17 +364,10 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
-        k = self.config.val_kwargs.n
-        batch = prompt_batch(self.val_prompts, k, lambda i: f"val{i:04d}", data_source="val",
-                             meta_info={"validate": True})
-        out = asyncio.run(self.manager.generate_sequences_async(batch))
-        path = os.path.join(self.out_dir, f"val_{tag}.png")
-        tracking.save_val_grid(out.batch["responses"], len(self.val_prompts), k, path)
-        score = float(out.batch["rm_scores"].mean()) if "rm_scores" in out.batch.keys() else None
-        rec = {"tag": tag, "step": self.step_done, "val_reward_mean": score, "grid": path}
-        tracking.append_jsonl(os.path.join(self.out_dir, "validation.jsonl"), rec)
-        self.tracker.log_validation(tag, self.step_done, out, score, path)
-        self.log(f"validation {tag}: reward {score:.4f} -> {path}" if score is not None else f"validation {tag}")
+        """The validation grid, validation.jsonl, the trackers and one line (`train/validation.py`); with
+        `trainer.evaluation`, the task evaluation too (`train/task_eval.py`)."""
+        rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
+                             self.step_done, self.tracker, self.log)
         if self.tc.evaluation is not None:
             from omniroll.train.task_eval import eval_lines, run_task_eval
 

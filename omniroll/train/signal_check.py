@@ -1,0 +1,107 @@
+"""`LearningSignalCheck`: whether a run's batches still carry a GRPO learning signal, read from each step's metrics.
+
+A prompt group is tied when all its rewards are equal: its advantages are 0 and it teaches nothing. A run whose every
+group is tied trains on nothing; it happens when a learning rate too high collapsed the policy to one output (every
+sample of a prompt looks the same), when the reward cannot tell the samples apart (a constant, a saturated or a
+zero-weight reward), or when the groups are too small (`n`). Fed every step's metrics (`step`, `tied_groups`,
+`num_groups`, `reward_mean`, `reward_std`), with `trainer.signal_check`:
+
+- warns, one line through the trainer's `log`, when at least `tied_warn_frac` of a step's groups are tied, once per
+  episode (again only after the share fell below it);
+- warns when the reward has fallen far below its start: the mean reward of the last `reward_window` steps is more
+  than `reward_drop_stds` x the start's within-step reward std (the mean `reward_std` of the first `reward_window`
+  steps) below the mean reward of those first steps. The threshold is in the reward's own spread, so it works for a
+  reward of any sign and scale. Once per episode;
+- raises `NoLearningSignal` when every group has been tied for `stop_after_tied_steps` consecutive steps (0: never).
+  The trainer then writes the checkpoint of the last completed step and re-raises; `omniroll train` exits 1 with the
+  exception's `problems`, one line each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+
+class NoLearningSignal(RuntimeError):
+    """Every GRPO group of the last `trainer.signal_check.stop_after_tied_steps` steps had tied rewards: the run was
+    stopped (after the checkpoint of its last completed step). `problems`: what was measured, the likely causes and
+    what to change, one line each; `steps`: those steps' metrics."""
+
+    def __init__(self, problems: list[str], steps: list[dict]):
+        self.problems, self.steps = list(problems), list(steps)
+        super().__init__("\n".join(self.problems))
+
+
+class LearningSignalCheck:
+    """See the module doc. `settings`: a `trainer.signal_check` section; `hints`: config values the stop message
+    names (e.g. {"trainer.lr": 0.006, "n": 8}); `earlier`: the metrics of this run's steps before this process (a
+    resumed run), whose first steps are the reward's start."""
+
+    def __init__(self, settings: Any, log: Callable[[str], None] = print, hints: Optional[dict] = None,
+                 earlier: Sequence[dict] = ()):
+        self.tied_warn_frac = float(settings.tied_warn_frac)
+        self.stop_after = int(settings.stop_after_tied_steps)
+        self.window = int(settings.reward_window)
+        self.drop_stds = float(settings.reward_drop_stds)
+        self.log, self.hints = log, dict(hints or {})
+        self.rewards = [(float(m["reward_mean"]), float(m["reward_std"])) for m in earlier
+                        if "reward_mean" in m and "reward_std" in m]
+        self.tied_streak: list[dict] = []  # the consecutive all-tied steps up to now
+        self.warned_tied = False
+        self.warned_drop = False
+
+    @classmethod
+    def for_config(cls, config: Any, log: Callable[[str], None], earlier: Sequence[dict] = ()) -> "LearningSignalCheck":
+        """From an OmniRollConfig with a trainer section."""
+        return cls(config.trainer.signal_check, log, {"trainer.lr": config.trainer.lr, "n": config.n}, earlier)
+
+    def observe(self, m: dict) -> None:
+        """One step's metrics: warn (module doc), raise `NoLearningSignal` on the stop condition."""
+        tied, groups = int(m.get("tied_groups", 0)), int(m.get("num_groups", 0))
+        self.rewards.append((float(m["reward_mean"]), float(m["reward_std"])))
+        share = tied / groups if groups else 0.0
+        if share >= self.tied_warn_frac and not self.warned_tied:
+            self.log(f"warning: step {m['step']}: {tied}/{groups} prompt groups have tied rewards (all equal within "
+                     f"the group: zero advantage, nothing to learn from them): a collapsed policy (learning rate too "
+                     f"high), a reward that cannot tell the samples apart, or a group size too small?")
+        self.warned_tied = share >= self.tied_warn_frac
+        drop = self.reward_drop()
+        if drop is not None and not self.warned_drop:
+            self.log(f"warning: step {m['step']}: {drop}: the policy may be collapsing (a learning rate too high?)")
+        self.warned_drop = drop is not None
+        self.tied_streak = self.tied_streak + [m] if groups and tied == groups else []
+        if self.stop_after and len(self.tied_streak) >= self.stop_after:
+            raise NoLearningSignal(self.stop_message(self.tied_streak[-self.stop_after:]), self.tied_streak)
+
+    def reward_drop(self) -> Optional[str]:
+        """What the reward-drop warning says, when the reward has fallen that far below its start (else None)."""
+        w = self.window
+        if len(self.rewards) < 2 * w:
+            return None
+        start = sum(r for r, _ in self.rewards[:w]) / w
+        spread = sum(s for _, s in self.rewards[:w]) / w
+        now = sum(r for r, _ in self.rewards[-w:]) / w
+        if not start - now > self.drop_stds * spread:
+            return None
+        n = len(self.rewards)
+        return (f"the mean reward of steps {n - w + 1}-{n} ({now:+.4g}) is {start - now:.3g} below that of steps 1-{w} "
+                f"({start:+.4g}), more than {self.drop_stds:g} x their within-step reward std ({spread:.3g})")
+
+    def stop_message(self, steps: list[dict]) -> list[str]:
+        """The lines `NoLearningSignal` carries: what was measured, the likely causes, what to change."""
+        first, last = steps[0]["step"], steps[-1]["step"]
+        ties = ", ".join(f"{m['tied_groups']}/{m['num_groups']}" for m in steps)
+        rewards = ", ".join(f"{m['reward_mean']:+.4g} +- {m['reward_std']:.3g}" for m in steps)
+        drop = self.reward_drop()
+        lr, n = self.hints.get("trainer.lr"), self.hints.get("n")
+        return [
+            f"no learning signal: every prompt group had tied rewards (all equal within the group: zero advantage) "
+            f"for {len(steps)} consecutive steps, {first}-{last}: tied_groups/num_groups {ties}; reward mean +- std "
+            f"{rewards}" + (f"; {drop}" if drop else ""),
+            f"likely cause: a learning rate too high that collapsed the policy to one output"
+            + (f" (trainer.lr={lr:g})" if lr is not None else "") + ", a reward that cannot tell the samples apart "
+            f"(constant, saturated or weighted 0), or a group size too small" + (f" (n={n})" if n is not None else ""),
+            "what to change: lower trainer.lr (e.g. 10x) and start again (or --resume a checkpoint from before the "
+            "reward fell); check that the reward differs between samples of one prompt; raise n; "
+            "trainer.signal_check.stop_after_tied_steps=0 trains on regardless",
+        ]

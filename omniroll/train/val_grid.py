@@ -1,0 +1,90 @@
+"""The validation grid picture (`val_before.png`, `val_after.png`, ...): one row per prompt, every picture captioned
+under it with its prompt (wrapped to the picture's width), its reward and, when the reward has several components,
+each component's own value.
+
+The captions are drawn in DejaVu Sans, the TrueType font matplotlib ships (PIL's built-in bitmap font where it is
+missing), dark on white, at a size that grows with the picture (11-28 px). A cell is at least `MIN_CELL` px wide, so
+a caption under a 64 px picture stays readable.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Optional, Sequence
+
+import torch
+
+MIN_CELL = 176  # px: the narrowest cell (a picture narrower than this is centred in it)
+PAD = 6  # px around each caption
+
+
+@lru_cache(maxsize=8)
+def caption_font(size: int):
+    """DejaVu Sans at `size` px (matplotlib's copy), else PIL's default font."""
+    from PIL import ImageFont
+
+    try:
+        import matplotlib
+
+        return ImageFont.truetype(os.path.join(matplotlib.get_data_path(), "fonts", "ttf", "DejaVuSans.ttf"), size)
+    except (ImportError, OSError):
+        return ImageFont.load_default()
+
+
+def wrap(text: str, font, width: int) -> list[str]:
+    """Greedy word wrap of `text` to lines of at most `width` px in `font` (a word longer than a line is split)."""
+    pieces: list[str] = []
+    for word in text.split():
+        while len(word) > 1 and font.getlength(word) > width:
+            cut = next((i for i in range(len(word) - 1, 0, -1) if font.getlength(word[:i]) <= width), 1)
+            pieces.append(word[:cut])
+            word = word[cut:]
+        pieces.append(word)
+    lines: list[str] = []
+    for piece in pieces:
+        if lines and font.getlength(f"{lines[-1]} {piece}") <= width:
+            lines[-1] = f"{lines[-1]} {piece}"
+        else:
+            lines.append(piece)
+    return lines or [""]
+
+
+def caption_lines(prompt: str, reward: Optional[float], components: Optional[dict[str, float]] = None) -> list[str]:
+    """The unwrapped caption of one picture: its prompt, `reward +0.1234`, and one `name +0.1234` per component when
+    there are several."""
+    out = [prompt]
+    if reward is not None:
+        out.append(f"reward {reward:+.4f}")
+    if components and len(components) > 1:
+        out += [f"{name} {value:+.4f}" for name, value in components.items()]
+    return out
+
+
+def save_val_grid(images: torch.Tensor, rows: int, cols: int, path: str, scale: int = 2,
+                  captions: Optional[Sequence[Sequence[str]]] = None) -> None:
+    """uint8 [rows * cols, 3, H, W] -> one PNG, a row per prompt (nearest-neighbour upscaled by `scale`), each picture
+    over its caption (`captions[i]`: its lines, from `caption_lines`; the first one, the prompt, is wrapped)."""
+    from PIL import Image, ImageDraw
+
+    n, _, H, W = images.shape
+    if n != rows * cols:
+        raise ValueError(f"save_val_grid: {n} images for {rows} rows x {cols} columns")
+    pics = [Image.fromarray(images[i].permute(1, 2, 0).contiguous().numpy()) for i in range(n)]
+    if scale > 1:
+        pics = [p.resize((W * scale, H * scale), Image.NEAREST) for p in pics]
+    pw, ph = pics[0].size
+    cell_w = max(pw, MIN_CELL) if captions is not None else pw
+    font = caption_font(max(11, min(28, cell_w // 14)))
+    line_h = int(font.getbbox("Ag")[3] * 1.3) + 1 if captions is not None else 0
+    wrapped = [[ln for j, text in enumerate(c) for ln in (wrap(text, font, cell_w - 2 * PAD) if j == 0 else [text])]
+               for c in captions] if captions is not None else [[] for _ in range(n)]
+    cap_h = max(len(w) for w in wrapped) * line_h + 2 * PAD if captions is not None else 0
+    grid = Image.new("RGB", (cols * cell_w, rows * (ph + cap_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, pic in enumerate(pics):
+        x, y = (i % cols) * cell_w, (i // cols) * (ph + cap_h)
+        grid.paste(pic, (x + (cell_w - pw) // 2, y))
+        for j, line in enumerate(wrapped[i]):
+            draw.text((x + PAD, y + ph + PAD + j * line_h), line, fill=(20, 20, 20), font=font)
+    grid.save(path)

@@ -1,0 +1,50 @@
+"""One validation of a training run: the fixed validation prompts x `val_kwargs.n` ODE samples at fixed seeds, scored
+by the run's reward, and what it reports.
+
+`run_validation` writes the captioned grid `val_<tag>.png` (`val_grid.py`), appends a record to `validation.jsonl`
+(`val_reward_mean`, the weighted reward the trainer optimises, and `reward/<fn>/mean` / `reward/<fn>/<key>`: each
+reward function's own mean and each numeric scorer extra, `reward_breakdown.py`), hands the batch to the trackers
+(`Tracker.log_validation`) and logs one line:
+
+    validation after: reward 0.1103 (colour 0.1103, strict 0.2500, colour/blue 0.3100) -> out/val_after.png
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable
+
+from omniroll.agent_loop.batch import prompt_batch
+from omniroll.train.reward_breakdown import reward_breakdown, row_components
+from omniroll.train.tracking import append_jsonl
+from omniroll.train.val_grid import caption_lines, save_val_grid
+
+
+def breakdown_text(parts: dict[str, float]) -> str:
+    """`colour 0.1103, strict 0.2500, colour/blue 0.3100`: each function's mean by its name, then the extras."""
+    means = [f"{k.removesuffix('/mean')} {v:.4f}" for k, v in parts.items() if k.endswith("/mean")]
+    extras = [f"{k} {v:.4f}" for k, v in parts.items() if not k.endswith("/mean")]
+    return ", ".join(means + extras)
+
+
+def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: str, step: int, tracker: Any,
+                   log: Callable[[str], None]) -> dict:
+    """Generate, score and report one validation (module doc); returns its validation.jsonl record."""
+    batch = prompt_batch(prompts, n, lambda i: f"val{i:04d}", data_source="val", meta_info={"validate": True})
+    out = asyncio.run(manager.generate_sequences_async(batch))
+    path = os.path.join(out_dir, f"val_{tag}.png")
+    scored = "rm_scores" in out.batch.keys()
+    rewards = out.batch["rm_scores"][:, 0].tolist() if scored else [None] * len(out)
+    texts = list(out.non_tensor_batch.get("raw_prompt", [p for p in prompts for _ in range(n)]))
+    save_val_grid(out.batch["responses"], len(prompts), n, path,
+                  captions=[caption_lines(str(texts[i]), rewards[i], row_components(out, i)) for i in range(len(out))])
+    score = float(out.batch["rm_scores"].mean()) if scored else None
+    parts = reward_breakdown(out)
+    rec = {"tag": tag, "step": step, "val_reward_mean": score, **{f"reward/{k}": v for k, v in parts.items()},
+           "grid": path}
+    append_jsonl(os.path.join(out_dir, "validation.jsonl"), rec)
+    tracker.log_validation(tag, step, out, score, path)
+    detail = f" ({breakdown_text(parts)})" if parts else ""
+    log(f"validation {tag}: reward {score:.4f}{detail} -> {path}" if score is not None else f"validation {tag}")
+    return rec

@@ -1,0 +1,82 @@
+"""Third-party warnings a user cannot act on are silenced (`omniroll.library_warnings`) in every process of a run, and
+nothing else is: `omniroll train`, run as a user runs it (its own process, its own local Ray), prints none of them,
+in the driver or in the replica / reward actors' logs, while omniroll's own lines are all there (the step line's
+total is `--steps`, not `trainer.steps`)."""
+
+import glob
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+from omniroll.library_warnings import LOG_RECORDS, silence_library_warnings
+from tests.test_train import train_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the message as transformers 5.x logs it when torchvision is missing (what LOG_RECORDS must match)
+TORCHVISION = ("`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil` "
+               "for backward compatibility. Install torchvision to use the default backend, or import "
+               "`CLIPImageProcessorPil` directly to silence this warning.")
+
+
+def silenced(text: str) -> list[str]:
+    return [line for line in text.splitlines() if any(re.search(p, line) for _, p in LOG_RECORDS)]
+
+
+def test_only_the_named_records_of_the_named_loggers_are_dropped():
+    assert silenced(TORCHVISION) == [TORCHVISION]
+    silence_library_warnings()
+    silence_library_warnings()  # idempotent
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    for name, _ in LOG_RECORDS:
+        logger = logging.getLogger(name)
+        assert len(logger.filters) == 1
+        logger.addHandler(handler)
+        try:
+            logger.warning(TORCHVISION)
+            logger.warning("`CLIPImageProcessor` is deprecated: a warning the user can act on")
+        finally:
+            logger.removeHandler(handler)
+    other = logging.getLogger("transformers.modeling_utils")
+    other.addHandler(handler)
+    try:
+        other.warning(TORCHVISION)  # another logger: not filtered
+    finally:
+        other.removeHandler(handler)
+    assert seen == ["`CLIPImageProcessor` is deprecated: a warning the user can act on", TORCHVISION]
+
+
+def test_the_train_command_prints_no_silenced_warning_in_the_driver_or_the_actors(tiny_sd3_path, tmp_path):
+    cfg = train_config(tiny_sd3_path, steps=5)
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import sys; from omniroll.cli import main; sys.exit(main())",
+                               "train", "--config", str(cfg_file), "--out", str(tmp_path / "run"), "--steps", "2"],
+                              env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed = proc.stdout + proc.stderr
+        assert silenced(printed) == [], printed
+        # omniroll's own lines are all there; the total is --steps
+        assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ")] == ["1/2", "2/2"]
+        for line in ("Ray: started a local cluster", "validation before: reward", "validation after: reward",
+                     "omniroll train: 2 steps"):
+            assert line in proc.stdout, proc.stdout
+        logs = {f: open(f, errors="replace").read() for f in glob.glob(os.path.join(ray_tmp, "**", "worker-*.err"),
+                                                                       recursive=True)}
+        actors = {a for text in logs.values() for a in re.findall(r":actor_name:(\w+)", text)}
+        assert {"RolloutReplica", "RewardLoopWorker"} <= actors, sorted(logs)
+        assert {f: silenced(text) for f, text in logs.items() if silenced(text)} == {}
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

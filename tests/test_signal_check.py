@@ -1,0 +1,86 @@
+"""The learning-signal check (`omniroll.train.signal_check`) on step metrics: the tied-groups and reward-drop warnings
+come once per episode, the drop is measured in the reward's own spread (any sign, any scale), every group tied for N
+steps stops with `NoLearningSignal` naming the metrics, the causes and what to change; the config keys are validated.
+The trainer and CLI side (checkpoint, exit 1, one line per problem): tests/test_train_report.py."""
+
+import pytest
+
+from omniroll.config import ConfigError, SignalCheckSection, load_config
+from omniroll.train import LearningSignalCheck, NoLearningSignal
+
+
+def step(i, tied, groups=4, mean=0.5, std=0.1):
+    return {"step": i, "tied_groups": tied, "num_groups": groups, "reward_mean": mean, "reward_std": std}
+
+
+def check(**settings):
+    lines = []
+    return LearningSignalCheck(SignalCheckSection(**settings), lines.append, {"trainer.lr": 0.5, "n": 2}), lines
+
+
+def test_the_tied_groups_warning_comes_once_per_episode():
+    c, lines = check(tied_warn_frac=0.75, stop_after_tied_steps=0)
+    for i, tied in enumerate([0, 3, 4, 3, 1, 3, 2], start=1):  # >= 3/4 at steps 2-4 and 6: two episodes
+        c.observe(step(i, tied))
+    assert [ln.split(":")[0] for ln in lines] == ["warning", "warning"]
+    assert lines[0].startswith("warning: step 2: 3/4 prompt groups have tied rewards") and "step 6: 3/4" in lines[1]
+    assert "learning rate too high" in lines[0] and "group size too small" in lines[0]
+
+
+@pytest.mark.parametrize("scale, offset", [(1.0, 0.0), (1000.0, -5000.0), (1e-3, -1.0)])
+def test_the_reward_drop_warning_is_in_the_rewards_own_spread_whatever_its_sign_and_scale(scale, offset):
+    c, lines = check(stop_after_tied_steps=0, reward_window=2, reward_drop_stds=2.0)
+    means = [0.50, 0.52, 0.49, 0.45, 0.20, 0.21, 0.50, 0.51, 0.20, 0.20]  # start 0.51 +- 0.1: below 0.31 is a drop
+    for i, r in enumerate(means, start=1):
+        c.observe(step(i, 0, mean=offset + scale * r, std=scale * 0.1))
+    warned = [int(ln.split()[2].rstrip(":")) for ln in lines]
+    # steps 5-6 average 0.205 (drop), then recover at 7-8, and fall again at 10 (0.20, 0.20): two episodes
+    assert warned == [6, 10], lines
+    assert "more than 2 x their within-step reward std" in lines[0] and "learning rate too high" in lines[0]
+
+
+def test_every_group_tied_for_n_steps_stops_naming_the_metrics_causes_and_fixes():
+    c, lines = check(stop_after_tied_steps=3)
+    for i, tied in enumerate([2, 4, 4, 1, 4, 4], start=1):  # step 4 breaks the streak: N consecutive all-tied steps
+        c.observe(step(i, tied, mean=0.0, std=0.0))
+    with pytest.raises(NoLearningSignal) as e:
+        c.observe(step(7, 4, mean=0.0, std=0.0))
+    what, cause, fix = e.value.problems
+    assert "for 3 consecutive steps, 5-7: tied_groups/num_groups 4/4, 4/4, 4/4" in what
+    assert "reward mean +- std +0 +- 0, +0 +- 0, +0 +- 0" in what
+    assert "learning rate too high" in cause and "trainer.lr=0.5" in cause and "(n=2)" in cause
+    assert "cannot tell the samples apart" in cause and "group size too small" in cause
+    assert "lower trainer.lr" in fix and "raise n" in fix and "stop_after_tied_steps=0" in fix
+    assert [m["step"] for m in e.value.steps] == [5, 6, 7] and str(e.value).count("\n") == 2
+    assert len(lines) == 2  # the tied warning at steps 2 and 4 (two episodes), nothing more
+
+    off, _ = check(stop_after_tied_steps=0)  # 0: never stops
+    for i in range(1, 50):
+        off.observe(step(i, 4, mean=0.0, std=0.0))
+
+
+def test_a_resumed_run_measures_the_drop_from_its_first_steps():
+    earlier = [step(i, 0, mean=1.0, std=0.1) for i in (1, 2, 3)]
+    lines = []
+    c = LearningSignalCheck(SignalCheckSection(reward_window=3), lines.append, earlier=earlier)
+    for i in (4, 5, 6):
+        c.observe(step(i, 0, mean=0.5))
+    assert len(lines) == 1 and "steps 1-3 (+1)" in lines[0]
+
+
+def test_the_signal_check_keys_are_validated_naming_the_key_and_range():
+    base = {"reward": {"functions": {"c": {"fn": "prompt_colour"}}}, "n": 2,
+            "trainer": {"prompts": ["a red car"], "prompts_per_step": 1}}
+    cfg = load_config(base).trainer.signal_check
+    assert (cfg.tied_warn_frac, cfg.stop_after_tied_steps, cfg.reward_window, cfg.reward_drop_stds) == (0.75, 5, 3, 2.0)
+    for key, value, allowed in (("tied_warn_frac", 0, "greater than 0"), ("tied_warn_frac", 1.5, "less than or equal "
+                                "to 1"), ("stop_after_tied_steps", -1, "greater than or equal to 0"),
+                                ("reward_window", 0, "greater than or equal to 1"),
+                                ("reward_drop_stds", 0, "greater than 0")):
+        with pytest.raises(ConfigError, match=f"trainer.signal_check.{key}") as e:
+            load_config({**base, "trainer": {**base["trainer"], "signal_check": {key: value}}})
+        assert allowed in str(e.value)
+    with pytest.raises(ConfigError, match="trainer.signal_check.bogus"):
+        load_config({**base, "trainer": {**base["trainer"], "signal_check": {"bogus": 1}}})
+    for field in SignalCheckSection.model_fields.values():
+        assert field.description
