@@ -35,21 +35,23 @@ def test_only_the_named_records_of_the_named_loggers_are_dropped():
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
+
+    def emit(logger, *messages):
+        # at WARNING whatever an earlier test set (`--quiet` turns transformers' verbosity down to errors)
+        level, logger.level = logger.level, logging.WARNING
+        logger.addHandler(handler)
+        try:
+            for m in messages:
+                logger.warning(m)
+        finally:
+            logger.removeHandler(handler)
+            logger.level = level
+
     for name, _ in LOG_RECORDS:
         logger = logging.getLogger(name)
         assert len(logger.filters) == 1
-        logger.addHandler(handler)
-        try:
-            logger.warning(TORCHVISION)
-            logger.warning("`CLIPImageProcessor` is deprecated: a warning the user can act on")
-        finally:
-            logger.removeHandler(handler)
-    other = logging.getLogger("transformers.modeling_utils")
-    other.addHandler(handler)
-    try:
-        other.warning(TORCHVISION)  # another logger: not filtered
-    finally:
-        other.removeHandler(handler)
+        emit(logger, TORCHVISION, "`CLIPImageProcessor` is deprecated: a warning the user can act on")
+    emit(logging.getLogger("transformers.modeling_utils"), TORCHVISION)  # another logger: not filtered
     assert seen == ["`CLIPImageProcessor` is deprecated: a warning the user can act on", TORCHVISION]
 
 

@@ -23,6 +23,9 @@ def add_arguments(parser) -> None:
                         help="a recipe field, e.g. dit.steps=2000 or vae.lr=0.001 (repeatable; default: none, the "
                              "shipped model's recipe)")
     parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+    parser.add_argument("--snapshot-every", type=int, default=0, help="also save and evaluate the EMA transformer "
+                        "every N steps as DIR/snapshots/step_N (the checkpoint this recipe makes with dit.steps=N); "
+                        "0: none")
     parser.add_argument("--install", action="store_true", help="copy the new checkpoint over the shipped one "
                                                                "(what --model shapes loads)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -59,6 +62,8 @@ def recipe_with(overrides: list[str]):
 
 
 def run(args) -> int:
+    from omniroll.cli import UserError
+
     recipe = recipe_with(args.override)
     from omniroll.cli.common import quiet_libraries
     from omniroll.models.shapes.pretrain import pretrain
@@ -72,15 +77,22 @@ def run(args) -> int:
         from omniroll.tasks.shapes.splits import prompts_of
 
         cfg = load_config({"engine": {"model": ckpt, "max_batch_size": 64}})
+        final = os.path.basename(ckpt) == "checkpoint"
+        out_dir = args.out if final else ckpt + "_eval"  # snapshots/step_N_eval/
         out = {}
         for split in ("train", "heldout"):
-            res = evaluate_model(cfg, ckpt, prompts_of(split), recipe.eval_seeds, None, args.out,
+            res = evaluate_model(cfg, ckpt, prompts_of(split), recipe.eval_seeds, None, out_dir,
                                  progress=progress, name=f"eval_{split}")
-            print(res.pop("table"))
+            table = res.pop("table")
+            print(table if final else f"{ckpt}: {split} strict {100 * res['overall']['strict']:.1f} % "
+                                      f"(chance {100 * res['overall']['chance']:.1f} %)")
             out[split] = res
         return out
 
-    record = pretrain(recipe, args.out, evaluate=None if args.no_eval else evaluate, progress=progress)
+    if args.snapshot_every < 0:
+        raise UserError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
+    record = pretrain(recipe, args.out, evaluate=None if args.no_eval else evaluate, progress=progress,
+                      snapshot_every=args.snapshot_every)
     t = record["times"]
     print(f"omniroll pretrain shapes: trained in {t['train_total_s'] / 60:.1f} min (VAE {t['vae_s']:.0f} s, latents "
           f"{t['latents_s']:.0f} s, transformer {t['transformer_s']:.0f} s); checkpoint {record['checkpoint']}")

@@ -2,9 +2,10 @@
 rollout replicas with the validation sampling (the ODE) at the fixed seeds `omniroll eval` uses, so the table the
 trainer logs for a step is the table `omniroll eval --checkpoint` prints for that step's checkpoint.
 
-`run_task_eval` returns the flat metrics (`eval/<split>/strict`, `eval/<split>/<category>/strict`, partial credit
-and the chance baseline alike) and writes, per split, `eval/<tag>_<split>.json` and a captioned grid under the run
-directory; `eval_lines` is the console's summary of one evaluation.
+`run_task_eval` writes, per split, `eval/<tag>_<split>.json` and a captioned grid under the run directory, hands the
+flat metrics (`eval/<split>/strict`, `eval/<split>/<category>/strict`, partial credit and the chance baseline alike)
+and the console's summary lines (`eval_lines`) to the tracker, redraws `eval_curve.png` (strict accuracy per split
+and category over the steps so far, from metrics.jsonl) and returns the metrics.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from omniroll.evaluation.shapes import Evaluation, eval_uid, scored, write_evalu
 from omniroll.tasks.shapes.splits import prompts_of
 
 
-def run_task_eval(manager, config, out_dir: str, tag: str, step: int) -> tuple[dict, dict[str, Evaluation]]:
-    """(metrics, {split: Evaluation}) of one evaluation of the replicas' current weights."""
+def run_task_eval(manager, config, out_dir: str, tag: str, step: int, tracker) -> dict:
+    """One evaluation of the replicas' current weights: written, logged (`Tracker.log_eval`: the console lines,
+    metrics.jsonl, the trackers); returns its metrics."""
     ev_cfg = config.trainer.evaluation
     metrics: dict = {}
     results: dict[str, Evaluation] = {}
@@ -34,7 +36,9 @@ def run_task_eval(manager, config, out_dir: str, tag: str, step: int) -> tuple[d
                          extra={"step": step, "tag": tag, "split": split, "seeds": ev_cfg.seeds})
         metrics.update(ev.report.flat(f"eval/{name}"))
         results[name] = ev
-    return metrics, results
+    tracker.log_eval(tag, step, metrics, eval_lines(tag, step, results))
+    plot_eval_curve(out_dir)
+    return metrics
 
 
 def eval_lines(tag: str, step: int, results: dict[str, Evaluation]) -> list[str]:
@@ -46,3 +50,41 @@ def eval_lines(tag: str, step: int, results: dict[str, Evaluation]) -> list[str]
         out.append(f"eval {tag} (step {step}) {split}: strict {100 * r.overall['strict']:.1f} % (chance "
                    f"{100 * r.overall['chance']:.1f} %, {r.overall['n']} pictures)  {cats}")
     return out
+
+
+def plot_eval_curve(out_dir: str) -> None:
+    """eval_curve.png: per split, the overall strict accuracy (thick), each category's (thin) and the chance
+    baseline (dotted) at every evaluation in metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from omniroll.tasks.shapes.grammar import TAGS
+    from omniroll.train.tracking import read_jsonl
+
+    recs = [r for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "eval" in r]
+    splits = sorted({k.split("/")[1] for r in recs for k in r if k.startswith("eval/")})
+    if not recs or not splits:
+        return
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 3.8), dpi=100, squeeze=False)
+    for ax, split in zip(axes[0], splits):
+        rows = [r for r in recs if f"eval/{split}/strict" in r]
+        steps = [r["step"] for r in rows]
+        for i, tag in enumerate(TAGS):
+            key = f"eval/{split}/{tag}/strict"
+            if any(key in r for r in rows):
+                ax.plot(steps, [100 * r.get(key, float("nan")) for r in rows], lw=1, marker=".", color=f"C{i}",
+                        label=tag)
+        ax.plot(steps, [100 * r[f"eval/{split}/strict"] for r in rows], lw=3, color="black", marker="o",
+                label="overall")
+        ax.plot(steps, [100 * r[f"eval/{split}/chance"] for r in rows], lw=1, ls=":", color="grey", label="chance")
+        ax.set_title(f"{split} prompts: strict accuracy (GenEval rules)")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("%")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "eval_curve.png"))
+    plt.close(fig)

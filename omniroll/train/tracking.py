@@ -256,6 +256,12 @@ def append_jsonl(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def step_records(out_dir: str) -> list[dict]:
+    """The training steps' records of a run's metrics.jsonl (its task evaluations' records, which carry no
+    `reward_mean`, left out)."""
+    return [m for m in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "reward_mean" in m]
+
+
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []

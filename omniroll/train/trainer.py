@@ -31,6 +31,7 @@ from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, rege
                                           stale_rows)
 from omniroll.train.policy import Policy, TrajectoryBatch
 from omniroll.train.policy_move import policy_move, snapshot
+from omniroll.train.task_eval import run_task_eval
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import (VersionStore, behaviour_and_replay, group_advantages, off_policy_metrics,
@@ -369,11 +370,7 @@ class FlowGRPOTrainer:
         rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
                              self.step_done, self.tracker, self.log)
         if self.tc.evaluation is not None:
-            from omniroll.train.task_eval import eval_lines, run_task_eval
-
-            metrics, results = run_task_eval(self.manager, self.config, self.out_dir, tag, self.step_done)
-            self.tracker.log_eval(tag, self.step_done, metrics, eval_lines(tag, self.step_done, results))
-            rec.update(metrics)
+            rec.update(run_task_eval(self.manager, self.config, self.out_dir, tag, self.step_done, self.tracker))
         return rec
 
     def save_checkpoint(self) -> str:
@@ -403,4 +400,4 @@ class FlowGRPOTrainer:
 
     def history_all(self) -> list[dict]:
         """Every step's metrics in this out_dir (a resumed run appends to them)."""
-        return [m for m in tracking.read_jsonl(os.path.join(self.out_dir, "metrics.jsonl")) if "reward_mean" in m]
+        return tracking.step_records(self.out_dir)

@@ -23,13 +23,14 @@ from omniroll.models.shapes.vae import lr_at
 @dataclass(frozen=True)
 class DitRecipe:
     patch_size: int = 2
-    num_layers: int = 4
+    num_layers: int = 6
     num_heads: int = 4
     head_dim: int = 32
     steps: int = 6000
     batch_size: int = 128
-    lr: float = 1e-3
+    lr: float = 2e-3
     warmup_steps: int = 200
+    cosine_decay: bool = False  # constant after warm-up: N steps are the first N steps of any longer run
     weight_decay: float = 0.0
     cfg_dropout: float = 0.1
     ema_decay: float = 0.999

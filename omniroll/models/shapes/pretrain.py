@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -93,10 +94,22 @@ def plot_losses(vae_hist: list[dict], dit_hist: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def save_model(transformer, vae, text: dict, recipe: ShapesRecipe, path: str) -> str:
+    """The pipeline as a checkpoint directory with its sampling defaults, `recipe.json` and `SHA256SUMS`."""
+    save_checkpoint(assemble_pipeline(transformer, vae, text, recipe.sampling.shift), path, recipe.sampling_defaults())
+    with open(os.path.join(path, "recipe.json"), "w") as f:
+        json.dump(recipe.to_dict(), f, indent=2, sort_keys=True)
+        f.write("\n")
+    write_sums(path)
+    return path
+
+
 def pretrain(recipe: ShapesRecipe, out_dir: str, evaluate: Optional[Callable[[str], dict]] = None,
-             progress: bool = True, log: Callable[[str], None] = print) -> dict:
+             progress: bool = True, log: Callable[[str], None] = print, snapshot_every: int = 0) -> dict:
     """Run the recipe into `out_dir` (see the module doc); returns the `pretrain.json` record. `evaluate(path)`
-    scores the saved checkpoint (optional)."""
+    scores a saved checkpoint (optional). `snapshot_every` > 0 also saves the EMA transformer every that many steps
+    as `snapshots/step_N/` (a whole checkpoint: the transformer's learning rate is constant after warm-up, so it is
+    exactly what this recipe with `dit.steps = N` makes) and evaluates it, timing it apart from the training."""
     os.makedirs(out_dir, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.torch_threads)
@@ -132,27 +145,38 @@ def pretrain(recipe: ShapesRecipe, out_dir: str, evaluate: Optional[Callable[[st
         caption_ids = torch.tensor([index[c] for c in caps])
         times["latents_s"] = time.time() - t0
 
-        # 4. the transformer
+        # 4. the transformer (snapshots, if asked for, are saved and evaluated off the clock)
         t0 = time.time()
         bar = _bar(recipe.dit.steps, "transformer", progress)
-        ema, dit_hist = train_transformer(
-            transformer, recipe.dit, latents, caption_ids, embeds, pooled, index[""],
-            on_step=lambda s, h, _: (bar.update(1), bar.set_postfix(loss=f"{h['loss']:.4f}")))
+        snapshots, snapshot_s = [], 0.0
+
+        def on_step(step: int, rec: dict, ema) -> None:
+            nonlocal snapshot_s
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}")
+            if snapshot_every and step % snapshot_every == 0 and step < recipe.dit.steps:
+                t_snap = time.time()
+                as_run = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=step))
+                path = save_model(ema.module, vae, text, as_run, os.path.join(out_dir, "snapshots", f"step_{step}"))
+                snap = {"step": step, "path": path, "seconds": time.time() - t0 - snapshot_s}
+                if evaluate is not None:
+                    snap["evaluation"] = evaluate(path)
+                snapshots.append(snap)
+                snapshot_s += time.time() - t_snap
+
+        ema, dit_hist = train_transformer(transformer, recipe.dit, latents, caption_ids, embeds, pooled, index[""],
+                                          on_step=on_step)
         bar.close()
-        times["transformer_s"] = time.time() - t0
+        times["transformer_s"] = time.time() - t0 - snapshot_s
+        times["snapshots_s"] = snapshot_s
 
         # 5. the checkpoint, the curves, the record
-        ckpt = os.path.join(out_dir, "checkpoint")
-        save_checkpoint(assemble_pipeline(ema.module, vae, text, recipe.sampling.shift), ckpt,
-                        recipe.sampling_defaults())
-        with open(os.path.join(ckpt, "recipe.json"), "w") as f:
-            json.dump(recipe.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        write_sums(ckpt)
+        ckpt = save_model(ema.module, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
         plot_losses(vae_hist, dit_hist, os.path.join(out_dir, "loss_curve.png"))
-        times["train_total_s"] = time.time() - t_start
+        times["train_total_s"] = time.time() - t_start - snapshot_s
         record = {
             "recipe": recipe.to_dict(), "checkpoint": ckpt, "times": times, "vae_check": vae_check,
+            "snapshots": snapshots,
             "final_loss": {"vae": float(np.mean([h["loss"] for h in vae_hist[-100:]])),
                            "transformer": float(np.mean([h["loss"] for h in dit_hist[-100:]]))},
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,

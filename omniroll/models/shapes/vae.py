@@ -24,12 +24,13 @@ class VaeRecipe:
     block_out_channels: tuple[int, ...] = (16, 32, 64)
     latent_channels: int = 4
     norm_num_groups: int = 8
-    steps: int = 3000
+    steps: int = 2000
     batch_size: int = 32
     crop: int = 32
     lr: float = 2e-3
     warmup_steps: int = 100
     kl_weight: float = 1e-6
+    cosine_decay: bool = True
     seed: int = 1
 
     @property
@@ -53,18 +54,23 @@ def build_vae(recipe: VaeRecipe, sample_size: int):
 
 
 def lr_at(step: int, recipe) -> float:
-    """Linear warm-up to `lr`, then cosine decay to a tenth of it at the last step."""
+    """Linear warm-up to `lr`, then (`recipe.cosine_decay`) cosine decay to a tenth of it at the last step, or
+    constant (so that a run of N steps is exactly the first N steps of a longer one)."""
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
+    if not recipe.cosine_decay:
+        return recipe.lr
     frac = (step - recipe.warmup_steps) / max(recipe.steps - recipe.warmup_steps, 1)
     return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def train_vae(vae, recipe: VaeRecipe, data: CaptionedScenes,
               on_step: Optional[Callable[[int, dict], None]] = None) -> list[dict]:
-    """Train `vae` in place for `recipe.steps` steps; returns one record per step (loss, L1, KL, seconds)."""
+    """Train `vae` in place for `recipe.steps` steps; returns one record per step (loss, L1, KL, seconds). Seeds
+    torch's global generator (the posterior samples come from it): the run is deterministic for a thread count."""
     opt = torch.optim.AdamW(vae.parameters(), lr=recipe.lr, weight_decay=0.0)
     crop_rng = np.random.default_rng(recipe.seed + 7)
+    torch.manual_seed(recipe.seed + 13)  # diffusers draws the posterior samples from torch's global generator
     history = []
     vae.train()
     t0 = time.time()

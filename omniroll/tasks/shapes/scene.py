@@ -72,10 +72,11 @@ def _apart(a: SceneObject, b: SceneObject, gap: float) -> bool:
 
 
 def sample_scene(spec: PromptSpec, rng: np.random.Generator, world: World = DEFAULT_WORLD,
-                 max_tries: int = 2000) -> Scene:
+                 max_tries: int = 2000, place_tries: int = 30) -> Scene:
     """A random scene holding exactly `spec`'s objects (unnamed colours drawn uniformly), placed without overlap;
     a position prompt's pair stands in its relation alone, and still does with GenEval's threshold doubled (so a
-    checker that sees a box a pixel off still agrees)."""
+    checker that sees a box a pixel off still agrees). Each object gets `place_tries` positions to find room among
+    those already placed before the scene starts over (at most `max_tries` times)."""
     colours = list(world.colours)
     wanted = [(r.shape, r.colour) for r in spec.include for _ in range(r.count)]
     relation = next(((i, r.position) for i, r in enumerate(spec.include) if r.position is not None), None)
@@ -83,12 +84,15 @@ def sample_scene(spec: PromptSpec, rng: np.random.Generator, world: World = DEFA
         objects: list[SceneObject] = []
         for shape, colour in wanted:
             size = float(rng.uniform(world.min_size, world.max_size))
+            colour = colour or colours[int(rng.integers(len(colours)))]
             lo, hi = world.margin + size / 2, world.size - world.margin - size / 2
-            obj = SceneObject(shape, colour or colours[int(rng.integers(len(colours)))],
-                              float(rng.uniform(lo, hi)), float(rng.uniform(lo, hi)), size)
-            if not all(_apart(obj, o, world.gap) for o in objects):
+            for _ in range(place_tries):
+                obj = SceneObject(shape, colour, float(rng.uniform(lo, hi)), float(rng.uniform(lo, hi)), size)
+                if all(_apart(obj, o, world.gap) for o in objects):
+                    objects.append(obj)
+                    break
+            else:
                 break
-            objects.append(obj)
         else:
             if relation is not None:
                 mover, (rel, target) = objects[relation[0]], relation[1]
