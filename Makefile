@@ -10,7 +10,7 @@ TRACKING_STAMP := $(VENV)/.tracking-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo test bench clean
+.PHONY: install demo shapes-model test bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -37,11 +37,16 @@ $(TRACKING_STAMP): $(STAMP) pyproject.toml
 
 install: $(STAMP)
 
-# The generation demo, then a short Flow-GRPO training (examples/train.yaml; ~1.5-2 min on 2 cores, Ray start included):
-# one line per step; out/train/ gets metrics.jsonl, reward_curve.png, val_before.png / val_after.png, checkpoints/.
+# The generation demo with the shipped shapes model, then Flow-GRPO on the shapes world (examples/shapes_demo.yaml):
+# the GenEval-style table before and after, one line per step; out/train/ gets metrics.jsonl, eval_curve.png,
+# reward_curve.png, val_before.png / val_after.png (captioned), eval/ (tables and grids), checkpoints/.
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
-	$(VENV)/bin/omniroll train --config examples/train.yaml --out out/train
+	$(VENV)/bin/omniroll train --config examples/shapes_demo.yaml --out out/train
+
+# Retrain the shipped shapes model from scratch (omniroll/models/shapes/recipe.py) and install it over the shipped one.
+shapes-model: $(STAMP)
+	$(VENV)/bin/omniroll pretrain shapes --out out/shapes-model --install
 
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP)
 	$(PY) -m pytest tests

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 #: small settings for every omniroll command a README block runs (the README states this variable)
-SMALL = ("pipeline.height=64 pipeline.width=64 pipeline.num_inference_steps=4 pipeline.max_sequence_length=16 "
+SMALL = ("pipeline.height=64 pipeline.width=64 pipeline.num_inference_steps=4 pipeline.max_sequence_length=12 "
          "algo.sde_window_size=2 algo.sde_window_range=[0,3] replicas.count=1 reward.num_workers=1 "
          "agent.num_workers=1 n=2")
 # a block of `omniroll train` commands also trains 2 steps (a key only the train config has)

@@ -84,3 +84,22 @@ def test_the_signal_check_keys_are_validated_naming_the_key_and_range():
         load_config({**base, "trainer": {**base["trainer"], "signal_check": {"bogus": 1}}})
     for field in SignalCheckSection.model_fields.values():
         assert field.description
+
+
+def test_groups_solved_at_the_runs_best_reward_are_not_a_collapse():
+    from types import SimpleNamespace
+
+    logs = []
+    check = LearningSignalCheck(SimpleNamespace(tied_warn_frac=0.75, stop_after_tied_steps=2, reward_window=3,
+                                                reward_drop_stds=2.0), logs.append)
+    check.observe({"step": 1, "reward_mean": 0.4, "reward_std": 0.3, "reward_max": 1.0, "tied_groups": 0,
+                   "tied_rewards": [], "num_groups": 4})
+    for step in (2, 3, 4):  # every group tied at 1.0, the best any sample had: learned, not collapsed
+        check.observe({"step": step, "reward_mean": 1.0, "reward_std": 0.0, "reward_max": 1.0, "tied_groups": 4,
+                       "tied_rewards": [1.0] * 4, "num_groups": 4})
+    assert len(logs) == 1 and "4/4 prompt groups are solved" in logs[0] and "warning" not in logs[0]
+    with pytest.raises(NoLearningSignal):  # tied at 0 below the best 1.0: the collapse the stop is for
+        for step in (5, 6):
+            check.observe({"step": step, "reward_mean": 0.0, "reward_std": 0.0, "reward_max": 0.0, "tied_groups": 4,
+                           "tied_rewards": [0.0] * 4, "num_groups": 4})
+    assert any(line.startswith("warning: step 5: 4/4 prompt groups have tied rewards below the best") for line in logs)

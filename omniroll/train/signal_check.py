@@ -6,13 +6,18 @@ sample of a prompt looks the same), when the reward cannot tell the samples apar
 zero-weight reward), or when the groups are too small (`n`). Fed every step's metrics (`step`, `tied_groups`,
 `num_groups`, `reward_mean`, `reward_std`), with `trainer.signal_check`:
 
-- warns, one line through the trainer's `log`, when at least `tied_warn_frac` of a step's groups are tied, once per
-  episode (again only after the share fell below it);
+- tells solved groups from the others: a group tied at (or above) the best reward any sample of the run has had so
+  far (`reward_max` of the steps, `tied_rewards` of this one), in a run whose mean reward has been below that best,
+  has every sample right; it teaches nothing either, but that is success, not collapse. When at least `tied_warn_frac` of a step's groups are solved it says so once (the
+  prompts are learned: harder prompts or a larger `n` give more signal);
+- warns, one line through the trainer's `log`, when at least `tied_warn_frac` of a step's groups are tied below
+  the best reward, once per episode (again only after the share fell below it);
 - warns when the reward has fallen far below its start: the mean reward of the last `reward_window` steps is more
   than `reward_drop_stds` x the start's within-step reward std (the mean `reward_std` of the first `reward_window`
   steps) below the mean reward of those first steps. The threshold is in the reward's own spread, so it works for a
   reward of any sign and scale. Once per episode;
-- raises `NoLearningSignal` when every group has been tied for `stop_after_tied_steps` consecutive steps (0: never).
+- raises `NoLearningSignal` when every group has been tied, and not every one solved, for `stop_after_tied_steps`
+  consecutive steps (0: never).
   The trainer then writes the checkpoint of the last completed step and re-raises; `omniroll train` exits 1 with the
   exception's `problems`, one line each.
 """
@@ -47,8 +52,10 @@ class LearningSignalCheck:
         self.rewards = [(float(m["reward_mean"]), float(m["reward_std"])) for m in earlier
                         if "reward_mean" in m and "reward_std" in m]
         self.tied_streak: list[dict] = []  # the consecutive all-tied steps up to now
+        self.best = max((float(m["reward_max"]) for m in earlier if "reward_max" in m), default=float("-inf"))
         self.warned_tied = False
         self.warned_drop = False
+        self.said_solved = False
 
     @classmethod
     def for_config(cls, config: Any, log: Callable[[str], None], earlier: Sequence[dict] = ()) -> "LearningSignalCheck":
@@ -59,17 +66,26 @@ class LearningSignalCheck:
         """One step's metrics: warn (module doc), raise `NoLearningSignal` on the stop condition."""
         tied, groups = int(m.get("tied_groups", 0)), int(m.get("num_groups", 0))
         self.rewards.append((float(m["reward_mean"]), float(m["reward_std"])))
-        share = tied / groups if groups else 0.0
+        self.best = max(self.best, float(m.get("reward_max", float("-inf"))))
+        varied = self.best > min(r for r, _ in self.rewards)  # a reward that never varied solves nothing
+        solved = sum(v >= self.best for v in m.get("tied_rewards", ())) if varied else 0
+        if groups and solved / groups >= self.tied_warn_frac and not self.said_solved:
+            self.log(f"step {m['step']}: {solved}/{groups} prompt groups are solved (every sample at the run's best "
+                     f"reward, {self.best:+.4g}): they teach nothing more; harder prompts or a larger n give more "
+                     f"signal")
+            self.said_solved = True
+        share = (tied - solved) / groups if groups else 0.0
         if share >= self.tied_warn_frac and not self.warned_tied:
-            self.log(f"warning: step {m['step']}: {tied}/{groups} prompt groups have tied rewards (all equal within "
-                     f"the group: zero advantage, nothing to learn from them): a collapsed policy (learning rate too "
-                     f"high), a reward that cannot tell the samples apart, or a group size too small?")
+            self.log(f"warning: step {m['step']}: {tied - solved}/{groups} prompt groups have tied rewards below the "
+                     f"best seen (all equal within the group: zero advantage, nothing to learn from them): a collapsed "
+                     f"policy (learning rate too high), a reward that cannot tell the samples apart, or a group size "
+                     f"too small?")
         self.warned_tied = share >= self.tied_warn_frac
         drop = self.reward_drop()
         if drop is not None and not self.warned_drop:
             self.log(f"warning: step {m['step']}: {drop}: the policy may be collapsing (a learning rate too high?)")
         self.warned_drop = drop is not None
-        self.tied_streak = self.tied_streak + [m] if groups and tied == groups else []
+        self.tied_streak = self.tied_streak + [m] if groups and tied == groups and solved < groups else []
         if self.stop_after and len(self.tied_streak) >= self.stop_after:
             raise NoLearningSignal(self.stop_message(self.tied_streak[-self.stop_after:]), self.tied_streak)
 

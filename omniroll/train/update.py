@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -51,6 +51,7 @@ class Advantages:
     advantages: torch.Tensor  # [B] fp32, clipped to +-adv_clip_max
     tied_groups: int  # groups whose rewards all tie (zero advantage: they teach nothing)
     num_groups: int
+    tied_rewards: list[float] = field(default_factory=list)  # each tied group's common reward
 
 
 def group_advantages(rewards: torch.Tensor, groups: Sequence, global_std: bool = False, adv_clip_max: float = 5.0,
@@ -66,17 +67,17 @@ def group_advantages(rewards: torch.Tensor, groups: Sequence, global_std: bool =
     ids: dict = {}
     for i, g in enumerate(groups):
         ids.setdefault(g, []).append(i)
-    tied = 0
+    tied: list[float] = []
     global_sd = r.std(unbiased=False)
     for rows in ids.values():
         idx = torch.tensor(rows)
         vals = r[idx]
         if bool((vals == vals[0]).all()):
-            tied += 1
+            tied.append(float(vals[0]))
         sd = global_sd if global_std else vals.std(unbiased=False)
         adv[idx] = (vals - vals.mean()) / (sd + eps)
     adv = adv.clamp(-adv_clip_max, adv_clip_max).float()
-    return Advantages(adv, tied, len(ids))
+    return Advantages(adv, len(tied), len(ids), tied)
 
 
 @dataclass
