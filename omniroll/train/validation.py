@@ -6,7 +6,7 @@ by the run's reward, and what it reports.
 reward function's own mean and each numeric scorer extra, `reward_breakdown.py`), hands the batch to the trackers
 (`Tracker.log_validation`) and logs one line:
 
-    validation after: reward 0.1103 (colour 0.1103, strict 0.2500, colour/blue 0.3100) -> out/val_after.png
+    validation after: reward 0.1103 (colour 0.1103, strict 0.2500) -> out/val_after.png
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from omniroll.train.val_grid import caption_lines, save_val_grid
 
 
 def breakdown_text(parts: dict[str, float]) -> str:
-    """`colour 0.1103, strict 0.2500, colour/blue 0.3100`: each function's mean by its name, then the extras."""
-    means = [f"{k.removesuffix('/mean')} {v:.4f}" for k, v in parts.items() if k.endswith("/mean")]
-    extras = [f"{k} {v:.4f}" for k, v in parts.items() if not k.endswith("/mean")]
-    return ", ".join(means + extras)
+    """`colour 0.1103, strict 0.2500`: each function's mean by its name (the extras, a scorer's per-category values
+    say, go to validation.jsonl and the trackers: on the console they would drown the line)."""
+    return ", ".join(f"{k.removesuffix('/mean')} {v:.4f}" for k, v in parts.items() if k.endswith("/mean"))
 
 
 def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: str, step: int, tracker: Any,

@@ -5,7 +5,9 @@ chance baseline, and a captioned grid of pictures.
 strict accuracy per category (the share of its pictures that pass), overall = the mean of the category accuracies
 (GenEval's overall score), the mean partial credit, and the chance baseline: the same pictures scored against
 another prompt of their category with a different requirement (the next one in the grammar's order), which is what
-a model that ignores the prompt's details would score.
+a model that ignores the prompt's details would score; and, when prompts have several pictures, the share of prompts
+whose pictures do not all earn the same partial credit (`varied_prompts`: a GRPO group of such a prompt has a
+learning signal).
 """
 
 from __future__ import annotations
@@ -88,13 +90,20 @@ class Report:
         overall = {k: float(np.mean([c[k] for c in cats.values()])) if cats else float("nan")
                    for k in ("strict", "partial", "chance")}
         overall["n"] = len(rows)
+        by_prompt: dict[str, list[float]] = {}
+        for r in rows:
+            by_prompt.setdefault(r.prompt, []).append(r.partial)
+        groups = [v for v in by_prompt.values() if len(v) > 1]
+        # what GRPO needs: prompts whose pictures do not all earn the same reward
+        overall["varied_prompts"] = float(np.mean([len(set(v)) > 1 for v in groups])) if groups else float("nan")
         return cls(cats, overall)
 
     def to_dict(self) -> dict:
         return {"categories": self.categories, "overall": self.overall}
 
     def flat(self, prefix: str) -> dict[str, float]:
-        """`{prefix}/strict`, `{prefix}/<tag>/strict`, ...: for metrics.jsonl and the trackers."""
+        """`{prefix}/strict`, `{prefix}/<tag>/strict`, `{prefix}/varied_prompts`, ...: for metrics.jsonl and the
+        trackers."""
         out = {f"{prefix}/{k}": v for k, v in self.overall.items() if k != "n"}
         for tag, c in self.categories.items():
             out.update({f"{prefix}/{tag}/{k}": v for k, v in c.items() if k != "n"})
@@ -110,6 +119,9 @@ class Report:
         o = self.overall
         lines.append(f"{'overall':<14} {100 * o['strict']:>8.1f} {o['partial']:>8.3f} {100 * o['chance']:>8.1f} "
                      f"{o['n']:>7}")
+        if o.get("varied_prompts") == o.get("varied_prompts"):  # not NaN: some prompt has several pictures
+            lines.append(f"prompts whose pictures earn different rewards (GRPO's signal): "
+                         f"{100 * o['varied_prompts']:.0f} %")
         return "\n".join(lines)
 
 
