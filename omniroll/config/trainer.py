@@ -53,11 +53,12 @@ class SignalCheckSection(_Strict):
     stop_after_tied_steps: int = Field(5, ge=0, le=10**6, description="stop the run (checkpoint of the last step, "
                                        "then NoLearningSignal; the CLI exits 1) when every group has been tied for "
                                        "this many consecutive steps; 0: never stop")
-    reward_window: int = Field(3, ge=1, le=10**4, description="steps averaged at the run's start and at its end by "
+    reward_window: int = Field(5, ge=1, le=10**4, description="steps averaged at the run's start and at its end by "
                                "the reward-drop warning")
-    reward_drop_stds: float = Field(2.0, gt=0, le=1e6, description="warn (once, until it recovers) when the mean "
-                                    "reward of the last reward_window steps is more than this many times the start's "
-                                    "within-step reward std below the mean reward of the first reward_window steps")
+    reward_drop_stds: float = Field(3.0, gt=0, le=1e6, description="warn (once, until it recovers) when the mean "
+                                    "reward of the last reward_window steps is more than this many standard errors "
+                                    "(from the step rewards' spread) below the mean reward of the first "
+                                    "reward_window steps")
 
 
 #: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)

@@ -12,10 +12,13 @@ zero-weight reward), or when the groups are too small (`n`). Fed every step's me
   prompts are learned: harder prompts or a larger `n` give more signal);
 - warns, one line through the trainer's `log`, when at least `tied_warn_frac` of a step's groups are tied below
   the best reward, once per episode (again only after the share fell below it);
-- warns when the reward has fallen far below its start: the mean reward of the last `reward_window` steps is more
-  than `reward_drop_stds` x the start's within-step reward std (the mean `reward_std` of the first `reward_window`
-  steps) below the mean reward of those first steps. The threshold is in the reward's own spread, so it works for a
-  reward of any sign and scale. Once per episode;
+- warns when the reward has fallen far below its start: the mean of the step rewards of the last `reward_window`
+  steps is more than `reward_drop_stds` standard errors below that of the first `reward_window` steps. The standard
+  error of that difference comes from how much the step rewards vary from step to step in the two windows (each step
+  draws other prompts), floored by a step mean's own sampling noise (`reward_std` / sqrt(`num_samples`)), so the test
+  is in the reward's own units: it works for a reward of any sign and scale, and flags a steady slide (0.6 to 0.35
+  over 20 steps of a partial-credit reward whose samples spread +- 0.3) as well as a collapse. Once per episode (a
+  new one starts when the drop is back under half the threshold);
 - raises `NoLearningSignal` when every group has been tied, and not every one solved, for `stop_after_tied_steps`
   consecutive steps (0: never).
   The trainer then writes the checkpoint of the last completed step and re-raises; `omniroll train` exits 1 with the
@@ -49,8 +52,7 @@ class LearningSignalCheck:
         self.window = int(settings.reward_window)
         self.drop_stds = float(settings.reward_drop_stds)
         self.log, self.hints = log, dict(hints or {})
-        self.rewards = [(float(m["reward_mean"]), float(m["reward_std"])) for m in earlier
-                        if "reward_mean" in m and "reward_std" in m]
+        self.rewards = [self._point(m) for m in earlier if "reward_mean" in m and "reward_std" in m]
         self.tied_streak: list[dict] = []  # the consecutive all-tied steps up to now
         self.best = max((float(m["reward_max"]) for m in earlier if "reward_max" in m), default=float("-inf"))
         self.warned_tied = False
@@ -65,7 +67,7 @@ class LearningSignalCheck:
     def observe(self, m: dict) -> None:
         """One step's metrics: warn (module doc), raise `NoLearningSignal` on the stop condition."""
         tied, groups = int(m.get("tied_groups", 0)), int(m.get("num_groups", 0))
-        self.rewards.append((float(m["reward_mean"]), float(m["reward_std"])))
+        self.rewards.append(self._point(m))
         self.best = max(self.best, float(m.get("reward_max", float("-inf"))))
         varied = self.best > min(r for r, _ in self.rewards)  # a reward that never varied solves nothing
         solved = sum(v >= self.best for v in m.get("tied_rewards", ())) if varied else 0
@@ -84,24 +86,42 @@ class LearningSignalCheck:
         drop = self.reward_drop()
         if drop is not None and not self.warned_drop:
             self.log(f"warning: step {m['step']}: {drop}: the policy may be collapsing (a learning rate too high?)")
-        self.warned_drop = drop is not None
+            self.warned_drop = True
+        elif drop is None and self.reward_drop(self.drop_stds / 2) is None:  # recovered by a margin: a new episode
+            self.warned_drop = False
         self.tied_streak = self.tied_streak + [m] if groups and tied == groups and solved < groups else []
         if self.stop_after and len(self.tied_streak) >= self.stop_after:
             raise NoLearningSignal(self.stop_message(self.tied_streak[-self.stop_after:]), self.tied_streak)
 
-    def reward_drop(self) -> Optional[str]:
-        """What the reward-drop warning says, when the reward has fallen that far below its start (else None)."""
+    @staticmethod
+    def _point(m: dict) -> tuple[float, float]:
+        """(a step's mean reward, the sampling noise of that mean: reward_std / sqrt(num_samples), 0 unknown)."""
+        n = int(m.get("num_samples", 0) or 0)
+        return float(m["reward_mean"]), float(m["reward_std"]) / n ** 0.5 if n > 0 else 0.0
+
+    def reward_drop(self, stds: Optional[float] = None) -> Optional[str]:
+        """What the reward-drop warning says, when the reward has fallen more than `stds` (default:
+        `reward_drop_stds`) standard errors below its start (else None)."""
+        stds = self.drop_stds if stds is None else stds
         w = self.window
         if len(self.rewards) < 2 * w:
             return None
-        start = sum(r for r, _ in self.rewards[:w]) / w
-        spread = sum(s for _, s in self.rewards[:w]) / w
-        now = sum(r for r, _ in self.rewards[-w:]) / w
-        if not start - now > self.drop_stds * spread:
+        first, last = self.rewards[:w], self.rewards[-w:]
+        start = sum(r for r, _ in first) / w
+        now = sum(r for r, _ in last) / w
+
+        def var(points):  # step-to-step variance of the step means, floored by their own sampling noise
+            mean = sum(r for r, _ in points) / w
+            between = sum((r - mean) ** 2 for r, _ in points) / (w - 1) if w > 1 else 0.0
+            return max(between, sum(e * e for _, e in points) / w)
+
+        se = ((var(first) + var(last)) / w) ** 0.5
+        if not start - now > stds * se:
             return None
         n = len(self.rewards)
         return (f"the mean reward of steps {n - w + 1}-{n} ({now:+.4g}) is {start - now:.3g} below that of steps 1-{w} "
-                f"({start:+.4g}), more than {self.drop_stds:g} x their within-step reward std ({spread:.3g})")
+                f"({start:+.4g}), more than {stds:g} x the standard error of that difference ({se:.3g}, "
+                f"from the step rewards' spread)")
 
     def stop_message(self, steps: list[dict]) -> list[str]:
         """The lines `NoLearningSignal` carries: what was measured, the likely causes, what to change."""
