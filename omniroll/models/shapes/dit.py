@@ -26,7 +26,7 @@ class DitRecipe:
     num_layers: int = 6
     num_heads: int = 4
     head_dim: int = 32
-    steps: int = 6000
+    steps: int = 4500
     batch_size: int = 128
     lr: float = 2e-3
     warmup_steps: int = 200
