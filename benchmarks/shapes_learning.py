@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0, help="training steps per run (default: the config's)")
     p.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "shapes_learning.png"))
     p.add_argument("--verbose", action="store_true", help="print every step line")
+    p.add_argument("--keep", default=None, help="keep each run's directory (metrics, eval tables and grids) under "
+                                                 "this folder as MODE-SEED/ (default: a temporary folder)")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     if not modes or not set(modes) <= set(MODES):
@@ -137,7 +139,8 @@ def main(argv=None) -> int:
     info = machine_info(1)
     record_loadavg(info, "loadavg_before")
     runs: dict[str, dict[int, dict]] = {m: {} for m in modes}
-    with tempfile.TemporaryDirectory(prefix="omniroll-shapes-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="omniroll-shapes-bench-") as scratch:
+        tmp = args.keep or scratch
         for seed in seeds:
             for mode in modes:
                 r = run(mode, args, seed, os.path.join(tmp, f"{mode}-{seed}"))

@@ -67,7 +67,7 @@ def plot_eval_curve(out_dir: str) -> None:
     splits = sorted({k.split("/")[1] for r in recs for k in r if k.startswith("eval/")})
     if not recs or not splits:
         return
-    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 3.8), dpi=100, squeeze=False)
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 4.0), dpi=100, squeeze=False)
     for ax, split in zip(axes[0], splits):
         rows = [r for r in recs if f"eval/{split}/strict" in r]
         steps = [r["step"] for r in rows]
@@ -79,7 +79,7 @@ def plot_eval_curve(out_dir: str) -> None:
         ax.plot(steps, [100 * r[f"eval/{split}/strict"] for r in rows], lw=3, color="black", marker="o",
                 label="overall")
         ax.plot(steps, [100 * r[f"eval/{split}/chance"] for r in rows], lw=1, ls=":", color="grey", label="chance")
-        ax.set_title(f"{split} prompts: strict accuracy (GenEval rules)")
+        ax.set_title(f"{split}\nstrict accuracy (GenEval rules)", fontsize=10)
         ax.set_xlabel("training step")
         ax.set_ylabel("%")
         ax.set_ylim(0, 100)
