@@ -39,7 +39,8 @@ install: $(STAMP)
 
 # The generation demo with the shipped shapes model, then Flow-GRPO on the shapes world (examples/shapes_demo.yaml):
 # the GenEval-style table before and after, one line per step; out/train/ gets metrics.jsonl, eval_curve.png,
-# reward_curve.png, val_before.png / val_after.png (captioned), eval/ (tables and grids), checkpoints/.
+# reward_curve.png, val_before.png / val_after.png (captioned), eval/ (tables, grids, before_after_<split>.png),
+# checkpoints/.
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
 	$(VENV)/bin/omniroll train --config examples/shapes_demo.yaml --out out/train

@@ -43,7 +43,8 @@ def test_training_evaluates_both_ends_and_omniroll_eval_reproduces_the_last(ray_
     assert {"eval/prompts/strict", "eval/prompts/counting/strict", "eval/prompts/chance",
             "eval/prompts/varied_prompts"} <= set(evals[-1])
     assert sum(line.startswith("eval before (step 0) prompts: strict") for line in lines) == 1
-    for f in ("eval_curve.png", "eval/after_prompts_grid.png", "eval/before_prompts.json", "val_after.png"):
+    for f in ("eval_curve.png", "eval/after_prompts_grid.png", "eval/before_prompts.json", "val_after.png",
+              "eval/before_after_prompts.png"):
         assert os.path.getsize(os.path.join(out, f)) > 0
     trainer_after = json.loads(open(os.path.join(out, "eval", "after_prompts.json")).read())
 

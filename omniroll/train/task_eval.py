@@ -2,7 +2,8 @@
 rollout replicas with the validation sampling (the ODE) at the fixed seeds `omniroll eval` uses, so the table the
 trainer logs for a step is the table `omniroll eval --checkpoint` prints for that step's checkpoint.
 
-`run_task_eval` writes, per split, `eval/<tag>_<split>.json` and a captioned grid under the run directory, hands the
+`run_task_eval` writes, per split, `eval/<tag>_<split>.json` and a captioned grid under the run directory (after the last step also
+`eval/before_after_<split>.png`, the two grids one above the other), hands the
 flat metrics (`eval/<split>/strict`, `eval/<split>/<category>/strict`, partial credit and the chance baseline alike)
 and the console's summary lines (`eval_lines`) to the tracker, redraws `eval_curve.png` (strict accuracy per split
 and category over the steps so far, from metrics.jsonl) and returns the metrics.
@@ -36,9 +37,40 @@ def run_task_eval(manager, config, out_dir: str, tag: str, step: int, tracker) -
                          extra={"step": step, "tag": tag, "split": split, "seeds": ev_cfg.seeds})
         metrics.update(ev.report.flat(f"eval/{name}"))
         results[name] = ev
+        if tag == "after":
+            before_after_picture(os.path.join(out_dir, "eval"), name, step)
     tracker.log_eval(tag, step, metrics, eval_lines(tag, step, results))
     plot_eval_curve(out_dir)
     return metrics
+
+
+def before_after_picture(eval_dir: str, name: str, step: int) -> None:
+    """eval/before_after_<split>.png: the split's captioned grid before the first step above the one after the
+    last (the same prompts and seeds, so each picture sits at the same place in both), each under a heading with
+    its overall strict accuracy. Nothing when the run has no "before" evaluation (a resumed run)."""
+    import json
+
+    from PIL import Image, ImageDraw
+
+    from omniroll.tasks.shapes.report import caption_font
+
+    parts = []
+    for tag, heading in (("before", "before training"), ("after", f"after {step} steps")):
+        grid, record = (os.path.join(eval_dir, f"{tag}_{name}{ext}") for ext in ("_grid.png", ".json"))
+        if not (os.path.isfile(grid) and os.path.isfile(record)):
+            return
+        with open(record) as f:
+            strict = json.load(f)["overall"]["strict"]
+        parts.append((Image.open(grid).convert("RGB"), f"{heading}: {100 * strict:.1f} % strict ({name})"))
+    band = 28
+    width = max(im.width for im, _ in parts)
+    canvas = Image.new("RGB", (width, sum(im.height + band for im, _ in parts)), (255, 255, 255))
+    draw, y = ImageDraw.Draw(canvas), 0
+    for im, heading in parts:
+        draw.text((4, y + 6), heading, fill=(0, 0, 0), font=caption_font(16))
+        canvas.paste(im, (0, y + band))
+        y += im.height + band
+    canvas.save(os.path.join(eval_dir, f"before_after_{name}.png"))
 
 
 def eval_lines(tag: str, step: int, results: dict[str, Evaluation]) -> list[str]:

@@ -9,27 +9,14 @@ a caption under a 64 px picture stays readable.
 
 from __future__ import annotations
 
-import os
-from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
 
+from omniroll.tasks.shapes.report import caption_font
+
 MIN_CELL = 176  # px: the narrowest cell (a picture narrower than this is centred in it)
 PAD = 6  # px around each caption
-
-
-@lru_cache(maxsize=8)
-def caption_font(size: int):
-    """DejaVu Sans at `size` px (matplotlib's copy), else PIL's default font."""
-    from PIL import ImageFont
-
-    try:
-        import matplotlib
-
-        return ImageFont.truetype(os.path.join(matplotlib.get_data_path(), "fonts", "ttf", "DejaVuSans.ttf"), size)
-    except (ImportError, OSError):
-        return ImageFont.load_default()
 
 
 def wrap(text: str, font, width: int) -> list[str]:

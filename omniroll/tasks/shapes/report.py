@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -125,8 +126,10 @@ class Report:
         return "\n".join(lines)
 
 
-def _caption_font(size: int = 11):
-    """DejaVu Sans from matplotlib's own fonts when present (readable at small sizes), else PIL's default."""
+@lru_cache(maxsize=8)
+def caption_font(size: int = 11):
+    """DejaVu Sans at `size` px from matplotlib's own fonts when present (readable at small sizes), else PIL's
+    default (also the trainer's validation grids)."""
     from PIL import ImageFont
 
     try:
@@ -149,7 +152,7 @@ def captioned_grid(pictures, captions: list[str], passed: list[bool] | None = No
     if first is None:
         raise ValueError("no pictures")
     h, w = first.shape[0] * scale, first.shape[1] * scale
-    font = _caption_font()
+    font = caption_font()
     cap_h = 40
     rows = (len(cells) + columns - 1) // columns
     canvas = Image.new("RGB", (columns * (w + 6), rows * (h + cap_h + 6)), (255, 255, 255))
