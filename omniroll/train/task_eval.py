@@ -2,16 +2,17 @@
 rollout replicas with the validation sampling (the ODE) at the fixed seeds `omniroll eval` uses, so the table the
 trainer logs for a step is the table `omniroll eval --checkpoint` prints for that step's checkpoint.
 
-`run_task_eval` writes, per split, `eval/<tag>_<split>.json` and a captioned grid under the run directory (after the last step also
-`eval/before_after_<split>.png`, the two grids one above the other), hands the
-flat metrics (`eval/<split>/strict`, `eval/<split>/<category>/strict`, partial credit and the chance baseline alike)
-and the console's summary lines (`eval_lines`) to the tracker, redraws `eval_curve.png` (strict accuracy per split
-and category over the steps so far, from metrics.jsonl) and returns the metrics.
+`run_task_eval` writes, per split, `eval/<tag>_<split>.json` and a captioned grid under the run directory (after
+the last step also `eval/before_after_<split>.png`, the two grids one above the other), hands the flat metrics
+(`eval/<split>/strict`, `eval/<split>/<category>/strict`, partial credit and the chance baseline alike) and the
+console's summary lines (`eval_lines`) to the tracker, redraws `eval_curve.png` (strict accuracy per split and
+category over the steps so far, from metrics.jsonl) and returns the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 from omniroll.agent_loop.batch import prompt_batch
@@ -48,8 +49,6 @@ def before_after_picture(eval_dir: str, name: str, step: int) -> None:
     """eval/before_after_<split>.png: the split's captioned grid before the first step above the one after the
     last (the same prompts and seeds, so each picture sits at the same place in both), each under a heading with
     its overall strict accuracy. Nothing when the run has no "before" evaluation (a resumed run)."""
-    import json
-
     from PIL import Image, ImageDraw
 
     from omniroll.tasks.shapes.report import caption_font
