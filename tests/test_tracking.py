@@ -198,7 +198,8 @@ STEP = {"step": 1, "reward_mean": 0.1, "reward_std": 0.01, "ratio_max_abs_dev": 
 
 
 def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_model(tmp_path, tiny_sd3_path):
-    from omniroll.train.tracking import Tracker, curve_title, model_name
+    from omniroll.train.reward_curve import curve_title
+    from omniroll.train.tracking import Tracker, model_name
 
     lines = []
     tracker = Tracker(train_config(tiny_sd3_path, steps=60, logger=["console"]), str(tmp_path), log=lines.append)

@@ -1,6 +1,7 @@
 """What a training run writes and reads: experiment tracking for `omniroll train` (verl's `trainer.logger` list over
-console, jsonl, tensorboard, wandb, swanlab and mlflow), and its files: metrics.jsonl, the step line,
-reward_curve.png, and checkpoint lookup (below `Tracker`). The validation grids are drawn by `val_grid.py`.
+console, jsonl, tensorboard, wandb, swanlab and mlflow), and its files: metrics.jsonl, the step line
+and checkpoint lookup (below `Tracker`). reward_curve.png is drawn by `reward_curve.py`, the validation grids by
+`val_grid.py`.
 
     trainer:
       logger: [console, jsonl, tensorboard, wandb]   # any subset; default [console, jsonl]
@@ -337,65 +338,3 @@ def read_trainer_state(ckpt: str) -> dict:
     if missing:
         raise ValueError(f"--resume {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
     return state
-
-
-def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model") -> None:
-    """reward_curve.png: mean training reward per step with a +-1 std band (and validation points if any); the
-    title names `model` (`model_name(config)`) and the mode."""
-    if not history:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [m["step"] for m in history]
-    mean = [m["reward_mean"] for m in history]
-    std = [m["reward_std"] for m in history]
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-    ax.fill_between(steps, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)], alpha=0.2,
-                    label="+-1 std (samples)")
-    ax.plot(steps, mean, marker="o", ms=3, label="mean reward (training rollouts)")
-    val = val if val is not None else read_jsonl(os.path.join(os.path.dirname(path), "validation.jsonl"))
-    pts = [(v["step"], v["val_reward_mean"]) for v in val if v.get("val_reward_mean") is not None]
-    if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("reward")
-    ax.set_title(curve_title(history, model))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def curve_title(history: list[dict], model: str) -> str:
-    """reward_curve.png's title: the model and the mode, e.g. 'Flow-GRPO on tiny (omniroll train, synchronous)'."""
-    mode = mode_label(history[-1])
-    if mode != "synchronous":
-        mode += f", staleness max {max(m.get('staleness_max', 0) for m in history)}"
-    return f"Flow-GRPO on {model} (omniroll train, {mode})"
-
-
-def plot_reward_curves(runs: dict[str, list[dict]], path: str, title: str = "") -> None:
-    """Several runs' mean training reward per step on one plot (label -> metrics), e.g. synchronous vs async."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
-    for label, history in runs.items():
-        stale = max((m.get("staleness_max", 0) for m in history), default=0)
-        ax.plot([m["step"] for m in history], [m["reward_mean"] for m in history], marker="o", ms=2.5,
-                label=f"{label} (max staleness seen {stale})")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward (training rollouts)")
-    ax.set_title(title or "Flow-GRPO: synchronous vs asynchronous")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)

@@ -31,6 +31,7 @@ from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, rege
                                           stale_rows)
 from omniroll.train.policy import Policy, TrajectoryBatch
 from omniroll.train.policy_move import policy_move, snapshot
+from omniroll.train.reward_curve import plot_rewards
 from omniroll.train.task_eval import run_task_eval
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
@@ -205,8 +206,8 @@ class FlowGRPOTrainer:
                 signal.signal(signal.SIGINT, old)
             if bar is not None:
                 bar.close()
-            tracking.plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"),
-                                  model=tracking.model_name(self.config))
+            plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"),
+                         model=tracking.model_name(self.config))
         return self.history
 
     def _on_sigint(self, signum, frame) -> None:
