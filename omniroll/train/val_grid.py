@@ -13,28 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from omniroll.tasks.shapes.report import caption_font
+from omniroll.tasks.shapes.report import caption_font, wrap
 
 MIN_CELL = 176  # px: the narrowest cell (a picture narrower than this is centred in it)
 PAD = 6  # px around each caption
-
-
-def wrap(text: str, font, width: int) -> list[str]:
-    """Greedy word wrap of `text` to lines of at most `width` px in `font` (a word longer than a line is split)."""
-    pieces: list[str] = []
-    for word in text.split():
-        while len(word) > 1 and font.getlength(word) > width:
-            cut = next((i for i in range(len(word) - 1, 0, -1) if font.getlength(word[:i]) <= width), 1)
-            pieces.append(word[:cut])
-            word = word[cut:]
-        pieces.append(word)
-    lines: list[str] = []
-    for piece in pieces:
-        if lines and font.getlength(f"{lines[-1]} {piece}") <= width:
-            lines[-1] = f"{lines[-1]} {piece}"
-        else:
-            lines.append(piece)
-    return lines or [""]
 
 
 def caption_lines(prompt: str, reward: Optional[float], components: Optional[dict[str, float]] = None) -> list[str]:

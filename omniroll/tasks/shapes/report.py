@@ -12,6 +12,7 @@ learning signal).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -120,7 +121,7 @@ class Report:
         o = self.overall
         lines.append(f"{'overall':<14} {100 * o['strict']:>8.1f} {o['partial']:>8.3f} {100 * o['chance']:>8.1f} "
                      f"{o['n']:>7}")
-        if o.get("varied_prompts") == o.get("varied_prompts"):  # not NaN: some prompt has several pictures
+        if not math.isnan(o.get("varied_prompts", math.nan)):  # some prompt has several pictures
             lines.append(f"prompts whose pictures earn different rewards (GRPO's signal): "
                          f"{100 * o['varied_prompts']:.0f} %")
         return "\n".join(lines)
@@ -138,6 +139,25 @@ def caption_font(size: int = 11):
         return ImageFont.truetype(os.path.join(matplotlib.get_data_path(), "fonts", "ttf", "DejaVuSans.ttf"), size)
     except (ImportError, OSError):
         return ImageFont.load_default()
+
+
+def wrap(text: str, font, width: int) -> list[str]:
+    """Greedy word wrap of `text` to lines of at most `width` px in `font` (a word longer than a line is split;
+    also the trainer's validation grids)."""
+    pieces: list[str] = []
+    for word in text.split():
+        while len(word) > 1 and font.getlength(word) > width:
+            cut = next((i for i in range(len(word) - 1, 0, -1) if font.getlength(word[:i]) <= width), 1)
+            pieces.append(word[:cut])
+            word = word[cut:]
+        pieces.append(word)
+    lines: list[str] = []
+    for piece in pieces:
+        if lines and font.getlength(f"{lines[-1]} {piece}") <= width:
+            lines[-1] = f"{lines[-1]} {piece}"
+        else:
+            lines.append(piece)
+    return lines or [""]
 
 
 def captioned_grid(pictures, captions: list[str], passed: list[bool] | None = None, columns: int = 8,
@@ -163,15 +183,6 @@ def captioned_grid(pictures, captions: list[str], passed: list[bool] | None = No
         x, y = (i % columns) * (w + 6), (i // columns) * (h + cap_h + 6)
         canvas.paste(Image.fromarray(pic.astype(np.uint8)).resize((w, h), Image.NEAREST), (x, y))
         colour = (0, 0, 0) if passed is None else ((0, 120, 0) if passed[i] else (190, 0, 0))
-        lines, line = [], ""
-        for word in text.split():
-            trial = f"{line} {word}".strip()
-            if draw.textlength(trial, font=font) > w and line:
-                lines.append(line)
-                line = word
-            else:
-                line = trial
-        lines.append(line)
-        for k, ln in enumerate(lines[:3]):
+        for k, ln in enumerate(wrap(text, font, w)[:3]):
             draw.text((x + 1, y + h + 1 + 12 * k), ln, fill=colour, font=font)
     return np.asarray(canvas)
