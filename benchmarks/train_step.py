@@ -71,7 +71,9 @@ class Sequential:
         from omniroll.reward import RewardSample
         from omniroll.sampling import derive_seed
         from omniroll.train import TrajectoryBatch, group_advantages
+        from omniroll.train.algorithms import FlowGRPO, UpdatePlan
         from omniroll.train.update import train_on_batch
+        from omniroll.train.versions import VersionStore
 
         t0 = time.perf_counter()
         sp = SamplingParams(**self.cfg.sampling_params())
@@ -87,9 +89,15 @@ class Sequential:
         t2 = time.perf_counter()
         adv = group_advantages(rewards, [r.prompt for r in reqs], self.tc.global_std, self.tc.adv_clip_max)
         traj = TrajectoryBatch.from_outputs(outs)
-        stats = train_on_batch(self.policy, self.opt, traj, adv.advantages, step=step, seed=0, num_inner_epochs=1,
-                               micro_batch_size=self.tc.micro_batch_size, micro_batches_per_update=None,
-                               clip_range=self.tc.clip_range, kl_beta=0.0, max_grad_norm=1.0)
+        algo = FlowGRPO(self.cfg, self.policy.adapter)
+        mbs = self.tc.micro_batch_size
+        store = VersionStore(self.policy, 0)
+        store.record(self.version)
+        plan = UpdatePlan(step=step, seed=0, micro_batch_size=mbs, per_update=-(-len(traj) // mbs), store=store,
+                          versions=torch.full((len(traj), traj.num_steps), self.version))
+        algo.prepare(self.policy, traj, plan)
+        stats = train_on_batch(self.policy, self.opt, algo, traj, adv.advantages, plan, num_inner_epochs=1,
+                               max_grad_norm=1.0)
         t3 = time.perf_counter()
         self.version += 1
         self.sender.send(self.policy.weights_to_send(), version=self.version)

@@ -95,6 +95,7 @@ def test_every_row_keeps_its_own_parameters(engine):
         assert out.extra_fields["sde_type"] == (p.sde_type if p.stochastic else "ode")
     assert packed[4].log_probs is None and "negative_prompt_embeds" not in packed[3].extra_fields
     assert packed[2].extra_fields["all_latents"].shape[0] == 2
+    assert packed[4].extra_fields["all_latents"].shape[0] == 0  # no log-probs: no trajectory kept
 
 
 def test_recompute_reproduces_rollout_log_probs_exactly(engine):

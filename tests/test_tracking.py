@@ -55,7 +55,7 @@ def test_two_steps_to_tensorboard_wandb_mlflow_read_back_and_resume_continues_th
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from omniroll.cli import main
-    from omniroll.train.tracking import read_trainer_state
+    from omniroll.train.checkpoint import read_trainer_state
 
     uri = "file:" + str(tmp_path / "mlruns")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from omniroll.config import load_config
-from omniroll.train.update import group_advantages, ppo_clip_loss
+from omniroll.train.advantages import group_advantages
+from omniroll.train.algorithms.ppo import ppo_clip_loss
 
 PROMPTS = ["a blue car", "a green bird"]
 
@@ -218,8 +219,10 @@ def test_window_schedules_per_step():
             "pipeline": {"num_inference_steps": 10}, "algo": {"sde_window_size": 2, "sde_window_range": [0, 6]}}
     prog = load_config({**base, "trainer": {"prompts": ["a red car"], "prompts_per_step": 1,
                                             "window_schedule": "progressive", "window_advance_every": 2}})
-    assert [window_for_step(prog, s) for s in range(1, 9)] == [(0, 2), (0, 2), (2, 4), (2, 4), (4, 6), (4, 6),
-                                                                 (1, 3), (1, 3)]
+    # MixGRPO's sliding window: one step every 2 iterations, shrinking at the range's end, then back to the start
+    assert [window_for_step(prog, s) for s in range(1, 15)] == [(0, 2), (0, 2), (1, 3), (1, 3), (2, 4), (2, 4),
+                                                                  (3, 5), (3, 5), (4, 6), (4, 6), (5, 6), (5, 6),
+                                                                  (0, 2), (0, 2)]
     rnd = load_config({**base, "trainer": {"prompts": ["a red car"], "prompts_per_step": 1,
                                            "window_schedule": "random", "seed": 3}})
     wins = [window_for_step(rnd, s) for s in range(1, 30)]

@@ -8,7 +8,7 @@ import torch
 from torch.distributions import Normal
 
 from omniroll.sampling.sde import sde_step
-from omniroll.train.update import decoupled_ppo_loss, density_log_ratio_scale, ppo_clip_loss
+from omniroll.train.algorithms.ppo import decoupled_ppo_loss, density_log_ratio_scale, ppo_clip_loss
 
 
 def test_decoupled_loss_is_ppo_clip_bitwise_when_prox_is_behaviour_and_truncates_the_weight():

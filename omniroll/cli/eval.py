@@ -46,7 +46,7 @@ def run(args) -> int:
     ckpt = None
     if args.checkpoint is not None:
         from omniroll.evaluation.checkpoints import checkpoint_kind
-        from omniroll.train.tracking import find_checkpoint
+        from omniroll.train.checkpoint import find_checkpoint
 
         try:
             ckpt = find_checkpoint(args.checkpoint, flag="--checkpoint")

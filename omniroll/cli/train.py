@@ -53,7 +53,7 @@ def run(args) -> int:
 
     check_loggers(cfg.trainer.logger)  # a named tracker that is not installed: its pip command, before Ray starts
     if args.resume:
-        from omniroll.train.tracking import find_checkpoint, read_trainer_state
+        from omniroll.train.checkpoint import find_checkpoint, read_trainer_state
 
         read_trainer_state(find_checkpoint(args.resume))  # a bad --resume fails before Ray starts too (never unpickled)
 

@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from omniroll.config.algorithms import ALGORITHMS, check_algorithm
 from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
                                       Placement, ReplicasSection, Resources, RewardSection, ValKwargs, _PartialAlgo,
                                       _PartialPipeline, _Strict)
@@ -28,7 +29,7 @@ from omniroll.config.trainer import LOGGERS, EvaluationSection, LoRASection, Sig
 from omniroll.engine.params import SamplingParams, overlay_sampling
 from omniroll.errors import config_messages, format_validation_error
 
-__all__ = ["AgentSection", "AlgoSection", "ConfigError", "EngineSection", "EvaluationSection", "LOGGERS",
+__all__ = ["ALGORITHMS", "AgentSection", "AlgoSection", "ConfigError", "EngineSection", "EvaluationSection", "LOGGERS",
            "LoRASection", "OmniRollConfig", "PipelineSection", "Placement", "ReplicasSection", "Resources",
            "RewardSection", "SignalCheckSection", "TrainerSection", "ValKwargs", "_PartialAlgo", "_PartialPipeline",
            "config_messages", "load_config", "validate_config"]
@@ -105,6 +106,12 @@ class OmniRollConfig(_Strict):
         if n is not None and self.prompt_length < n:
             raise ValueError(f"prompt_length: must be >= {n}: the model's tokenizer pads prompt ids to {n} tokens "
                              f"(engine.model={self.engine.model!r}), got {self.prompt_length}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_algorithm(self):
+        if self.trainer is not None:
+            check_algorithm(self.trainer, self.algo)
         return self
 
     @model_validator(mode="after")

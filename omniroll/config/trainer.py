@@ -4,10 +4,11 @@ asynchronous training and experiment tracking. `omniroll.config` puts it togethe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
 from omniroll.config.sections import _Strict
 
 
@@ -66,9 +67,14 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
 
 
 class TrainerSection(_Strict):
-    """The reference Flow-GRPO trainer (`omniroll train`). Group size is the top-level `n`; sampling comes from
-    `pipeline` / `algo`; rewards from `reward`; validation images from `val_kwargs` (ODE)."""
+    """The trainer (`omniroll train`). Group size is the top-level `n`; sampling comes from `pipeline` / `algo`;
+    rewards from `reward`; validation images from `val_kwargs` (ODE). `algorithm` picks the objective
+    (omniroll/train/algorithms/); omniroll/config/algorithms.py says which keys each one reads."""
 
+    algorithm: AlgorithmName = Field("flow_grpo", description="flow_grpo, grpo_guard, dance_grpo (SDE window, "
+                                     "log-probs) or nft, awm (forward process: the clean latent of an ODE rollout)")
+    algorithm_options: dict[str, Any] = Field(default_factory=dict, description="the chosen algorithm's own options "
+                                              "(omniroll/config/algorithms.py), with its reference defaults")
     steps: int = Field(20, ge=1, le=10**7)
     prompts: list[str] = Field(default_factory=list, description="training prompts (or prompts_file)")
     prompts_file: Optional[str] = Field(None, description="one prompt per line, added to prompts")
@@ -90,9 +96,10 @@ class TrainerSection(_Strict):
     mode: Literal["lora", "full"] = "lora"
     lora: LoRASection = Field(default_factory=LoRASection)
     window_schedule: Literal["fixed", "random", "progressive"] = Field(
-        "fixed", description="MixGRPO-style SDE window per step: fixed (algo.sde_window_*), random (from seed and "
-                             "step), progressive (advances by the window size every window_advance_every steps)")
-    window_advance_every: int = Field(1, ge=1)
+        "fixed", description="MixGRPO's SDE window per step: fixed (algo.sde_window_*), random (from seed and step), "
+                             "progressive (MixGRPO's sliding window: starts at the range's start, advances by one "
+                             "step every window_advance_every steps, rolls back at the range's end)")
+    window_advance_every: int = Field(1, ge=1, description="MixGRPO's iters_per_group (25 in its reference)")
     gradient_checkpointing: bool = False
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
     val_every: int = Field(0, ge=0, description="steps between validations (grids, and the task evaluation when "
@@ -150,8 +157,26 @@ class TrainerSection(_Strict):
                 raise ValueError(f"names a logger twice: {list(names)}")
         return names
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data):
+        """The chosen algorithm's reference defaults of shared keys the config leaves unset."""
+        if isinstance(data, dict) and data.get("algorithm") in ALGORITHMS:
+            data = {**ALGORITHMS[data["algorithm"]].defaults, **data}
+        return data
+
+    def options(self):
+        """`algorithm_options`, validated by the algorithm's options model (its reference defaults filled in)."""
+        return ALGORITHMS[self.algorithm].options.model_validate(self.algorithm_options)
+
     @model_validator(mode="after")
     def _check(self):
+        try:
+            self.options()
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(map(str, err["loc"]))
+            raise ValueError(f"algorithm_options.{loc}: {err['msg']} (trainer.algorithm {self.algorithm})") from None
         if self.prompts_file is not None and not Path(self.prompts_file).is_file():
             raise ValueError(f"prompts_file: file not found: {self.prompts_file}")
         n = len(self.all_prompts())

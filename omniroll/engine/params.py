@@ -30,8 +30,9 @@ OutputType = Literal["pixel", "latent", "both"]
 class SamplingParams(BaseModel):
     """Per-request sampling parameters. Every field is validated; errors name the field and its allowed range.
 
-    SDE window: steps in `[start, start + sde_window_size)` inject noise and record latents and log-probs; the others
-    are plain ODE (Euler) steps and record nothing. `sde_window_size=None` means every step but the last
+    SDE window: steps in `[start, start + sde_window_size)` inject noise and (with `logprobs`) record latents and
+    log-probs; the others are plain ODE (Euler) steps and record nothing. Without `logprobs` nothing is recorded: a
+    forward-process trainer (NFT, AWM) asks for the final latent only (`output_type` "both" or "latent"). `sde_window_size=None` means every step but the last
     (Flow-GRPO's default: the last step's Gaussian is too sharp). With a size, `start` is drawn uniformly from
     `[lo, hi - size]` using the request's own generator, where `(lo, hi) = sde_window_range or (0, T - 1)`.
 

@@ -137,9 +137,10 @@ class RequestState:
         return torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32, device=self.device)
 
     def advance(self, new_latents: torch.Tensor, log_prob: torch.Tensor) -> None:
-        """Apply one step's result (and the weight version that ran it); record it when the step is in the window."""
+        """Apply one step's result (and the weight version that ran it); record it when the step is in the window
+        and the request asked for log-probs (a request without them keeps no trajectory: only its final latent)."""
         self.step_versions.append(int(self.running_version or 0))
-        if self.in_window:
+        if self.in_window and self.params.logprobs:
             if not self.rec_latents:
                 self.rec_latents.append(self.latents)
             self.rec_latents.append(new_latents)

@@ -76,21 +76,25 @@ def sde_window_bounds(num_steps: int, window_size: Optional[int],
 def window_for_step(schedule: str, step: int, num_steps: int, window_size: Optional[int],
                     window_range: Optional[tuple[int, int]], seed: int, advance_every: int = 1
                     ) -> Optional[tuple[int, int]]:
-    """The SDE window range a trainer requests at `step` (MixGRPO-style; None: the sampling's own window).
-    "fixed": None; "random": a start drawn from (seed, step); "progressive": advances by the window size every
-    `advance_every` steps, wrapping inside `window_range` (default (0, T - 1))."""
+    """The SDE window range a trainer requests at `step` (1-based; MixGRPO's schedules; None: the sampling's own
+    window), within `window_range` (lo, hi), default (0, T - 1).
+
+    "fixed": None. "random": a start drawn from (seed, step), the window's full size. "progressive": MixGRPO's sliding
+    window (`GRPOTrainingStates`, progressive with prog_overlap, prog_overlap_step 1 and roll_back): the start begins
+    at lo and advances by one step every `advance_every` steps (its iters_per_group); the window is
+    [start, min(start + size, hi)), so it shrinks at the range's end; when the start would reach hi it rolls back to
+    lo. (The reference also visits the empty window start == hi once per cycle; here a window always holds a step.)"""
     import torch
 
     if schedule == "fixed":
         return None
     lo, hi = window_range or (0, max(num_steps - 1, 1))
-    starts = hi - lo - window_size + 1
     if schedule == "random":
         g = torch.Generator().manual_seed(seed * 7919 + step)
-        start = lo + int(torch.randint(starts, (1,), generator=g))
-    else:
-        start = lo + ((step - 1) // advance_every * window_size) % starts
-    return (start, start + window_size)
+        start = lo + int(torch.randint(hi - lo - window_size + 1, (1,), generator=g))
+        return (start, start + window_size)
+    start = lo + ((step - 1) // advance_every) % (hi - lo)
+    return (start, min(start + window_size, hi))
 
 
 def draw_sde_window(

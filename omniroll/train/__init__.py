@@ -1,23 +1,24 @@
-"""`omniroll.train`: the reference Flow-GRPO trainer (layer 8: it builds on agent_loop, weights, sampling; nothing
-below imports it).
+"""`omniroll.train`: the trainer (layer 8: it builds on agent_loop, weights, sampling; nothing below imports it), with
+the algorithms of `trainer.algorithm` in `omniroll.train.algorithms` (flow_grpo, grpo_guard, dance_grpo, nft, awm).
 
-Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns), `recompute_log_probs` (the rollout's
-log-prob under the current weights, with autograd, bitwise equal with the rollout's weights), `group_advantages`,
-`ppo_clip_loss`, `decoupled_ppo_loss` (the asynchronous trainer's off-policy loss), `kl_to_reference`, `Policy`, and
-`FlowGRPOTrainer` for the whole loop. `NoLearningSignal`: what `FlowGRPOTrainer.train` raises when every GRPO group
+Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns), `CleanBatch` (the rows of a
+forward-process rollout), `recompute_log_probs` (the rollout's log-prob under the current weights, with autograd,
+bitwise equal with the rollout's weights), `group_advantages`, `ppo_clip_loss`, `decoupled_ppo_loss` (the
+asynchronous trainer's off-policy loss), `kl_to_reference`, `Policy`, and `FlowGRPOTrainer` for the whole loop. `NoLearningSignal`: what `FlowGRPOTrainer.train` raises when every GRPO group
 has been tied for `trainer.signal_check.stop_after_tied_steps` steps (`LearningSignalCheck`, signal_check.py).
 """
 
 from omniroll.train.policy import (Policy, TrajectoryBatch, enable_gradient_checkpointing, execution_mode,
                                    recompute_log_probs, trajectory_velocity)
+from omniroll.train.advantages import Advantages, group_advantages
+from omniroll.train.algorithms.ppo import LossTerms, decoupled_ppo_loss, kl_to_reference, ppo_clip_loss
+from omniroll.train.clean_batch import CleanBatch
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
-from omniroll.train.update import (Advantages, LossTerms, decoupled_ppo_loss, group_advantages, kl_to_reference,
-                                   ppo_clip_loss)
 
 __all__ = [
     "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "decoupled_ppo_loss",
     "enable_gradient_checkpointing",
-    "execution_mode", "trajectory_velocity", "recompute_log_probs", "TrajectoryBatch", "FlowGRPOTrainer", "Policy",
+    "execution_mode", "trajectory_velocity", "CleanBatch", "recompute_log_probs", "TrajectoryBatch", "FlowGRPOTrainer", "Policy",
     "WeightVersionError", "LearningSignalCheck", "NoLearningSignal",
 ]
 

@@ -44,7 +44,7 @@ _REQUIRED = {"all_latents": "latents", "all_timesteps": "timesteps", "sigmas": "
              "cfg_scale": "cfg_scale"}
 
 
-def _is_cond_key(k: str) -> bool:
+def is_cond_key(k: str) -> bool:
     """Conditioning tensors (the adapter's `cond` dict): `*prompt_embeds` (padded, with a `*_mask`), not negative."""
     return k.endswith("prompt_embeds") and not k.startswith("negative_")
 
@@ -99,6 +99,17 @@ class TrajectoryBatch:
                 out[f.name] = [v[i] for i in pick]
         return replace(self, **out)
 
+    def at_steps(self, steps: torch.Tensor) -> "TrajectoryBatch":
+        """The same rows with one window step each (W = 1): row i's step `steps[i]` (DanceGRPO trains a different
+        random step per row in one forward)."""
+        steps = torch.as_tensor(steps, dtype=torch.long).reshape(-1)
+        i = torch.arange(len(self))
+        pair = torch.stack([steps, steps + 1], 1)
+        return replace(self, latents=self.latents[i[:, None], pair], timesteps=self.timesteps[i, steps][:, None],
+                       sigmas=self.sigmas[i, steps][:, None], sigmas_next=self.sigmas_next[i, steps][:, None],
+                       log_probs=self.log_probs[i, steps][:, None],
+                       experts=self.experts[i, steps][:, None] if self.experts is not None else None)
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_batch(cls, batch: Any) -> "TrajectoryBatch":
@@ -118,7 +129,7 @@ class TrajectoryBatch:
         vals = {f: td[k] for k, f in _REQUIRED.items()}
         cond, uncond, lengths = {}, {}, {}
         for k in sorted(keys):
-            if _is_cond_key(k):
+            if is_cond_key(k):
                 cond[k] = td[k]
                 if f"{k}_mask" in keys:
                     lengths[k] = td[f"{k}_mask"].sum(1)
@@ -133,7 +144,7 @@ class TrajectoryBatch:
                    cond=cond, uncond=uncond or None, lengths=lengths,
                    experts=td["expert_indices"] if "expert_indices" in keys else None,
                    weight_version=[int(v) for v in nt["weight_version"]],
-                   execution=_one_execution(list(nt["execution"])), **vals)
+                   execution=one_execution(list(nt["execution"])), **vals)
 
     @classmethod
     def from_outputs(cls, outputs: Sequence[Any]) -> "TrajectoryBatch":
@@ -148,7 +159,7 @@ class TrajectoryBatch:
         def stack(k):
             return torch.stack([torch.as_tensor(e[k]) for e in efs])
 
-        cond_keys = sorted(k for k in efs[0] if _is_cond_key(k) and isinstance(efs[0][k], torch.Tensor))
+        cond_keys = sorted(k for k in efs[0] if is_cond_key(k) and isinstance(efs[0][k], torch.Tensor))
         cond = {k: stack(k) for k in cond_keys}
         cfg = [all(f"negative_{k}" in e for k in cond_keys) for e in efs]
         uncond = None
@@ -165,10 +176,10 @@ class TrajectoryBatch:
                    experts=stack("expert_indices") if "expert_indices" in efs[0] else None,
                    sde_type=[str(e["sde_type"]) for e in efs], cond=cond, uncond=uncond,
                    weight_version=[int(e.get("weight_version", 0)) for e in efs],
-                   execution=_one_execution([e.get("execution") for e in efs]))
+                   execution=one_execution([e.get("execution") for e in efs]))
 
 
-def _one_execution(values: list) -> dict:
+def one_execution(values: list) -> dict:
     """The rows' common execution mode (they must agree: one trainer recompute mode per batch)."""
     modes = {tuple(sorted(dict(v).items())) if isinstance(v, dict) else None for v in values}
     if None in modes:

@@ -44,9 +44,10 @@ class Snapshot:
 @torch.no_grad()
 def snapshot(adapter, traj: TrajectoryBatch, rows: int, micro_batch_size: int) -> Optional[Snapshot]:
     """The first min(len(traj), rows) rows' log-prob, Gaussian mean and std at every window step under `adapter`'s
-    current weights (None when rows == 0: not measured)."""
+    current weights (None when rows == 0, or for rows without transitions, a forward-process `CleanBatch`: not
+    measured)."""
     R = min(len(traj), int(rows))
-    if R <= 0:
+    if R <= 0 or not isinstance(traj, TrajectoryBatch):
         return None
     sub = traj.rows(list(range(R)))
     log_prob = torch.empty(R, sub.num_steps)

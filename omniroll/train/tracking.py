@@ -1,6 +1,6 @@
 """What a training run writes and reads: experiment tracking for `omniroll train` (verl's `trainer.logger` list over
-console, jsonl, tensorboard, wandb, swanlab and mlflow), and its files: metrics.jsonl, the step line
-and checkpoint lookup (below `Tracker`). reward_curve.png is drawn by `reward_curve.py`, the validation grids by
+console, jsonl, tensorboard, wandb, swanlab and mlflow), and its files: metrics.jsonl and the step line (below
+`Tracker`); checkpoints are `checkpoint.py`'s. reward_curve.png is drawn by `reward_curve.py`, the validation grids by
 `val_grid.py`.
 
     trainer:
@@ -290,8 +290,10 @@ def _async_part(m: dict) -> str:
     """The asynchronous trainer's fields of the step line (absent from older metrics)."""
     if "staleness_max" not in m:
         return ""
+    replay = (f"replay_dev {m['behaviour_replay_max_abs_dev']:.1e}  " if "behaviour_replay_max_abs_dev" in m
+              else "")  # log-prob algorithms only
     return (f"  stale {m['staleness_min']}-{m['staleness_max']} (K={m.get('max_staleness', 0)})  "
-            f"dropped {m.get('stale_dropped', 0)}  replay_dev {m['behaviour_replay_max_abs_dev']:.1e}  "
+            f"dropped {m.get('stale_dropped', 0)}  {replay}"
             f"overlap {m['overlap_frac']:.2f}  {m['samples_per_s']:.1f} samples/s")
 
 
@@ -301,40 +303,3 @@ def mode_label(m: dict) -> str:
     if k == 0:
         return "synchronous"
     return f"async K={k}" + (" + partial" if m.get("partial_rollout") else "")
-
-
-def find_checkpoint(path: str, flag: str = "--resume") -> str:
-    """A checkpoint directory: `path` itself (it holds trainer_state.pt) or a run directory's latest checkpoint;
-    FileNotFoundError naming `flag` otherwise."""
-    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
-        return path
-    latest = os.path.join(path, "checkpoints", "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            ckpt = os.path.join(path, "checkpoints", f.read().strip())
-        if os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
-            return ckpt
-    raise FileNotFoundError(f"{flag} {path}: neither a checkpoint (trainer_state.pt) nor a run directory with "
-                            f"checkpoints/latest")
-
-
-TRAINER_STATE_KEYS = ("step", "version", "optimizer", "mode")
-
-
-def read_trainer_state(ckpt: str) -> dict:
-    """A checkpoint's trainer_state.pt, loaded with `weights_only=True`: tensors and plain containers only, so a
-    resume directory cannot run code (a pickle that would is refused). ValueError naming the file otherwise."""
-    import pickle
-
-    path = os.path.join(ckpt, "trainer_state.pt")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"--resume {path}: refused: not loadable as plain tensors and containers (weights_only), "
-                         f"so it was not unpickled; it is not an omniroll checkpoint, or one from an older "
-                         f"version: start a fresh run ({first})") from None
-    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise ValueError(f"--resume {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
-    return state

@@ -1,9 +1,11 @@
-"""`FlowGRPOTrainer`: Flow-GRPO end to end on omniroll's public pieces.
+"""`FlowGRPOTrainer`: the training loop, end to end on omniroll's public pieces, for every algorithm of
+`trainer.algorithm` (omniroll/train/algorithms/: Flow-GRPO by default; the loop never branches on the name).
 
-One step: (1) roll out `prompts_per_step` prompts x `n` samples through the `AgentLoopManager` (replicas are Ray
-actors; rewards stream while generation runs); (2) GRPO advantages per prompt group; (3) inner epochs over shuffled
-micro-batches and every recorded window step (`train_on_batch`, recompute by `recompute_log_probs`); (4) push the new
-weights to every replica through `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
+One step (`step`, top to bottom): (1) roll out `prompts_per_step` prompts x `n` samples through the
+`AgentLoopManager` with the algorithm's sampling overrides (replicas are Ray actors; rewards stream while generation
+runs); (2) the algorithm's advantages per prompt group; (3) its anchors (`prepare`), then inner epochs over shuffled
+micro-batches and its loss terms (`train/update.py`); (4) push the weights the replicas sample with to every replica
+through `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
 
 A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
 step's first optimizer update) is logged every step: exactly 0.0 with the engine's batch-invariant mode. With
@@ -25,22 +27,21 @@ import torch
 
 from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.sampling.window import batch_prompt_uid, window_for_step
-from omniroll.train import tracking
+from omniroll.sampling.window import batch_prompt_uid
+from omniroll.train import checkpoint, tracking
 from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
                                           stale_rows)
-from omniroll.train.policy import Policy, TrajectoryBatch
+from omniroll.train.policy import Policy
 from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.reward_curve import plot_rewards
 from omniroll.train.task_eval import run_task_eval
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
-from omniroll.train.update import (VersionStore, behaviour_and_replay, group_advantages, off_policy_metrics,
-                                   step_versions, train_on_batch)
+from omniroll.train.algorithms import UpdatePlan, make_algorithm
+from omniroll.train.update import train_on_batch
+from omniroll.train.versions import VersionStore, off_policy_metrics, step_versions
 from omniroll.train.validation import run_validation
 
-
-REPLAY_ROWS = 2  # the fixed subset (first rows) whose recorded log-probs are replayed every step
 
 
 class WeightVersionError(RuntimeError):
@@ -58,7 +59,7 @@ class FlowGRPOTrainer:
             raise ValueError("trainer: the config has no trainer section")
         self.tc = self.config.trainer
         self.out_dir = out_dir
-        self.resume_from = tracking.find_checkpoint(resume) if resume else None  # fails before Ray starts
+        self.resume_from = checkpoint.find_checkpoint(resume) if resume else None  # fails before Ray starts
         self.log = log
         self.prompts = self.tc.all_prompts()
         self.val_prompts = list(self.tc.val_prompts) or self.prompts[:4]
@@ -98,6 +99,7 @@ class FlowGRPOTrainer:
         self.cluster = RolloutCluster(cfg, ray_address=self.ray_address, log=self.log)  # resolves the model
         self.policy = Policy(self.cluster.model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha,
                              self.tc.lora.target_modules, dtype=cfg.engine.dtype, seed=self.tc.seed)
+        self.algorithm = make_algorithm(cfg, self.policy.adapter)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
         self.store = VersionStore(self.policy, self.tc.max_staleness)
@@ -240,8 +242,8 @@ class FlowGRPOTrainer:
         last_gen = max(finished) if finished else span[1]
         out, versions, stale = self._fresh(step, out)
         rewards = out.batch["rm_scores"][:, 0].float()
-        adv = group_advantages(rewards, list(out.non_tensor_batch["uid"]), tc.global_std, tc.adv_clip_max)
-        traj = TrajectoryBatch.from_batch(out)
+        adv = self.algorithm.advantages(rewards, list(out.non_tensor_batch["uid"]))
+        traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
         if tc.gradient_checkpointing and not self._checkpointing:  # in the mode the rollout recorded
             from omniroll.train.policy import enable_gradient_checkpointing
 
@@ -250,17 +252,15 @@ class FlowGRPOTrainer:
         t_move = time.time()
         before = snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
         t1 = time.time()
-        decoupled = K > 0 or tc.old_log_prob == "recompute"
-        behaviour, replay_dev = behaviour_and_replay(self.store, traj, versions, old_log_prob=tc.old_log_prob,
-                                                     decoupled=decoupled, micro_batch_size=tc.micro_batch_size,
-                                                     replay_rows=REPLAY_ROWS)
+        n_micro = -(-len(traj) // tc.micro_batch_size)
+        plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
+                          per_update=tc.micro_batches_per_update or n_micro, versions=versions, store=self.store,
+                          decoupled=K > 0 or tc.old_log_prob == "recompute")
+        prepared = self.algorithm.prepare(self.policy, traj, plan)  # its anchors (behaviour, proximal, timesteps)
         with self._uninterruptible():
-            stats = train_on_batch(
-                self.policy, self.optimizer, traj, adv.advantages, step=step, seed=tc.seed,
-                num_inner_epochs=tc.num_inner_epochs, micro_batch_size=tc.micro_batch_size,
-                micro_batches_per_update=tc.micro_batches_per_update, clip_range=tc.clip_range,
-                kl_beta=tc.kl_beta, max_grad_norm=tc.max_grad_norm, behaviour_log_probs=behaviour,
-                behaviour_weight_cap=tc.behaviour_weight_cap, prox_check_rows=REPLAY_ROWS if decoupled else 0)
+            stats = train_on_batch(self.policy, self.optimizer, self.algorithm, traj, adv.advantages, plan,
+                                   num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
+            after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
             t2 = time.time()
             prox_version = self.version
             self.store.record(step)
@@ -278,8 +278,8 @@ class FlowGRPOTrainer:
                  "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
                  "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps, **move,
                  "weight_version": int(versions.min()), "synced_version": self.version,
-                 "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale,
-                 **off_policy_metrics(stats, versions, prox_version, replay_dev),
+                 "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale, **prepared, **after,
+                 **off_policy_metrics(stats, versions, prox_version),
                  "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t4), [(t1, t2)]) / max(wall, 1e-9),
                  "samples_per_s": len(traj) / max(wall, 1e-9),
                  "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
@@ -293,7 +293,7 @@ class FlowGRPOTrainer:
     def _fresh(self, step: int, out: DataBatch) -> tuple[DataBatch, torch.Tensor, dict]:
         """The batch's samples that may train: every window step ran with a version the trainer pushed, and none older
         than current - K (`on_stale`: drop them, or regenerate the batch with the current weights and wait)."""
-        W = int(out.batch["rollout_log_probs"].shape[1])
+        W = int(out.batch["rollout_log_probs"].shape[1]) if "rollout_log_probs" in out.batch.keys() else 0
         versions = step_versions(out, W)
         ahead = [(out.non_tensor_batch["request_id"][i], int(versions[i].max())) for i in rows_ahead(versions,
                                                                                                       self.version)]
@@ -315,11 +315,9 @@ class FlowGRPOTrainer:
         g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
         meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
-        a, tc = self.config.algo, self.tc
-        window = window_for_step(tc.window_schedule, step, self.config.pipeline.num_inference_steps,
-                                 a.sde_window_size, a.sde_window_range, tc.seed, tc.window_advance_every)
-        if window is not None:
-            meta["sampling_params"] = {"sde_window_range": window}
+        overrides = self.algorithm.sampling_overrides(step)  # its rollout contract, its SDE window this step
+        if overrides:
+            meta["sampling_params"] = overrides
         # uid: the prompt's index in the training prompt list (the same function as the CLI's position uid)
         batch = prompt_batch(self.prompts, n, batch_prompt_uid, indices=picks, data_source="train", meta_info=meta)
         return await self.manager.generate_sequences_async(batch)
@@ -336,7 +334,7 @@ class FlowGRPOTrainer:
         policy = {"partial": True} if partial else {"wait_for_inflight": True}
         hold = contextlib.nullcontext() if partial else self.pipeline.held()
         try:
-            with hold, self.store.weights(version):
+            with hold, self.store.weights(version), self.algorithm.sampling_weights(self.policy):
                 self._continue_without_lost_replicas()
                 try:
                     acks = self.sender.send(self.policy.weights_to_send(), version=version, **policy)
@@ -376,23 +374,21 @@ class FlowGRPOTrainer:
         return rec
 
     def save_checkpoint(self) -> str:
-        path = os.path.join(self.out_dir, "checkpoints", f"step_{self.step_done:06d}")
-        self.policy.save(path)
-        self.store.save(path)
-        torch.save({"step": self.step_done, "version": self.version, "optimizer": self.optimizer.state_dict(),
-                    "discarded_samples": self.discarded_samples,
-                    "mode": self.tc.mode, "config": self.config.model_dump(mode="json"),
-                    "tracking": self.tracker.state(self.step_done) if self.tracker else None},
-                   os.path.join(path, "trainer_state.pt"))
-        with open(os.path.join(self.out_dir, "checkpoints", "latest"), "w") as f:
-            f.write(os.path.basename(path) + "\n")
-        return path
+        return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store, state={
+            "step": self.step_done, "version": self.version, "optimizer": self.optimizer.state_dict(),
+            "discarded_samples": self.discarded_samples, "mode": self.tc.mode,
+            "config": self.config.model_dump(mode="json"), "algorithm": self.tc.algorithm,
+            "algorithm_state": self.algorithm.state_dict(),
+            "tracking": self.tracker.state(self.step_done) if self.tracker else None})
 
     def _load(self, path: str) -> None:
-        state = tracking.read_trainer_state(path)  # weights_only: a resume directory cannot run code
+        state = checkpoint.read_trainer_state(path)  # weights_only: a resume directory cannot run code
         if state["mode"] != self.tc.mode:
             raise ValueError(f"trainer.mode: the checkpoint {path} was trained with mode {state['mode']!r}")
+        if state.get("algorithm", "flow_grpo") != self.tc.algorithm:
+            raise ValueError(f"trainer.algorithm: the checkpoint {path} was trained with {state.get('algorithm')!r}")
         self.policy.load(path)
+        self.algorithm.load_state_dict(state.get("algorithm_state") or {})
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_done = int(state["step"])
         self.store.load(path, self.step_done)

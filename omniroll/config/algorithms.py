@@ -1,0 +1,133 @@
+"""`trainer.algorithm` and `trainer.algorithm_options`: what each training algorithm accepts (its options with the
+reference defaults, the shared `trainer.*` keys it reads, the rollout it needs). The algorithms' code is in
+`omniroll/train/algorithms/` (one file each); this file only declares their configuration, so the config package stays
+below the trainer.
+
+A shared key an algorithm does not read (for example `trainer.clip_range` with `nft`) is an error naming it when it is
+set to anything but its default; a shared key whose reference default differs for an algorithm (`global_std`, `kl_beta`) takes that default
+unless it is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from omniroll.config.sections import _Strict
+
+
+# ------------------------------------------------------------------------------------------ each algorithm's options
+class NoOptions(_Strict):
+    """Flow-GRPO and GRPO-Guard: every option is a shared `trainer.*` key."""
+
+
+class DanceGRPOOptions(_Strict):
+    timestep_fraction: float = Field(0.6, gt=0, le=1, description="share of each sample's recorded SDE steps trained, "
+                                     "drawn per sample (DanceGRPO's timestep_fraction)")
+
+
+class NFTOptions(_Strict):
+    beta: float = Field(1.0, gt=0, le=100, description="NFT strength: v_pos = beta v + (1 - beta) v_old (1.0 for "
+                        "GenEval in the reference; 0.1 for OCR)")
+    timestep_fraction: float = Field(0.99, gt=0, le=1, description="share of each sample's sampling timesteps "
+                                     "trained, in a random order per sample (int(T * fraction), at least 1)")
+    decay_type: Literal[0, 1, 2] = Field(1, description="old-adapter update old <- d old + (1 - d) theta after each "
+                                         "step: 0: d = 0 (on-policy); 1: d = min(0.001 step, 0.5); 2: d = 0 before "
+                                         "step 75, then min(0.0075 (step - 75), 0.999)")
+    adaptive_weight_min: float = Field(1e-5, gt=0, le=1, description="floor of the per-sample adaptive weight "
+                                       "mean |x0_pred - x0|")
+    rollout_cfg: bool = Field(False, description="sample with the pipeline's CFG (the reference samples without)")
+
+
+class AWMOptions(_Strict):
+    train_timesteps: int = Field(6, ge=1, le=1000, description="timesteps trained per sample, drawn without "
+                                 "replacement from its sampling timesteps after the first")
+    weighting: Literal["ghuber", "mse"] = Field("ghuber", description="w(l, t): ghuber (t / p) ((l + e)^p - e^p), "
+                                                "or mse (t l)")
+    huber_p: float = Field(0.25, gt=0, le=1, description="p of the ghuber weighting")
+    huber_eps: float = Field(1e-3, gt=0, le=1, description="e of the ghuber weighting")
+    rollout_cfg: bool = Field(False, description="sample with the pipeline's CFG (the reference samples without)")
+
+
+# ------------------------------------------------------------------------------------------------------ the specs
+#: shared trainer keys every algorithm reads
+COMMON_KEYS = frozenset({
+    "steps", "prompts", "prompts_file", "val_prompts", "prompts_per_step", "lr", "weight_decay", "adam_betas",
+    "adv_clip_max", "global_std", "kl_beta", "num_inner_epochs", "micro_batch_size", "micro_batches_per_update",
+    "max_grad_norm", "mode", "lora", "gradient_checkpointing", "checkpoint_every", "val_every", "evaluation", "seed",
+    "weight_transport", "sync_timeout_s", "num_threads", "max_staleness", "partial_rollout", "on_stale",
+    "signal_check", "logger", "project_name", "experiment_name", "log_images_every", "log_images_count",
+    "algorithm", "algorithm_options"})
+#: shared keys only the log-prob (SDE window) algorithms read
+LOG_PROB_KEYS = frozenset({"clip_range", "old_log_prob", "behaviour_weight_cap", "window_schedule",
+                           "window_advance_every", "policy_move_rows"})
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """rollout: "sde_window" (latents and log-probs of the SDE window) or "clean_latent" (only the final latent of a
+    deterministic ODE, no log-probs). sde_types: the `algo.sde_type` values it accepts (sde_window only).
+    same_latent: whether it needs `algo.same_latent: true`. defaults: its reference defaults of shared keys."""
+
+    options: type
+    rollout: Literal["sde_window", "clean_latent"]
+    reference: str
+    sde_types: tuple[str, ...] = ()
+    same_latent: Optional[bool] = None
+    defaults: dict = field(default_factory=dict)
+
+    @property
+    def keys(self) -> frozenset:
+        return COMMON_KEYS | (LOG_PROB_KEYS if self.rollout == "sde_window" else frozenset())
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    "flow_grpo": AlgorithmSpec(NoOptions, "sde_window", "arXiv 2505.05470; yifan123/flow_grpo",
+                               sde_types=("sde", "cps", "dance_sde")),
+    "grpo_guard": AlgorithmSpec(NoOptions, "sde_window", "arXiv 2510.22319; verl-omni GRPOGuardLoss",
+                                sde_types=("sde",), defaults={"clip_range": 2e-6}),
+    "dance_grpo": AlgorithmSpec(DanceGRPOOptions, "sde_window", "arXiv 2505.07818; XueZeyue/DanceGRPO",
+                                sde_types=("dance_sde",), same_latent=True),
+    "nft": AlgorithmSpec(NFTOptions, "clean_latent", "arXiv 2509.16117; NVlabs/DiffusionNFT",
+                         defaults={"global_std": True, "kl_beta": 1e-4}),
+    "awm": AlgorithmSpec(AWMOptions, "clean_latent", "arXiv 2509.25050; scxue/advantage_weighted_matching",
+                         defaults={"kl_beta": 0.003}),
+}
+
+AlgorithmName = Literal["flow_grpo", "grpo_guard", "dance_grpo", "nft", "awm"]
+
+#: `algo.*` keys that describe the SDE window: a forward-process algorithm samples the ODE and sets none of them
+SDE_ALGO_KEYS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent")
+
+
+def _changed(section) -> set:
+    """The keys of a section set to something other than their default (a config dumped with every key and loaded
+    again sets the others to their defaults)."""
+    fields = type(section).model_fields
+    return {k for k in section.model_fields_set if k in fields and getattr(section, k) != fields[k].get_default(
+        call_default_factory=True)}
+
+
+def check_algorithm(trainer, algo) -> None:
+    """The cross-section rules of `trainer.algorithm` (ValueError naming the key): every set shared key is one it
+    reads; its SDE type and shared initial noise; a forward-process algorithm leaves the SDE window keys unset."""
+    spec = ALGORITHMS[trainer.algorithm]
+    name = trainer.algorithm
+    extra = sorted(k for k in _changed(trainer) if k not in spec.keys)
+    if extra:
+        raise ValueError(f"trainer.{extra[0]} does not apply to trainer.algorithm {name} (its rollout is "
+                         f"{spec.rollout.replace('_', ' ')}); remove it")
+    if spec.rollout == "clean_latent":
+        set_algo = [k for k in SDE_ALGO_KEYS if k in _changed(algo)]
+        if set_algo:
+            raise ValueError(f"algo.{set_algo[0]} does not apply to trainer.algorithm {name}: it samples the "
+                             f"deterministic ODE and records no SDE window; remove it")
+        return
+    if algo.sde_type not in spec.sde_types:
+        raise ValueError(f"algo.sde_type: trainer.algorithm {name} samples with {' or '.join(spec.sde_types)}, got "
+                         f"{algo.sde_type!r}")
+    if spec.same_latent is not None and algo.same_latent != spec.same_latent:
+        raise ValueError(f"algo.same_latent: trainer.algorithm {name} needs {str(spec.same_latent).lower()} (the "
+                         f"samples of a group share their initial noise)")

@@ -1,0 +1,111 @@
+"""Flow-GRPO (arXiv 2505.05470; yifan123/flow_grpo): PPO-clip on the recorded SDE window's exact log-probs.
+
+Rollout: the SDE window's latents and log-probs (`algo.*`: sde, cps or dance_sde steps; `trainer.window_schedule`
+slides the window as MixGRPO does). Advantages: per prompt group, the group's std (or the batch's, `global_std`),
+clipped. Loss per window step: mean(max(-A r, -A clip(r, 1 +- eps))) + kl_beta KL(pi || base), with r = pi_theta /
+pi_old the ratio of Flow-GRPO's mean log-probs; with `max_staleness` >= 1 the decoupled PPO of
+omniroll/train/algorithms/ppo.py (AReaL), anchored at the step's proximal weights and weighted by pi_prox /
+pi_behaviour. Exact: with the rollout's weights the recompute returns the rollout's log-probs bitwise, so every
+ratio is 1.0 before the step's first optimizer update (`ratio_max_abs_dev == 0.0`).
+
+DanceGRPO and GRPO-Guard reuse this rollout and its anchors (dance_grpo.py, grpo_guard.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omniroll.sampling.window import window_for_step
+from omniroll.train.algorithms.base import Algorithm, UpdatePlan, shuffle_generator
+from omniroll.train.algorithms.ppo import (LossTerms, decoupled_ppo_loss, density_log_ratio_scale, kl_to_reference,
+                                           ppo_clip_loss)
+from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
+from omniroll.train.versions import behaviour_and_replay
+
+#: the fixed subset (first rows) whose recorded log-probs are replayed every step
+REPLAY_ROWS = 2
+
+
+def rows_before_first_update(B: int, seed: int, step: int, micro_batch_size: int, per_update: int) -> set:
+    """The rows of epoch 0 scored before its first optimizer update (the first `per_update` micro-batches)."""
+    perm = torch.randperm(B, generator=shuffle_generator(seed, step, 0))
+    return set(perm[: per_update * micro_batch_size].tolist())
+
+
+class FlowGRPO(Algorithm):
+    name = "flow_grpo"
+
+    # ------------------------------------------------------------------ the rollout
+    def sampling_overrides(self, step: int) -> dict:
+        a, tc = self.config.algo, self.tc
+        window = window_for_step(tc.window_schedule, step, self.config.pipeline.num_inference_steps,
+                                 a.sde_window_size, a.sde_window_range, tc.seed, tc.window_advance_every)
+        if window is None:
+            return {}
+        return {"sde_window_size": window[1] - window[0], "sde_window_range": window}
+
+    def rows(self, batch, adapter) -> TrajectoryBatch:
+        return TrajectoryBatch.from_batch(batch)
+
+    # ------------------------------------------------------------------ the anchors
+    def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> dict:
+        """The behaviour log-probs (recorded, or recomputed under the versions that ran them), the decoupled loss's
+        proximal anchors for rows scored after the first update, and which window step each term trains."""
+        tc = self.tc
+        self.behaviour, replay_dev = behaviour_and_replay(
+            plan.store, rows, plan.versions, old_log_prob=tc.old_log_prob, decoupled=plan.decoupled,
+            micro_batch_size=plan.micro_batch_size, replay_rows=REPLAY_ROWS)
+        self.prox = None
+        if self.behaviour is not None and self.uses_decoupled_loss:
+            self.prox = self._prox_anchors(policy, rows, plan)
+        self.steps_of = self.train_steps(rows, plan)
+        return {"behaviour_replay_max_abs_dev": replay_dev}
+
+    uses_decoupled_loss = True
+
+    def train_steps(self, rows: TrajectoryBatch, plan: UpdatePlan) -> torch.Tensor:
+        """[B, terms]: the window step each loss term of a row trains (Flow-GRPO: every recorded step, in order)."""
+        return torch.arange(rows.num_steps).expand(len(rows), rows.num_steps)
+
+    @torch.no_grad()
+    def _prox_anchors(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> torch.Tensor:
+        """pi_prox of every row and step: rows seen after the first update, and the check rows (whose anchor is a
+        true no-grad recompute, so ratio_max_abs_dev measures it), now; the others in the first pass (NaN here)."""
+        B, W = len(rows), rows.num_steps
+        prox = torch.full((B, W), float("nan"))
+        first = rows_before_first_update(B, plan.seed, plan.step, plan.micro_batch_size, plan.per_update)
+        need = sorted((set(range(B)) - first) | set(range(min(REPLAY_ROWS, B))))
+        for chunk in torch.tensor(need, dtype=torch.long).split(plan.micro_batch_size) if need else ():
+            for k in range(W):
+                prox[chunk, k] = recompute_log_probs(policy.adapter, rows.rows(chunk), k).log_prob.float()
+        return prox
+
+    # ------------------------------------------------------------------ the loss
+    def num_terms(self, mb) -> int:
+        return int(self.steps_of.shape[1])
+
+    def kl(self, policy, view: TrajectoryBatch, out):
+        """flow_grpo's KL to the base model for the view's step (None when kl_beta is 0)."""
+        if self.tc.kl_beta <= 0:
+            return None
+        with torch.no_grad(), policy.reference() as ref:
+            ref_out = recompute_log_probs(ref, view, 0)
+        return kl_to_reference(out.mean, ref_out.mean, out.std, view.sigmas_next[:, 0] - view.sigmas[:, 0],
+                               view.sde_type)
+
+    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, plan, *, epoch, chunk, first_update) -> LossTerms:
+        steps = self.steps_of[idx, term]
+        view = mb.at_steps(steps)
+        out = recompute_log_probs(policy.adapter, view, 0)
+        kl = self.kl(policy, view, out)
+        tc = self.tc
+        if self.prox is None:
+            old = view.log_probs[:, 0] if self.behaviour is None else self.behaviour[idx, steps]
+            return ppo_clip_loss(out.log_prob, old, adv, tc.clip_range, kl, tc.kl_beta)
+        p = self.prox[idx, steps]
+        if first_update:  # before the first update: unset rows take this very pass's value
+            p = torch.where(torch.isnan(p), out.log_prob.detach().float(), p)
+            self.prox[idx, steps] = p
+        return decoupled_ppo_loss(out.log_prob, p, self.behaviour[idx, steps], adv, tc.clip_range,
+                                  tc.behaviour_weight_cap, kl, tc.kl_beta,
+                                  density_log_ratio_scale(out.std, view.sde_type, view.latents[0, 0].numel()))

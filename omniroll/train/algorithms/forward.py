@@ -1,0 +1,72 @@
+"""What the forward-process algorithms (DiffusionNFT, AWM) share: their rollout and the noising of its clean latents.
+
+Rollout: the deterministic ODE (noise_level 0), CFG off (the reference's; `algorithm_options.rollout_cfg` keeps the
+pipeline's CFG), no log-probs, the final latent returned beside the pixels (`output_type` "both"): the engine records
+no trajectory, so a rollout costs only its forwards. Rows: `CleanBatch`. Training: each row is noised afresh at some
+of its own sampling timesteps, x_t = (1 - t) x0 + t eps, with eps drawn from (seed, step, epoch, micro-batch, term)
+only (`term_generator`), so a resumed run is bitwise a straight one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omniroll.train.algorithms.base import Algorithm, UpdatePlan, term_generator
+from omniroll.train.clean_batch import CleanBatch
+
+
+def draw_timesteps(sigmas: torch.Tensor, count: int, seed: int, step: int, skip_first: bool) -> torch.Tensor:
+    """[B, count] sigmas to train each row at: the first `count` of a random permutation of the row's sampling sigmas
+    (sigmas[:, :-1]; without the first, sigma = 1, when `skip_first`), drawn per row from (seed, step)."""
+    g = torch.Generator().manual_seed((int(seed) * 1_000_037 + int(step)) * 37 + 11)
+    B, T = sigmas.shape[0], sigmas.shape[1] - 1
+    lo = 1 if skip_first and T > 1 else 0
+    count = max(1, min(int(count), T - lo))
+    picks = [lo + torch.randperm(T - lo, generator=g)[:count] for _ in range(B)]
+    return torch.stack([sigmas[i, p] for i, p in enumerate(picks)]) if B else torch.empty(0, count)
+
+
+class ForwardProcessAlgorithm(Algorithm):
+    """NFT and AWM: a clean-latent rollout, and per-row training timesteps drawn in `prepare` (`self.t_of`)."""
+
+    skip_first_timestep = False  # AWM trains after the first sampling timestep (its `discrete_wo_init`)
+
+    def __init__(self, config, adapter):
+        super().__init__(config, adapter)
+        self.t_of = None
+
+    def sampling_overrides(self, step: int) -> dict:
+        over = {"noise_level": 0.0, "logprobs": False, "output_type": "both"}
+        if not self.options.rollout_cfg:
+            over["true_cfg_scale" if self.adapter.guidance_kind == "distilled" else "guidance_scale"] = 1.0
+        return over
+
+    def rows(self, batch, adapter) -> CleanBatch:
+        return CleanBatch.from_batch(batch, adapter)
+
+    def timesteps_per_row(self, rows: CleanBatch) -> int:
+        raise NotImplementedError
+
+    def prepare(self, policy, rows: CleanBatch, plan: UpdatePlan) -> dict:
+        self.t_of = draw_timesteps(rows.sigmas, self.timesteps_per_row(rows), plan.seed, plan.step,
+                                   self.skip_first_timestep)
+        return {}
+
+    def num_terms(self, mb) -> int:
+        return int(self.t_of.shape[1])
+
+    def noised(self, mb: CleanBatch, idx: torch.Tensor, term: int, plan: UpdatePlan, epoch: int,
+               chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(t [b], eps, x_t) of one loss term."""
+        t = self.t_of[idx, term].float()
+        eps = torch.randn(mb.x0.shape, generator=term_generator(plan.seed, plan.step, epoch, chunk, term))
+        tv = t.view((-1,) + (1,) * (mb.x0.ndim - 1))
+        return t, eps, (1 - tv) * mb.x0 + tv * eps
+
+    def kl_to_base(self, policy, mb: CleanBatch, x_t: torch.Tensor, t: torch.Tensor, v: torch.Tensor):
+        """mean((v - v_base)^2) per row (the references' velocity KL), or None when kl_beta is 0."""
+        if self.tc.kl_beta <= 0:
+            return None
+        with torch.no_grad(), policy.reference() as ref:
+            v_ref = mb.velocity(ref, x_t, t)
+        return ((v - v_ref) ** 2).reshape(len(mb), -1).mean(1)

@@ -1,0 +1,83 @@
+"""GRPO-Guard (arXiv 2510.22319; verl-omni `GRPOGuardLoss`): Flow-GRPO with the per-step ratio normalised (RatioNorm)
+and the loss reweighted by the step size.
+
+Flow-GRPO's log-ratio of a Flow-SDE step is biased below 0: with x' = mu_old + s xi (s the transition std, the same
+for both policies), logp_theta - logp_old = -mean(xi (mu_old - mu_theta)) / s - mean((mu_theta - mu_old)^2) / (2 s^2),
+whose mean over the noise is -||dmu||^2 / 2s^2 < 0, worst at the low-noise steps, so clipping fails to bound the
+updates of positive advantages. GRPO-Guard adds the bias back and rescales by s:
+
+    bias      = mean((mu_theta - mu_old)^2) / (2 s^2)
+    log ratio = (logp_theta - logp_old + bias) * s          ( = mean(xi (mu_theta - mu_old)): zero-mean over xi )
+    loss      = mean(max(-A r, -A clip(r, 1 +- eps))) / mean(sqrt(sigma_i - sigma_{i+1}))^2  (+ kl_beta KL)
+
+mu_old is the behaviour's transition mean, recomputed under the weight version that ran each window step (exactly the
+rollout's, by batch invariance). Rollout: Flow-SDE only (`algo.sde_type: sde`). Reference default clip_range 2e-6
+(verl-omni's recipe). With max_staleness >= 1 the behaviour is the anchor (no decoupled weight).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omniroll.train.algorithms.base import UpdatePlan
+from omniroll.train.algorithms.flow_grpo import FlowGRPO
+from omniroll.train.algorithms.ppo import LossTerms
+from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
+
+
+def guard_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
+                    std: torch.Tensor) -> torch.Tensor:
+    """[B] RatioNorm's log-ratio (module doc) from Flow-GRPO's mean log-probs, the two transition means and the
+    transition std s [B]."""
+    B = mean.shape[0]
+    s = std.reshape(B).to(mean.dtype)
+    bias = ((mean - old_mean) ** 2).reshape(B, -1).mean(1) / (2 * s**2)
+    return (log_prob - old_log_prob + bias) * s
+
+
+def guard_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float, sqrt_dt: torch.Tensor,
+               kl=None, kl_beta: float = 0.0) -> LossTerms:
+    """The clipped surrogate on exp(log_ratio), divided by mean(sqrt_dt)^2 (the reference's step reweighting)."""
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.mean(torch.maximum(unclipped, clipped)) / sqrt_dt.mean() ** 2
+    kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
+    loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
+    d = log_ratio.detach()
+    return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
+                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
+
+
+@torch.no_grad()
+def means_under_versions(store, rows: TrajectoryBatch, versions: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+    """[B, W, ...] the transition mean of every recorded window step under the version that ran it (no grad, the
+    rollout's execution mode)."""
+    B, W = versions.shape
+    out = torch.empty((B, W) + tuple(rows.latents.shape[2:]), dtype=torch.float32)
+    for v in sorted(set(versions.flatten().tolist())):
+        with store.weights(v):
+            for k in range(W):
+                sel = (versions[:, k] == v).nonzero().flatten()
+                for chunk in sel.split(micro_batch_size) if len(sel) else ():
+                    out[chunk, k] = recompute_log_probs(store.policy.adapter, rows.rows(chunk), k).mean.float()
+    return out
+
+
+class GRPOGuard(FlowGRPO):
+    name = "grpo_guard"
+    uses_decoupled_loss = False
+
+    def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> dict:
+        metrics = super().prepare(policy, rows, plan)
+        self.old_mean = means_under_versions(plan.store, rows, plan.versions, plan.micro_batch_size)
+        return metrics
+
+    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, plan, *, epoch, chunk, first_update) -> LossTerms:
+        steps = self.steps_of[idx, term]
+        view = mb.at_steps(steps)
+        out = recompute_log_probs(policy.adapter, view, 0)
+        old = view.log_probs[:, 0] if self.behaviour is None else self.behaviour[idx, steps]
+        log_ratio = guard_log_ratio(out.log_prob, old, out.mean, self.old_mean[idx, steps], out.std)
+        sqrt_dt = torch.sqrt(torch.clamp(view.sigmas[:, 0] - view.sigmas_next[:, 0], min=0.0))
+        return guard_loss(log_ratio, adv, self.tc.clip_range, sqrt_dt, self.kl(policy, view, out), self.tc.kl_beta)

@@ -1,0 +1,59 @@
+"""A training run's checkpoints: `checkpoints/step_NNNNNN/` with the trained weights (`Policy.save`), the kept
+versions (`VersionStore.save`), and `trainer_state.pt` (step, version, optimizer, the algorithm's own state such as
+NFT's old weights, the config, the trackers' run ids), plus `checkpoints/latest`; finding one (`find_checkpoint`) and
+reading its state without unpickling code (`read_trainer_state`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def write_checkpoint(out_dir: str, step: int, *, policy, store, state: dict) -> str:
+    """Write step `step`'s checkpoint (`state`: the trainer_state.pt dict) and point `latest` at it."""
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+    policy.save(path)
+    store.save(path)
+    torch.save(state, os.path.join(path, "trainer_state.pt"))
+    with open(os.path.join(out_dir, "checkpoints", "latest"), "w") as f:
+        f.write(os.path.basename(path) + "\n")
+    return path
+
+
+def find_checkpoint(path: str, flag: str = "--resume") -> str:
+    """A checkpoint directory: `path` itself (it holds trainer_state.pt) or a run directory's latest checkpoint;
+    FileNotFoundError naming `flag` otherwise."""
+    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        return path
+    latest = os.path.join(path, "checkpoints", "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            ckpt = os.path.join(path, "checkpoints", f.read().strip())
+        if os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
+            return ckpt
+    raise FileNotFoundError(f"{flag} {path}: neither a checkpoint (trainer_state.pt) nor a run directory with "
+                            f"checkpoints/latest")
+
+
+TRAINER_STATE_KEYS = ("step", "version", "optimizer", "mode")
+
+
+def read_trainer_state(ckpt: str) -> dict:
+    """A checkpoint's trainer_state.pt, loaded with `weights_only=True`: tensors and plain containers only, so a
+    resume directory cannot run code (a pickle that would is refused). ValueError naming the file otherwise."""
+    import pickle
+
+    path = os.path.join(ckpt, "trainer_state.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"--resume {path}: refused: not loadable as plain tensors and containers (weights_only), "
+                         f"so it was not unpickled; it is not an omniroll checkpoint, or one from an older "
+                         f"version: start a fresh run ({first})") from None
+    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"--resume {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
+    return state
