@@ -1,5 +1,7 @@
 """omniroll.config: YAML + overrides -> typed config; errors name the dotted key."""
 
+import os
+
 import pytest
 
 from omniroll.config import ConfigError, OmniRollConfig, load_config
@@ -66,3 +68,18 @@ def test_each_sampling_field_is_declared_once():
             if name in SamplingParams.model_fields:
                 mine, theirs = field, SamplingParams.model_fields[name]
                 assert (mine.annotation, mine.metadata) == (theirs.annotation, theirs.metadata), name
+
+
+def test_every_example_config_loads():
+    import glob
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    files = sorted(glob.glob(os.path.join(root, "examples", "*.yaml")))
+    assert len(files) >= 5
+    cwd = os.getcwd()
+    os.chdir(root)  # their prompt files are relative to the repository
+    try:
+        for f in files:
+            assert load_config(f) is not None, f
+    finally:
+        os.chdir(cwd)

@@ -76,10 +76,12 @@ class OmniRollConfig(_Strict):
             return self
         if not self.reward.functions or self.reward.num_workers < 1:
             raise ValueError("reward.functions: training needs at least one reward function and reward.num_workers >= 1")
-        if self.algo.sde_type == "ode" or self.algo.noise_level <= 0:
+        check_algorithm(self.trainer, self.algo)  # the keys it reads, the rollout it needs
+        log_probs = ALGORITHMS[self.trainer.algorithm].rollout == "sde_window"
+        if log_probs and (self.algo.sde_type == "ode" or self.algo.noise_level <= 0):
             raise ValueError("algo.sde_type / algo.noise_level: training needs a stochastic step (sde, cps or "
                              f"dance_sde with noise_level > 0), got {self.algo.sde_type} at {self.algo.noise_level}")
-        if not self.calculate_log_probs:
+        if log_probs and not self.calculate_log_probs:
             raise ValueError("calculate_log_probs: training needs the rollout's log-probs")
         if self.n < 2:
             raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
@@ -93,7 +95,7 @@ class OmniRollConfig(_Strict):
             problems = [line for f in self.reward.functions.values() for line in prompt_problems(f.fn, prompts)]
             if problems:
                 raise ValueError(f"{key}: " + "; ".join(problems))
-        if self.trainer.window_schedule != "fixed" and self.algo.sde_window_size is None:
+        if log_probs and self.trainer.window_schedule != "fixed" and self.algo.sde_window_size is None:
             raise ValueError(f"trainer.window_schedule: {self.trainer.window_schedule!r} moves a window of "
                              f"algo.sde_window_size steps; set algo.sde_window_size")
         return self
@@ -106,12 +108,6 @@ class OmniRollConfig(_Strict):
         if n is not None and self.prompt_length < n:
             raise ValueError(f"prompt_length: must be >= {n}: the model's tokenizer pads prompt ids to {n} tokens "
                              f"(engine.model={self.engine.model!r}), got {self.prompt_length}")
-        return self
-
-    @model_validator(mode="after")
-    def _check_algorithm(self):
-        if self.trainer is not None:
-            check_algorithm(self.trainer, self.algo)
         return self
 
     @model_validator(mode="after")

@@ -10,13 +10,13 @@ path (`trajectory_velocity`: CFG off, the rollout's execution mode), with autogr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import torch
 
 from omniroll.engine.runner import execution_mode
-from omniroll.train.policy import is_cond_key, one_execution, trajectory_velocity
+from omniroll.train.policy import is_cond_key, one_execution, take_rows, trajectory_velocity
 
 
 @dataclass
@@ -48,17 +48,7 @@ class CleanBatch:
         return torch.zeros(len(self), dtype=torch.float64)
 
     def rows(self, idx: Sequence[int] | torch.Tensor) -> "CleanBatch":
-        idx = torch.as_tensor(idx, dtype=torch.long)
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                out[f.name] = v[idx]
-            elif isinstance(v, dict) and f.name != "execution":
-                out[f.name] = {k: t[idx] for k, t in v.items()}
-            elif isinstance(v, list):
-                out[f.name] = [v[i] for i in idx.tolist()]
-        return replace(self, **out)
+        return take_rows(self, idx)
 
     @classmethod
     def from_batch(cls, batch: Any, adapter) -> "CleanBatch":

@@ -49,6 +49,23 @@ def is_cond_key(k: str) -> bool:
     return k.endswith("prompt_embeds") and not k.startswith("negative_")
 
 
+def take_rows(batch, idx: Sequence[int] | torch.Tensor):
+    """Rows `idx` of a dataclass of per-row fields (tensors [B, ...], dicts of them, lists of B; `execution` is
+    shared), in the order given."""
+    idx = torch.as_tensor(idx, dtype=torch.long)
+    pick = idx.tolist()
+    out = {}
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor):
+            out[f.name] = v[idx]
+        elif isinstance(v, dict) and f.name != "execution":
+            out[f.name] = {k: t[idx] for k, t in v.items()}
+        elif isinstance(v, list):
+            out[f.name] = [v[i] for i in pick]
+    return replace(batch, **out)
+
+
 @dataclass
 class TrajectoryBatch:
     """B rows. latents [B, W+1, ...] fp32 (the state before each window step, then after the last); timesteps, sigmas,
@@ -86,18 +103,7 @@ class TrajectoryBatch:
 
     def rows(self, idx: Sequence[int] | torch.Tensor) -> "TrajectoryBatch":
         """A sub-batch (row order as given)."""
-        idx = torch.as_tensor(idx, dtype=torch.long)
-        pick = idx.tolist()
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                out[f.name] = v[idx]
-            elif isinstance(v, dict) and f.name != "execution":
-                out[f.name] = {k: t[idx] for k, t in v.items()}
-            elif isinstance(v, list):
-                out[f.name] = [v[i] for i in pick]
-        return replace(self, **out)
+        return take_rows(self, idx)
 
     def at_steps(self, steps: torch.Tensor) -> "TrajectoryBatch":
         """The same rows with one window step each (W = 1): row i's step `steps[i]` (DanceGRPO trains a different

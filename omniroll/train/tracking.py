@@ -35,7 +35,6 @@ import time
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
 from omniroll.train.reward_breakdown import reward_breakdown
 

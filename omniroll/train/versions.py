@@ -110,19 +110,22 @@ def staleness_stats(versions: torch.Tensor, current: int) -> dict:
 
 @torch.no_grad()
 def log_probs_under_versions(store: VersionStore, traj: TrajectoryBatch, versions: torch.Tensor,
-                             micro_batch_size: int) -> torch.Tensor:
-    """[B, W] log-prob of every recorded window step under the version that ran it (no grad; the rollout's
-    execution mode). Rows are scored in micro-batches of one version per step (batch invariance makes the grouping
-    irrelevant to the values)."""
+                             micro_batch_size: int, field: str = "log_prob") -> torch.Tensor:
+    """[B, W] log-prob (`field`: or any other output of the step, e.g. "mean": [B, W, ...]) of every recorded window
+    step under the version that ran it (no grad; the rollout's execution mode). Rows are scored in micro-batches of
+    one version per step (batch invariance makes the grouping irrelevant to the values)."""
     B, W = versions.shape
-    out = torch.empty(B, W, dtype=torch.float32)
+    out = None
     for v in sorted(set(versions.flatten().tolist())):
         with store.weights(v):
             for k in range(W):
                 rows = (versions[:, k] == v).nonzero().flatten()
                 for chunk in rows.split(micro_batch_size) if len(rows) else ():
-                    out[chunk, k] = recompute_log_probs(store.policy.adapter, traj.rows(chunk), k).log_prob.float()
-    return out
+                    got = getattr(recompute_log_probs(store.policy.adapter, traj.rows(chunk), k), field).float()
+                    if out is None:
+                        out = torch.empty((B, W) + tuple(got.shape[1:]), dtype=torch.float32)
+                    out[chunk, k] = got
+    return out if out is not None else torch.empty(B, W, dtype=torch.float32)
 
 
 def behaviour_and_replay(store: VersionStore, traj: TrajectoryBatch, versions: torch.Tensor, *, old_log_prob: str,

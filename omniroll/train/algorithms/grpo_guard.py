@@ -23,6 +23,7 @@ from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.flow_grpo import FlowGRPO
 from omniroll.train.algorithms.ppo import LossTerms
 from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
+from omniroll.train.versions import log_probs_under_versions
 
 
 def guard_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
@@ -49,28 +50,14 @@ def guard_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: fl
                      clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
 
 
-@torch.no_grad()
-def means_under_versions(store, rows: TrajectoryBatch, versions: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
-    """[B, W, ...] the transition mean of every recorded window step under the version that ran it (no grad, the
-    rollout's execution mode)."""
-    B, W = versions.shape
-    out = torch.empty((B, W) + tuple(rows.latents.shape[2:]), dtype=torch.float32)
-    for v in sorted(set(versions.flatten().tolist())):
-        with store.weights(v):
-            for k in range(W):
-                sel = (versions[:, k] == v).nonzero().flatten()
-                for chunk in sel.split(micro_batch_size) if len(sel) else ():
-                    out[chunk, k] = recompute_log_probs(store.policy.adapter, rows.rows(chunk), k).mean.float()
-    return out
-
-
 class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
     uses_decoupled_loss = False
 
     def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> dict:
         metrics = super().prepare(policy, rows, plan)
-        self.old_mean = means_under_versions(plan.store, rows, plan.versions, plan.micro_batch_size)
+        # the behaviour's transition mean of every window step, under the version that ran it
+        self.old_mean = log_probs_under_versions(plan.store, rows, plan.versions, plan.micro_batch_size, "mean")
         return metrics
 
     def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, plan, *, epoch, chunk, first_update) -> LossTerms:
