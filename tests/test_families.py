@@ -191,7 +191,9 @@ def test_limits_from_files_equal_the_loaded_models(family, paths, engines):
 def test_frame_counts_never_share_a_forward(engines):
     engine = engines("wan")
     a, b = req("wan", "f5", num_frames=5), req("wan", "f1", num_frames=1)
-    sa, sb = (engine._make_state(r, lambda *_: None) for r in (a, b))
+    from omniroll.engine.admission import build_state
+
+    sa, sb = (build_state(engine.adapter, engine.config, engine.runner.device, r, None) for r in (a, b))
     assert sa.batch_key != sb.batch_key and sa.latents.shape[1] == 2 and sb.latents.shape[1] == 1
 
 

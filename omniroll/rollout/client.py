@@ -113,7 +113,7 @@ class RolloutClient:
         self._dead: set[int] = set()
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._rr = 0
-        self._running: dict[str, int] = {}  # caller request_id -> replica index of the current attempt
+        self._running: set[str] = set()  # caller request_ids in flight (a second one with the same id is refused)
 
     # A client crosses process boundaries as its configuration; counters and sticky map start fresh.
     def __getstate__(self):
@@ -186,14 +186,13 @@ class RolloutClient:
         failed_on: set[int] = set()
         failures = aborts = 0
         t0 = time.time()
-        self._running[request_id] = -1
+        self._running.add(request_id)
         try:
             while True:
                 idx = self._pick(group_id, failed_on)
                 k = len(attempts)
                 engine_id = request_id if k == 0 else f"{request_id}~retry{k}"
                 payload = request.model_dump() if k == 0 else {**request.model_dump(), "request_id": engine_id}
-                self._running[request_id] = idx
                 self.in_flight[idx] += 1
                 err: Optional[str] = None
                 try:
@@ -247,14 +246,7 @@ class RolloutClient:
                         request_id=request_id, attempts=attempts,
                     )
         finally:
-            self._running.pop(request_id, None)
-
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request of this client wherever it currently runs (it is then re-run; see the module doc)."""
-        idx = self._running.get(request_id, -1)
-        if idx < 0:
-            return False
-        return bool(await self.replicas[idx].abort.remote(request_id))
+            self._running.discard(request_id)
 
     def stats(self) -> dict:
         now = time.monotonic()
