@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from omniroll.engine.runner import execution_mode
+from omniroll.engine.execution import execution_mode
 from omniroll.train.policy import is_cond_key, one_execution, take_rows, trajectory_velocity
 
 

@@ -8,7 +8,7 @@ a config.
 The recompute (`recompute_log_probs`): the log-prob of recorded window steps under the current policy, with autograd.
 It reproduces the rollout exactly because it runs the rollout's own functions: `adapter.guided_velocity` (CFG rows
 stacked, `velocity`, the CFG mix; differentiable, the engine calls it under no_grad), `sde_step` fed with the
-trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.runner.execution_mode`
+trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.execution.execution_mode`
 (batch-invariant kernels with the same block size), read from the trajectory. With the rollout's weights it returns
 the rollout's log-probs bitwise, so a PPO ratio is exactly 1 before the first update.
 
@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from omniroll.engine.runner import execution_mode
+from omniroll.engine.execution import execution_mode
 from omniroll.models import load_adapter
 from omniroll.models.base import NO_CFG, DiffusionAdapter
 from omniroll.sampling import SDEStepOutput, sde_step
