@@ -109,7 +109,7 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
     from omniroll.evaluation.shapes import eval_sampling, evaluate
     from omniroll.models import resolve_model
     from omniroll.reward.scorers import RewardSample, build_scorer
-    from omniroll.sampling.window import batch_prompt_uid, derive_seed
+    from omniroll.sampling.seeds import batch_prompt_uid, derive_seed, prompt_order_seed
     from omniroll.tasks.shapes.splits import prompts_of
     from omniroll.train import TrajectoryBatch
     from omniroll.train.algorithms import FlowGRPO, UpdatePlan
@@ -143,7 +143,7 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
     evaluation(0)
     for step in range(1, tc.steps + 1):
         t0 = time.time()
-        g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(prompt_order_seed(tc.seed, step))
         picks = torch.randperm(len(prompts), generator=g)[:tc.prompts_per_step].tolist()
         sp = SamplingParams(**{**cfg.sampling_params(), **algo.sampling_overrides(step)})
         reqs = [GenerationRequest(request_id=f"s{step}-{i}-{j}", prompt=prompts[i], sampling_params=sp,

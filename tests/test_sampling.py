@@ -116,7 +116,7 @@ def test_derive_seed_is_stable_and_position_free():
     others = {derive_seed(43, 3, "uid-a", 0), derive_seed(42, 4, "uid-a", 0),
               derive_seed(42, 3, "uid-b", 0), derive_seed(42, 3, "uid-a", 1)}
     assert s not in others and len(others) == 4
-    code = "from omniroll.sampling.window import derive_seed; print(derive_seed(42, 3, 'uid-a', 0))"
+    code = "from omniroll.sampling.seeds import derive_seed; print(derive_seed(42, 3, 'uid-a', 0))"
     env = dict(os.environ, PYTHONHASHSEED=str(hash("x") % 1000 + 1))  # another process, another hash seed
     assert int(subprocess.check_output([sys.executable, "-c", code], env=env)) == s
 

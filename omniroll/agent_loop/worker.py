@@ -46,7 +46,7 @@ from omniroll.agent_loop.loop import RowResult, assemble, embed_length_error, ge
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.engine.params import SamplingParams, overlay_sampling, unencodable_reason
 from omniroll.errors import format_validation_error
-from omniroll.sampling.window import derive_group_seed, derive_seed
+from omniroll.sampling.seeds import derive_group_seed, derive_seed
 
 
 class AgentLoopError(RuntimeError):

@@ -27,7 +27,7 @@ import torch
 
 from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.sampling.window import batch_prompt_uid
+from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
 from omniroll.train import checkpoint, tracking
 from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
                                           stale_rows)
@@ -312,7 +312,7 @@ class FlowGRPOTrainer:
 
     async def _rollout(self, step: int) -> DataBatch:
         n, P = self.config.n, self.tc.prompts_per_step
-        g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(prompt_order_seed(self.tc.seed, step))
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
         meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
         overrides = self.algorithm.sampling_overrides(step)  # its rollout contract, its SDE window this step
