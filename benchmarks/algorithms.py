@@ -109,6 +109,7 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
     from omniroll.evaluation.shapes import eval_sampling, evaluate
     from omniroll.models import resolve_model
     from omniroll.reward.scorers import RewardSample, build_scorer
+    from omniroll.rollout.replica import resolve_engine_kwargs
     from omniroll.sampling.seeds import batch_prompt_uid, derive_seed, prompt_order_seed
     from omniroll.tasks.shapes.splits import prompts_of
     from omniroll.train import TrajectoryBatch
@@ -121,9 +122,7 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
     cfg = contender_config("inprocess", args, seed, out_dir)
     tc, model = cfg.trainer, resolve_model(cfg.engine.model)
     torch.set_num_threads(tc.num_threads or 1)
-    kw = cfg.engine.engine_kwargs()
-    kw["dtype"] = getattr(torch, kw["dtype"])
-    engine = DiffusionEngine.from_pretrained(model, **kw)
+    engine = DiffusionEngine.from_pretrained(model, **resolve_engine_kwargs(cfg.engine.engine_kwargs()))
     policy = Policy(model, tc.mode, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules, seed=tc.seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
     algo = FlowGRPO(cfg, policy.adapter)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from omniroll.engine.params import (Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
+from omniroll.engine.params import (DtypeName, Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
                                     SequenceLength, Steps, TrueCfgScale, WindowRange, WindowSize)
 from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
 from omniroll.reward.manager import RewardFunctionConfig
@@ -53,7 +53,7 @@ class EngineSection(_Strict):
     max_batch_size: Union[Literal["auto"], int] = Field(
         16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DtypeName = "float32"
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
 

@@ -32,7 +32,7 @@ from omniroll.engine.errors import RequestError
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.errors import format_validation_error
-from omniroll.rollout.replica import output_from_wire
+from omniroll.rollout.wire import output_from_wire
 
 
 class RolloutError(RuntimeError):

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from omniroll.engine.config import torch_dtype
 from omniroll.engine.execution import execution_mode
 from omniroll.models import load_adapter
 from omniroll.models.base import NO_CFG, DiffusionAdapter
@@ -268,9 +269,6 @@ def enable_gradient_checkpointing(denoiser: torch.nn.Module, execution: dict) ->
 
 
 # ----------------------------------------------------------------------------------------------- the policy
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class Policy:
     """mode "lora": a LoRA (rank, alpha, target_modules; default: the family's `lora_target_modules`, its attention
     projections) on the denoiser, B initialised to zero (so the first rollout,
@@ -281,7 +279,7 @@ class Policy:
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
         self.model_path, self.mode, self.dtype = model_path, mode, dtype
-        self.adapter: DiffusionAdapter = load_adapter(model_path, dtype=_DTYPES[dtype])
+        self.adapter: DiffusionAdapter = load_adapter(model_path, dtype=torch_dtype(dtype))
         for m in self.adapter.modules().values():
             m.requires_grad_(False)
             m.eval()
@@ -323,7 +321,7 @@ class Policy:
                 self.denoiser.enable_adapters()
         else:
             if self._reference is None:
-                self._reference = load_adapter(self.model_path, dtype=_DTYPES[self.dtype])
+                self._reference = load_adapter(self.model_path, dtype=torch_dtype(self.dtype))
                 for m in self._reference.modules().values():
                     m.requires_grad_(False)
             yield self._reference

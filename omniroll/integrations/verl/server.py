@@ -23,7 +23,7 @@ from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.integrations.verl.lora_sync import current_job_id, engine_update, update_zmq_handle, zmq_handle_for
 from omniroll.integrations.verl.sampling import fresh_seed, map_sampling_params
-from omniroll.rollout.replica import output_from_wire, output_to_wire
+from omniroll.rollout.wire import output_from_wire, output_to_wire
 
 BUCKET_BYTES = 256 << 20  # how a received ZMQ stream is handed to the engine (by reference: no copy)
 
@@ -68,11 +68,11 @@ class OmnirollServer:
     def __init__(self, model_path: str, replica_rank: int = 0, engine_kwargs: Optional[dict] = None,
                  sleep_level: int = 1):
         from omniroll.engine.engine import DiffusionEngine
-        from omniroll.rollout.replica import _engine_kwargs
+        from omniroll.rollout.replica import resolve_engine_kwargs
 
         self.replica_rank = int(replica_rank)
         self.sleep_level = int(sleep_level)
-        self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))
+        self.engine = DiffusionEngine.from_pretrained(model_path, **resolve_engine_kwargs(engine_kwargs))
         self._gate = asyncio.Event()
         self._gate.set()
         self._reject = False
