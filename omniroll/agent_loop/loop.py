@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from omniroll.agent_loop.batch import DataBatch
+from omniroll.models.base import is_sequence_embedding
 
 # ------------------------------------------------------------------------------------------------------- the registry
 _REGISTRY: dict[str, type] = {}
@@ -181,10 +182,6 @@ NON_TENSOR_EXTRAS = ("weight_version", "step_weight_versions", "min_weight_versi
 METRIC_EXTRAS = ("generate_seconds", "client_seconds", "generate_finished_at")
 
 
-def is_embed_key(k: str) -> bool:
-    return k.endswith("prompt_embeds") and not k.endswith("pooled_prompt_embeds")
-
-
 @dataclass
 class RowResult:
     """What one row's task produced. `out` is None when generation failed; a row whose reward failed keeps its
@@ -211,7 +208,7 @@ def embed_length_error(out: DiffusionAgentLoopOutput, max_len: Optional[int]) ->
     if max_len is None:
         return None
     for k, v in out.extra_fields.items():
-        if is_embed_key(k) and isinstance(v, torch.Tensor) and v.shape[0] > max_len:
+        if is_sequence_embedding(k) and isinstance(v, torch.Tensor) and v.shape[0] > max_len:
             return (f"{k} has {v.shape[0]} tokens, more than max_prompt_embed_length={max_len} "
                     f"(raise max_prompt_embed_length or lower pipeline.max_sequence_length)")
     return None
@@ -271,7 +268,7 @@ def assemble(rows: list[RowResult], inputs: DataBatch, *, prompt_length: int, ma
             if missing:
                 raise ValueError(f"field {k!r} is missing in rows {missing} but present in others (mixed CFG?)")
             vals = [o.extra_fields[k] if o else None for o in ok]
-            if is_embed_key(k):
+            if is_sequence_embedding(k):
                 lmax = max_prompt_embed_length or max(v.shape[0] for v in vals if v is not None)
                 pads = [pad_embeds(v, lmax) if v is not None else (None, None) for v in vals]
                 tensors[k] = _stack(k, rows, [p for p, _ in pads])

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
-from omniroll.agent_loop.loop import is_embed_key
+from omniroll.models.base import is_sequence_embedding
 from omniroll.agent_loop.worker import (AgentLoopError, DiffusionAgentLoopWorker, as_config, base_sampling,
                                         failed_entries, group_indices, plan_rows, row_uids, rows_that_cannot_share)
 
@@ -165,7 +165,7 @@ def merge(parts: list[DataBatch]) -> DataBatch:
     lmax: dict[str, int] = {}
     for p in parts:
         for k in p.batch.keys():
-            if is_embed_key(k):
+            if is_sequence_embedding(k):
                 lmax[k] = max(lmax.get(k, 0), int(p.batch[k].shape[1]))
     reward_keys = set.intersection(*[set(p.meta_info.get("reward_extra_keys") or []) for p in parts])
     all_reward_keys = set().union(*[set(p.meta_info.get("reward_extra_keys") or []) for p in parts])

@@ -170,6 +170,17 @@ def read_component_configs(path: str, *components: str) -> list[dict]:
 NO_CFG = 0.0
 
 
+def is_sequence_embedding(key: str) -> bool:
+    """A per-token prompt embedding (`prompt_embeds`, `negative_prompt_embeds`, ...: [L, D], padded when rows are
+    stacked), not a pooled one."""
+    return key.endswith("prompt_embeds") and not key.endswith("pooled_prompt_embeds")
+
+
+def is_conditioning(key: str) -> bool:
+    """A tensor of the adapter's `cond` dict (`*prompt_embeds`, pooled ones included), not a negative prompt's."""
+    return key.endswith("prompt_embeds") and not key.startswith("negative_")
+
+
 @dataclass
 class Conditioning:
     """Text conditioning of ONE prompt (no batch dimension).

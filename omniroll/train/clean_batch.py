@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.train.policy import is_cond_key, one_execution, take_rows, trajectory_velocity
+from omniroll.models.base import is_conditioning
+from omniroll.train.policy import one_execution, take_rows, trajectory_velocity
 
 
 @dataclass
@@ -66,7 +67,7 @@ class CleanBatch:
             raise ValueError("batch has failed rows (status 'failed'); drop them before training")
         cond, lengths = {}, {}
         for k in sorted(keys):
-            if is_cond_key(k):
+            if is_conditioning(k):
                 cond[k] = td[k]
                 if f"{k}_mask" in keys:
                     lengths[k] = td[f"{k}_mask"].sum(1)

@@ -34,7 +34,7 @@ import torch
 from omniroll.engine.config import torch_dtype
 from omniroll.engine.execution import execution_mode
 from omniroll.models import load_adapter
-from omniroll.models.base import NO_CFG, DiffusionAdapter
+from omniroll.models.base import NO_CFG, DiffusionAdapter, is_conditioning
 from omniroll.sampling import SDEStepOutput, sde_step
 
 
@@ -43,11 +43,6 @@ from omniroll.sampling import SDEStepOutput, sde_step
 _REQUIRED = {"all_latents": "latents", "all_timesteps": "timesteps", "sigmas": "sigmas", "sigmas_next": "sigmas_next",
              "noise_level": "noise_level", "sigma_max": "sigma_max", "guidance_scale": "guidance_scale",
              "cfg_scale": "cfg_scale"}
-
-
-def is_cond_key(k: str) -> bool:
-    """Conditioning tensors (the adapter's `cond` dict): `*prompt_embeds` (padded, with a `*_mask`), not negative."""
-    return k.endswith("prompt_embeds") and not k.startswith("negative_")
 
 
 def take_rows(batch, idx: Sequence[int] | torch.Tensor):
@@ -136,7 +131,7 @@ class TrajectoryBatch:
         vals = {f: td[k] for k, f in _REQUIRED.items()}
         cond, uncond, lengths = {}, {}, {}
         for k in sorted(keys):
-            if is_cond_key(k):
+            if is_conditioning(k):
                 cond[k] = td[k]
                 if f"{k}_mask" in keys:
                     lengths[k] = td[f"{k}_mask"].sum(1)
@@ -166,7 +161,7 @@ class TrajectoryBatch:
         def stack(k):
             return torch.stack([torch.as_tensor(e[k]) for e in efs])
 
-        cond_keys = sorted(k for k in efs[0] if is_cond_key(k) and isinstance(efs[0][k], torch.Tensor))
+        cond_keys = sorted(k for k in efs[0] if is_conditioning(k) and isinstance(efs[0][k], torch.Tensor))
         cond = {k: stack(k) for k in cond_keys}
         cfg = [all(f"negative_{k}" in e for k in cond_keys) for e in efs]
         uncond = None

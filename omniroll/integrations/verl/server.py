@@ -23,6 +23,7 @@ from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.integrations.verl.lora_sync import current_job_id, engine_update, update_zmq_handle, zmq_handle_for
 from omniroll.integrations.verl.sampling import fresh_seed, map_sampling_params
+from omniroll.models.base import is_sequence_embedding
 from omniroll.rollout.wire import output_from_wire, output_to_wire
 
 BUCKET_BYTES = 256 << 20  # how a received ZMQ stream is handed to the engine (by reference: no copy)
@@ -53,8 +54,7 @@ def to_verl_output(out: DiffusionOutput, global_steps: int,
         ef["min_global_steps"] = int(steps_of(int(ef["min_weight_version"])))
         ef["max_global_steps"] = int(steps_of(int(ef["max_weight_version"])))
         ef["step_global_steps"] = [int(steps_of(int(v))) for v in ef.get("step_weight_versions", [])]
-    for key in [k for k, v in ef.items() if k.endswith("prompt_embeds") and "pooled" not in k
-                and isinstance(v, torch.Tensor)]:
+    for key in [k for k, v in ef.items() if is_sequence_embedding(k) and isinstance(v, torch.Tensor)]:
         ef[f"{key}_mask"] = torch.ones(ef[key].shape[0], dtype=torch.int64)
     if "latents" in ef:
         ef["latents_clean"] = ef["latents"]
