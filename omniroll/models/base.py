@@ -246,6 +246,9 @@ class DiffusionAdapter(ABC):
 
     #: the diffusers pipeline class (by name) whose components and helpers the adapter uses.
     pipeline_class: str = ""
+    #: the family's name in errors, and the pipeline components a checkpoint of it must have.
+    family: str = ""
+    components: tuple[str, ...] = ()
 
     #: modules whose weights the trainer may update (name -> module); the denoiser is always "transformer".
     trainable_module_name: str = "transformer"
@@ -299,6 +302,24 @@ class DiffusionAdapter(ABC):
     @abstractmethod
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every torch module the adapter holds (for sleep / wake and device moves)."""
+
+    # ------------------------------------------------------------------ construction, shared by every family
+    def _adopt(self, pipeline) -> None:
+        """The start of every family's constructor: `pipeline` is a `pipeline_class` with every component; keep it,
+        its VAE and its scheduler's config; an empty sigma cache."""
+        import diffusers
+
+        check_pipeline(pipeline, getattr(diffusers, self.pipeline_class), self.family, self.components)
+        self.pipeline = pipeline
+        self.vae = pipeline.vae
+        self.scheduler_config = dict(pipeline.scheduler.config)
+        self._sigma_cache: dict = {}
+
+    def _eval_mode(self) -> None:
+        """The end of every family's constructor: every module in eval mode (no dropout anywhere: the rollout and the
+        trainer's recompute must compute one function)."""
+        for m in self.modules().values():
+            m.eval()
 
     # ------------------------------------------------------------------ defaults most families keep
     @classmethod
