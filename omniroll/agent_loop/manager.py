@@ -111,7 +111,7 @@ class AgentLoopManager:
             raise AgentLoopError.from_rows(sorted(failed_rows, key=lambda f: f["row"]), len(batch),
                                            batch=merge(kept) if kept else None, succeeded_rows=kept_rows)
         out = merge(list(results))
-        out.meta_info["timing"] = _timing(out.meta_info["metrics"], time.perf_counter() - t0)
+        out.meta_info["timing"] = batch_timing(out.meta_info["metrics"], time.perf_counter() - t0)
         return out
 
     async def _run_chunk(self, worker: Any, chunk: DataBatch) -> DataBatch:
@@ -198,7 +198,8 @@ def _pad_field(p: DataBatch, key: str, length: int) -> None:
     p.batch[f"{key}_mask"] = torch.cat([m, m.new_zeros((m.shape[0], extra))], dim=1)
 
 
-def _timing(metrics: list[dict], wall: float) -> dict:
+def batch_timing(metrics: list[dict], wall: float) -> dict:
+    """A batch's `meta_info["timing"]`: its wall seconds and its rows' generate / score times (min, mean, max)."""
     gen = [m.get("generate_sequences", 0.0) for m in metrics] or [0.0]
     score = [m.get("compute_score", 0.0) for m in metrics] or [0.0]
     slow = int(np.argmax(gen))

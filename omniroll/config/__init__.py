@@ -23,15 +23,15 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from omniroll.config.algorithms import ALGORITHMS, check_algorithm
 from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
-                                      Placement, ReplicasSection, Resources, RewardSection, ValKwargs, _PartialAlgo,
-                                      _PartialPipeline, _Strict)
+                                      Placement, ReplicasSection, Resources, RewardSection, ValKwargs, PartialAlgo,
+                                      PartialPipeline, _Strict)
 from omniroll.config.trainer import LOGGERS, EvaluationSection, LoRASection, SignalCheckSection, TrainerSection
 from omniroll.engine.params import SamplingParams, overlay_sampling
 from omniroll.errors import config_messages, format_validation_error
 
 __all__ = ["ALGORITHMS", "AgentSection", "AlgoSection", "ConfigError", "EngineSection", "EvaluationSection", "LOGGERS",
            "LoRASection", "OmniRollConfig", "PipelineSection", "Placement", "ReplicasSection", "Resources",
-           "RewardSection", "SignalCheckSection", "TrainerSection", "ValKwargs", "_PartialAlgo", "_PartialPipeline",
+           "RewardSection", "SignalCheckSection", "TrainerSection", "ValKwargs", "PartialAlgo", "PartialPipeline",
            "config_messages", "load_config", "validate_config"]
 
 

@@ -122,7 +122,9 @@ class AlgoSection(_Strict):
                                                  "SDE window (flow_grpo's same_latent); their ODE prefix runs once")
 
 
-class _PartialPipeline(_Strict):
+class PartialPipeline(_Strict):
+    """`val_kwargs.pipeline`: the pipeline fields validation overrides (None: the training value)."""
+
     height: Optional[Pixels] = None
     width: Optional[Pixels] = None
     num_frames: Optional[NumFrames] = None
@@ -131,7 +133,9 @@ class _PartialPipeline(_Strict):
     max_sequence_length: Optional[SequenceLength] = None
 
 
-class _PartialAlgo(_Strict):
+class PartialAlgo(_Strict):
+    """`val_kwargs.algo`: the sampling fields validation overrides (noise_level 0 by default: the ODE)."""
+
     noise_level: NoiseLevel = 0.0
     sde_type: Optional[SdeType] = None
     sde_window_size: Optional[WindowSize] = None
@@ -145,8 +149,8 @@ class ValKwargs(_Strict):
     n: int = Field(1, ge=1)
     seed: int = Field(42, ge=0)
     seed_mode: Literal["per_row", "shared"] = "per_row"
-    pipeline: _PartialPipeline = Field(default_factory=_PartialPipeline)
-    algo: _PartialAlgo = Field(default_factory=_PartialAlgo)
+    pipeline: PartialPipeline = Field(default_factory=PartialPipeline)
+    algo: PartialAlgo = Field(default_factory=PartialAlgo)
 
 
 class AgentSection(_Strict):
