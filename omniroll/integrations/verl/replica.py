@@ -86,7 +86,7 @@ class OmnirollServerAdapter(BaseRollout):
     `ServerAdapter`): it starts the server's receiver with `_execute_method("update_weights_from_ipc", non_block=True,
     kwargs=...)` and streams the adapter with verl's `BucketedWeightSender` to `zmq_handle`. `use_shm` is always True:
     omniroll's receiver reads shared memory (on a GPU the sender copies each bucket to host memory; CUDA-IPC handles
-    are not read, see `omniroll.weights.zmq_receiver`).
+    are not read, see `omniroll.integrations.verl.zmq_receiver`).
     """
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, replica_rank: int = -1, **kwargs):

@@ -201,7 +201,7 @@ class OmnirollServer:
         is always drained before an error is raised, so the sender never hangs. Without `global_steps` (VeRL-Omni's
         fast path sends none) the new weights keep the trainer step of the previous ones until `set_global_steps`."""
         from omniroll.weights.buckets import WeightManifest, pack_buckets
-        from omniroll.weights.zmq_receiver import receive_zmq_stream
+        from omniroll.integrations.verl.zmq_receiver import receive_zmq_stream
 
         handle = update_zmq_handle(zmq_handle_for(current_job_id(), self.replica_rank), zmq_update_id)
         named = await asyncio.to_thread(receive_zmq_stream, handle, bool(use_shm), timeout_s)

@@ -1,5 +1,5 @@
-"""Receiver-side glue: :func:`apply_weight_update` (check, receive, commit in one call) and
-:class:`ModuleReceiver`, a minimal in-process target. The engine splits the three steps itself
+"""Tests' receiver of weight streams: :func:`apply_weight_update` (check, receive, commit in one call) and
+:class:`ModuleReceiver`, a minimal in-process target without an engine (not part of omniroll's API). The engine splits the three steps itself
 (``omniroll.engine.lifecycle``) so that it drains and aborts only once an update is known to be complete.
 """
 
@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buckets import WeightManifest
-from .full import NameMap
-from .lora import LoRAManager
-from .staging import StagingPool
-from .transport import check_descriptor, transport_of
-from .update import check_version, prepare_update
+from omniroll.weights.buckets import WeightManifest
+from omniroll.weights.full import NameMap
+from omniroll.weights.lora import LoRAManager
+from omniroll.weights.staging import StagingPool
+from omniroll.weights.transport import check_descriptor, transport_of
+from omniroll.weights.update import check_version, prepare_update
 
 
 def apply_weight_update(
