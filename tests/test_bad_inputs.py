@@ -162,7 +162,8 @@ def test_generate_on_a_full_disk_names_the_file_and_what_was_kept(tiny_sd3_path,
     assert errors[0] == (f"omniroll generate: error: could not write {out / 'trajectories.safetensors'}: "
                          f"File too large (EFBIG)")
     assert errors[1] == (f"omniroll generate: error: kept: 2 complete file(s) in {out}: prompt_000.png, "
-                         f"prompt_001.png; the rest was not written")
+                         f"prompt_001.png; not written: trajectories.safetensors, so the samples' log-probs, latents "
+                         f"and scores are lost (the same command with the same seeds regenerates them bitwise)")
     assert sorted(p.name for p in out.iterdir()) == ["prompt_000.png", "prompt_001.png"]  # no partial file left
 
 
