@@ -69,14 +69,14 @@ class RolloutCluster:
         """Tear down in reverse order of `start`; every step runs (best effort), nothing raises."""
         import ray
 
-        from omniroll.rollout.replica import kill_replicas
+        from omniroll.ray_nodes import kill_actors
 
         if self.manager is not None:
             self.manager.shutdown()
             self.manager = None
-        kill_replicas(self.reward_workers)  # the same best-effort ray.kill
+        kill_actors(self.reward_workers)
         self.reward_workers = []
-        kill_replicas(self.replicas)
+        kill_actors(self.replicas)
         self.replicas, self.replica_nodes = [], []
         for p in reversed(self._placements):
             p.remove()
@@ -102,7 +102,7 @@ class RolloutCluster:
     def _start_replicas(self) -> None:
         from omniroll.rollout.ray_cluster import bundle_for
         from omniroll.rollout.replica import create_replicas
-        from omniroll.weights.sender import actor_node_ids
+        from omniroll.ray_nodes import actor_node_ids
 
         rc = self.config.replicas
         self.log(f"starting {rc.count} replica(s) of {self.model} ({rc.placement})")

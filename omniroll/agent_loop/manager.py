@@ -136,13 +136,9 @@ class AgentLoopManager:
         self.workers = [w for w in self.workers if w not in gone]
 
     def shutdown(self) -> None:
-        import ray
+        from omniroll.ray_nodes import kill_actors
 
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:
-                pass
+        kill_actors(self.workers)
         self.workers = []
 
 

@@ -21,6 +21,7 @@ from omniroll.engine.errors import RequestError
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
 from omniroll.library_warnings import silence_library_warnings
+from omniroll.ray_nodes import kill_actors as kill_replicas, this_node
 from omniroll.rollout.wire import output_to_wire
 from omniroll.weights.transport import transport_of
 
@@ -52,7 +53,7 @@ class RolloutReplica:
         self._failed = 0
         self._aborted = 0
         self._started_at = time.time()
-        self._node_id, self._node_address = _ray_node()
+        self._node_id, self._node_address = this_node()
 
     async def generate(self, request: dict | GenerationRequest) -> dict:
         """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A request the engine will not serve (bad
@@ -172,18 +173,6 @@ class RolloutReplica:
         return await asyncio.to_thread(self.engine.wake_up, timeout_s)
 
 
-def _ray_node() -> tuple[Optional[str], Optional[str]]:
-    """(node id, node IP address) of this process in Ray; (None, None) outside Ray."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None, None
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - not a Ray worker
-        return None, None
-
-
 def _torch_threads() -> int:
     return torch.get_num_threads()
 
@@ -228,14 +217,3 @@ def create_replicas(
             kill_replicas(handles)
             raise
     return handles
-
-
-def kill_replicas(handles: list) -> None:
-    """Best-effort teardown of replicas started by `create_replicas`."""
-    import ray
-
-    for h in handles:
-        try:
-            ray.kill(h, no_restart=True)
-        except Exception:
-            pass

@@ -20,6 +20,7 @@ from verl.workers.rollout.replica import RolloutReplica
 from omniroll.integrations.verl.config import engine_kwargs_from_verl
 from omniroll.integrations.verl.lora_sync import current_job_id, peft_dict, zmq_handle_for
 from omniroll.integrations.verl.server import OmnirollServer
+from omniroll.ray_nodes import this_node_id
 
 SERVER_PREFIX = "omniroll_server_"
 
@@ -68,9 +69,8 @@ class OmnirollReplica(RolloutReplica):
 
 
 def _node_and_devices(_self) -> tuple[str, list[str]]:
-    ctx = ray.get_runtime_context()
-    ids = ctx.get_accelerator_ids()
-    return ctx.get_node_id(), [str(i) for i in ids.get("GPU", [])]
+    ids = ray.get_runtime_context().get_accelerator_ids()
+    return this_node_id(), [str(i) for i in ids.get("GPU", [])]
 
 
 class OmnirollServerAdapter(BaseRollout):
