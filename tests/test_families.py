@@ -183,9 +183,12 @@ def test_per_family_validation_names_the_field(family, over, match, engines):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_limits_from_files_equal_the_loaded_models(family, paths, engines):
-    from omniroll.models import read_limits
+    from omniroll.models import ModelLimits, read_limits
+    from omniroll.models.tiny import TINY_LIMITS
 
     assert read_limits(paths[family]) == engines(family).adapter.limits
+    # what config validation uses for a tiny model without building it: the built checkpoint's limits
+    assert ModelLimits(*TINY_LIMITS[family]) == read_limits(paths[family])
 
 
 def test_frame_counts_never_share_a_forward(engines):

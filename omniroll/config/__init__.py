@@ -55,14 +55,14 @@ class OmniRollConfig(_Strict):
     @field_validator("pipeline", "val_kwargs")
     @classmethod
     def _fits_model(cls, value, info: ValidationInfo):
-        """Resolution and text length against the model's limits (read from its config files; a tiny model is
-        built once, as every command does next): `pipeline.*` and the `val_kwargs.pipeline.*` it overrides."""
+        """Resolution and text length against the model's limits (read from its config files, or a tiny model's
+        constants: nothing is built): `pipeline.*` and the `val_kwargs.pipeline.*` it overrides."""
         engine = info.data.get("engine")
         if engine is None:  # engine.model is itself wrong (reported there)
             return value
-        from omniroll.models import read_limits, resolve_model
+        from omniroll.models import model_limits
 
-        limits = read_limits(resolve_model(engine.model))
+        limits = model_limits(engine.model)
         p = value if info.field_name == "pipeline" else value.pipeline
         problems = [] if limits is None else limits.problems(
             p.height, p.width, p.max_sequence_length, prefix="" if info.field_name == "pipeline" else "pipeline.")

@@ -155,22 +155,13 @@ class ValKwargs(_Strict):
 
 class AgentSection(_Strict):
     num_workers: int = Field(2, ge=1, le=1024)
-    default_agent_loop: str = "diffusion_single_turn_agent"
+    default_agent_loop: str = Field("diffusion_single_turn_agent", min_length=1, description="a registered agent loop "
+                                    "(checked by RolloutCluster before Ray starts: the registry is the agent loop's)")
     on_failure: Literal["raise", "mark"] = Field(
         "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
     )
     placement: Placement = "pack"
     resources: Resources = Field(default_factory=dict)
-
-    @field_validator("default_agent_loop")
-    @classmethod
-    def _registered(cls, value):
-        from omniroll.agent_loop.loop import registered_names
-
-        if value not in registered_names():
-            raise ValueError(f"agent loop {value!r} is not registered; registered: {registered_names()} (import the "
-                             f"module whose @register(...) defines it before loading the config)")
-        return value
 
 
 class RewardSection(RewardWorkerConfig):
