@@ -112,7 +112,7 @@ def _batch(meta=None, **columns):
 ])
 def test_agent_loop_batch_fields_are_refused_naming_them(meta, columns, expected):
     from omniroll.agent_loop.manager import AgentLoopManager
-    from omniroll.agent_loop.worker import plan_rows
+    from omniroll.agent_loop.rows import plan_rows
 
     cfg = load_config({"n": 2})
     with pytest.raises(ValueError) as e:
@@ -122,7 +122,7 @@ def test_agent_loop_batch_fields_are_refused_naming_them(meta, columns, expected
 
 
 def test_numpy_integers_are_fine_in_batch_fields():
-    from omniroll.agent_loop.worker import plan_rows
+    from omniroll.agent_loop.rows import plan_rows
 
     cfg = load_config({"n": 2})
     rows = plan_rows(cfg, _batch({"global_steps": np.int64(3), "rollout_seed": np.int32(5)},

@@ -41,7 +41,7 @@ class RolloutCluster:
         self.with_rewards, self.with_manager = with_rewards, with_manager
         self.log = log or (lambda msg: None)
         self.model: str = resolve_model(self.config.engine.model)  # a bad model fails before Ray starts
-        from omniroll.agent_loop.loop import registered_names
+        from omniroll.agent_loop.registry import registered_names
 
         loop = self.config.agent.default_agent_loop
         if loop not in registered_names():  # so does a loop nobody registered (the registry is the agent loop's)

@@ -8,7 +8,7 @@ ONE `AgentLoopError` with global row numbers, carrying every chunk's succeeded r
 its chunk is re-run whole on a live worker: same rows, same `_group_index`, so the same seeds and the same samples
 (its engine request ids get a `~rerunK` suffix, so they never collide with the lost worker's requests still running
 on the replicas; the output keeps the rows' own request ids). In raise mode, rows that cannot share the output batch
-are refused for the whole batch before any chunk is sent (see `worker.rows_that_cannot_share`).
+are refused for the whole batch before any chunk is sent (see `rows.rows_that_cannot_share`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import numpy as np
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.models.base import is_sequence_embedding
-from omniroll.agent_loop.worker import (AgentLoopError, DiffusionAgentLoopWorker, as_config, base_sampling,
-                                        failed_entries, group_indices, plan_rows, row_uids, rows_that_cannot_share)
+from omniroll.agent_loop.rows import (as_config, base_sampling, failed_entries, group_indices, plan_rows, row_uids,
+                                      rows_that_cannot_share)
+from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker
 
 _PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_weight_version", "worker_seconds")
 
