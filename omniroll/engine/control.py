@@ -26,7 +26,7 @@ import contextlib
 import math
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from omniroll.engine.lifecycle import SLEEP_LEVELS
 
@@ -40,14 +40,36 @@ def check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
     return float(value)
 
 
+class EngineSurface(Protocol):
+    """The part of `DiffusionEngine` the control calls use: public attributes and methods only."""
+
+    inbox: Any
+    lifecycle: Any
+    prompt_cache: Any
+    scheduler: Any
+    steps_run: int
+    step_pause: Any
+
+    def call_between_steps(self, fn: Callable[[], Any], timeout_s: float = 60.0, op: str = "") -> Any: ...
+
+    def pause_admission(self, timeout_s: float = 60.0, op: str = "") -> None: ...
+
+    def resume_admission(self) -> None: ...
+
+    def wait_idle(self, deadline: float) -> bool: ...
+
+    def abort_running(self) -> list[str]: ...
+
+    def fail_waiting(self, error: BaseException) -> None: ...
+
+
 class ControlCalls:
     """The weight, LoRA and memory calls of an engine, each applied between two denoising steps. A component of
     `DiffusionEngine` (which forwards its public control methods here): it uses only the engine's public surface
-    (`inbox`, `lifecycle`, `prompt_cache`, `scheduler`, `steps_run`, `step_pause`, `call_between_steps`,
-    `pause_admission` / `resume_admission` (the admission gate), `wait_idle`, `abort_running`, `fail_waiting`) and owns
-    only its lock: one control call at a time."""
+    (`EngineSurface`: the admission gate is `pause_admission` / `resume_admission`, the step pause `step_pause`) and
+    owns only its lock: one control call at a time."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineSurface):
         self.engine = engine
         self._control_lock = threading.Lock()  # one control call (update, LoRA, sleep, wake) at a time
         self._control_op: Optional[str] = None
