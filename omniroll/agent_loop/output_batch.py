@@ -90,10 +90,13 @@ def _stack(name: str, rows: list[RowResult], values: list[Optional[torch.Tensor]
 
 def assemble(rows: list[RowResult], inputs: DataBatch, *, prompt_length: int, max_prompt_embed_length: Optional[int],
              mark_failed: bool, scored: bool) -> DataBatch:
+    """The rows' outputs as one DataBatch (the module docstring's contract); raises naming the row or field that does
+    not fit."""
     B = len(rows)
     ok = [r.out for r in rows]  # None where generation failed (zeros in mark mode); reward failures keep tensors
     tensors: dict[str, torch.Tensor] = {}
 
+    # 1. Prompt token ids, right-padded to prompt_length, and their mask.
     prompts = torch.zeros(B, prompt_length, dtype=torch.int64)
     attn = torch.zeros(B, prompt_length, dtype=torch.int64)
     for i, o in enumerate(ok):
@@ -106,6 +109,7 @@ def assemble(rows: list[RowResult], inputs: DataBatch, *, prompt_length: int, ma
             attn[i, :len(ids)] = 1
     tensors["prompts"], tensors["attention_mask"] = prompts, attn
 
+    # 2. The samples' tensors: responses, log-probs, every tensor extra (embeddings padded to Lmax), per-row scalars.
     live = [o for o in ok if o is not None]
     if live:
         tensors["responses"] = _stack("responses", rows, [o.response_diffusion_output if o else None for o in ok])
@@ -131,11 +135,13 @@ def assemble(rows: list[RowResult], inputs: DataBatch, *, prompt_length: int, ma
             if all(k in o.extra_fields for o in live):
                 vals = [torch.tensor(o.extra_fields[k], dtype=dt) if o else None for o in ok]
                 tensors[k] = _stack(k, rows, vals)
+    # 3. Rewards and the failed mask.
     if scored and all(r.reward is not None and r.reward.score is not None for r in rows):
         tensors["rm_scores"] = torch.tensor([[float(r.reward.score)] for r in rows], dtype=torch.float32)
     if mark_failed:
         tensors["failed"] = torch.tensor([r.status == "failed" for r in rows], dtype=torch.bool)
 
+    # 4. Non-tensor columns: the inputs', ids, seeds, status, weight versions, reward extras.
     nt: dict[str, Any] = {k: v for k, v in inputs.non_tensor_batch.items()}
     nt["request_id"] = [r.request_id for r in rows]
     nt["seed"] = [r.seed for r in rows]
@@ -156,6 +162,7 @@ def assemble(rows: list[RowResult], inputs: DataBatch, *, prompt_length: int, ma
                 raise ValueError(f"reward component {k!r} collides with a batch field of the same name")
             nt[k] = [r.reward.components[k] for r in rows]
 
+    # 5. meta_info: per-row metrics and the batch's weight-version span.
     metrics = []
     for r, o in zip(rows, ok):
         m = dict(o.metrics.model_dump()) if o else {"generate_sequences": 0.0, "compute_score": 0.0,

@@ -107,6 +107,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     from omniroll.http.openai_images import png_base64, register_images_api
     from omniroll.sampling import batch_prompt_uid, derive_seed
 
+    # 1. The backend (an engine or a client behind admission limits) and the app; the OpenAI images API.
     if max_n < 1:
         raise ValueError(f"max_n must be >= 1, got {max_n}")
     if not isinstance(backend, HttpBackend):
@@ -116,6 +117,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     app.state.server = server
     register_images_api(app, server)
 
+    # 2. omniroll's own routes: one sample with its log-probs, and a whole rollout as a trajectory file.
     @app.post("/v1/generate")
     async def generate(body: GenerateBody, request: Request):
         rid = body.request_id or request_id_of(request)
@@ -160,6 +162,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     if trajectory_file is not None:
         app.post("/v1/rollout")(rollout)
 
+    # 3. What a client or an operator asks about: models, health, stats, Prometheus metrics.
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
@@ -179,5 +182,6 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         return PlainTextResponse(server.metrics.render(backend.stats()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # 4. The contract every route keeps (body limit, error shapes, request ids, metrics), installed last.
     install_contract(app, max_body_bytes, server.metrics)  # last: it labels metrics by the routes above
     return app

@@ -179,6 +179,7 @@ class RolloutClient:
         for a malformed request and RolloutError when every attempt failed."""
         import ray
 
+        # 1. Validate the request here (a bad one never reaches a replica) and refuse an id already in flight.
         request = build_request(request_id, prompt, sampling_params, seed, negative_prompt)
         if request_id in self._running:
             raise RequestError(request_id, "request_id is already in flight on this client")
@@ -189,10 +190,12 @@ class RolloutClient:
         self._running.add(request_id)
         try:
             while True:
+                # 2. Pick a replica (sticky per group, else the least loaded; never one this request failed on).
                 idx = self._pick(group_id, failed_on)
                 k = len(attempts)
                 engine_id = request_id if k == 0 else f"{request_id}~retry{k}"
                 payload = request.model_dump() if k == 0 else {**request.model_dump(), "request_id": engine_id}
+                # 3. Run it there; a fault (timeout, dead actor, crash) aborts it there and benches the replica.
                 self.in_flight[idx] += 1
                 err: Optional[str] = None
                 try:
@@ -217,6 +220,7 @@ class RolloutClient:
                     self._bench(idx, dead=False)
                 finally:
                     self.in_flight[idx] -= 1
+                # 4. An aborted output runs again (same seed: the same sample); a completed one is returned.
                 if err is None:
                     out = output_from_wire(wire)
                     if out.stop_reason == "aborted":
@@ -239,6 +243,7 @@ class RolloutClient:
                     attempts.append((idx, err))
                     failed_on.add(idx)
                     failures += 1
+                # 5. Out of retries: one error naming the request and every attempt.
                 if failures > self.max_retries or aborts > self.max_abort_retries:
                     tried = "; ".join(f"#{j} replica {i}: {e}" for j, (i, e) in enumerate(attempts))
                     raise RolloutError(
