@@ -39,6 +39,7 @@ import torch
 import yaml
 
 from _common import machine_info, quiet_libraries, record_loadavg
+from shapes_learning import categories, mean_std, pct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "examples", "shapes_demo.yaml")
@@ -174,10 +175,6 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the summary
-def mean_std(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
-
-
 def time_to(evals: list[dict], key: str, target: float) -> float | None:
     """Training seconds at which `key` first reaches `target` (linear between evaluations); None: never."""
     pts = [(e["train_s"], e[key]) for e in evals]
@@ -197,8 +194,7 @@ def summarise(runs: dict, splits: list[str]) -> dict:
             key = f"eval/{split}/strict"
             first = [r["evals"][0][key] for r in by_seed.values()]
             last = [r["evals"][-1][key] for r in by_seed.values()]
-            cats = sorted({k.split("/")[2] for r in by_seed.values() for k in r["evals"][-1]
-                           if k.startswith(f"eval/{split}/") and k.endswith("/strict") and k.count("/") == 3})
+            cats = categories(by_seed, split)
             rec[split] = {"before": mean_std(first), "after": mean_std(last),
                           "gain": mean_std([b - a for a, b in zip(first, last)]),
                           "best": mean_std([max(e[key] for e in r["evals"]) for r in by_seed.values()]),
@@ -210,10 +206,6 @@ def summarise(runs: dict, splits: list[str]) -> dict:
         rec["samples"] = by_seed[next(iter(by_seed))]["evals"][-1]["samples"]
         out[name] = rec
     return out
-
-
-def pct(d: dict) -> str:
-    return f"{100 * d['mean']:5.1f} +- {100 * d['std']:4.1f}"
 
 
 def reached(xs: list) -> str:

@@ -62,6 +62,42 @@ def take_rows(batch, idx: Sequence[int] | torch.Tensor):
     return replace(batch, **out)
 
 
+def batch_columns(batch: Any, tensors: list[str], non_tensors: list[str], hint: str) -> tuple[Any, dict]:
+    """(batch.batch, batch.non_tensor_batch) of a rollout batch with every named column and no failed row; ValueError
+    naming what is missing (`hint`: how such a batch is made) otherwise."""
+    td, nt = batch.batch, batch.non_tensor_batch
+    keys = set(td.keys())
+    missing = [k for k in tensors if k not in keys]
+    if missing:
+        raise ValueError(f"batch lacks field(s) {missing} ({hint}); has {sorted(keys)}")
+    for k in non_tensors:
+        if k not in nt:
+            raise ValueError(f"batch lacks non_tensor_batch[{k!r}]")
+    if "status" in nt and any(s == "failed" for s in nt["status"]):
+        raise ValueError("batch has failed rows (status 'failed'); drop them before training")
+    return td, nt
+
+
+def conditioning_columns(td: Any) -> tuple[dict, dict, dict]:
+    """(cond, uncond, lengths): a batch's conditioning tensors (`*prompt_embeds`), their negative prompts' where the
+    rows use CFG, and the real-token count of every padded one (from its `*_mask`)."""
+    keys = set(td.keys())
+    cond, uncond, lengths = {}, {}, {}
+    for k in sorted(keys):
+        if is_conditioning(k):
+            cond[k] = td[k]
+            if f"{k}_mask" in keys:
+                lengths[k] = td[f"{k}_mask"].sum(1)
+            neg = f"negative_{k}"
+            if neg in keys:
+                uncond[k] = td[neg]
+                if f"{neg}_mask" in keys:
+                    lengths[neg] = td[f"{neg}_mask"].sum(1)
+    if not cond:
+        raise ValueError(f"batch carries no conditioning (*prompt_embeds) tensors; has {sorted(keys)}")
+    return cond, uncond, lengths
+
+
 @dataclass
 class TrajectoryBatch:
     """B rows. latents [B, W+1, ...] fp32 (the state before each window step, then after the last); timesteps, sigmas,
@@ -117,34 +153,13 @@ class TrajectoryBatch:
     def from_batch(cls, batch: Any) -> "TrajectoryBatch":
         """From the agent loop's output `DataBatch` (or anything with `.batch` / `.non_tensor_batch`, e.g. verl's
         DataProto). Failed rows must be removed first."""
-        td, nt = batch.batch, batch.non_tensor_batch
-        keys = set(td.keys())
-        missing = [k for k in list(_REQUIRED) + ["rollout_log_probs"] if k not in keys]
-        if missing:
-            raise ValueError(f"batch lacks trajectory field(s) {missing} (was it generated with logprobs and an SDE "
-                             f"window?); has {sorted(keys)}")
-        for k in ("sde_type", "execution", "weight_version"):
-            if k not in nt:
-                raise ValueError(f"batch lacks non_tensor_batch[{k!r}]")
-        if "status" in nt and any(s == "failed" for s in nt["status"]):
-            raise ValueError("batch has failed rows (status 'failed'); drop them before training")
+        td, nt = batch_columns(batch, list(_REQUIRED) + ["rollout_log_probs"], ["sde_type", "execution", "weight_version"],
+                               "was it generated with logprobs and an SDE window?")
         vals = {f: td[k] for k, f in _REQUIRED.items()}
-        cond, uncond, lengths = {}, {}, {}
-        for k in sorted(keys):
-            if is_conditioning(k):
-                cond[k] = td[k]
-                if f"{k}_mask" in keys:
-                    lengths[k] = td[f"{k}_mask"].sum(1)
-                neg = f"negative_{k}"
-                if neg in keys:
-                    uncond[k] = td[neg]
-                    if f"{neg}_mask" in keys:
-                        lengths[neg] = td[f"{neg}_mask"].sum(1)
-        if not cond:
-            raise ValueError(f"batch carries no conditioning (*prompt_embeds) tensors; has {sorted(keys)}")
+        cond, uncond, lengths = conditioning_columns(td)
         return cls(log_probs=td["rollout_log_probs"].float(), sde_type=[str(s) for s in nt["sde_type"]],
                    cond=cond, uncond=uncond or None, lengths=lengths,
-                   experts=td["expert_indices"] if "expert_indices" in keys else None,
+                   experts=td["expert_indices"] if "expert_indices" in td.keys() else None,
                    weight_version=[int(v) for v in nt["weight_version"]],
                    execution=one_execution(list(nt["execution"])), **vals)
 
