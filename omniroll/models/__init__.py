@@ -6,8 +6,9 @@ import os
 
 import torch
 
-from omniroll.models.base import (INDEX_FILE, Conditioning, DiffusionAdapter, ModelLimits, pipeline_class_name,
-                                  read_sampling_defaults, require_checkpoint, stack_conditioning)
+from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
+from omniroll.models.checkpoint import (INDEX_FILE, ModelLimits, pipeline_class_name, read_sampling_defaults,
+                                        require_checkpoint)
 from omniroll.models.flux import FluxAdapter
 from omniroll.models.qwen_image import QwenImageAdapter
 from omniroll.models.sd3 import SD3Adapter

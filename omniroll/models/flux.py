@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import PackedLatentAdapter
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, ModelLimits,
-                                  read_component_configs, tokenizer_padded_length)
+from omniroll.models.base import Conditioning
+from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs,
+                                        tokenizer_padded_length)
 
 
 class FluxAdapter(PackedLatentAdapter):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import PackedLatentAdapter
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, ModelLimits,
-                                  read_component_configs)
+from omniroll.models.base import Conditioning
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
 def template_drop_count(tokenizer, template: str) -> int:

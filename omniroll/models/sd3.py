@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, DiffusionAdapter, ModelLimits,
-                                  read_sd3_limits, tokenizer_max_length, tokenizer_padded_length)
+from omniroll.models.base import Conditioning, DiffusionAdapter
+from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_sd3_limits,
+                                        tokenizer_max_length, tokenizer_padded_length)
 
 
 class SD3Adapter(DiffusionAdapter):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, DiffusionAdapter, ModelLimits, check_int,
-                                  read_component_configs)
+from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
 class WanAdapter(DiffusionAdapter):
