@@ -29,6 +29,7 @@ from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
 from omniroll.train import checkpoint, tracking
+from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
 from omniroll.train.policy import Policy
 from omniroll.train.policy_move import policy_move, snapshot
@@ -36,11 +37,9 @@ from omniroll.train.reward_curve import plot_rewards
 from omniroll.train.task_eval import run_task_eval
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
-from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.update import train_on_batch
 from omniroll.train.versions import VersionStore, off_policy_metrics, rows_ahead, stale_rows, step_versions
 from omniroll.train.validation import run_validation
-
 
 
 class WeightVersionError(RuntimeError):
