@@ -24,7 +24,7 @@ def make_batch(rows: list[dict], global_steps: int, rollout_seed: int):
 def engine_requests(rows: list[dict], cfg, global_steps: int, rollout_seed: int) -> list:
     """Exactly the requests the agent loop sends for `make_batch(rows, ...)` (see DiffusionAgentLoopWorker.plan)."""
     from omniroll.engine.params import GenerationRequest, SamplingParams
-    from omniroll.sampling.window import derive_seed
+    from omniroll.sampling.seeds import derive_seed
 
     sp = SamplingParams.model_validate(cfg.sampling_params())
     return [GenerationRequest(request_id=f"train/s{global_steps}/{r['uid']}/{r['index']}", prompt=r["prompt"],

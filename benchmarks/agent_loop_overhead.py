@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from omniroll.agent_loop.cluster import RolloutCluster
     from omniroll.agent_loop.manager import AgentLoopManager
     from omniroll.engine.engine import DiffusionEngine
-    from omniroll.rollout.replica import _engine_kwargs
+    from omniroll.rollout.replica import resolve_engine_kwargs
 
     startup: dict[str, float] = {}
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     timed("ray_init", lambda: ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False,
                                        configure_logging=False))
     # the replica's own conversion of engine_kwargs (dtype string -> torch dtype): identical engine settings
-    engine_kwargs = _engine_kwargs(cfg.engine.engine_kwargs())
+    engine_kwargs = resolve_engine_kwargs(cfg.engine.engine_kwargs())
     engine = timed("engine_load", lambda: DiffusionEngine.from_pretrained(path, **engine_kwargs))
     eng_threads = engine.call_between_steps(torch.get_num_threads)
     # the replica and the reward workers as every command starts them (RolloutCluster, attached to the Ray above)

@@ -39,6 +39,7 @@ import torch
 import yaml
 
 from _common import machine_info, quiet_libraries, record_loadavg
+from shapes_learning import categories, mean_std, pct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "examples", "shapes_demo.yaml")
@@ -109,7 +110,8 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
     from omniroll.evaluation.shapes import eval_sampling, evaluate
     from omniroll.models import resolve_model
     from omniroll.reward.scorers import RewardSample, build_scorer
-    from omniroll.sampling.window import batch_prompt_uid, derive_seed
+    from omniroll.rollout.replica import resolve_engine_kwargs
+    from omniroll.sampling.seeds import batch_prompt_uid, derive_seed, prompt_order_seed
     from omniroll.tasks.shapes.splits import prompts_of
     from omniroll.train import TrajectoryBatch
     from omniroll.train.algorithms import FlowGRPO, UpdatePlan
@@ -121,9 +123,7 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
     cfg = contender_config("inprocess", args, seed, out_dir)
     tc, model = cfg.trainer, resolve_model(cfg.engine.model)
     torch.set_num_threads(tc.num_threads or 1)
-    kw = cfg.engine.engine_kwargs()
-    kw["dtype"] = getattr(torch, kw["dtype"])
-    engine = DiffusionEngine.from_pretrained(model, **kw)
+    engine = DiffusionEngine.from_pretrained(model, **resolve_engine_kwargs(cfg.engine.engine_kwargs()))
     policy = Policy(model, tc.mode, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules, seed=tc.seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
     algo = FlowGRPO(cfg, policy.adapter)
@@ -143,7 +143,7 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
     evaluation(0)
     for step in range(1, tc.steps + 1):
         t0 = time.time()
-        g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(prompt_order_seed(tc.seed, step))
         picks = torch.randperm(len(prompts), generator=g)[:tc.prompts_per_step].tolist()
         sp = SamplingParams(**{**cfg.sampling_params(), **algo.sampling_overrides(step)})
         reqs = [GenerationRequest(request_id=f"s{step}-{i}-{j}", prompt=prompts[i], sampling_params=sp,
@@ -175,10 +175,6 @@ def run_inprocess(args, seed: int, out_dir: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the summary
-def mean_std(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
-
-
 def time_to(evals: list[dict], key: str, target: float) -> float | None:
     """Training seconds at which `key` first reaches `target` (linear between evaluations); None: never."""
     pts = [(e["train_s"], e[key]) for e in evals]
@@ -198,8 +194,7 @@ def summarise(runs: dict, splits: list[str]) -> dict:
             key = f"eval/{split}/strict"
             first = [r["evals"][0][key] for r in by_seed.values()]
             last = [r["evals"][-1][key] for r in by_seed.values()]
-            cats = sorted({k.split("/")[2] for r in by_seed.values() for k in r["evals"][-1]
-                           if k.startswith(f"eval/{split}/") and k.endswith("/strict") and k.count("/") == 3})
+            cats = categories(by_seed, split)
             rec[split] = {"before": mean_std(first), "after": mean_std(last),
                           "gain": mean_std([b - a for a, b in zip(first, last)]),
                           "best": mean_std([max(e[key] for e in r["evals"]) for r in by_seed.values()]),
@@ -211,10 +206,6 @@ def summarise(runs: dict, splits: list[str]) -> dict:
         rec["samples"] = by_seed[next(iter(by_seed))]["evals"][-1]["samples"]
         out[name] = rec
     return out
-
-
-def pct(d: dict) -> str:
-    return f"{100 * d['mean']:5.1f} +- {100 * d['std']:4.1f}"
 
 
 def reached(xs: list) -> str:

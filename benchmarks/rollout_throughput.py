@@ -195,7 +195,7 @@ def forward_sweep(adapter, args, rows_list: list[int], repeats: int, block_rows:
     """ms per row vs rows per forward, plain and in batch-invariant mode, on the bound's own inputs (real prompt
     encodings, see BoundInputs). Every measurement runs the same number of rows (max(rows_list), in forwards of the
     candidate size), interleaved in alternating order, after a warm-up of every shape; the median is kept."""
-    from omniroll.engine.runner import BatchInvariantMode
+    from omniroll.engine.execution import BatchInvariantMode
 
     total = max(rows_list)
     inputs = BoundInputs(adapter, make_prompts(args.prompts, -1), args, total, seed=0)

@@ -84,6 +84,12 @@ def at_time(evals: list[dict], key: str, t: float) -> float:
     return pts[-1][1]
 
 
+def categories(by_seed: dict, split: str) -> list[str]:
+    """The GenEval categories the runs' last evaluation of `split` reports."""
+    return sorted({k.split("/")[2] for r in by_seed.values() for k in r["evals"][-1]
+                   if k.startswith(f"eval/{split}/") and k.endswith("/strict") and k.count("/") == 3})
+
+
 def summarise(runs: dict[str, dict[int, dict]], splits: list[str]) -> dict:
     shortest = min(r["evals"][-1]["train_s"] for by_seed in runs.values() for r in by_seed.values())
     out = {}
@@ -101,8 +107,7 @@ def summarise(runs: dict[str, dict[int, dict]], splits: list[str]) -> dict:
                           "gain_per_minute": mean_std([g / m for g, m in zip(gain, minutes)]),
                           "at_shortest_time": mean_std([at_time(r["evals"], key, shortest) for r in by_seed.values()]),
                           "per_seed_after": dict(zip(by_seed, after))}
-            cats = sorted({k.split("/")[2] for r in by_seed.values() for k in r["evals"][-1]
-                           if k.startswith(f"eval/{split}/") and k.endswith("/strict") and k.count("/") == 3})
+            cats = categories(by_seed, split)
             rec[split]["categories_after"] = {c: mean_std([r["evals"][-1][f"eval/{split}/{c}/strict"]
                                                            for r in by_seed.values()]) for c in cats}
             rec[split]["categories_before"] = {c: mean_std([r["evals"][0][f"eval/{split}/{c}/strict"]

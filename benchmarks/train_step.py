@@ -52,13 +52,12 @@ class Sequential:
     def __init__(self, cfg, model: str):
         from omniroll import DiffusionEngine
         from omniroll.reward.scorers import build_scorer
+        from omniroll.rollout.replica import resolve_engine_kwargs
         from omniroll.train.policy import Policy
         from omniroll.weights import WeightSender
 
         self.cfg, self.tc = cfg, cfg.trainer
-        kw = cfg.engine.engine_kwargs()
-        kw["dtype"] = getattr(torch, kw["dtype"])
-        self.engine = DiffusionEngine.from_pretrained(model, **kw)
+        self.engine = DiffusionEngine.from_pretrained(model, **resolve_engine_kwargs(cfg.engine.engine_kwargs()))
         fn = cfg.reward.functions["r"]
         self.score = build_scorer(fn.fn, fn.kwargs)
         self.policy = Policy(model, "lora", self.tc.lora.rank, self.tc.lora.alpha, self.tc.lora.target_modules)

@@ -67,8 +67,9 @@ def batch_from_outputs(outputs: list, prompts: list[str], n: int, rows: Optional
     outputs are (default: all, in order; fewer when some did not finish). The rows are `agent_loop.batch.prompt_batch`'s
     (uid = `batch_prompt_uid(prompt index)`, data_source "cli"), as `omniroll generate` and `rollout` build them."""
     from omniroll.agent_loop.batch import prompt_batch
-    from omniroll.agent_loop.loop import RowResult, agent_loop_output, assemble
-    from omniroll.sampling.window import batch_prompt_uid
+    from omniroll.agent_loop.output_batch import RowResult, assemble
+    from omniroll.agent_loop.outputs import agent_loop_output
+    from omniroll.sampling.seeds import batch_prompt_uid
 
     rows = list(range(len(prompts) * n)) if rows is None else list(rows)
     inputs = prompt_batch(prompts, n, batch_prompt_uid, data_source="cli", meta_info=meta_info)[rows]

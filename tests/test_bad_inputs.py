@@ -32,7 +32,6 @@ def _config_error(raw: dict) -> str:
      "reward.functions.mine.fn: reward function 'no_such_module_xyz:score': module 'no_such_module_xyz' not found"),
     ({"reward": {"functions": {"remote": {"fn": "http"}}}},
      "reward.functions.remote.kwargs: missing a required argument: 'url'"),
-    ({"agent": {"default_agent_loop": "my_loop"}}, "agent.default_agent_loop: agent loop 'my_loop' is not registered"),
     ({"engine": {"kwargs": {"prefix_sharin": False}}}, "engine.kwargs: unknown key(s) ['prefix_sharin']"),
     ({"engine": {"kwargs": {"decode_batch_size": 0}}}, "engine.kwargs: decode_batch_size must be >= 1"),
     ({"replicas": {"num_cpus": float("inf")}}, "replicas.num_cpus: Input should be a finite number"),
@@ -40,6 +39,28 @@ def _config_error(raw: dict) -> str:
 ])
 def test_config_refuses_at_load_time_naming_the_key(raw, expected):
     assert expected in _config_error(raw)
+
+
+def test_an_unregistered_agent_loop_is_refused_before_ray_starts():
+    """The registry is the agent loop's (config does not import it): the cluster checks the name, before Ray."""
+    import ray
+
+    from omniroll.agent_loop.cluster import RolloutCluster
+
+    cfg = load_config({"agent": {"default_agent_loop": "my_loop"}})
+    started = ray.is_initialized()
+    with pytest.raises(ValueError, match="agent.default_agent_loop: agent loop 'my_loop' is not registered"):
+        RolloutCluster(cfg)
+    assert ray.is_initialized() == started
+
+
+def test_validating_a_config_builds_no_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIROLL_CACHE", str(tmp_path / "cache"))
+    for model in ("tiny", "tiny-flux", "tiny-wan"):
+        assert "must be a positive multiple" in _config_error({"engine": {"model": model},
+                                                               "pipeline": {"height": 90}})
+        load_config({"engine": {"model": model}})
+    assert not (tmp_path / "cache").exists()
 
 
 def test_config_refuses_a_model_path_that_does_not_exist(tmp_path):
@@ -91,7 +112,7 @@ def _batch(meta=None, **columns):
 ])
 def test_agent_loop_batch_fields_are_refused_naming_them(meta, columns, expected):
     from omniroll.agent_loop.manager import AgentLoopManager
-    from omniroll.agent_loop.worker import plan_rows
+    from omniroll.agent_loop.rows import plan_rows
 
     cfg = load_config({"n": 2})
     with pytest.raises(ValueError) as e:
@@ -101,7 +122,7 @@ def test_agent_loop_batch_fields_are_refused_naming_them(meta, columns, expected
 
 
 def test_numpy_integers_are_fine_in_batch_fields():
-    from omniroll.agent_loop.worker import plan_rows
+    from omniroll.agent_loop.rows import plan_rows
 
     cfg = load_config({"n": 2})
     rows = plan_rows(cfg, _batch({"global_steps": np.int64(3), "rollout_seed": np.int32(5)},
@@ -162,7 +183,8 @@ def test_generate_on_a_full_disk_names_the_file_and_what_was_kept(tiny_sd3_path,
     assert errors[0] == (f"omniroll generate: error: could not write {out / 'trajectories.safetensors'}: "
                          f"File too large (EFBIG)")
     assert errors[1] == (f"omniroll generate: error: kept: 2 complete file(s) in {out}: prompt_000.png, "
-                         f"prompt_001.png; the rest was not written")
+                         f"prompt_001.png; not written: trajectories.safetensors, so the samples' log-probs, latents "
+                         f"and scores are lost (the same command with the same seeds regenerates them bitwise)")
     assert sorted(p.name for p in out.iterdir()) == ["prompt_000.png", "prompt_001.png"]  # no partial file left
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omniroll.cli import main
-from omniroll.engine.runner import BatchInvariantMode
+from omniroll.engine.execution import BatchInvariantMode
 from omniroll.models import load_adapter
 from omniroll.sampling import sde_step
 from omniroll.trajectory_file import DOCUMENTED_KEYS, read_trajectories

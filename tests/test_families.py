@@ -183,15 +183,20 @@ def test_per_family_validation_names_the_field(family, over, match, engines):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_limits_from_files_equal_the_loaded_models(family, paths, engines):
-    from omniroll.models import read_limits
+    from omniroll.models import ModelLimits, read_limits
+    from omniroll.models.tiny import TINY_LIMITS
 
     assert read_limits(paths[family]) == engines(family).adapter.limits
+    # what config validation uses for a tiny model without building it: the built checkpoint's limits
+    assert ModelLimits(*TINY_LIMITS[family]) == read_limits(paths[family])
 
 
 def test_frame_counts_never_share_a_forward(engines):
     engine = engines("wan")
     a, b = req("wan", "f5", num_frames=5), req("wan", "f1", num_frames=1)
-    sa, sb = (engine._make_state(r, lambda *_: None) for r in (a, b))
+    from omniroll.engine.admission import build_state
+
+    sa, sb = (build_state(engine.adapter, engine.config, engine.runner.device, r, None) for r in (a, b))
     assert sa.batch_key != sb.batch_key and sa.latents.shape[1] == 2 and sb.latents.shape[1] == 1
 
 

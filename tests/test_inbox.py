@@ -8,7 +8,7 @@ import time
 import pytest
 
 from omniroll.engine.errors import EngineShutdownError, RequestError
-from omniroll.engine.control import Inbox
+from omniroll.engine.inbox import Inbox
 
 
 class _State:  # what the inbox reads of a RequestState: its id

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from omniroll.engine.runner import BatchInvariantMode, _cpu_flash
+from omniroll.engine.execution import BatchInvariantMode, _cpu_flash
 
 # (query length, key length, heads, head dim, mask): self- and cross-attention, each of the CPU flash kernel's
 # query-block sizes (32 below 192 queries, 64 below 768, 256 above), one head of 512 (a VAE mid-block), and a boolean

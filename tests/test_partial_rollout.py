@@ -256,7 +256,7 @@ def test_a_replica_actor_takes_a_partial_sync_mid_rollout(ray_cluster, tiny_sd3_
     import ray
 
     from omniroll.rollout.replica import create_replicas, kill_replicas
-    from omniroll.rollout.replica import output_from_wire
+    from omniroll.rollout.wire import output_from_wire
 
     (replica,) = create_replicas(1, tiny_sd3_path, engine_kwargs={"num_threads": 1})
     try:

@@ -163,8 +163,8 @@ def test_http_server_over_replicas_aborts_a_disconnected_clients_samples(replica
 
     import httpx
 
-    from omniroll.rollout.http_runner import run_in_background
-    from omniroll.rollout.server import create_app
+    from omniroll.http.runner import run_in_background
+    from omniroll.http.server import create_app
 
     def totals():
         stats = ray_cluster.get([r.stats.remote() for r in replicas])

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from omniroll.rollout.server import create_app
+from omniroll.http.server import create_app
 
 SP = {"height": 64, "width": 64, "num_inference_steps": 2, "max_sequence_length": 16, "guidance_scale": 1.0}
 

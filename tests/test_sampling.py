@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from omniroll.sampling import derive_seed, draw_sde_window, flow_match_sigmas, make_generator, sde_step
+from omniroll.sampling import derive_seed, draw_sde_window, make_generator, sde_step
 
 
 def one(x):
@@ -116,7 +116,7 @@ def test_derive_seed_is_stable_and_position_free():
     others = {derive_seed(43, 3, "uid-a", 0), derive_seed(42, 4, "uid-a", 0),
               derive_seed(42, 3, "uid-b", 0), derive_seed(42, 3, "uid-a", 1)}
     assert s not in others and len(others) == 4
-    code = "from omniroll.sampling.window import derive_seed; print(derive_seed(42, 3, 'uid-a', 0))"
+    code = "from omniroll.sampling.seeds import derive_seed; print(derive_seed(42, 3, 'uid-a', 0))"
     env = dict(os.environ, PYTHONHASHSEED=str(hash("x") % 1000 + 1))  # another process, another hash seed
     assert int(subprocess.check_output([sys.executable, "-c", code], env=env)) == s
 
@@ -134,10 +134,13 @@ def test_sde_windows():
         draw_sde_window(10, 6, (0, 5), None)
 
 
-def test_flow_match_sigmas_match_diffusers():
+def test_the_schedule_is_the_checkpoint_schedulers_own():
+    """Sigma schedules have one home, the model adapters (models/_flow.py): the checkpoint's scheduler, bitwise."""
+    from omniroll.models._flow import pipeline_sigmas
+
     sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
     sched.set_timesteps(10)
-    assert torch.allclose(flow_match_sigmas(10, shift=3.0), sched.sigmas, atol=1e-6)
+    assert torch.equal(pipeline_sigmas(dict(sched.config), 10), sched.sigmas.float())
 
 
 def test_log_prob_of_a_row_is_bitwise_independent_of_its_batch():

@@ -22,10 +22,10 @@ import torch
 from PIL import Image
 
 from omniroll import GenerationRequest, SamplingParams
-from omniroll.rollout.http_contract import ApiError, classify
-from omniroll.rollout.http_runner import run_in_background
+from omniroll.http.contract import ApiError, classify
+from omniroll.http.runner import run_in_background
 from omniroll.sampling import batch_prompt_uid
-from omniroll.rollout.server import create_app
+from omniroll.http.server import create_app
 from omniroll.sampling import derive_seed
 from omniroll.trajectory_file import read_trajectories, trajectory_file
 
@@ -279,7 +279,7 @@ def test_serve_config_serves_the_configs_replicas_on_ray(ray_cluster, tiny_sd3_p
     """`omniroll serve --config`: the app over the config's replicas (a RolloutCluster, Ray already up here), each
     sample saying which replica and node made it; closing stops the replicas."""
     from omniroll.config import load_config
-    from omniroll.serve import ServeConfig, build_app, close_backend
+    from omniroll.http.serve import ServeConfig, build_app, close_backend
 
     cfg = load_config({"replicas": {"count": 2, "num_cpus": 0}, "engine": {"model": tiny_sd3_path,
                                                                            "max_batch_size": 4}})

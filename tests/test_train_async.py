@@ -18,8 +18,8 @@ import torch
 
 from omniroll.agent_loop.batch import DataBatch
 from omniroll.config import ConfigError, load_config
-from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, stale_rows
-from omniroll.train.versions import staleness_stats, step_versions
+from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds
+from omniroll.train.versions import stale_rows, staleness_stats, step_versions
 
 from test_train import lora_weights, train_config
 

@@ -104,12 +104,12 @@ def test_readme_custom_training_loop_runs_verbatim(tmp_path, monkeypatch):
 
 def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_policy):
     """The bitwise promise rests on one function, not two copies: the engine's step and the recompute both enter
-    `engine.runner.execution_mode` and reach the model only through `DiffusionAdapter.guided_velocity`."""
-    from omniroll.engine import runner
+    `engine.execution.execution_mode` and reach the model only through `DiffusionAdapter.guided_velocity`."""
+    from omniroll.engine import execution
     from omniroll.models.base import DiffusionAdapter
     from omniroll.train import policy as train_policy
 
-    assert train_policy.execution_mode is runner.execution_mode  # the recompute lives in train/policy.py
+    assert train_policy.execution_mode is execution.execution_mode  # the recompute lives in train/policy.py
     engine, policy = engine_and_policy
     calls = []
     for name, adapter in (("rollout", engine.adapter), ("recompute", policy)):
@@ -125,7 +125,7 @@ def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_po
 
         def velocity(*args, _a=adapter, _in=inside, _n=name, **kwargs):
             calls.append((_n, bool(_in), isinstance(torch.overrides._get_current_function_mode(),
-                                                     runner.BatchInvariantMode)))
+                                                     execution.BatchInvariantMode)))
             return type(_a).velocity(_a, *args, **kwargs)
 
         adapter.guided_velocity, adapter.velocity = guided, velocity

@@ -156,11 +156,36 @@ def test_verl_lora_convention_and_zmq_naming():
     assert engine_update({"r": 4}, True)[::2] == ({"r": 4}, "lora")
     assert engine_update({"r": 4}, False) == (None, peft_base_name, "base")
     assert engine_update(None, True) == (None, None, "full") == engine_update(None, False)
+    from omniroll.integrations.verl.zmq_receiver import private_socket_dir
+
     h = zmq_handle_for("01000000", 3)
-    assert h == "ipc:///tmp/rl-colocate-zmq-01000000-replica-3-rank-0.sock"
+    assert h == f"ipc://{private_socket_dir()}/rl-colocate-zmq-01000000-replica-3-rank-0.sock"
     assert update_zmq_handle(h, "step-2-seq-0") == \
-        "ipc:///tmp/rl-colocate-zmq-01000000-replica-3-rank-0-update-step-2-seq-0.sock"
+        f"ipc://{private_socket_dir()}/rl-colocate-zmq-01000000-replica-3-rank-0-update-step-2-seq-0.sock"
     assert update_zmq_handle(h, None) == h and update_zmq_handle("tcp://1.2.3.4:5", "x") == "tcp://1.2.3.4:5"
+
+
+def test_the_pickled_zmq_stream_only_uses_a_socket_only_this_user_can_open(tmp_path, monkeypatch):
+    """verl's wire protocol is pickle: the receiver accepts only an ipc:// path in this user's 0700 directory."""
+    import stat
+
+    from omniroll.integrations.verl.zmq_receiver import (check_socket_handle, private_socket_dir,
+                                                          receive_zmq_stream)
+    from omniroll.weights import WeightSyncError
+
+    d = private_socket_dir()
+    st = os.stat(d)
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    ok = f"ipc://{d}/x.sock"
+    assert check_socket_handle(ok) == ok
+    for bad in ("tcp://127.0.0.1:5555", "ipc:///tmp/rl-colocate-zmq-1-replica-0-rank-0.sock", f"ipc://{d}/../y.sock"):
+        with pytest.raises(WeightSyncError, match="pickled"):
+            receive_zmq_stream(bad, True, timeout_s=1)  # refused before connecting: nothing is read
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # a directory others could open is refused
+    os.makedirs(tmp_path / f"omniroll-zmq-{os.getuid()}", mode=0o755)
+    os.chmod(tmp_path / f"omniroll-zmq-{os.getuid()}", 0o755)
+    with pytest.raises(PermissionError, match="mode 0700"):
+        private_socket_dir()
 
 
 def _stream(tensors, receiver_use_shm=True, bucket_size_mb=1):
@@ -170,9 +195,9 @@ def _stream(tensors, receiver_use_shm=True, bucket_size_mb=1):
 
     from verl.plugin.platform.platform_manager import get_platform, set_platform
 
-    from omniroll.weights.zmq_receiver import receive_zmq_stream
+    from omniroll.integrations.verl.zmq_receiver import private_socket_dir, receive_zmq_stream
 
-    handle = f"ipc:///tmp/omniroll-test-{uuid.uuid4().hex[:12]}.sock"
+    handle = f"ipc://{private_socket_dir()}/omniroll-test-{uuid.uuid4().hex[:12]}.sock"
     result: dict = {}
 
     def receive():

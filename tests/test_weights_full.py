@@ -1,9 +1,10 @@
 import pytest
 import torch
+from module_receiver import ModuleReceiver
 from weights_helpers import bitwise_equal, forward, perturb, snapshot, tiny_transformer
 
-from omniroll.weights import (FullWeightLoader, ModuleReceiver, WeightManifest, WeightSender, WeightSyncError,
-                              pack_buckets, peft_base_name)
+from omniroll.weights import (FullWeightLoader, WeightManifest, WeightSender, WeightSyncError, pack_buckets,
+                              peft_base_name)
 
 
 def _apply(module, named, bucket_bytes=4096, **kw):

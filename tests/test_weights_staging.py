@@ -11,9 +11,11 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
-from omniroll.weights import ModuleReceiver, WeightSender, WeightSyncError
-from omniroll.weights.tree import ModuleTree
+from module_receiver import ModuleReceiver
 from weights_helpers import bitwise_equal, perturb, snapshot, tiny_transformer
+
+from omniroll.weights import WeightSender, WeightSyncError
+from omniroll.weights.tree import ModuleTree
 
 
 def test_staged_updates_reuse_their_staging_tensors_held_tensors_are_never_written_and_a_bad_update_changes_nothing():

@@ -1,8 +1,9 @@
 """Agent loop: per-row generation tasks over rollout replicas, streaming rewards, DataProto-style batches."""
 
 from omniroll.agent_loop.batch import DataBatch
-from omniroll.agent_loop.loop import (AgentLoopMetrics, DiffusionAgentLoopOutput, DiffusionSingleTurnAgentLoop,
-                                     get_agent_loop_class, register, registered_names)
+from omniroll.agent_loop.loop import DiffusionSingleTurnAgentLoop
+from omniroll.agent_loop.outputs import AgentLoopMetrics, DiffusionAgentLoopOutput
+from omniroll.agent_loop.registry import get_agent_loop_class, register, registered_names
 from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker
 
 __all__ = [

@@ -97,7 +97,7 @@ class DataBatch:
     def __reduce__(self):
         """Pickled (e.g. between Ray actors) with its tensors as numpy arrays, which Ray moves far more cheaply than
         pickled torch tensors; bf16 travels as its bits and comes back bit-exact."""
-        from omniroll.rollout.replica import tensor_to_numpy
+        from omniroll.rollout.wire import tensor_to_numpy
 
         if not all(isinstance(v, torch.Tensor) for v in self.batch.values()):  # nested TensorDicts: plain pickling
             return (DataBatch, (self.batch, self.non_tensor_batch, self.meta_info, len(self)))
@@ -239,7 +239,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _rebuild(arrays: dict, non_tensor_batch: dict, meta_info: dict, batch_size: int) -> DataBatch:
-    from omniroll.rollout.replica import numpy_to_tensor
+    from omniroll.rollout.wire import numpy_to_tensor
 
     td = TensorDict({k: numpy_to_tensor(a) for k, a in arrays.items()}, batch_size=[batch_size])
     return DataBatch(td, non_tensor_batch, meta_info, batch_size=batch_size)

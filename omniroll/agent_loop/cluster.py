@@ -41,6 +41,12 @@ class RolloutCluster:
         self.with_rewards, self.with_manager = with_rewards, with_manager
         self.log = log or (lambda msg: None)
         self.model: str = resolve_model(self.config.engine.model)  # a bad model fails before Ray starts
+        from omniroll.agent_loop.registry import registered_names
+
+        loop = self.config.agent.default_agent_loop
+        if loop not in registered_names():  # so does a loop nobody registered (the registry is the agent loop's)
+            raise ValueError(f"agent.default_agent_loop: agent loop {loop!r} is not registered; registered: "
+                             f"{registered_names()} (import the module whose @register(...) defines it first)")
         self.info = None  # omniroll.rollout.ray_cluster.ClusterInfo once started
         self.replicas: list = []
         self.replica_nodes: list[Optional[str]] = []  # node id per replica, same order
@@ -69,14 +75,14 @@ class RolloutCluster:
         """Tear down in reverse order of `start`; every step runs (best effort), nothing raises."""
         import ray
 
-        from omniroll.rollout.replica import kill_replicas
+        from omniroll.ray_nodes import kill_actors
 
         if self.manager is not None:
             self.manager.shutdown()
             self.manager = None
-        kill_replicas(self.reward_workers)  # the same best-effort ray.kill
+        kill_actors(self.reward_workers)
         self.reward_workers = []
-        kill_replicas(self.replicas)
+        kill_actors(self.replicas)
         self.replicas, self.replica_nodes = [], []
         for p in reversed(self._placements):
             p.remove()
@@ -102,7 +108,7 @@ class RolloutCluster:
     def _start_replicas(self) -> None:
         from omniroll.rollout.ray_cluster import bundle_for
         from omniroll.rollout.replica import create_replicas
-        from omniroll.weights.sender import actor_node_ids
+        from omniroll.ray_nodes import actor_node_ids
 
         rc = self.config.replicas
         self.log(f"starting {rc.count} replica(s) of {self.model} ({rc.placement})")

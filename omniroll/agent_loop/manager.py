@@ -8,7 +8,7 @@ ONE `AgentLoopError` with global row numbers, carrying every chunk's succeeded r
 its chunk is re-run whole on a live worker: same rows, same `_group_index`, so the same seeds and the same samples
 (its engine request ids get a `~rerunK` suffix, so they never collide with the lost worker's requests still running
 on the replicas; the output keeps the rows' own request ids). In raise mode, rows that cannot share the output batch
-are refused for the whole batch before any chunk is sent (see `worker.rows_that_cannot_share`).
+are refused for the whole batch before any chunk is sent (see `rows.rows_that_cannot_share`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
-from omniroll.agent_loop.loop import is_embed_key
-from omniroll.agent_loop.worker import (AgentLoopError, DiffusionAgentLoopWorker, as_config, base_sampling,
-                                        failed_entries, group_indices, plan_rows, row_uids, rows_that_cannot_share)
+from omniroll.models.base import is_sequence_embedding
+from omniroll.agent_loop.rows import (as_config, base_sampling, failed_entries, group_indices, plan_rows, row_uids,
+                                      rows_that_cannot_share)
+from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker
 
 _PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_weight_version", "worker_seconds")
 
@@ -111,7 +112,7 @@ class AgentLoopManager:
             raise AgentLoopError.from_rows(sorted(failed_rows, key=lambda f: f["row"]), len(batch),
                                            batch=merge(kept) if kept else None, succeeded_rows=kept_rows)
         out = merge(list(results))
-        out.meta_info["timing"] = _timing(out.meta_info["metrics"], time.perf_counter() - t0)
+        out.meta_info["timing"] = batch_timing(out.meta_info["metrics"], time.perf_counter() - t0)
         return out
 
     async def _run_chunk(self, worker: Any, chunk: DataBatch) -> DataBatch:
@@ -136,13 +137,9 @@ class AgentLoopManager:
         self.workers = [w for w in self.workers if w not in gone]
 
     def shutdown(self) -> None:
-        import ray
+        from omniroll.ray_nodes import kill_actors
 
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:
-                pass
+        kill_actors(self.workers)
         self.workers = []
 
 
@@ -165,7 +162,7 @@ def merge(parts: list[DataBatch]) -> DataBatch:
     lmax: dict[str, int] = {}
     for p in parts:
         for k in p.batch.keys():
-            if is_embed_key(k):
+            if is_sequence_embedding(k):
                 lmax[k] = max(lmax.get(k, 0), int(p.batch[k].shape[1]))
     reward_keys = set.intersection(*[set(p.meta_info.get("reward_extra_keys") or []) for p in parts])
     all_reward_keys = set().union(*[set(p.meta_info.get("reward_extra_keys") or []) for p in parts])
@@ -198,7 +195,8 @@ def _pad_field(p: DataBatch, key: str, length: int) -> None:
     p.batch[f"{key}_mask"] = torch.cat([m, m.new_zeros((m.shape[0], extra))], dim=1)
 
 
-def _timing(metrics: list[dict], wall: float) -> dict:
+def batch_timing(metrics: list[dict], wall: float) -> dict:
+    """A batch's `meta_info["timing"]`: its wall seconds and its rows' generate / score times (min, mean, max)."""
     gen = [m.get("generate_sequences", 0.0) for m in metrics] or [0.0]
     score = [m.get("compute_score", 0.0) for m in metrics] or [0.0]
     slow = int(np.argmax(gen))

@@ -1,52 +1,28 @@
-"""`DiffusionAgentLoopWorker`: plans every row of a batch (uid, group index, seed, request id, sampling parameters,
-whether it can share the output batch), runs each row as its own asyncio task in its agent loop, streams finished
-samples to reward workers, and stacks the results (`loop.assemble`).
-
-Input per row (non_tensor_batch): `raw_prompt` (required), `raw_negative_prompt`, `uid` (the prompt group; default: a
-hash of the prompt), `data_source`, `agent_name`, `reward_model` ({"ground_truth"}), `extra_info`, `sampling_params`
-(a per-row override dict), `_group_index` (set by the manager). meta_info: `global_steps` (required for training),
-`rollout_seed`, `validate`, `sampling_params` (batch-level override).
-
-Seeds: `derive_seed(rollout_seed, global_steps, uid, index)` where index is the row's position within its group (the
-manager's `_group_index`, else the trainer's `_rollout_seed_global_idx % n`, else the order of appearance of the uid in
-this batch; see `group_index_column`), so a sample's seed never depends on how the batch was chunked. Validation:
-`derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step), or `val_kwargs.seed` itself for every
-row with `val_kwargs.seed_mode: shared` (VeRL-Omni's semantics); ODE (noise_level 0) and no log-probs. With
-`algo.same_latent` a training row also gets `latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the
-group shares its initial noise and window.
+"""`DiffusionAgentLoopWorker`: runs each row of a batch (planned by `rows.plan_rows`: uid, group index, seed, request
+id, sampling parameters) as its own asyncio task in its agent loop, streams finished samples to reward workers, and
+stacks the results (`output_batch.assemble`).
 
 Failures: a row that fails (bad input, generation failed after the client's retries, reward status "failed") never
 disappears: by default the worker raises ONE `AgentLoopError` listing every failed row and carrying the rows that
 succeeded (`error.batch`, assembled as usual, and `error.succeeded_rows`), so a caller can keep them; with
 `agent.on_failure: mark` it returns the batch with those rows marked (status "failed", zero tensors, `failed` mask,
-`error` column). Rows whose override cannot share the output batch (another height, width, number of recorded SDE
-steps, CFG on/off, log-probs on/off, output_type: see below) are refused before anything is generated: in raise
-mode the whole call fails at once, naming each such row and field; in mark mode only they are marked failed.
-
-Sampling parameters: every row of a batch is generated with the batch's sampling parameters (config, then
-`meta_info["sampling_params"]`, `base_sampling`) plus its own `sampling_params` override (`row_sampling`). Its outputs
-are stacked into one tensor per field, so rows that would give another shape (height, width, the number of recorded
-SDE steps), another set of fields (CFG on or off: the `negative_*` embeddings; log-probs on or off) or another kind of
-response (`output_type`) cannot share the batch. Such rows are found from the parameters alone, before anything is
-generated (`rows_that_cannot_share`; the manager asks the same for the whole batch before splitting it).
+`error` column). Rows whose override cannot share the output batch (`rows.rows_that_cannot_share`) are refused before
+anything is generated: in raise mode the whole call fails at once, naming each such row and field; in mark mode only
+they are marked failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from typing import Any, Optional
 
-import numpy as np
-from pydantic import ValidationError
-
 from omniroll.agent_loop.batch import DataBatch, to_object_array
-from omniroll.agent_loop.loop import RowResult, assemble, embed_length_error, get_agent_loop_class, prompt_text
-from omniroll.config import OmniRollConfig, load_config
-from omniroll.engine.params import SamplingParams, overlay_sampling, unencodable_reason
-from omniroll.errors import format_validation_error
-from omniroll.sampling.window import derive_group_seed, derive_seed
+from omniroll.agent_loop.loop import prompt_text
+from omniroll.agent_loop.output_batch import RowResult, assemble, embed_length_error
+from omniroll.agent_loop.registry import get_agent_loop_class
+from omniroll.agent_loop.rows import (as_config, base_sampling, failed_entries, plan_rows, row_sampling,
+                                      rows_that_cannot_share)
 
 
 class AgentLoopError(RuntimeError):
@@ -72,175 +48,6 @@ class AgentLoopError(RuntimeError):
                 if batch is not None and len(batch) else "")
         return cls(f"{len(failed_rows)} of {total} rows failed{note}:\n{lines}{kept}", failed_rows, batch,
                    succeeded_rows)
-
-
-def as_config(config: Any) -> OmniRollConfig:
-    return config if isinstance(config, OmniRollConfig) else load_config(config)
-
-
-def group_indices(uids: list[str]) -> list[int]:
-    """Position of each row within its uid group, by order of appearance."""
-    seen: dict[str, int] = {}
-    out = []
-    for u in uids:
-        out.append(seen.get(u, 0))
-        seen[u] = out[-1] + 1
-    return out
-
-
-def group_index_column(non_tensor_batch: dict, uids: list[str], n: int) -> list[int]:
-    """Each row's index within its prompt group: `_group_index` when given; else from the trainer's global row index
-    `_rollout_seed_global_idx` (VeRL-Omni: an arange over the batch after its n-fold interleaved repeat, so the
-    index is `global % n`), which holds however the batch was chunked; else the order of appearance of the uid in
-    THIS batch (right only for a whole batch, which is what omniroll's AgentLoopManager hands out)."""
-    for key in ("_group_index", "_rollout_seed_global_idx"):
-        if key in non_tensor_batch:
-            values = [_batch_int(v, f"non_tensor_batch[{key!r}] of row {r}")
-                      for r, v in enumerate(non_tensor_batch[key])]
-            return values if key == "_group_index" else [g % n for g in values]
-    return group_indices(uids)
-
-
-def _batch_int(value: Any, what: str) -> int:
-    """`value` as an int >= 0 (Python or numpy integer; a bool, float or string is refused, never coerced)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{what} must be an int >= 0, got {value!r} ({type(value).__name__})")
-    return int(value)
-
-
-def default_uid(raw_prompt: Any) -> str:
-    return "prompt-" + hashlib.sha256(repr(raw_prompt).encode("utf-8")).hexdigest()[:16]
-
-
-def row_uids(non_tensor_batch: dict, n: int) -> list[str]:
-    """Each row's prompt group: `uid` as a string, or `default_uid(raw_prompt)` where missing. The one place that
-    requires `raw_prompt` and defaults `uid` (the manager and every worker call it)."""
-    if "raw_prompt" not in non_tensor_batch:
-        raise ValueError(f"input batch has no non_tensor_batch['raw_prompt'] (fields: {sorted(non_tensor_batch)})")
-    uids = [str(u) if u is not None else default_uid(p)
-            for u, p in zip(non_tensor_batch.get("uid", [None] * n), non_tensor_batch["raw_prompt"])]
-    for r, u in enumerate(uids):
-        reason = unencodable_reason(u)
-        if reason is not None:
-            raise ValueError(f"non_tensor_batch['uid'] of row {r} {reason}")
-    return uids
-
-
-def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
-    """Per-row fields for the agent loop (uid, group index, seed, request_id, ...). Batch-level input errors raise
-    ValueError naming the field."""
-    nt, meta = batch.non_tensor_batch, batch.meta_info
-    n = len(batch)
-    uids = row_uids(nt, n)
-    validate = bool(meta.get("validate", False))
-    steps = meta.get("global_steps")
-    if steps is None:
-        if not validate:
-            raise ValueError("meta_info['global_steps'] is required for training batches (it seeds the samples)")
-        steps = 0
-    steps = _batch_int(steps, "meta_info['global_steps']")
-    if meta.get("rollout_seed") is not None:
-        _batch_int(meta["rollout_seed"], "meta_info['rollout_seed']")
-    group_size = config.val_kwargs.n if validate else config.n
-    idx = group_index_column(nt, uids, group_size)
-    seen: dict[tuple, int] = {}
-    for r, key in enumerate(zip(uids, idx)):
-        if key in seen:
-            raise ValueError(f"rows {seen[key]} and {r} have the same (uid, _group_index) {key}: each sample of a "
-                             f"group needs its own index (with _rollout_seed_global_idx the index is global % n, "
-                             f"n = {group_size}: is n the batch's repeat count?)")
-        seen[key] = r
-    shared_val_seed = validate and config.val_kwargs.seed_mode == "shared"
-    if validate:
-        base, step_for_seed, tag = config.val_kwargs.seed, 0, "val"
-    else:
-        base = meta.get("rollout_seed", config.seed)
-        step_for_seed, tag = int(steps), "train"
-    rows = []
-    for r in range(n):
-        fields = {k: v[r] for k, v in nt.items()}
-        seed = int(base) if shared_val_seed else derive_seed(base, step_for_seed, uids[r], idx[r])
-        fields.update(uid=uids[r], _group_index=idx[r], seed=seed, request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
-        if config.algo.same_latent and not validate:
-            fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
-        rows.append(fields)
-    return rows
-
-
-def failed_entries(rows: list[dict], errors: dict[int, str]) -> list[dict]:
-    """`AgentLoopError.failed_rows` entries for these rows (index -> error)."""
-    return [{"row": i, "uid": rows[i]["uid"], "request_id": rows[i]["request_id"], "error": e}
-            for i, e in sorted(errors.items())]
-
-
-#: output-shaping quantity -> (the sampling field a user changes, why it matters)
-_STACKED = {
-    "height": ("height", "responses and latents are stacked"),
-    "width": ("width", "responses and latents are stacked"),
-    "recorded_steps": ("sde_window_size", "all_latents, log-probs and sigmas hold one entry per recorded SDE step; "
-                                          "without sde_window_size that is num_inference_steps - 1"),
-    "cfg": ("guidance_scale", "CFG on (> 1) or off (<= 1) adds or drops the negative_* embedding fields"),
-    "logprobs": ("logprobs", "rollout_log_probs is one tensor for the batch"),
-    "output_type": ("output_type", "responses are pixels or latents for the whole batch"),
-}
-
-
-def base_sampling(config: Any, meta: dict, validate: bool) -> dict:
-    """The batch's sampling dict: the config's (training or validation), then `meta_info["sampling_params"]`.
-    Raises ValueError naming the field when it is not valid."""
-    sp = overlay_sampling(config.sampling_params(validate=validate), meta.get("sampling_params") or None, validate,
-                          name="meta_info['sampling_params']")
-    try:
-        SamplingParams.model_validate(sp)
-    except ValidationError as e:
-        raise ValueError("bad sampling params: " + format_validation_error(
-            e, "meta_info.sampling_params", with_input=False, empty_loc="meta_info.sampling_params")) from None
-    return sp
-
-
-def row_sampling(base_sp: dict, override: Any, validate: bool) -> dict:
-    """One row's sampling dict: the batch's plus the row's override (validation keeps log-probs off)."""
-    return overlay_sampling(base_sp, override, validate)
-
-
-def output_signature(sp: dict) -> Optional[dict]:
-    """What of a row's output must match its batch mates' (None when the parameters are invalid: that row fails
-    on its own, with the validation error)."""
-    try:
-        p = SamplingParams.model_validate(sp)
-    except ValidationError:
-        return None
-    lo, hi = p.window_range()
-    # CFG rows carry negative-prompt embeddings; which scale adds them depends on the family (FLUX: true_cfg_scale),
-    # so rows must agree on both
-    return {"num_frames": p.num_frames, "height": p.height, "width": p.width,
-            "recorded_steps": p.sde_window_size if p.sde_window_size is not None else hi - lo,
-            "cfg": p.guidance_scale > 1.0, "true_cfg": p.true_cfg_scale > 1.0, "logprobs": p.logprobs,
-            "output_type": p.output_type}
-
-
-def rows_that_cannot_share(base_sp: dict, overrides: list[Any], validate: bool) -> dict[int, str]:
-    """Rows (index -> reason) whose override gives an output that cannot be stacked with the batch's: compared with
-    the batch's own sampling parameters, so every chunk of a batch decides the same way."""
-    ref = output_signature(base_sp)
-    bad: dict[int, str] = {}
-    for r, override in enumerate(overrides):
-        if override is None or ref is None:
-            continue
-        try:
-            sig = output_signature(row_sampling(base_sp, override, validate))
-        except ValueError:
-            continue  # a malformed override fails its row on its own
-        if sig is None:
-            continue
-        diffs = [k for k in _STACKED if sig[k] != ref[k]]
-        if diffs:
-            why = "; ".join(
-                f"sampling_params.{_STACKED[k][0]} gives {k}={sig[k]!r} where the batch has {ref[k]!r} "
-                f"({_STACKED[k][1]})" for k in diffs)
-            bad[r] = (f"cannot share the output batch: {why}. Rows of one batch must agree on these; set them "
-                      f"for the whole batch in meta_info['sampling_params'] (nothing was generated for this row)")
-    return bad
 
 
 class DiffusionAgentLoopWorker:

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     except OutputWriteError as e:  # disk full, file too large, ...: which file, why, and what is on disk
         if debug:
             raise
-        _say_error(args.command, [str(e), _kept(getattr(args, "out", None), started)])
+        _say_error(args.command, [str(e), _kept(getattr(args, "out", None), started, e.path)])
         return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"\nomniroll {args.command}: interrupted", file=sys.stderr)
@@ -133,9 +133,9 @@ def main(argv=None) -> int:
         return EXIT_FAILED
 
 
-def _kept(out_dir, started: float) -> str:
+def _kept(out_dir, started: float, failed: str = "") -> str:
     """The complete files this run wrote under `out_dir` (modified since it started; writes are atomic, so a file
-    that failed midway is absent, never partial)."""
+    that failed midway is absent, never partial), and what was not written (`failed`, the file that could not be)."""
     if not out_dir or not os.path.isdir(out_dir):
         return "kept: nothing (no output directory)"
     kept = sorted(os.path.relpath(os.path.join(d, f), out_dir) for d, _, files in os.walk(out_dir) for f in files
@@ -143,7 +143,11 @@ def _kept(out_dir, started: float) -> str:
     if not kept:
         return f"kept: nothing: no output file was complete in {out_dir}"
     shown = ", ".join(kept[:8]) + (f", ... ({len(kept) - 8} more)" if len(kept) > 8 else "")
-    return f"kept: {len(kept)} complete file(s) in {out_dir}: {shown}; the rest was not written"
+    lost = "the rest was not written"
+    if os.path.basename(failed or "") == "trajectories.safetensors":
+        lost = ("not written: trajectories.safetensors, so the samples' log-probs, latents and scores are lost (the "
+                "same command with the same seeds regenerates them bitwise)")
+    return f"kept: {len(kept)} complete file(s) in {out_dir}: {shown}; {lost}"
 
 
 def _lines(e: BaseException) -> list[str]:

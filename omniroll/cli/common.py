@@ -205,7 +205,7 @@ def quiet_libraries() -> None:
 def make_batch(prompts: list[str], n: int, rollout_seed: Optional[int] = None, validate: bool = False):
     """The CLI's input batch: `n` rows per prompt (p0, p0, ..., p1, ...), uid = `batch_prompt_uid(position)`."""
     from omniroll.agent_loop.batch import prompt_batch
-    from omniroll.sampling.window import batch_prompt_uid
+    from omniroll.sampling.seeds import batch_prompt_uid
 
     if not prompts:
         raise ValueError("prompts must not be empty")
@@ -217,7 +217,7 @@ def make_batch(prompts: list[str], n: int, rollout_seed: Optional[int] = None, v
 
 def sample_seed(base: Optional[int], uid: str, index: int) -> int:
     """A CLI sample's seed: the agent loop's derivation (`derive_seed(base, step, uid, index)`) at the CLI's step."""
-    from omniroll.sampling.window import derive_seed
+    from omniroll.sampling.seeds import derive_seed
 
     return derive_seed(base, CLI_GLOBAL_STEP, uid, index)
 

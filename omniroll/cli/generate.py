@@ -79,7 +79,7 @@ def run_generate(args, base: dict | None = None) -> dict:
 
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.engine.engine import DiffusionEngine
-    from omniroll.sampling.window import derive_group_seed
+    from omniroll.sampling.seeds import derive_group_seed
     from omniroll.cli.common import CLI_GLOBAL_STEP
 
     sp = cfg.sampling_params()

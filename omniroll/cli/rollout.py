@@ -122,12 +122,12 @@ def _collect(tasks: list, n: int) -> tuple[list, list[str], bool]:
 
 
 def _merge(parts: list, wall: float):
-    from omniroll.agent_loop.manager import _timing, merge
+    from omniroll.agent_loop.manager import batch_timing, merge
 
     for p in parts:
         p.meta_info.pop("timing", None)
     out = merge(parts)
-    out.meta_info["timing"] = _timing(out.meta_info.get("metrics", []), wall)
+    out.meta_info["timing"] = batch_timing(out.meta_info.get("metrics", []), wall)
     return out
 
 

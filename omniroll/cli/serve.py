@@ -2,7 +2,7 @@
 
 Binds 127.0.0.1 unless `--host` says otherwise; `--port 0` picks a free port. The URL is printed once the model is
 loaded. Ctrl-C stops it (exit 130, as every command); SIGTERM too (uvicorn's graceful shutdown). Routes and the
-HTTP contract: `omniroll.rollout.server`; defaults: `omniroll.serve.ServeConfig`.
+HTTP contract: `omniroll.http.server`; defaults: `omniroll.http.serve.ServeConfig`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from omniroll.serve import ServeConfig, serve
+    from omniroll.http.serve import ServeConfig, serve
 
     optional = {k: getattr(args, k) for k in ("served_model_name", "max_batch_size", "max_body_bytes", "max_pending",
                                               "max_n", "request_timeout_s") if hasattr(args, k)}

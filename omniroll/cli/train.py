@@ -1,5 +1,5 @@
-"""`omniroll train --config CFG --out DIR [--steps N] [--resume DIR]`: `trainer.algorithm` (Flow-GRPO by default; GRPO-Guard,
-DanceGRPO, DiffusionNFT, AWM) on local Ray (`FlowGRPOTrainer`).
+"""`omniroll train --config CFG --out DIR [--steps N] [--resume DIR]`: `trainer.algorithm` (Flow-GRPO by default;
+GRPO-Guard, DanceGRPO, DiffusionNFT, AWM) on local Ray (`FlowGRPOTrainer`).
 
 The config (with its `trainer` section) is validated before Ray starts: a bad key fails at once, named. One line per
 step above a progress bar over steps (the bar only on a terminal: in a log file, one clean line per step). Trackers:

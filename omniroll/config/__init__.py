@@ -23,15 +23,15 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from omniroll.config.algorithms import ALGORITHMS, check_algorithm
 from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
-                                      Placement, ReplicasSection, Resources, RewardSection, ValKwargs, _PartialAlgo,
-                                      _PartialPipeline, _Strict)
+                                      Placement, ReplicasSection, Resources, RewardSection, ValKwargs, PartialAlgo,
+                                      PartialPipeline, _Strict)
 from omniroll.config.trainer import LOGGERS, EvaluationSection, LoRASection, SignalCheckSection, TrainerSection
 from omniroll.engine.params import SamplingParams, overlay_sampling
 from omniroll.errors import config_messages, format_validation_error
 
 __all__ = ["ALGORITHMS", "AgentSection", "AlgoSection", "ConfigError", "EngineSection", "EvaluationSection", "LOGGERS",
            "LoRASection", "OmniRollConfig", "PipelineSection", "Placement", "ReplicasSection", "Resources",
-           "RewardSection", "SignalCheckSection", "TrainerSection", "ValKwargs", "_PartialAlgo", "_PartialPipeline",
+           "RewardSection", "SignalCheckSection", "TrainerSection", "ValKwargs", "PartialAlgo", "PartialPipeline",
            "config_messages", "load_config", "validate_config"]
 
 
@@ -55,14 +55,14 @@ class OmniRollConfig(_Strict):
     @field_validator("pipeline", "val_kwargs")
     @classmethod
     def _fits_model(cls, value, info: ValidationInfo):
-        """Resolution and text length against the model's limits (read from its config files; a tiny model is
-        built once, as every command does next): `pipeline.*` and the `val_kwargs.pipeline.*` it overrides."""
+        """Resolution and text length against the model's limits (read from its config files, or a tiny model's
+        constants: nothing is built): `pipeline.*` and the `val_kwargs.pipeline.*` it overrides."""
         engine = info.data.get("engine")
         if engine is None:  # engine.model is itself wrong (reported there)
             return value
-        from omniroll.models import read_limits, resolve_model
+        from omniroll.models import model_limits
 
-        limits = read_limits(resolve_model(engine.model))
+        limits = model_limits(engine.model)
         p = value if info.field_name == "pipeline" else value.pipeline
         problems = [] if limits is None else limits.problems(
             p.height, p.width, p.max_sequence_length, prefix="" if info.field_name == "pipeline" else "pipeline.")

@@ -4,8 +4,8 @@ reference defaults, the shared `trainer.*` keys it reads, the rollout it needs).
 below the trainer.
 
 A shared key an algorithm does not read (for example `trainer.clip_range` with `nft`) is an error naming it when it is
-set to anything but its default; a shared key whose reference default differs for an algorithm (`global_std`, `kl_beta`) takes that default
-unless it is set.
+set to anything but its default; a shared key whose reference default differs for an algorithm (`global_std`,
+`kl_beta`, `clip_range`) takes that default unless it is set.
 """
 
 from __future__ import annotations

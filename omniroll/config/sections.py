@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from omniroll.engine.params import (Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
+from omniroll.engine.params import (DtypeName, Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
                                     SequenceLength, Steps, TrueCfgScale, WindowRange, WindowSize)
 from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
 from omniroll.reward.manager import RewardFunctionConfig
@@ -53,7 +53,7 @@ class EngineSection(_Strict):
     max_batch_size: Union[Literal["auto"], int] = Field(
         16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DtypeName = "float32"
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
 
@@ -122,7 +122,9 @@ class AlgoSection(_Strict):
                                                  "SDE window (flow_grpo's same_latent); their ODE prefix runs once")
 
 
-class _PartialPipeline(_Strict):
+class PartialPipeline(_Strict):
+    """`val_kwargs.pipeline`: the pipeline fields validation overrides (None: the training value)."""
+
     height: Optional[Pixels] = None
     width: Optional[Pixels] = None
     num_frames: Optional[NumFrames] = None
@@ -131,7 +133,9 @@ class _PartialPipeline(_Strict):
     max_sequence_length: Optional[SequenceLength] = None
 
 
-class _PartialAlgo(_Strict):
+class PartialAlgo(_Strict):
+    """`val_kwargs.algo`: the sampling fields validation overrides (noise_level 0 by default: the ODE)."""
+
     noise_level: NoiseLevel = 0.0
     sde_type: Optional[SdeType] = None
     sde_window_size: Optional[WindowSize] = None
@@ -145,28 +149,19 @@ class ValKwargs(_Strict):
     n: int = Field(1, ge=1)
     seed: int = Field(42, ge=0)
     seed_mode: Literal["per_row", "shared"] = "per_row"
-    pipeline: _PartialPipeline = Field(default_factory=_PartialPipeline)
-    algo: _PartialAlgo = Field(default_factory=_PartialAlgo)
+    pipeline: PartialPipeline = Field(default_factory=PartialPipeline)
+    algo: PartialAlgo = Field(default_factory=PartialAlgo)
 
 
 class AgentSection(_Strict):
     num_workers: int = Field(2, ge=1, le=1024)
-    default_agent_loop: str = "diffusion_single_turn_agent"
+    default_agent_loop: str = Field("diffusion_single_turn_agent", min_length=1, description="a registered agent loop "
+                                    "(checked by RolloutCluster before Ray starts: the registry is the agent loop's)")
     on_failure: Literal["raise", "mark"] = Field(
         "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
     )
     placement: Placement = "pack"
     resources: Resources = Field(default_factory=dict)
-
-    @field_validator("default_agent_loop")
-    @classmethod
-    def _registered(cls, value):
-        from omniroll.agent_loop.loop import registered_names
-
-        if value not in registered_names():
-            raise ValueError(f"agent loop {value!r} is not registered; registered: {registered_names()} (import the "
-                             f"module whose @register(...) defines it before loading the config)")
-        return value
 
 
 class RewardSection(RewardWorkerConfig):

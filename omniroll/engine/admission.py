@@ -12,6 +12,7 @@ text, or the ids), with the text length.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections import OrderedDict
 from typing import Hashable, Union
 
@@ -54,6 +55,30 @@ def build_state(adapter: DiffusionAdapter, config: EngineConfig, device, request
     if adapter.num_experts > 1:
         state.experts = [adapter.expert_index(float(t)) for t in state.timesteps]
     return state
+
+
+def admit(adapter: DiffusionAdapter, config: EngineConfig, device, requests: list[GenerationRequest],
+          release) -> tuple[list[concurrent.futures.Future], list[RequestState]]:
+    """Every request's state (all checked first: an error raises before any is queued) and the future its caller
+    waits on. When a request is done its state frees its id (`release(request_id)`), then settles the future exactly
+    once."""
+    futures, states = [], []
+    for request in requests:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        state = build_state(adapter, config, device, request, None)
+        state.on_done = _settler(future, state.request_id, release)
+        states.append(state)
+        futures.append(future)
+    return futures, states
+
+
+def _settler(future: concurrent.futures.Future, request_id: str, release):
+    def on_done(output, error):
+        release(request_id)
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(output)
+
+    return on_done
 
 
 PromptInput = Union[str, dict]

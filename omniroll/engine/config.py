@@ -10,6 +10,15 @@ import torch
 MAX_BATCH_ROWS = 4096
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """A compute dtype's name (`engine.params.DTYPE_NAMES`) -> torch's dtype; ValueError naming the allowed ones."""
+    from omniroll.engine.params import DTYPE_NAMES
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
+    return getattr(torch, name)
+
+
 def check_max_batch_size(value: Any, name: Optional[str] = "max_batch_size"):
     """The one `max_batch_size` rule (engine, YAML `engine.max_batch_size`, CLI `--max-batch-size`): an int in
     [2, 4096] (a CFG request takes two rows) or "auto". Returns it; ValueError (starting with `name:` when given)."""

@@ -7,7 +7,7 @@ run on the loop thread between two denoising steps, so they never race a forward
 No call hangs: every control call has a finite default timeout and raises TimeoutError naming the operation; after
 `shutdown()` (or if the loop ever died) every call raises EngineShutdownError at once, and pending requests and
 control calls fail with it. An engine never shut down is shut down at interpreter exit (an atexit hook).
-Requests and control calls reach the loop through the `Inbox` (`engine/control.py`); the weights and memory state
+Requests and control calls reach the loop through the `Inbox` (`engine/inbox.py`); the weights and memory state
 is `lifecycle` (`engine/lifecycle.py`), changed by `engine/control.py` through public methods (`pause_admission`,
 `wait_idle`, `abort_running`, `resume_admission`); finished samples wait in `engine/decode_queue.py`;
 `engine/admission.py` checks requests; `engine/request.py` turns a finished one into its output.
@@ -16,22 +16,22 @@ is `lifecycle` (`engine/lifecycle.py`), changed by `engine/control.py` through p
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import threading
-import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from omniroll.engine.admission import PromptCache, attach_encodings, build_state
+from omniroll.engine import exit_hook
+from omniroll.engine.admission import PromptCache, admit, attach_encodings
 from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
-from omniroll.engine.control import ControlCalls, Inbox, check_seconds
+from omniroll.engine.control import ControlCalls, check_seconds
+from omniroll.engine.inbox import Inbox
 from omniroll.engine.decode_queue import DecodeQueue
 from omniroll.engine.errors import EngineError, EngineShutdownError
-from omniroll.engine.lifecycle import Lifecycle
+from omniroll.engine.lifecycle import Lifecycle, StepPause
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.request import RequestState, aborted_output, build_output
@@ -42,25 +42,11 @@ from omniroll.models.base import DiffusionAdapter
 
 __all__ = ["DiffusionEngine", "EngineError", "EngineShutdownError"]
 
-_LIVE_ENGINES: "weakref.WeakSet[DiffusionEngine]" = weakref.WeakSet()
-
-
-@atexit.register
-def _shutdown_live_engines() -> None:
-    """At interpreter exit, stop every engine whose loop still runs: a daemon thread killed inside a torch kernel
-    aborts the process ("terminate called without an active exception", exit status 134)."""
-    for engine in list(_LIVE_ENGINES):
-        try:
-            engine.shutdown()
-        except Exception:  # noqa: BLE001 - exiting anyway; one engine's error must not keep the others running
-            pass
-
-
 def _failed(error: BaseException) -> Callable[[RequestState], BaseException]:
     return lambda s: EngineError(f"request {s.request_id} failed: {error!r}")
 
 
-class DiffusionEngine(ControlCalls):
+class DiffusionEngine:
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
         self.config = config or EngineConfig()
@@ -83,8 +69,40 @@ class DiffusionEngine(ControlCalls):
         self._to_decode = DecodeQueue(self.config.decode_batch_size)  # finished, waiting for a full decode block
         self._thread: Optional[threading.Thread] = None
         self._thread_lock = threading.Lock()
-        self.admission_paused = False
-        self._init_controls()  # engine/control.py: the control-call lock and the step pause (`_pause`)
+        self.admission_paused = False  # the admission gate (pause_admission): no new request starts
+        self.step_pause = StepPause()  # the step pause (pause_generation): no denoising step runs; the loop reads it
+        self.controls = ControlCalls(self)  # engine/control.py: weight, LoRA, sleep and pause calls
+
+    # ------------------------------------------------------------------ control calls: `ControlCalls` (engine/control.py)
+    def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
+        return self.controls.pause_generation(after_steps, timeout_s)
+
+    def wait_for_pause(self, timeout_s: float = 60.0) -> dict:
+        return self.controls.wait_for_pause(timeout_s)
+
+    def resume_generation(self, timeout_s: float = 60.0) -> dict:
+        return self.controls.resume_generation(timeout_s)
+
+    def set_weight_version(self, version: int, timeout_s: float = 60.0) -> dict:
+        return self.controls.set_weight_version(version, timeout_s)
+
+    def update_weights_from_ipc(self, peft_config: Optional[dict] = None, base_sync_done: bool = False,
+                                use_shm: bool = False, **kwargs) -> dict:
+        return self.controls.update_weights_from_ipc(peft_config, base_sync_done, use_shm, **kwargs)
+
+    def add_lora(self, request, version: Optional[int] = None, drain_timeout_s: float = 10.0,
+                 timeout_s: float = 120.0) -> dict:
+        return self.controls.add_lora(request, version, drain_timeout_s, timeout_s)
+
+    def remove_lora(self, version: Optional[int] = None, drain_timeout_s: float = 10.0,
+                    timeout_s: float = 120.0) -> dict:
+        return self.controls.remove_lora(version, drain_timeout_s, timeout_s)
+
+    def sleep(self, level: int = 1, drain_timeout_s: float = 0.0, timeout_s: float = 120.0) -> dict:
+        return self.controls.sleep(level, drain_timeout_s, timeout_s)
+
+    def wake_up(self, timeout_s: float = 120.0) -> dict:
+        return self.controls.wake_up(timeout_s)
 
     @property
     def weight_version(self) -> int:
@@ -148,7 +166,7 @@ class DiffusionEngine(ControlCalls):
             "admission_paused": self.admission_paused,  # e.g. an update draining its samples in flight
             "lora": self.lifecycle.active_lora,
             "shut_down": self.inbox.closed is not None,
-            **self._pause.state(),
+            **self.step_pause.state(),
             "steps": self.steps_run,
             "mean_rows_per_step": self.rows_run / max(self.steps_run, 1),
             "prefix_steps_saved": self.scheduler.prefix.steps_saved if self.scheduler.prefix is not None else 0,
@@ -210,7 +228,7 @@ class DiffusionEngine(ControlCalls):
             thread.join(timeout=timeout_s)
         if thread is None or not thread.is_alive():
             self._fail_pending()
-        _LIVE_ENGINES.discard(self)
+        exit_hook.forget(self)
 
     def _fail_pending(self) -> None:
         """Fail every queued control call and every request with EngineShutdownError (loop stopped)."""
@@ -245,13 +263,7 @@ class DiffusionEngine(ControlCalls):
         all at once, so the first step already sees the whole batch. A request id already queued or running (or
         twice in `requests`) is refused with `RequestError`: ids name requests for `abort`, so they must be unique."""
         self.inbox.check_open("generate")
-        futures, states = [], []
-        for request in requests:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            state = self._make_state(request, None)
-            state.on_done = self._resolver(future, state.request_id)
-            states.append(state)
-            futures.append(future)
+        futures, states = admit(self.adapter, self.config, self.runner.device, requests, self.inbox.release)
         error = self.lifecycle.admission_error(self.config.asleep_policy)
         if error is not None:
             raise error
@@ -259,26 +271,13 @@ class DiffusionEngine(ControlCalls):
         self.inbox.add(states)
         return futures
 
-    def _resolver(self, future: concurrent.futures.Future, request_id: str):
-        """The RequestState callback that frees the request id, then settles `future` exactly once."""
-
-        def on_done(output, error):
-            self.inbox.release(request_id)
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(output)
-
-        return on_done
-
-    def _make_state(self, request: GenerationRequest, on_done) -> RequestState:
-        return build_state(self.adapter, self.config, self.runner.device, request, on_done)
-
     def _ensure_thread(self, op: str) -> None:
         with self._thread_lock:
             self.inbox.check_open(op)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="omniroll-engine", daemon=True)
                 self._thread.start()
-                _LIVE_ENGINES.add(self)
+                exit_hook.register(self)
 
     # ------------------------------------------------------------------ the loop (engine thread)
     def _loop(self) -> None:
@@ -292,7 +291,7 @@ class DiffusionEngine(ControlCalls):
 
     def _run_loop(self) -> None:
         while True:
-            taken = self.inbox.take(busy=self._runnable, wait_s=self._pause.seconds_left)
+            taken = self.inbox.take(busy=self._runnable, wait_s=self.step_pause.seconds_left)
             if taken is None:
                 return
             arrivals, controls = taken
@@ -312,7 +311,7 @@ class DiffusionEngine(ControlCalls):
     def _runnable(self) -> bool:
         if not self.lifecycle.can_step:
             return False  # requests wait (asleep_policy="wait") until wake_up and, after level 2, a weight sync
-        if self._pause.paused:
+        if self.step_pause.paused:
             return False  # samples in flight keep their state until resume_generation
         if self.admission_paused:
             return bool(self.scheduler.running)
@@ -351,7 +350,7 @@ class DiffusionEngine(ControlCalls):
             self._fail(batch, e)
             return []
         self.steps_run += 1
-        self._pause.count_step()
+        self.step_pause.count_step()
         self.rows_run += sum(s.num_rows for s in batch)
         finished = [s for s in batch if s.done]
         if finished:

@@ -1,6 +1,6 @@
 """The state of one engine between its steps: the weights and memory state (`Lifecycle`: weight version, sleep
 level, LoRA adapter, whether the weights can serve) and a pause of generation after a chosen number of steps
-(`StepPause`). Components the engine owns (`engine.lifecycle`, `engine._pause`); they hold no reference to the engine.
+(`StepPause`). Components the engine owns (`engine.lifecycle`, `engine.step_pause`); they hold no reference to the engine.
 
 State (explicit, nothing else):
   version        the weight version every step run now records (0: the checkpoint's weights)

@@ -25,6 +25,9 @@ SdeType = Literal["sde", "cps", "dance_sde", "ode"]  # = omniroll.sampling.sde.S
 WindowSize = Annotated[int, Field(ge=1, le=1000)]
 WindowRange = tuple[int, int]
 OutputType = Literal["pixel", "latent", "both"]
+#: the dtypes a model computes in (engine, trainer, reward models): `engine.config.torch_dtype` turns one into torch's
+DtypeName = Literal["float32", "bfloat16", "float16"]
+DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 class SamplingParams(BaseModel):

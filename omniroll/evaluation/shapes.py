@@ -53,7 +53,7 @@ def eval_seed(base: int, prompt: str, index: int) -> int:
     """The seed of a prompt's index-th evaluation picture: the agent loop's validation seed of that row
     (`derive_seed(val_kwargs.seed, 0, eval_uid(prompt), index)`), so `omniroll eval` on a checkpoint draws exactly
     the pictures the trainer's evaluation drew with those weights."""
-    from omniroll.sampling.window import derive_seed
+    from omniroll.sampling.seeds import derive_seed
 
     return derive_seed(base, 0, eval_uid(prompt), index)
 

@@ -6,8 +6,9 @@ import os
 
 import torch
 
-from omniroll.models.base import (INDEX_FILE, Conditioning, DiffusionAdapter, ModelLimits, pipeline_class_name,
-                                  read_sampling_defaults, require_checkpoint, stack_conditioning)
+from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
+from omniroll.models.checkpoint import (INDEX_FILE, ModelLimits, pipeline_class_name, read_sampling_defaults,
+                                        require_checkpoint)
 from omniroll.models.flux import FluxAdapter
 from omniroll.models.qwen_image import QwenImageAdapter
 from omniroll.models.sd3 import SD3Adapter
@@ -69,6 +70,16 @@ def _looks_like_hub_id(model: str) -> bool:
             and all(c.isalnum() or c in "-_." for c in model.replace("/", "")))
 
 
+def model_limits(model: str) -> ModelLimits | None:
+    """The limits of `model` (a tiny name, a shipped name or a checkpoint directory) from files or constants alone:
+    nothing is built or loaded."""
+    if model in TINY_MODELS:
+        from omniroll.models.tiny import TINY_LIMITS
+
+        return ModelLimits(*TINY_LIMITS[TINY_MODELS[model]])
+    return read_limits(resolve_model(model))
+
+
 def read_limits(path: str) -> ModelLimits | None:
     """The limits (resolution multiple and maximum, text length) of the checkpoint at `path`, from its config files
     alone (no weights are loaded): the family adapter's `limits_from_files`; None when the family cannot say."""
@@ -112,6 +123,7 @@ __all__ = [
     "sampling_defaults",
     "SHIPPED_MODELS",
     "read_limits",
+    "model_limits",
     "require_checkpoint",
     "ModelLimits",
     "ADAPTERS",

@@ -1,5 +1,5 @@
-"""The model-adapter interface: everything the engine needs from a model family, nothing more; and what a checkpoint
-directory says before any weight loads.
+"""The model-adapter interface: everything the engine needs from a model family, nothing more (what a checkpoint
+directory says before any weight loads is models/checkpoint.py's).
 
 An adapter wraps one family's diffusers / transformers classes. The engine owns the denoise loop; an adapter only
 answers: how to encode a prompt, what the velocity is for a batch of latents at per-row timesteps, how to combine a
@@ -10,17 +10,10 @@ Shapes are generic: one sample's latent is whatever `latent_shape(height, width,
 Qwen-Image: [C, h, w]; Wan: [C, t, h, w]), always unpacked (an adapter that packs 2x2 patches for its transformer
 packs and unpacks inside `velocity`, a pure permutation). `decode` gives [B, 3, H, W] for images and
 [B, T, 3, H, W] for video, floats in [-1, 1].
-
-What a checkpoint directory says without loading any weights (first below): is it one, which pipeline, and its
-limits. `ModelLimits` is the one place a request's resolution and text length are checked against a model: the
-adapter builds it from its loaded modules, and `omniroll.models.read_limits(path)` builds the
-same object from the checkpoint's config files alone (milliseconds), so a command can reject bad sampling parameters
-before a model or Ray starts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -29,145 +22,22 @@ from typing import Optional
 import torch
 
 from omniroll.library_warnings import silence_library_warnings
-
-
-# ----------------------------------------------------------------------------------------------- the checkpoint
-INDEX_FILE = "model_index.json"
-#: the text-length ceiling when the tokenizer states none (T5's usual maximum in diffusers' SD3 pipeline)
-DEFAULT_MAX_SEQUENCE_LENGTH = 512
-
-
-def require_checkpoint(path: str, what: str = "path") -> str:
-    """Return the path of `path`'s model_index.json; FileNotFoundError if `path` is not a diffusers checkpoint."""
-    index = os.path.join(os.fspath(path), INDEX_FILE)
-    if not os.path.isfile(index):
-        raise FileNotFoundError(f"{what} {os.fspath(path)!r} is not a diffusers checkpoint directory (no {INDEX_FILE})")
-    return index
-
-
-def pipeline_class_name(path: str) -> Optional[str]:
-    """model_index.json's `_class_name` (ValueError when unreadable)."""
-    index = require_checkpoint(path)
-    try:
-        with open(index) as f:
-            return json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"cannot read _class_name from {index}: {e}") from e
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """spatial_multiple: height and width must be multiples of it (VAE scale factor x patch size).
-    max_resolution: largest height / width (positional embedding size x spatial_multiple); None: unbounded.
-    max_sequence_length: largest text length in tokens."""
-
-    spatial_multiple: int
-    max_resolution: Optional[int]
-    max_sequence_length: int
-
-    def problems(self, height=None, width=None, max_sequence_length=None, prefix: str = "") -> list[str]:
-        """One message per field that this model cannot take (fields given as None are not checked)."""
-        out, mult, max_res = [], self.spatial_multiple, self.max_resolution
-        for name, value in (("height", height), ("width", width)):
-            if value is None:
-                continue
-            if not _is_int(value) or value <= 0 or value % mult:
-                out.append(f"{prefix}{name} must be a positive multiple of {mult} (vae_scale_factor x patch_size), "
-                           f"got {value!r}")
-            elif max_res is not None and value > max_res:
-                out.append(f"{prefix}{name} must be <= {max_res} (pos_embed_max_size x {mult}), got {value}")
-        if max_sequence_length is not None:
-            limit = self.max_sequence_length
-            if not _is_int(max_sequence_length) or not 1 <= max_sequence_length <= limit:
-                out.append(f"{prefix}max_sequence_length must be an int in [1, {limit}], got {max_sequence_length!r}")
-        return out
-
-    def check(self, height=None, width=None, max_sequence_length=None, prefix: str = "") -> None:
-        """Raise ValueError naming every field this model cannot take."""
-        problems = self.problems(height, width, max_sequence_length, prefix)
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def tokenizer_max_length(model_max_length) -> int:
-    """A tokenizer's `model_max_length` capped at DEFAULT_MAX_SEQUENCE_LENGTH (tokenizers without one say 1e30)."""
-    if _is_int(model_max_length) and 0 < model_max_length < DEFAULT_MAX_SEQUENCE_LENGTH:
-        return model_max_length
-    return DEFAULT_MAX_SEQUENCE_LENGTH
-
-
-def tokenizer_padded_length(path: str, subfolder: str = "tokenizer") -> Optional[int]:
-    """`model_max_length` of the checkpoint's `subfolder` tokenizer (CLIP: the length prompt ids are padded to), from
-    its tokenizer_config.json; None when missing or unusable."""
-    try:
-        n = _read_json(os.path.join(path, subfolder, "tokenizer_config.json")).get("model_max_length")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return n if _is_int(n) and 0 < n <= 4096 else None
-
-
-def read_sd3_limits(path: str) -> ModelLimits:
-    """The limits of the SD3-family checkpoint at `path`, from its config files only (no weights are read)."""
-    require_checkpoint(path)
-    try:
-        vae = _read_json(os.path.join(path, "vae", "config.json"))
-        transformer = _read_json(os.path.join(path, "transformer", "config.json"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the model's config files under {os.fspath(path)!r}: {e}") from e
-    mult = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1) * int(transformer.get("patch_size", 2))
-    max_pos = transformer.get("pos_embed_max_size")
-    seq = DEFAULT_MAX_SEQUENCE_LENGTH
-    tok = os.path.join(path, "tokenizer_3", "tokenizer_config.json")
-    if os.path.isfile(tok):
-        try:
-            seq = tokenizer_max_length(_read_json(tok).get("model_max_length"))
-        except (OSError, ValueError):
-            pass
-    return ModelLimits(spatial_multiple=mult, max_resolution=None if max_pos is None else int(max_pos) * mult,
-                       max_sequence_length=seq)
-
-
-#: a checkpoint's own sampling defaults (optional): {"pipeline": {...}, "algo": {...}} in config keys
-SAMPLING_DEFAULTS_FILE = "omniroll_defaults.json"
-
-
-def read_sampling_defaults(path: str) -> dict:
-    """The sampling defaults a checkpoint directory states in `omniroll_defaults.json` (e.g. the shapes model: its
-    64 x 64 resolution and 12-token text), as a dict of config sections; {} when it states none. Config loading puts
-    them under what the user sets, above the schema's defaults. ValueError naming the file when it is malformed."""
-    f = os.path.join(os.fspath(path), SAMPLING_DEFAULTS_FILE)
-    if not os.path.isfile(f):
-        return {}
-    try:
-        data = _read_json(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {f}: {e}") from e
-    if not isinstance(data, dict) or not set(data) <= {"pipeline", "algo"} \
-            or not all(isinstance(v, dict) for v in data.values()):
-        raise ValueError(f"{f} must map 'pipeline' and / or 'algo' to dicts of config keys, got {data!r}")
-    return data
-
-
-def read_component_configs(path: str, *components: str) -> list[dict]:
-    """The config.json of each component directory (ValueError naming the directory when unreadable)."""
-    require_checkpoint(path)
-    try:
-        return [_read_json(os.path.join(path, c, "config.json")) for c in components]
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the model's config files under {os.fspath(path)!r}: {e}") from e
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, require_checkpoint
 
 
 #: the CFG scale of a row that runs no unconditional row, in the engine and in every trajectory alike.
 NO_CFG = 0.0
+
+
+def is_sequence_embedding(key: str) -> bool:
+    """A per-token prompt embedding (`prompt_embeds`, `negative_prompt_embeds`, ...: [L, D], padded when rows are
+    stacked), not a pooled one."""
+    return key.endswith("prompt_embeds") and not key.endswith("pooled_prompt_embeds")
+
+
+def is_conditioning(key: str) -> bool:
+    """A tensor of the adapter's `cond` dict (`*prompt_embeds`, pooled ones included), not a negative prompt's."""
+    return key.endswith("prompt_embeds") and not key.startswith("negative_")
 
 
 @dataclass
@@ -235,6 +105,9 @@ class DiffusionAdapter(ABC):
 
     #: the diffusers pipeline class (by name) whose components and helpers the adapter uses.
     pipeline_class: str = ""
+    #: the family's name in errors, and the pipeline components a checkpoint of it must have.
+    family: str = ""
+    components: tuple[str, ...] = ()
 
     #: modules whose weights the trainer may update (name -> module); the denoiser is always "transformer".
     trainable_module_name: str = "transformer"
@@ -288,6 +161,24 @@ class DiffusionAdapter(ABC):
     @abstractmethod
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every torch module the adapter holds (for sleep / wake and device moves)."""
+
+    # ------------------------------------------------------------------ construction, shared by every family
+    def _adopt(self, pipeline) -> None:
+        """The start of every family's constructor: `pipeline` is a `pipeline_class` with every component; keep it,
+        its VAE and its scheduler's config; an empty sigma cache."""
+        import diffusers
+
+        check_pipeline(pipeline, getattr(diffusers, self.pipeline_class), self.family, self.components)
+        self.pipeline = pipeline
+        self.vae = pipeline.vae
+        self.scheduler_config = dict(pipeline.scheduler.config)
+        self._sigma_cache: dict = {}
+
+    def _eval_mode(self) -> None:
+        """The end of every family's constructor: every module in eval mode (no dropout anywhere: the rollout and the
+        trainer's recompute must compute one function)."""
+        for m in self.modules().values():
+            m.eval()
 
     # ------------------------------------------------------------------ defaults most families keep
     @classmethod

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import PackedLatentAdapter
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, ModelLimits, check_pipeline,
-                                  read_component_configs, tokenizer_padded_length)
+from omniroll.models.base import Conditioning
+from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs,
+                                        tokenizer_padded_length)
 
 
 class FluxAdapter(PackedLatentAdapter):
@@ -24,18 +25,13 @@ class FluxAdapter(PackedLatentAdapter):
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
-    def __init__(self, pipeline):
-        from diffusers import FluxPipeline
+    family = "FLUX"
+    components = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
 
-        check_pipeline(pipeline, FluxPipeline, "FLUX",
-                       ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"))
-        self.pipeline = pipeline
+    def __init__(self, pipeline):
+        self._adopt(pipeline)
         self.transformer = pipeline.transformer
-        self.vae = pipeline.vae
-        self.scheduler_config = dict(pipeline.scheduler.config)
-        for m in self.modules().values():
-            m.eval()
-        self._sigma_cache: dict[tuple, torch.Tensor] = {}
+        self._eval_mode()
         self._img_ids: dict[tuple, torch.Tensor] = {}
 
     @classmethod

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from omniroll.models._flow import PackedLatentAdapter
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, ModelLimits, check_pipeline,
-                                  read_component_configs)
+from omniroll.models.base import Conditioning
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
 def template_drop_count(tokenizer, template: str) -> int:
@@ -34,20 +34,15 @@ class QwenImageAdapter(PackedLatentAdapter):
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
-    def __init__(self, pipeline):
-        from diffusers import QwenImagePipeline
+    family = "Qwen-Image"
+    components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
-        check_pipeline(pipeline, QwenImagePipeline, "Qwen-Image",
-                       ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
-        self.pipeline = pipeline
+    def __init__(self, pipeline):
+        self._adopt(pipeline)
         self.transformer = pipeline.transformer
-        self.vae = pipeline.vae
-        self.scheduler_config = dict(pipeline.scheduler.config)
         pipeline.prompt_template_encode_start_idx = template_drop_count(pipeline.tokenizer,
                                                                         pipeline.prompt_template_encode)
-        for m in self.modules().values():
-            m.eval()
-        self._sigma_cache: dict[tuple, torch.Tensor] = {}
+        self._eval_mode()
 
     @classmethod
     def limits_from_files(cls, path: str) -> ModelLimits:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, DiffusionAdapter, ModelLimits,
-                                  check_pipeline, read_sd3_limits, tokenizer_max_length, tokenizer_padded_length)
+from omniroll.models.base import Conditioning, DiffusionAdapter
+from omniroll.models.checkpoint import (DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_sd3_limits,
+                                        tokenizer_max_length, tokenizer_padded_length)
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -20,23 +21,18 @@ class SD3Adapter(DiffusionAdapter):
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
-    def __init__(self, pipeline):
-        from diffusers import StableDiffusion3Pipeline
+    family = "SD3"
+    components = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
 
-        check_pipeline(pipeline, StableDiffusion3Pipeline, "SD3",
-                       ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"))
-        self.pipeline = pipeline
+    def __init__(self, pipeline):
+        self._adopt(pipeline)
         self.transformer = pipeline.transformer
-        self.vae = pipeline.vae
         self.text_encoder = pipeline.text_encoder
         self.text_encoder_2 = pipeline.text_encoder_2
         self.text_encoder_3 = pipeline.text_encoder_3  # may be None (SD3 without T5: zeros, as diffusers does)
         self.tokenizer = pipeline.tokenizer
         self.tokenizer_3 = pipeline.tokenizer_3
-        self.scheduler_config = dict(pipeline.scheduler.config)
-        for m in self.modules().values():
-            m.eval()
-        self._sigma_cache: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._eval_mode()
 
     @classmethod
     def limits_from_files(cls, path: str) -> ModelLimits:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.models.base import (DEFAULT_MAX_SEQUENCE_LENGTH, Conditioning, DiffusionAdapter, ModelLimits, check_int,
-                                  check_pipeline, read_component_configs)
+from omniroll.models.base import Conditioning, DiffusionAdapter, check_int
+from omniroll.models.checkpoint import DEFAULT_MAX_SEQUENCE_LENGTH, ModelLimits, read_component_configs
 
 
 class WanAdapter(DiffusionAdapter):
@@ -26,15 +26,13 @@ class WanAdapter(DiffusionAdapter):
     lora_target_modules = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                            "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
 
-    def __init__(self, pipeline):
-        from diffusers import WanPipeline
+    family = "Wan"
+    components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
-        check_pipeline(pipeline, WanPipeline, "Wan",
-                       ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
+    def __init__(self, pipeline):
+        self._adopt(pipeline)
         if pipeline.config.get("expand_timesteps", False):
             raise ValueError("Wan 2.2 TI2V (expand_timesteps=True) is not supported yet")
-        self.pipeline = pipeline
-        self.vae = pipeline.vae
         self.experts = [pipeline.transformer]
         self.boundary_ratio = pipeline.config.get("boundary_ratio", None)
         if self.boundary_ratio is not None:
@@ -46,11 +44,8 @@ class WanAdapter(DiffusionAdapter):
         else:
             self._denoiser = pipeline.transformer
         self.num_experts = len(self.experts)
-        self.scheduler_config = dict(pipeline.scheduler.config)
         self.scheduler_class = type(pipeline.scheduler).__name__
-        for m in self.modules().values():
-            m.eval()
-        self._sigma_cache: dict[int, torch.Tensor] = {}
+        self._eval_mode()
 
     @classmethod
     def limits_from_files(cls, path: str) -> ModelLimits:

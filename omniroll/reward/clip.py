@@ -27,7 +27,9 @@ from typing import Optional
 
 import numpy as np
 
-DTYPES = ("float32", "bfloat16", "float16")
+from omniroll.engine.params import DTYPE_NAMES
+
+DTYPES = DTYPE_NAMES  # a scorer's `dtype`
 #: the LAION aesthetic head's Linear layers as `nn.Sequential` indices (dropouts at 1, 3, 5)
 HEAD_LINEARS = (0, 2, 4, 6, 7)
 

@@ -2,7 +2,8 @@
 cluster or starting a local one, placing actors (`ray_cluster`)."""
 
 from omniroll.rollout.client import RequestError, RolloutClient, RolloutError
-from omniroll.rollout.replica import RolloutReplica, create_replicas, kill_replicas, output_from_wire, output_to_wire
+from omniroll.rollout.replica import RolloutReplica, create_replicas, kill_replicas
+from omniroll.rollout.wire import output_from_wire, output_to_wire
 
 __all__ = [
     "RequestError",

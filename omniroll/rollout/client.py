@@ -32,7 +32,7 @@ from omniroll.engine.errors import RequestError
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.errors import format_validation_error
-from omniroll.rollout.replica import output_from_wire
+from omniroll.rollout.wire import output_from_wire
 
 
 class RolloutError(RuntimeError):
@@ -113,7 +113,7 @@ class RolloutClient:
         self._dead: set[int] = set()
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._rr = 0
-        self._running: dict[str, int] = {}  # caller request_id -> replica index of the current attempt
+        self._running: set[str] = set()  # caller request_ids in flight (a second one with the same id is refused)
 
     # A client crosses process boundaries as its configuration; counters and sticky map start fresh.
     def __getstate__(self):
@@ -179,6 +179,7 @@ class RolloutClient:
         for a malformed request and RolloutError when every attempt failed."""
         import ray
 
+        # 1. Validate the request here (a bad one never reaches a replica) and refuse an id already in flight.
         request = build_request(request_id, prompt, sampling_params, seed, negative_prompt)
         if request_id in self._running:
             raise RequestError(request_id, "request_id is already in flight on this client")
@@ -186,14 +187,15 @@ class RolloutClient:
         failed_on: set[int] = set()
         failures = aborts = 0
         t0 = time.time()
-        self._running[request_id] = -1
+        self._running.add(request_id)
         try:
             while True:
+                # 2. Pick a replica (sticky per group, else the least loaded; never one this request failed on).
                 idx = self._pick(group_id, failed_on)
                 k = len(attempts)
                 engine_id = request_id if k == 0 else f"{request_id}~retry{k}"
                 payload = request.model_dump() if k == 0 else {**request.model_dump(), "request_id": engine_id}
-                self._running[request_id] = idx
+                # 3. Run it there; a fault (timeout, dead actor, crash) aborts it there and benches the replica.
                 self.in_flight[idx] += 1
                 err: Optional[str] = None
                 try:
@@ -218,6 +220,7 @@ class RolloutClient:
                     self._bench(idx, dead=False)
                 finally:
                     self.in_flight[idx] -= 1
+                # 4. An aborted output runs again (same seed: the same sample); a completed one is returned.
                 if err is None:
                     out = output_from_wire(wire)
                     if out.stop_reason == "aborted":
@@ -240,6 +243,7 @@ class RolloutClient:
                     attempts.append((idx, err))
                     failed_on.add(idx)
                     failures += 1
+                # 5. Out of retries: one error naming the request and every attempt.
                 if failures > self.max_retries or aborts > self.max_abort_retries:
                     tried = "; ".join(f"#{j} replica {i}: {e}" for j, (i, e) in enumerate(attempts))
                     raise RolloutError(
@@ -247,14 +251,7 @@ class RolloutClient:
                         request_id=request_id, attempts=attempts,
                     )
         finally:
-            self._running.pop(request_id, None)
-
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request of this client wherever it currently runs (it is then re-run; see the module doc)."""
-        idx = self._running.get(request_id, -1)
-        if idx < 0:
-            return False
-        return bool(await self.replicas[idx].abort.remote(request_id))
+            self._running.discard(request_id)
 
     def stats(self) -> dict:
         now = time.monotonic()

@@ -60,12 +60,6 @@ def describe(info: ClusterInfo) -> str:
     return f"Ray: {what} {info.address} ({info.nodes} node(s), {info.cpus:g} CPUs, {info.gpus:g} GPUs)"
 
 
-def this_node_id() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
 def node_address(node_id: str) -> Optional[str]:
     """The IP address of a live node (None when it is gone)."""
     import ray

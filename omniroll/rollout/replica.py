@@ -1,15 +1,8 @@
-"""`RolloutReplica`: one DiffusionEngine behind a Ray actor, and the wire format its results travel in.
+"""`RolloutReplica`: one DiffusionEngine behind a Ray actor.
 
 Used as `ray.remote(RolloutReplica).options(max_concurrency=1000, num_cpus=..., num_gpus=...)` (see
 `create_replicas`). Every generate is an async method, so one actor serves many requests at once and the engine
-batches them; results leave the actor in wire format (below).
-
-Wire format (`output_to_wire` / `output_from_wire`): a `DiffusionOutput` crosses Ray as numpy arrays. Ray serializes
-numpy arrays out-of-band (pickle protocol 5, one memcpy into the object store, zero-copy reads), while torch tensors
-go through torch's own pickling: a 6 MB trajectory costs ~17 ms as a tensor and ~3 ms as numpy. So every tensor is
-turned into a numpy view before it leaves a replica and back into a tensor after it arrives (the agent loop's
-`DataBatch` crosses the same way). bfloat16 has no numpy dtype: it travels as its int16 bit pattern and is viewed
-back, bit-exact.
+batches them; results leave the actor in wire format (rollout/wire.py).
 """
 
 from __future__ import annotations
@@ -18,31 +11,30 @@ import asyncio
 import os
 import socket
 import time
-import warnings
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from pydantic import ValidationError
 
+from omniroll.engine.config import torch_dtype
 from omniroll.engine.errors import RequestError
-from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
 from omniroll.library_warnings import silence_library_warnings
+from omniroll.ray_nodes import kill_actors as kill_replicas, this_node
+from omniroll.rollout.wire import output_to_wire
 from omniroll.weights.transport import transport_of
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _engine_kwargs(engine_kwargs: Optional[dict]) -> dict:
-    kw = dict(engine_kwargs or {})
+def resolve_engine_kwargs(kwargs: Optional[dict]) -> dict:
+    """A config's engine kwargs (dtype as its name) -> `DiffusionEngine.from_pretrained`'s (dtype as torch's)."""
+    kw = dict(kwargs or {})
     dtype = kw.get("dtype")
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"engine_kwargs.dtype must be one of {_DTYPES}, got {dtype!r}")
-        kw["dtype"] = getattr(torch, dtype)
+        try:
+            kw["dtype"] = torch_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"engine_kwargs.{e}") from None
     return kw
 
 
@@ -55,13 +47,13 @@ class RolloutReplica:
         silence_library_warnings()  # this actor's process: third-party warnings its user cannot act on
         self.model_path = model_path
         self.replica_index = int(replica_index)
-        self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))
+        self.engine = DiffusionEngine.from_pretrained(model_path, **resolve_engine_kwargs(engine_kwargs))
         self._in_flight = 0
         self._served = 0
         self._failed = 0
         self._aborted = 0
         self._started_at = time.time()
-        self._node_id, self._node_address = _ray_node()
+        self._node_id, self._node_address = this_node()
 
     async def generate(self, request: dict | GenerationRequest) -> dict:
         """Generate one sample; returns `output_to_wire(DiffusionOutput)`. A request the engine will not serve (bad
@@ -181,18 +173,6 @@ class RolloutReplica:
         return await asyncio.to_thread(self.engine.wake_up, timeout_s)
 
 
-def _ray_node() -> tuple[Optional[str], Optional[str]]:
-    """(node id, node IP address) of this process in Ray; (None, None) outside Ray."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None, None
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - not a Ray worker
-        return None, None
-
-
 def _torch_threads() -> int:
     return torch.get_num_threads()
 
@@ -237,85 +217,3 @@ def create_replicas(
             kill_replicas(handles)
             raise
     return handles
-
-
-def kill_replicas(handles: list) -> None:
-    """Best-effort teardown of replicas started by `create_replicas`."""
-    import ray
-
-    for h in handles:
-        try:
-            ray.kill(h, no_restart=True)
-        except Exception:
-            pass
-
-
-# --------------------------------------------------------------------------------------------------- wire format
-_BF16 = "__bf16__"
-
-
-def tensor_to_numpy(t: torch.Tensor) -> Any:
-    """A numpy view of a CPU tensor (bf16 as {_BF16: int16 bits}); device tensors are copied to the host first."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.dtype == torch.bfloat16:
-        return {_BF16: t.contiguous().view(torch.int16).numpy()}
-    return t.contiguous().numpy()
-
-
-def numpy_to_tensor(a: Any) -> torch.Tensor:
-    """The inverse of `tensor_to_numpy`. Zero-copy for writable arrays; read-only arrays (Ray's object store hands
-    out read-only views of shared memory) are copied, because a tensor that aliases the store could be written to."""
-    if isinstance(a, dict) and _BF16 in a:
-        return numpy_to_tensor(a[_BF16]).view(torch.bfloat16)
-    if not a.flags.writeable:
-        a = np.array(a, copy=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.from_numpy(a)
-
-
-def output_to_wire(out: DiffusionOutput) -> dict:
-    """DiffusionOutput -> a plain dict whose tensors are numpy arrays (and whose other values are left as they are)."""
-    extra: dict[str, Any] = {}
-    tensor_keys: list[str] = []
-    for k, v in out.extra_fields.items():
-        if isinstance(v, torch.Tensor):
-            extra[k] = tensor_to_numpy(v)
-            tensor_keys.append(k)
-        else:
-            extra[k] = v
-    pixels = out.diffusion_output
-    log_probs = out.log_probs
-    return {
-        "diffusion_output": tensor_to_numpy(pixels) if isinstance(pixels, torch.Tensor) else pixels,
-        "log_probs": tensor_to_numpy(log_probs) if isinstance(log_probs, torch.Tensor) else log_probs,
-        "stop_reason": out.stop_reason,
-        "num_preempted": out.num_preempted,
-        "extra_fields": extra,
-        "tensor_keys": tensor_keys,
-    }
-
-
-def output_from_wire(wire: dict) -> DiffusionOutput:
-    """A dict from `output_to_wire` -> DiffusionOutput with torch tensors where the original had them."""
-    if not isinstance(wire, dict) or "diffusion_output" not in wire:
-        raise TypeError(f"not a wire-format DiffusionOutput (expected a dict with 'diffusion_output'), got {type(wire)}")
-    tensor_keys = set(wire.get("tensor_keys", ()))
-    extra = {
-        k: (numpy_to_tensor(v) if k in tensor_keys else v) for k, v in wire.get("extra_fields", {}).items()
-    }
-    pixels = wire["diffusion_output"]
-    log_probs = wire.get("log_probs")
-    return DiffusionOutput(
-        diffusion_output=numpy_to_tensor(pixels) if _is_array(pixels) else pixels,
-        log_probs=numpy_to_tensor(log_probs) if _is_array(log_probs) else log_probs,
-        stop_reason=wire.get("stop_reason"),
-        num_preempted=wire.get("num_preempted"),
-        extra_fields=extra,
-    )
-
-
-def _is_array(a: Any) -> bool:
-    return isinstance(a, np.ndarray) or (isinstance(a, dict) and _BF16 in a)

@@ -7,9 +7,8 @@ Names resolve lazily, so importing a torch-free part (e.g. `omniroll.sampling.wi
 import importlib
 
 _WHERE = {
-    "flow_match_sigmas": "schedule", "shift_sigmas": "schedule", "time_shift_mu": "schedule",
     "SDE_TYPES": "sde", "SDEStepOutput": "sde", "sde_step": "sde",
-    "derive_seed": "window", "derive_group_seed": "window", "batch_prompt_uid": "window", "make_generator": "window",
+    "derive_seed": "seeds", "derive_group_seed": "seeds", "batch_prompt_uid": "seeds", "make_generator": "seeds",
     "draw_sde_window": "window", "sde_window_bounds": "window",
 }
 

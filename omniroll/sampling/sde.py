@@ -109,6 +109,7 @@ def sde_step(
     prev_sample: score this sample instead of drawing one (the trainer's recompute path).
     sigma_max: the schedule's second sigma, used by `sde` in place of sigma where sigma == 1 (required then).
     """
+    # 1. Check the arguments and read every per-row parameter (sigma, sigma_next, eta, SDE type) as a [B] tensor.
     if reduce not in ("mean", "sum"):
         raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
     if latents.shape != velocity.shape:
@@ -131,11 +132,12 @@ def sde_step(
     code = torch.where(eta == 0, torch.zeros_like(code), code)
     dt = s_n - s_t
 
+    # 2. The ODE (Euler) step for every row; the stochastic rows overwrite their mean and std below.
     is_sde, is_cps, is_dance = code == 1, code == 2, code == 3
-    # ODE (Euler) everywhere first; SDE and CPS rows overwrite their mean and std.
     mean = x + dt.view(view) * v
     std = torch.zeros(B, dtype=torch.float32, device=device)
 
+    # 3. Flow-GRPO's SDE rows (`sde`).
     if not on_host or is_sde.any():
         if sigma_max is not None:
             denom_sigma = torch.where(s_t >= 1.0, _rows(sigma_max, B, "sigma_max").to(device), s_t)
@@ -150,6 +152,7 @@ def sde_step(
         mean = torch.where(is_sde.view(view), x * a + v * b, mean)
         std = torch.where(is_sde, std_t * torch.sqrt(torch.clamp(-dt, min=0.0)), std)
 
+    # 4. Coefficients-preserving rows (`cps`).
     if not on_host or is_cps.any():
         s_cps = s_n * torch.sin(eta * math.pi / 2)
         x0 = x - s_t.view(view) * v
@@ -158,6 +161,7 @@ def sde_step(
         mean = torch.where(is_cps.view(view), cps_mean, mean)
         std = torch.where(is_cps, s_cps, std)
 
+    # 5. DanceGRPO's rows (`dance_sde`).
     if not on_host or is_dance.any():
         safe_s = torch.where(is_dance, s_t, torch.ones_like(s_t)).view(view)
         x0 = x - safe_s * v
@@ -166,6 +170,7 @@ def sde_step(
         mean = torch.where(is_dance.view(view), dance_mean, mean)
         std = torch.where(is_dance, eta * torch.sqrt(torch.clamp(-dt, min=0.0)), std)
 
+    # 6. The sample: drawn from the Gaussian (rollout), or the one given (the trainer's recompute).
     if prev_sample is None:
         if noise is None:
             noise = _draw_noise(tuple(x.shape), generator, device)
@@ -177,6 +182,7 @@ def sde_step(
             raise ValueError(f"prev_sample {tuple(prev_sample.shape)} must match latents {tuple(x.shape)}")
         prev = prev_sample.float()
 
+    # 7. Its log-prob under this step's Gaussian (CPS: minus the squared error), one reduction per row.
     stochastic = std > 0
     safe_std = torch.where(stochastic, std, torch.ones_like(std)).view(view)
     sq = (prev.detach() - mean) ** 2

@@ -1,6 +1,6 @@
-"""A sample's randomness: seeds that depend only on what identifies the sample, never on where it sits in a batch
-(`derive_seed`, `derive_group_seed`, `batch_prompt_uid`), the one generator each request draws from
-(`make_generator`), and its SDE window: which denoising steps inject noise and record log-probs.
+"""A sample's SDE window: which denoising steps inject noise and record log-probs (`draw_sde_window`, within the bounds
+`sde_window_bounds` checks), and the window a trainer asks for at each step (`window_for_step`, MixGRPO's schedules).
+Its seeds are sampling/seeds.py's.
 
 torch-free at import (`SamplingParams` validation imports `sde_window_bounds`): the functions that need torch import
 it when called.
@@ -8,48 +8,9 @@ it when called.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional
 
-
-_MAX = 2**63 - 1
-
-
-def derive_seed(base_seed: Optional[int], global_step: int, uid: str, index: int) -> int:
-    """A 63-bit seed from (base seed, trainer step, prompt-group uid, index within the group).
-
-    sha256 of a canonical encoding, so it is stable across processes, machines and Python hash seeds, and the same
-    sample gets the same seed however many workers, replicas or chunks the batch is split into.
-    `base_seed=None` is treated as 0 (callers that want fresh randomness pass a random base seed).
-    """
-    if index < 0:
-        raise ValueError(f"index must be >= 0, got {index}")
-    key = f"omniroll/v1|{0 if base_seed is None else int(base_seed)}|{int(global_step)}|{uid}|{int(index)}"
-    digest = hashlib.sha256(key.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") & _MAX
-
-
-def derive_group_seed(base_seed: Optional[int], global_step: int, uid: str) -> int:
-    """The seed a whole prompt group shares under `same_latent` (its initial noise and SDE window): like
-    `derive_seed` without the index, in its own domain so it never equals a sample's seed by construction."""
-    key = f"omniroll/v1/group|{0 if base_seed is None else int(base_seed)}|{int(global_step)}|{uid}"
-    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") & _MAX
-
-
-def batch_prompt_uid(i: int) -> str:
-    """The uid (prompt group) of the i-th prompt of a batch whose caller names none: `omniroll generate`, `omniroll
-    rollout` and the HTTP `/v1/rollout` all use it, so the same prompt position, seed and settings give the same
-    sample (`derive_seed(seed, global_step, batch_prompt_uid(i), j)`) whichever way it was asked for."""
-    return f"prompt{int(i):05d}"
-
-
-def make_generator(seed: int, device: "str | torch.device" = "cpu") -> "torch.Generator":
-    """The single generator a request uses for its initial latent, its window draw and every noise draw."""
-    import torch
-
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed))
-    return g
+from omniroll.sampling.seeds import window_seed
 
 
 def sde_window_bounds(num_steps: int, window_size: Optional[int],
@@ -90,7 +51,7 @@ def window_for_step(schedule: str, step: int, num_steps: int, window_size: Optio
         return None
     lo, hi = window_range or (0, max(num_steps - 1, 1))
     if schedule == "random":
-        g = torch.Generator().manual_seed(seed * 7919 + step)
+        g = torch.Generator().manual_seed(window_seed(seed, step))
         start = lo + int(torch.randint(hi - lo - window_size + 1, (1,), generator=g))
         return (start, start + window_size)
     start = lo + ((step - 1) // advance_every) % (hi - lo)

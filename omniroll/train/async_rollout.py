@@ -184,16 +184,4 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return total
 
 
-def rows_ahead(versions, current: int) -> list[int]:
-    """Rows with a window step that ran with a version newer than `current` (one the trainer never pushed)."""
-    high = versions.max(1).values
-    return [i for i in range(len(high)) if int(high[i]) > current]
-
-
-def stale_rows(versions, current: int, max_staleness: int) -> list[int]:
-    """Rows with a window step that ran with a version older than current - max_staleness."""
-    low = versions.min(1).values
-    return [i for i in range(len(low)) if int(low[i]) < current - max_staleness]
-
-
-__all__ = ["RolloutPipeline", "overlap_seconds", "regenerate_in_flight", "rows_ahead", "stale_rows"]
+__all__ = ["RolloutPipeline", "overlap_seconds", "regenerate_in_flight"]

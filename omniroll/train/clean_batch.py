@@ -15,8 +15,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from omniroll.engine.runner import execution_mode
-from omniroll.train.policy import is_cond_key, one_execution, take_rows, trajectory_velocity
+from omniroll.engine.execution import execution_mode
+from omniroll.train.policy import (batch_columns, conditioning_columns, one_execution, take_rows,
+                                   trajectory_velocity)
 
 
 @dataclass
@@ -54,24 +55,9 @@ class CleanBatch:
     def from_batch(cls, batch: Any, adapter) -> "CleanBatch":
         """From the agent loop's output `DataBatch` of a forward-process rollout (`latents` and `sampling_params` per
         row). `adapter`: the trainer's model, whose `sigmas` gives each row's schedule."""
-        td, nt = batch.batch, batch.non_tensor_batch
-        keys = set(td.keys())
-        if "latents" not in keys:
-            raise ValueError(f"batch lacks 'latents' (the clean final latent: was it generated with output_type "
-                             f"'both'?); has {sorted(keys)}")
-        for k in ("sampling_params", "execution", "weight_version"):
-            if k not in nt:
-                raise ValueError(f"batch lacks non_tensor_batch[{k!r}]")
-        if "status" in nt and any(s == "failed" for s in nt["status"]):
-            raise ValueError("batch has failed rows (status 'failed'); drop them before training")
-        cond, lengths = {}, {}
-        for k in sorted(keys):
-            if is_cond_key(k):
-                cond[k] = td[k]
-                if f"{k}_mask" in keys:
-                    lengths[k] = td[f"{k}_mask"].sum(1)
-        if not cond:
-            raise ValueError(f"batch carries no conditioning (*prompt_embeds) tensors; has {sorted(keys)}")
+        td, nt = batch_columns(batch, ["latents"], ["sampling_params", "execution", "weight_version"],
+                               "the clean final latent: was it generated with output_type 'both'?")
+        cond, _, lengths = conditioning_columns(td)  # the loss's velocity is conditional only
         sched = []
         for sp in nt["sampling_params"]:
             sp = dict(sp)

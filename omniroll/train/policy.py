@@ -8,7 +8,7 @@ a config.
 The recompute (`recompute_log_probs`): the log-prob of recorded window steps under the current policy, with autograd.
 It reproduces the rollout exactly because it runs the rollout's own functions: `adapter.guided_velocity` (CFG rows
 stacked, `velocity`, the CFG mix; differentiable, the engine calls it under no_grad), `sde_step` fed with the
-trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.runner.execution_mode`
+trajectory's own sigma, sigma_next, noise level, SDE type and sigma_max, inside `engine.execution.execution_mode`
 (batch-invariant kernels with the same block size), read from the trajectory. With the rollout's weights it returns
 the rollout's log-probs bitwise, so a PPO ratio is exactly 1 before the first update.
 
@@ -31,9 +31,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from omniroll.engine.runner import execution_mode
+from omniroll.engine.config import torch_dtype
+from omniroll.engine.execution import execution_mode
 from omniroll.models import load_adapter
-from omniroll.models.base import NO_CFG, DiffusionAdapter
+from omniroll.models.base import NO_CFG, DiffusionAdapter, is_conditioning
 from omniroll.sampling import SDEStepOutput, sde_step
 
 
@@ -42,11 +43,6 @@ from omniroll.sampling import SDEStepOutput, sde_step
 _REQUIRED = {"all_latents": "latents", "all_timesteps": "timesteps", "sigmas": "sigmas", "sigmas_next": "sigmas_next",
              "noise_level": "noise_level", "sigma_max": "sigma_max", "guidance_scale": "guidance_scale",
              "cfg_scale": "cfg_scale"}
-
-
-def is_cond_key(k: str) -> bool:
-    """Conditioning tensors (the adapter's `cond` dict): `*prompt_embeds` (padded, with a `*_mask`), not negative."""
-    return k.endswith("prompt_embeds") and not k.startswith("negative_")
 
 
 def take_rows(batch, idx: Sequence[int] | torch.Tensor):
@@ -64,6 +60,42 @@ def take_rows(batch, idx: Sequence[int] | torch.Tensor):
         elif isinstance(v, list):
             out[f.name] = [v[i] for i in pick]
     return replace(batch, **out)
+
+
+def batch_columns(batch: Any, tensors: list[str], non_tensors: list[str], hint: str) -> tuple[Any, dict]:
+    """(batch.batch, batch.non_tensor_batch) of a rollout batch with every named column and no failed row; ValueError
+    naming what is missing (`hint`: how such a batch is made) otherwise."""
+    td, nt = batch.batch, batch.non_tensor_batch
+    keys = set(td.keys())
+    missing = [k for k in tensors if k not in keys]
+    if missing:
+        raise ValueError(f"batch lacks field(s) {missing} ({hint}); has {sorted(keys)}")
+    for k in non_tensors:
+        if k not in nt:
+            raise ValueError(f"batch lacks non_tensor_batch[{k!r}]")
+    if "status" in nt and any(s == "failed" for s in nt["status"]):
+        raise ValueError("batch has failed rows (status 'failed'); drop them before training")
+    return td, nt
+
+
+def conditioning_columns(td: Any) -> tuple[dict, dict, dict]:
+    """(cond, uncond, lengths): a batch's conditioning tensors (`*prompt_embeds`), their negative prompts' where the
+    rows use CFG, and the real-token count of every padded one (from its `*_mask`)."""
+    keys = set(td.keys())
+    cond, uncond, lengths = {}, {}, {}
+    for k in sorted(keys):
+        if is_conditioning(k):
+            cond[k] = td[k]
+            if f"{k}_mask" in keys:
+                lengths[k] = td[f"{k}_mask"].sum(1)
+            neg = f"negative_{k}"
+            if neg in keys:
+                uncond[k] = td[neg]
+                if f"{neg}_mask" in keys:
+                    lengths[neg] = td[f"{neg}_mask"].sum(1)
+    if not cond:
+        raise ValueError(f"batch carries no conditioning (*prompt_embeds) tensors; has {sorted(keys)}")
+    return cond, uncond, lengths
 
 
 @dataclass
@@ -121,34 +153,13 @@ class TrajectoryBatch:
     def from_batch(cls, batch: Any) -> "TrajectoryBatch":
         """From the agent loop's output `DataBatch` (or anything with `.batch` / `.non_tensor_batch`, e.g. verl's
         DataProto). Failed rows must be removed first."""
-        td, nt = batch.batch, batch.non_tensor_batch
-        keys = set(td.keys())
-        missing = [k for k in list(_REQUIRED) + ["rollout_log_probs"] if k not in keys]
-        if missing:
-            raise ValueError(f"batch lacks trajectory field(s) {missing} (was it generated with logprobs and an SDE "
-                             f"window?); has {sorted(keys)}")
-        for k in ("sde_type", "execution", "weight_version"):
-            if k not in nt:
-                raise ValueError(f"batch lacks non_tensor_batch[{k!r}]")
-        if "status" in nt and any(s == "failed" for s in nt["status"]):
-            raise ValueError("batch has failed rows (status 'failed'); drop them before training")
+        td, nt = batch_columns(batch, list(_REQUIRED) + ["rollout_log_probs"], ["sde_type", "execution", "weight_version"],
+                               "was it generated with logprobs and an SDE window?")
         vals = {f: td[k] for k, f in _REQUIRED.items()}
-        cond, uncond, lengths = {}, {}, {}
-        for k in sorted(keys):
-            if is_cond_key(k):
-                cond[k] = td[k]
-                if f"{k}_mask" in keys:
-                    lengths[k] = td[f"{k}_mask"].sum(1)
-                neg = f"negative_{k}"
-                if neg in keys:
-                    uncond[k] = td[neg]
-                    if f"{neg}_mask" in keys:
-                        lengths[neg] = td[f"{neg}_mask"].sum(1)
-        if not cond:
-            raise ValueError(f"batch carries no conditioning (*prompt_embeds) tensors; has {sorted(keys)}")
+        cond, uncond, lengths = conditioning_columns(td)
         return cls(log_probs=td["rollout_log_probs"].float(), sde_type=[str(s) for s in nt["sde_type"]],
                    cond=cond, uncond=uncond or None, lengths=lengths,
-                   experts=td["expert_indices"] if "expert_indices" in keys else None,
+                   experts=td["expert_indices"] if "expert_indices" in td.keys() else None,
                    weight_version=[int(v) for v in nt["weight_version"]],
                    execution=one_execution(list(nt["execution"])), **vals)
 
@@ -165,7 +176,7 @@ class TrajectoryBatch:
         def stack(k):
             return torch.stack([torch.as_tensor(e[k]) for e in efs])
 
-        cond_keys = sorted(k for k in efs[0] if is_cond_key(k) and isinstance(efs[0][k], torch.Tensor))
+        cond_keys = sorted(k for k in efs[0] if is_conditioning(k) and isinstance(efs[0][k], torch.Tensor))
         cond = {k: stack(k) for k in cond_keys}
         cfg = [all(f"negative_{k}" in e for k in cond_keys) for e in efs]
         uncond = None
@@ -268,9 +279,6 @@ def enable_gradient_checkpointing(denoiser: torch.nn.Module, execution: dict) ->
 
 
 # ----------------------------------------------------------------------------------------------- the policy
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class Policy:
     """mode "lora": a LoRA (rank, alpha, target_modules; default: the family's `lora_target_modules`, its attention
     projections) on the denoiser, B initialised to zero (so the first rollout,
@@ -281,7 +289,7 @@ class Policy:
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
         self.model_path, self.mode, self.dtype = model_path, mode, dtype
-        self.adapter: DiffusionAdapter = load_adapter(model_path, dtype=_DTYPES[dtype])
+        self.adapter: DiffusionAdapter = load_adapter(model_path, dtype=torch_dtype(dtype))
         for m in self.adapter.modules().values():
             m.requires_grad_(False)
             m.eval()
@@ -323,7 +331,7 @@ class Policy:
                 self.denoiser.enable_adapters()
         else:
             if self._reference is None:
-                self._reference = load_adapter(self.model_path, dtype=_DTYPES[self.dtype])
+                self._reference = load_adapter(self.model_path, dtype=torch_dtype(self.dtype))
                 for m in self._reference.modules().values():
                     m.requires_grad_(False)
             yield self._reference

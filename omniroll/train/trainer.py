@@ -27,11 +27,10 @@ import torch
 
 from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.sampling.window import batch_prompt_uid
+from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
 from omniroll.train import checkpoint, tracking
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
-from omniroll.train.async_rollout import (RolloutPipeline, overlap_seconds, regenerate_in_flight, rows_ahead,
-                                          stale_rows)
+from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
 from omniroll.train.policy import Policy
 from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.reward_curve import plot_rewards
@@ -39,7 +38,7 @@ from omniroll.train.task_eval import run_task_eval
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import train_on_batch
-from omniroll.train.versions import VersionStore, off_policy_metrics, step_versions
+from omniroll.train.versions import VersionStore, off_policy_metrics, rows_ahead, stale_rows, step_versions
 from omniroll.train.validation import run_validation
 
 
@@ -311,7 +310,7 @@ class FlowGRPOTrainer:
 
     async def _rollout(self, step: int) -> DataBatch:
         n, P = self.config.n, self.tc.prompts_per_step
-        g = torch.Generator().manual_seed(self.tc.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(prompt_order_seed(self.tc.seed, step))
         picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
         meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
         overrides = self.algorithm.sampling_overrides(step)  # its rollout contract, its SDE window this step

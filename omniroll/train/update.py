@@ -47,10 +47,12 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
         perm = torch.randperm(B, generator=shuffle_generator(plan.seed, plan.step, epoch))
         chunks = perm.split(plan.micro_batch_size)
         for c, idx in enumerate(chunks):
+            # 1. A micro-batch of the epoch's shuffled rows, and its place in its gradient-accumulation group.
             mb = rows.rows(idx)
             adv = advantages[idx]
             group_start = (c // per_update) * per_update
             group_size = min(per_update, len(chunks) - group_start)
+            # 2. The algorithm's loss terms (window steps, training timesteps), each backpropagated at once.
             T = algorithm.num_terms(mb)
             for k in range(T):
                 terms = algorithm.loss(policy, mb, idx, adv, k, plan, epoch=epoch, chunk=c,
@@ -69,6 +71,7 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                 losses.append(float(terms.loss.detach()))
                 plosses.append(float(terms.policy_loss))
                 kls.append(float(terms.kl))
+            # 3. At the end of an accumulation group: clip the gradient, step the optimizer.
             if (c + 1) % per_update == 0 or c == len(chunks) - 1:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
                 optimizer.step()

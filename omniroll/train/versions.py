@@ -1,6 +1,7 @@
 """The weight versions of the asynchronous trainer: the trainable weights of the last versions (`VersionStore`), the
 version that ran each window step of a batch (`step_versions`; a forward-process row: the oldest version it saw), its
-staleness, and the behaviour log-probs recomputed under those versions (`behaviour_and_replay`).
+staleness and the rows too old (`stale_rows`) or too new (`rows_ahead`) to train, and the behaviour log-probs
+recomputed under those versions (`behaviour_and_replay`).
 """
 
 from __future__ import annotations
@@ -106,6 +107,19 @@ def staleness_stats(versions: torch.Tensor, current: int) -> dict:
     span = versions.max(1).values - versions.min(1).values
     return {"staleness_min": int(s.min()), "staleness_mean": float(s.mean()), "staleness_max": int(s.max()),
             "version_span_max": int(span.max())}
+
+
+def rows_ahead(versions, current: int) -> list[int]:
+    """Rows with a window step that ran with a version newer than `current` (one the trainer never pushed)."""
+    high = versions.max(1).values
+    return [i for i in range(len(high)) if int(high[i]) > current]
+
+
+def stale_rows(versions, current: int, max_staleness: int) -> list[int]:
+    """Rows with a window step that ran with a version older than current - max_staleness."""
+    low = versions.min(1).values
+    return [i for i in range(len(low)) if int(low[i]) < current - max_staleness]
+
 
 
 @torch.no_grad()

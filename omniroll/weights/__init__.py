@@ -2,8 +2,8 @@
 
 Trainer side: :class:`WeightSender` (buckets planned by `buckets`, moved by `transport`). Engine side: the engine's
 control calls (`engine/control.py`) run `engine/lifecycle.py`, which checks and applies an update through
-`update.prepare_update` (`FullUpdate` with `full`, `LoRAUpdate` with `lora`). `receiver` (`ModuleReceiver`,
-`apply_weight_update`) applies a stream to a bare module, without an engine (tests and custom loops).
+`update.prepare_update` (`FullUpdate` with `full`, `LoRAUpdate` with `lora`). (verl's ZMQ stream is received in
+`integrations/verl/zmq_receiver.py`.)
 """
 
 from .buckets import (
@@ -27,7 +27,6 @@ from .lora import (
     normalize_lora_keys,
     peft_config_to_dict,
 )
-from .receiver import ModuleReceiver, apply_weight_update
 from .sender import WeightSender, named_tensors_for
 from .update import FullUpdate, LoRAUpdate, check_version, prepare_update
 from .transport import RayBucketRef, ShmChannel, ShmStream, iter_shm_buckets, leftover_shm, resolve_buckets
@@ -36,7 +35,7 @@ __all__ = [
     "Bucket", "BucketEntry", "ManifestEntry", "WeightManifest", "WeightSyncError", "pack_buckets", "plan_buckets",
     "unpack_bucket", "FullWeightLoader", "peft_base_name", "LoRABindError", "LoRAManager", "OmniTensorLoRARequest",
     "load_lora_dir", "lora_config_from_dict", "lora_state_dict", "normalize_lora_keys", "peft_config_to_dict",
-    "ModuleReceiver", "apply_weight_update", "WeightSender", "named_tensors_for", "RayBucketRef", "ShmChannel",
+    "WeightSender", "named_tensors_for", "RayBucketRef", "ShmChannel",
     "ShmStream", "iter_shm_buckets", "leftover_shm", "resolve_buckets", "FullUpdate", "LoRAUpdate", "check_version",
     "prepare_update",
 ]

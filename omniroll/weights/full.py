@@ -51,7 +51,8 @@ def peft_base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _fmt(names, limit: int = 20) -> str:
+def name_list(names, limit: int = 20) -> str:
+    """Sorted names for an error message, the first `limit` of them and how many more."""
     names = sorted(names)
     more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
@@ -99,7 +100,7 @@ def _plain(name: str) -> str | None:
 
 
 def _nonfinite(names: list[str], index: int) -> WeightSyncError:
-    return WeightSyncError(f"weight update rejected: non-finite values (NaN or Inf) in tensor(s) {_fmt(names)} "
+    return WeightSyncError(f"weight update rejected: non-finite values (NaN or Inf) in tensor(s) {name_list(names)} "
                            f"(bucket {index})")
 
 
@@ -165,17 +166,17 @@ class FullWeightLoader:
         missing = [] if self.allow_partial else sorted(self._params - set(target_of))
         problems = []
         if unknown:
-            problems.append(f"{len(unknown)} unknown name(s): {_fmt(unknown)}")
+            problems.append(f"{len(unknown)} unknown name(s): {name_list(unknown)}")
         if missing:
-            problems.append(f"{len(missing)} missing parameter(s): {_fmt(missing)}")
+            problems.append(f"{len(missing)} missing parameter(s): {name_list(missing)}")
         if dup:
-            problems.append(f"duplicate name(s): {_fmt(dup)}")
+            problems.append(f"duplicate name(s): {name_list(dup)}")
         if clash:
-            problems.append(f"name_map collision(s): {_fmt(clash)}")
+            problems.append(f"name_map collision(s): {name_list(clash)}")
         if bad_shape:
-            problems.append(f"shape mismatch: {_fmt(bad_shape)}")
+            problems.append(f"shape mismatch: {name_list(bad_shape)}")
         if bad_dtype:
-            problems.append(f"dtype mismatch: {_fmt(bad_dtype)}")
+            problems.append(f"dtype mismatch: {name_list(bad_dtype)}")
         if problems:
             raise WeightSyncError("weight update rejected, nothing applied; " + "; ".join(problems))
         self._plan = plan
@@ -193,7 +194,7 @@ class FullWeightLoader:
             self._reject_bucket(bucket)
         if len({e.name for e in bucket.entries}) != len(bucket.entries):
             dup = sorted(n for n, c in Counter(e.name for e in bucket.entries).items() if c > 1)
-            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(dup)} (received twice)")
+            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {name_list(dup)} (received twice)")
         views = unpack_bucket(bucket)
         if self.stage and bucket.tensors is not None and self._same_devices(views):
             self._hold_bucket(bucket.index, views)
@@ -224,7 +225,7 @@ class FullWeightLoader:
             elif m.dtype != e.dtype or tuple(m.shape) != tuple(e.shape):
                 bad.append(f"{e.name} (bucket {e.dtype}{tuple(e.shape)} vs manifest {m.dtype}{tuple(m.shape)})")
         if bad:
-            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {_fmt(bad)}")
+            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {name_list(bad)}")
 
     def _stage_bucket(self, index: int, views: list) -> None:
         """Copy each tensor into its staging tensor and sum the copy while it is hot in cache (the module is not
@@ -270,7 +271,7 @@ class FullWeightLoader:
         never = sorted(set(self._plan) - self._received)
         if never:
             self._plan, self._staged, self._held = None, {}, []
-            raise WeightSyncError(f"update incomplete: {len(never)} manifest name(s) never received: {_fmt(never)}")
+            raise WeightSyncError(f"update incomplete: {len(never)} manifest name(s) never received: {name_list(never)}")
         return {"num_tensors": len(self._received), "num_bytes": self.bytes_loaded,
                 "max_bucket_bytes": self.max_bucket_bytes}
 

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from omniroll.ray_nodes import actor_node_ids, this_node_id
+
 from .buckets import Bucket, BucketEntry, WeightManifest, WeightSyncError, pack_buckets, plan_buckets
 from .lora import lora_state_dict, peft_config_to_dict
 from .transport import RayBucketRef, ShmChannel
@@ -161,7 +163,7 @@ class WeightSender:
             return ["inproc"] * len(self.targets)
         if self.transport == "object_store":
             return ["object_store"] * len(self.targets)
-        here = _this_node() if any(ray_targets) else None
+        here = this_node_id() if any(ray_targets) else None
         if self.transport == "shm":
             far = [(k, n) for k, (n, r) in enumerate(zip(self.nodes, ray_targets)) if r and n and here and n != here]
             if far:
@@ -341,30 +343,6 @@ class WeightSender:
         import ray
 
         return ray.get(f, timeout=timeout)
-
-
-def _this_node() -> str | None:
-    import ray
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
-
-def actor_node_ids(targets: list, timeout_s: float) -> list[str | None]:
-    """Each Ray target's node id from its ``node_id()`` method, asked of all at once (None: in-process, no such
-    method, gone or unreachable: the object store reaches it anyway). Also how `RolloutCluster` says where its
-    replicas landed."""
-    refs = {k: t.node_id.remote() for k, t in enumerate(targets)
-            if _is_ray_target(t) and hasattr(getattr(t, "node_id", None), "remote")}
-    out: list[str | None] = [None] * len(targets)
-    if refs:
-        import ray
-
-        for k, ref in refs.items():
-            try:
-                out[k] = ray.get(ref, timeout=min(timeout_s, 60.0))
-            except Exception:  # noqa: BLE001 - unknown node
-                out[k] = None
-    return out
 
 
 def _gone(e: BaseException) -> bool:

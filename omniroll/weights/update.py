@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .buckets import WeightManifest, WeightSyncError, nonfinite, str_dtype, unpack_bucket
-from .full import FullWeightLoader, NameMap, _fmt
+from .full import FullWeightLoader, NameMap, name_list
 from .lora import LoRAManager, OmniTensorLoRARequest
 from .staging import StagingPool
 from .transport import resolve_buckets
@@ -118,10 +118,10 @@ class LoRAUpdate:
                  lora_name: str | None, lora_int_id: int | None, load_inplace: bool):
         dup = sorted({n for n in manifest.names if manifest.names.count(n) > 1})
         if dup:
-            raise WeightSyncError(f"LoRA update rejected, nothing applied: duplicate name(s) {_fmt(dup)}")
+            raise WeightSyncError(f"LoRA update rejected, nothing applied: duplicate name(s) {name_list(dup)}")
         not_float = [f"{e.name} ({e.dtype})" for e in manifest.entries if not str_dtype(e.dtype).is_floating_point]
         if not_float:
-            raise WeightSyncError(f"LoRA update rejected, nothing applied: non-floating dtype for {_fmt(not_float)}")
+            raise WeightSyncError(f"LoRA update rejected, nothing applied: non-floating dtype for {name_list(not_float)}")
         manager.check_update(peft_config, {e.name: tuple(e.shape) for e in manifest.entries})
         self.manager = manager
         self.manifest = {e.name: e for e in manifest.entries}
@@ -151,7 +151,7 @@ class LoRAUpdate:
                 bad = nonfinite([t for _, t in views])
                 if bad:
                     raise WeightSyncError(f"LoRA update rejected: non-finite values (NaN or Inf) in tensor(s) "
-                                          f"{_fmt([views[i][0] for i in bad])} (bucket {b.index})")
+                                          f"{name_list([views[i][0] for i in bad])} (bucket {b.index})")
                 for name, t in views:
                     tensors[name] = t.clone()  # the bucket buffer may be a reused / read-only slot
                 self.num_buckets += 1
@@ -161,7 +161,7 @@ class LoRAUpdate:
         missing = sorted(set(self.manifest) - set(tensors))
         if missing:
             raise WeightSyncError(f"LoRA update incomplete: {len(missing)} manifest name(s) never received: "
-                                  f"{_fmt(missing)}")
+                                  f"{name_list(missing)}")
         self.request.lora_tensors = tensors
         self.seconds += time.perf_counter() - t0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniroll.config import (AlgoSection, OmniRollConfig, PipelineSection, _PartialAlgo, _PartialPipeline,
+from omniroll.config import (AlgoSection, OmniRollConfig, PipelineSection, PartialAlgo, PartialPipeline,
                              load_config)
 from omniroll.integrations.verl.sampling import flatten, map_sampling_params
 
@@ -108,6 +108,6 @@ def omniroll_config_from_verl(config: Any) -> OmniRollConfig:
         if vp or va:
             v = flatten(vp, va)
             base["val_kwargs"].update(
-                pipeline={k: v[k] for k in _PartialPipeline.model_fields if k in v and v[k] is not None},
-                algo={k: v[k] for k in _PartialAlgo.model_fields if k in v and v[k] is not None})
+                pipeline={k: v[k] for k in PartialPipeline.model_fields if k in v and v[k] is not None},
+                algo={k: v[k] for k in PartialAlgo.model_fields if k in v and v[k] is not None})
     return load_config(_merge(base, _custom(rollout)))

@@ -13,7 +13,7 @@ reads `zmq_handle`, `use_shm` and `_execute_method` on the rollout adapter, star
 `_execute_method("update_weights_from_ipc", non_block=True, kwargs={peft_config, base_sync_done, use_shm,
 zmq_update_id})`, then streams the adapter with verl's `BucketedWeightSender` to the ZMQ socket `zmq_handle` (made
 per update by `update_zmq_handle` when an update id is given). The server's receiver
-(`omniroll.weights.zmq_receiver`) reads the stream into host memory, then lands it as one transaction.
+(`omniroll.integrations.verl.zmq_receiver`) reads the stream into host memory, then lands it as one transaction.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from typing import Any, Callable, Optional
 
 from omniroll.weights.full import peft_base_name
 from omniroll.weights.lora import peft_config_to_dict
-
-ZMQ_DIR = "/tmp"
-
 
 def is_lora_update(peft_config: Any, base_sync_done: bool) -> bool:
     """verl's rule: an adapter update only when `peft_config` is set and the base weights were synced."""
@@ -50,9 +47,13 @@ def peft_dict(peft_config: Any) -> Optional[dict]:
 
 
 def zmq_handle_for(job_id: str, replica_rank: int, local_rank: int = 0) -> str:
-    """The socket verl's vLLM rollout uses between a trainer rank and its colocated rollout worker (the same format,
-    so a verl sender and omniroll's receiver meet): one omniroll replica is one device, local rank 0."""
-    return f"ipc://{ZMQ_DIR}/rl-colocate-zmq-{job_id}-replica-{int(replica_rank)}-rank-{int(local_rank)}.sock"
+    """The socket between a trainer rank and its colocated rollout worker: verl's vLLM rollout's name (one omniroll
+    replica is one device, local rank 0), in this user's private socket directory (mode 0700) instead of /tmp, since
+    the stream is pickled (`zmq_receiver.private_socket_dir`). The sender binds the handle the adapter gives it."""
+    from omniroll.integrations.verl.zmq_receiver import private_socket_dir
+
+    return (f"ipc://{private_socket_dir()}/rl-colocate-zmq-{job_id}-replica-{int(replica_rank)}-rank-"
+            f"{int(local_rank)}.sock")
 
 
 def update_zmq_handle(zmq_handle: str, update_id: Optional[str]) -> str:

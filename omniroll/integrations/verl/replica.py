@@ -20,6 +20,7 @@ from verl.workers.rollout.replica import RolloutReplica
 from omniroll.integrations.verl.config import engine_kwargs_from_verl
 from omniroll.integrations.verl.lora_sync import current_job_id, peft_dict, zmq_handle_for
 from omniroll.integrations.verl.server import OmnirollServer
+from omniroll.ray_nodes import this_node_id
 
 SERVER_PREFIX = "omniroll_server_"
 
@@ -68,9 +69,8 @@ class OmnirollReplica(RolloutReplica):
 
 
 def _node_and_devices(_self) -> tuple[str, list[str]]:
-    ctx = ray.get_runtime_context()
-    ids = ctx.get_accelerator_ids()
-    return ctx.get_node_id(), [str(i) for i in ids.get("GPU", [])]
+    ids = ray.get_runtime_context().get_accelerator_ids()
+    return this_node_id(), [str(i) for i in ids.get("GPU", [])]
 
 
 class OmnirollServerAdapter(BaseRollout):
@@ -86,7 +86,7 @@ class OmnirollServerAdapter(BaseRollout):
     `ServerAdapter`): it starts the server's receiver with `_execute_method("update_weights_from_ipc", non_block=True,
     kwargs=...)` and streams the adapter with verl's `BucketedWeightSender` to `zmq_handle`. `use_shm` is always True:
     omniroll's receiver reads shared memory (on a GPU the sender copies each bucket to host memory; CUDA-IPC handles
-    are not read, see `omniroll.weights.zmq_receiver`).
+    are not read, see `omniroll.integrations.verl.zmq_receiver`).
     """
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, replica_rank: int = -1, **kwargs):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from omniroll.sampling.window import derive_group_seed
+from omniroll.sampling.seeds import derive_group_seed
 
 SEED_MULTIPLIER = 1_000_003
 SEED_MODULUS = 2**63 - 1

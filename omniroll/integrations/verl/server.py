@@ -23,7 +23,8 @@ from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
 from omniroll.integrations.verl.lora_sync import current_job_id, engine_update, update_zmq_handle, zmq_handle_for
 from omniroll.integrations.verl.sampling import fresh_seed, map_sampling_params
-from omniroll.rollout.replica import output_from_wire, output_to_wire
+from omniroll.models.base import is_sequence_embedding
+from omniroll.rollout.wire import output_from_wire, output_to_wire
 
 BUCKET_BYTES = 256 << 20  # how a received ZMQ stream is handed to the engine (by reference: no copy)
 
@@ -53,8 +54,7 @@ def to_verl_output(out: DiffusionOutput, global_steps: int,
         ef["min_global_steps"] = int(steps_of(int(ef["min_weight_version"])))
         ef["max_global_steps"] = int(steps_of(int(ef["max_weight_version"])))
         ef["step_global_steps"] = [int(steps_of(int(v))) for v in ef.get("step_weight_versions", [])]
-    for key in [k for k, v in ef.items() if k.endswith("prompt_embeds") and "pooled" not in k
-                and isinstance(v, torch.Tensor)]:
+    for key in [k for k, v in ef.items() if is_sequence_embedding(k) and isinstance(v, torch.Tensor)]:
         ef[f"{key}_mask"] = torch.ones(ef[key].shape[0], dtype=torch.int64)
     if "latents" in ef:
         ef["latents_clean"] = ef["latents"]
@@ -68,11 +68,11 @@ class OmnirollServer:
     def __init__(self, model_path: str, replica_rank: int = 0, engine_kwargs: Optional[dict] = None,
                  sleep_level: int = 1):
         from omniroll.engine.engine import DiffusionEngine
-        from omniroll.rollout.replica import _engine_kwargs
+        from omniroll.rollout.replica import resolve_engine_kwargs
 
         self.replica_rank = int(replica_rank)
         self.sleep_level = int(sleep_level)
-        self.engine = DiffusionEngine.from_pretrained(model_path, **_engine_kwargs(engine_kwargs))
+        self.engine = DiffusionEngine.from_pretrained(model_path, **resolve_engine_kwargs(engine_kwargs))
         self._gate = asyncio.Event()
         self._gate.set()
         self._reject = False
@@ -201,7 +201,7 @@ class OmnirollServer:
         is always drained before an error is raised, so the sender never hangs. Without `global_steps` (VeRL-Omni's
         fast path sends none) the new weights keep the trainer step of the previous ones until `set_global_steps`."""
         from omniroll.weights.buckets import WeightManifest, pack_buckets
-        from omniroll.weights.zmq_receiver import receive_zmq_stream
+        from omniroll.integrations.verl.zmq_receiver import receive_zmq_stream
 
         handle = update_zmq_handle(zmq_handle_for(current_job_id(), self.replica_rank), zmq_update_id)
         named = await asyncio.to_thread(receive_zmq_stream, handle, bool(use_shm), timeout_s)

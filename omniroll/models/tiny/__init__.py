@@ -20,6 +20,16 @@ from omniroll.models.tiny.qwen_image import build_tiny_qwen_image
 from omniroll.models.tiny.sd3 import PRESETS, build_tiny_sd3, resolve_config
 from omniroll.models.tiny.wan import build_tiny_wan, build_tiny_wan22
 
+#: family name -> the limits its tiny checkpoint's files state (`read_limits`), known without building it (a test
+#: checks them against the built checkpoints), so validating a config that names a tiny model builds nothing.
+TINY_LIMITS = {
+    "sd3": (16, 1024, 512),
+    "flux": (4, None, 512),
+    "qwen-image": (8, None, 512),
+    "wan": (16, None, 512),
+    "wan2.2": (16, None, 512),
+}
+
 #: family name -> builder(path, seed) -> path
 BUILDERS = {
     "sd3": build_tiny_sd3,

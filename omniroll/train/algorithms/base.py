@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Iterator, Optional
 import torch
 
 from omniroll.config.algorithms import ALGORITHMS
+from omniroll.sampling.seeds import noise_term_seed, shuffle_seed
 from omniroll.train.advantages import Advantages, group_advantages
 from omniroll.train.algorithms.ppo import LossTerms
 
@@ -47,14 +48,13 @@ class UpdatePlan:
 
 def shuffle_generator(seed: int, step: int, epoch: int) -> torch.Generator:
     """Shuffling depends only on (seed, step, epoch): a resumed run shuffles exactly as a straight one."""
-    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) * 1009 + int(epoch))
+    return torch.Generator().manual_seed(shuffle_seed(seed, step, epoch))
 
 
 def term_generator(seed: int, step: int, epoch: int, chunk: int, term: int) -> torch.Generator:
     """Fresh noise of one loss term (forward-process algorithms): a function of (seed, step, epoch, micro-batch, term)
     only, so a resumed run draws exactly as a straight one."""
-    return torch.Generator().manual_seed(((((int(seed) * 1_000_003 + int(step)) * 1009 + int(epoch)) * 9973
-                                           + int(chunk)) * 101 + int(term)) % (2**63 - 1))
+    return torch.Generator().manual_seed(noise_term_seed(seed, step, epoch, chunk, term))
 
 
 class Algorithm(ABC):

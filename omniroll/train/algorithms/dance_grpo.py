@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from omniroll.sampling.seeds import trained_steps_seed
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.flow_grpo import FlowGRPO
 from omniroll.train.policy import TrajectoryBatch
@@ -24,7 +25,7 @@ from omniroll.train.policy import TrajectoryBatch
 def trained_steps(num_rows: int, num_steps: int, fraction: float, seed: int, step: int) -> torch.Tensor:
     """[B, int(W * fraction) (at least 1)]: each row's trained window steps, the first of a permutation drawn per
     row from (seed, step) only (a resumed run draws the same)."""
-    g = torch.Generator().manual_seed((int(seed) * 1_000_033 + int(step)) * 31 + 7)
+    g = torch.Generator().manual_seed(trained_steps_seed(seed, step))
     n = max(1, int(num_steps * fraction))
     return torch.stack([torch.randperm(num_steps, generator=g)[:n] for _ in range(num_rows)]) if num_rows else \
         torch.empty(0, n, dtype=torch.long)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from omniroll.sampling.seeds import training_timesteps_seed
 from omniroll.train.algorithms.base import Algorithm, UpdatePlan, term_generator
 from omniroll.train.clean_batch import CleanBatch
 
@@ -18,7 +19,7 @@ from omniroll.train.clean_batch import CleanBatch
 def draw_timesteps(sigmas: torch.Tensor, count: int, seed: int, step: int, skip_first: bool) -> torch.Tensor:
     """[B, count] sigmas to train each row at: the first `count` of a random permutation of the row's sampling sigmas
     (sigmas[:, :-1]; without the first, sigma = 1, when `skip_first`), drawn per row from (seed, step)."""
-    g = torch.Generator().manual_seed((int(seed) * 1_000_037 + int(step)) * 37 + 11)
+    g = torch.Generator().manual_seed(training_timesteps_seed(seed, step))
     B, T = sigmas.shape[0], sigmas.shape[1] - 1
     lo = 1 if skip_first and T > 1 else 0
     count = max(1, min(int(count), T - lo))

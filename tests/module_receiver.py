@@ -1,5 +1,5 @@
-"""Receiver-side glue: :func:`apply_weight_update` (check, receive, commit in one call) and
-:class:`ModuleReceiver`, a minimal in-process target. The engine splits the three steps itself
+"""Tests' receiver of weight streams: :func:`apply_weight_update` (check, receive, commit in one call) and
+:class:`ModuleReceiver`, a minimal in-process target without an engine (not part of omniroll's API). The engine splits the three steps itself
 (``omniroll.engine.lifecycle``) so that it drains and aborts only once an update is known to be complete.
 """
 
@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buckets import WeightManifest
-from .full import NameMap
-from .lora import LoRAManager
-from .staging import StagingPool
-from .transport import check_descriptor, transport_of
-from .update import check_version, prepare_update
+from omniroll.ray_nodes import this_node_id
+from omniroll.weights.buckets import WeightManifest
+from omniroll.weights.full import NameMap
+from omniroll.weights.lora import LoRAManager
+from omniroll.weights.staging import StagingPool
+from omniroll.weights.transport import check_descriptor, transport_of
+from omniroll.weights.update import check_version, prepare_update
 
 
 def apply_weight_update(
@@ -73,11 +74,11 @@ class ModuleReceiver:
                                   peft_config=peft_config, use_shm=use_shm, name_map=self.name_map, version=version,
                                   staging=self.staging)
         self.version = version
-        return {**ack, "node_id": _ray_node_id(), "transport": transport_of(buckets, use_shm)}
+        return {**ack, "node_id": this_node_id(), "transport": transport_of(buckets, use_shm)}
 
     def node_id(self) -> str | None:
         """The Ray node this receiver runs on (None outside Ray): the sender picks its transport from it."""
-        return _ray_node_id()
+        return this_node_id()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
@@ -85,11 +86,3 @@ class ModuleReceiver:
     @torch.no_grad()
     def forward(self, **inputs) -> torch.Tensor:
         return self.module(**inputs).sample
-
-
-def _ray_node_id() -> str | None:
-    try:
-        import ray
-    except ImportError:
-        return None
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -2,7 +2,7 @@
 
 `create_app(backend)` where backend is an in-process `DiffusionEngine` or a `RolloutClient` (replicas). Routes:
 
-- `POST /v1/images/generations`: the OpenAI images API (see `omniroll.rollout.openai_images`).
+- `POST /v1/images/generations`: the OpenAI images API (see `omniroll.http.openai_images`).
 - `POST /v1/generate` {request_id?, prompt, negative_prompt?, seed, sampling_params?, return_trajectory?}
   -> {request_id, image_png_base64, log_probs, weight_version, seed, stop_reason[, trajectory]}: one sample, JSON.
 - `POST /v1/rollout` {prompts, n, seed, global_step?, negative_prompt?, sampling_params?} -> a trajectory file
@@ -10,11 +10,11 @@
   write; `omniroll.trajectory_file.read_trajectories(response.content)` reads it). Sample j of prompt i gets the seed
   `derive_seed(seed, global_step, batch_prompt_uid(i), j)`, as in `omniroll generate` / `rollout`. Served when
   `create_app` is given `trajectory_file` (the layout is the agent loop's batch, a layer above this one, so the
-  composer passes it in: `omniroll.serve` passes `omniroll.trajectory_file.trajectory_file`).
+  composer passes it in: `omniroll.http.serve` passes `omniroll.trajectory_file.trajectory_file`).
 - `GET /v1/models`, `GET /health` (200 when it can serve, 503 asleep or shut down), `GET /stats` (JSON),
   `GET /metrics` (Prometheus text).
 
-Every route keeps the contract in `omniroll.rollout.http_contract` (body limit 413, JSON errors naming the request,
+Every route keeps the contract in `omniroll.http.contract` (body limit 413, JSON errors naming the request,
 400 / 503 / 500, never echoing the input, a disconnected client's samples aborted). JSON and safetensors only (no
 pickle over the network).
 """
@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from omniroll.rollout.http_backend import HttpBackend
-from omniroll.rollout.http_contract import (
+from omniroll.http.backend import HttpBackend
+from omniroll.http.contract import (
     DEFAULT_MAX_BODY_BYTES,
     ApiError,
     classify,
@@ -38,7 +38,7 @@ from omniroll.rollout.http_contract import (
     request_id_of,
     run_until_disconnect,
 )
-from omniroll.rollout.metrics import ServerMetrics
+from omniroll.http.metrics import ServerMetrics
 
 
 class GenerateBody(BaseModel):
@@ -104,9 +104,10 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
     from omniroll.rollout.client import build_request
-    from omniroll.rollout.openai_images import png_base64, register_images_api
+    from omniroll.http.openai_images import png_base64, register_images_api
     from omniroll.sampling import batch_prompt_uid, derive_seed
 
+    # 1. The backend (an engine or a client behind admission limits) and the app; the OpenAI images API.
     if max_n < 1:
         raise ValueError(f"max_n must be >= 1, got {max_n}")
     if not isinstance(backend, HttpBackend):
@@ -116,6 +117,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     app.state.server = server
     register_images_api(app, server)
 
+    # 2. omniroll's own routes: one sample with its log-probs, and a whole rollout as a trajectory file.
     @app.post("/v1/generate")
     async def generate(body: GenerateBody, request: Request):
         rid = body.request_id or request_id_of(request)
@@ -160,6 +162,7 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
     if trajectory_file is not None:
         app.post("/v1/rollout")(rollout)
 
+    # 3. What a client or an operator asks about: models, health, stats, Prometheus metrics.
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
@@ -179,5 +182,6 @@ def create_app(backend: Any, model_name: str = "omniroll", max_body_bytes: int =
         return PlainTextResponse(server.metrics.render(backend.stats()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # 4. The contract every route keeps (body limit, error shapes, request ids, metrics), installed last.
     install_contract(app, max_body_bytes, server.metrics)  # last: it labels metrics by the routes above
     return app

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest
-from omniroll.rollout.http_contract import ApiError
+from omniroll.http.contract import ApiError
 
 
 class HttpBackend:

@@ -30,7 +30,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omniroll.engine.params import GenerationRequest, SamplingParams
-from omniroll.rollout.http_contract import ApiError, classify, request_id_of, validation_error
+from omniroll.http.contract import ApiError, classify, request_id_of, validation_error
 
 #: SamplingParams fields a caller may set as extra body fields (size sets height and width; this route makes
 #: still images as pixels: no frames, fps or output type).

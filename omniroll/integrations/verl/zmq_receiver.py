@@ -20,6 +20,11 @@ The receiver always completes the protocol, even when it will refuse the update:
 answer with no timeout, so a receiver that stopped answering would hang the trainer. Errors (a CUDA-IPC handle, a
 bucket it cannot read) are raised after the last bucket was answered. A sender that goes silent for ``timeout_s``
 ends the call with a :class:`WeightSyncError`.
+
+The protocol is pickle (``send_pyobj`` / ``recv_pyobj``): whoever binds the socket can run code in the receiver. So
+the socket is a trust boundary: only an ``ipc://`` path inside :func:`private_socket_dir` (a directory owned by this
+user, mode 0700, so no other user can bind, squat or connect there) is accepted; a TCP address, or a path elsewhere
+(``/tmp`` itself, where another user could bind the predictable name first), is refused before connecting.
 """
 
 from __future__ import annotations
@@ -27,13 +32,42 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import stat
+import tempfile
 from typing import Optional
 
 import torch
 
-from .buckets import WeightSyncError
+from omniroll.weights.buckets import WeightSyncError
 
 SHM_DIR = "/dev/shm"
+
+
+def private_socket_dir() -> str:
+    """The directory of this user's ZMQ weight sockets: ``<tmp>/omniroll-zmq-<uid>``, created with mode 0700; one
+    that exists with another owner or wider permissions (or is not a directory) is refused."""
+    uid = os.getuid()
+    path = os.path.join(tempfile.gettempdir(), f"omniroll-zmq-{uid}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise PermissionError(f"{path}: the ZMQ weight-socket directory must be a directory of uid {uid} with mode "
+                              f"0700 (it has uid {st.st_uid}, mode {oct(stat.S_IMODE(st.st_mode))}); remove it")
+    return path
+
+
+def check_socket_handle(zmq_handle: str) -> str:
+    """``zmq_handle`` when it is an ``ipc://`` path inside :func:`private_socket_dir`; WeightSyncError otherwise (the
+    stream is unpickled: see the module docstring)."""
+    if not isinstance(zmq_handle, str) or not zmq_handle.startswith("ipc://"):
+        raise WeightSyncError(f"ZMQ weight stream: {zmq_handle!r} is not an ipc:// path; the stream is pickled, so "
+                              f"only a socket in this user's private directory {private_socket_dir()} is accepted "
+                              f"(never a TCP port)")
+    folder = os.path.dirname(os.path.realpath(zmq_handle[len("ipc://"):]))
+    if folder != os.path.realpath(private_socket_dir()):
+        raise WeightSyncError(f"ZMQ weight stream: {zmq_handle!r} is outside this user's private socket directory "
+                              f"{private_socket_dir()} (mode 0700); the stream is pickled, so no other path is accepted")
+    return zmq_handle
 
 
 def _recv(socket, timeout_s: float, what: str):
@@ -90,6 +124,7 @@ def receive_zmq_stream(zmq_handle: str, use_shm: bool, timeout_s: float = 600.0
     when it cannot be read (see the module docstring)."""
     import zmq
 
+    check_socket_handle(zmq_handle)
     socket = zmq.Context.instance().socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(zmq_handle)

@@ -1,6 +1,6 @@
 """`omniroll serve`: one engine behind the HTTP server (uvicorn), bound to 127.0.0.1 unless told otherwise.
 
-The composition of the layers below: the engine (`omniroll.engine`), the HTTP app (`omniroll.rollout.server`) and
+The composition of the layers below: the engine (`omniroll.engine`), the HTTP app (`omniroll.http.server`) and
 the trajectory layout its `/v1/rollout` returns (`omniroll.trajectory_file`, the agent loop's batch on disk).
 
 `serve(...)` runs until interrupted; `background_server(...)` runs the same server in a background thread and yields
@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from omniroll.rollout.http_contract import DEFAULT_MAX_BODY_BYTES
-from omniroll.rollout.http_runner import bind, run_in_background, uvicorn_server
+from omniroll.http.contract import DEFAULT_MAX_BODY_BYTES
+from omniroll.http.runner import bind, run_in_background, uvicorn_server
 
 
 @dataclass
@@ -45,7 +45,7 @@ def build_app(config: ServeConfig, cluster_config=None):
     this process, or, with `cluster_config` (an OmniRollConfig / path), its replicas on Ray through a routing client
     (`omniroll.agent_loop.cluster.RolloutCluster`: Ray joined at RAY_ADDRESS or local, replicas placed as
     `replicas.placement` says). Returns (the engine or the cluster: `close_backend` stops it, the app)."""
-    from omniroll.rollout.server import create_app
+    from omniroll.http.server import create_app
     from omniroll.trajectory_file import trajectory_file
 
     if cluster_config is not None:
