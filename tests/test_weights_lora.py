@@ -1,9 +1,10 @@
 import pytest
 import torch
+from module_receiver import ModuleReceiver
 from weights_helpers import bitwise_equal, forward, peft_copy, snapshot, tiny_transformer
 
-from omniroll.weights import (LoRABindError, LoRAManager, ModuleReceiver, OmniTensorLoRARequest, WeightSender,
-                              lora_state_dict, normalize_lora_keys, peft_config_to_dict)
+from omniroll.weights import (LoRABindError, LoRAManager, OmniTensorLoRARequest, WeightSender, lora_state_dict,
+                              normalize_lora_keys, peft_config_to_dict)
 
 
 def _req(pm, name="a", int_id=1, tensors=None):

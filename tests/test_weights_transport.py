@@ -2,9 +2,10 @@ import os
 
 import pytest
 import torch
+from module_receiver import ModuleReceiver, apply_weight_update
 from weights_helpers import bitwise_equal, forward, inputs, peft_copy, perturb, snapshot, tiny_transformer
 
-from omniroll.weights import ModuleReceiver, WeightSender, WeightSyncError, apply_weight_update, iter_shm_buckets
+from omniroll.weights import WeightSender, WeightSyncError, iter_shm_buckets
 from omniroll.weights.transport import SHM_PREFIX, leftover_shm
 
 
