@@ -34,6 +34,8 @@ def rows_before_first_update(B: int, seed: int, step: int, micro_batch_size: int
 
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
+    #: with stale samples (max_staleness >= 1), the decoupled PPO of ppo.py (GRPO-Guard anchors at the behaviour)
+    uses_decoupled_loss = True
 
     # ------------------------------------------------------------------ the rollout
     def sampling_overrides(self, step: int) -> dict:
@@ -60,8 +62,6 @@ class FlowGRPO(Algorithm):
             self.prox = self._prox_anchors(policy, rows, plan)
         self.steps_of = self.train_steps(rows, plan)
         return {"behaviour_replay_max_abs_dev": replay_dev}
-
-    uses_decoupled_loss = True
 
     def train_steps(self, rows: TrajectoryBatch, plan: UpdatePlan) -> torch.Tensor:
         """[B, terms]: the window step each loss term of a row trains (Flow-GRPO: every recorded step, in order)."""
