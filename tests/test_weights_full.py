@@ -1,6 +1,6 @@
 import pytest
 import torch
-from module_receiver import ModuleReceiver
+from tests.module_receiver import ModuleReceiver
 from weights_helpers import bitwise_equal, forward, perturb, snapshot, tiny_transformer
 
 from omniroll.weights import (FullWeightLoader, WeightManifest, WeightSender, WeightSyncError, pack_buckets,

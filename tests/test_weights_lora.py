@@ -1,6 +1,6 @@
 import pytest
 import torch
-from module_receiver import ModuleReceiver
+from tests.module_receiver import ModuleReceiver
 from weights_helpers import bitwise_equal, forward, peft_copy, snapshot, tiny_transformer
 
 from omniroll.weights import (LoRABindError, LoRAManager, OmniTensorLoRARequest, WeightSender, lora_state_dict,

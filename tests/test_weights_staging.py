@@ -11,7 +11,7 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
-from module_receiver import ModuleReceiver
+from tests.module_receiver import ModuleReceiver
 from weights_helpers import bitwise_equal, perturb, snapshot, tiny_transformer
 
 from omniroll.weights import WeightSender, WeightSyncError

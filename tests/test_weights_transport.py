@@ -2,7 +2,7 @@ import os
 
 import pytest
 import torch
-from module_receiver import ModuleReceiver, apply_weight_update
+from tests.module_receiver import ModuleReceiver, apply_weight_update
 from weights_helpers import bitwise_equal, forward, inputs, peft_copy, perturb, snapshot, tiny_transformer
 
 from omniroll.weights import WeightSender, WeightSyncError, iter_shm_buckets
