@@ -73,7 +73,6 @@ class AlgorithmSpec:
 
     options: type
     rollout: Literal["sde_window", "clean_latent"]
-    reference: str
     sde_types: tuple[str, ...] = ()
     same_latent: Optional[bool] = None
     defaults: dict = field(default_factory=dict)
@@ -83,17 +82,12 @@ class AlgorithmSpec:
         return COMMON_KEYS | (LOG_PROB_KEYS if self.rollout == "sde_window" else frozenset())
 
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "flow_grpo": AlgorithmSpec(NoOptions, "sde_window", "arXiv 2505.05470; yifan123/flow_grpo",
-                               sde_types=("sde", "cps", "dance_sde")),
-    "grpo_guard": AlgorithmSpec(NoOptions, "sde_window", "arXiv 2510.22319; verl-omni GRPOGuardLoss",
-                                sde_types=("sde",), defaults={"clip_range": 2e-6}),
-    "dance_grpo": AlgorithmSpec(DanceGRPOOptions, "sde_window", "arXiv 2505.07818; XueZeyue/DanceGRPO",
-                                sde_types=("dance_sde",), same_latent=True),
-    "nft": AlgorithmSpec(NFTOptions, "clean_latent", "arXiv 2509.16117; NVlabs/DiffusionNFT",
-                         defaults={"global_std": True, "kl_beta": 1e-4}),
-    "awm": AlgorithmSpec(AWMOptions, "clean_latent", "arXiv 2509.25050; scxue/advantage_weighted_matching",
-                         defaults={"kl_beta": 0.003}),
+ALGORITHMS: dict[str, AlgorithmSpec] = {  # each one's reference: its file's docstring (omniroll/train/algorithms/)
+    "flow_grpo": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde", "cps", "dance_sde")),
+    "grpo_guard": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde",), defaults={"clip_range": 2e-6}),
+    "dance_grpo": AlgorithmSpec(DanceGRPOOptions, "sde_window", sde_types=("dance_sde",), same_latent=True),
+    "nft": AlgorithmSpec(NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
+    "awm": AlgorithmSpec(AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
 }
 
 AlgorithmName = Literal["flow_grpo", "grpo_guard", "dance_grpo", "nft", "awm"]

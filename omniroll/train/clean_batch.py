@@ -44,10 +44,6 @@ class CleanBatch:
         """T: the sampling steps of every row."""
         return int(self.sigmas.shape[1]) - 1
 
-    @property
-    def cfg_scale(self) -> torch.Tensor:
-        return torch.zeros(len(self), dtype=torch.float64)
-
     def rows(self, idx: Sequence[int] | torch.Tensor) -> "CleanBatch":
         return take_rows(self, idx)
 

@@ -25,7 +25,6 @@ from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 
-from omniroll.config.algorithms import ALGORITHMS
 from omniroll.sampling.seeds import noise_term_seed, shuffle_seed
 from omniroll.train.advantages import Advantages, group_advantages
 from omniroll.train.algorithms.ppo import LossTerms
@@ -68,7 +67,6 @@ class Algorithm(ABC):
         self.adapter = adapter
         self.tc = config.trainer
         self.options = self.tc.options()
-        self.spec = ALGORITHMS[self.name]
 
     # ------------------------------------------------------------------ the rollout
     @abstractmethod
