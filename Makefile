@@ -5,12 +5,13 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 VERL_STAMP := $(VENV)/.verl-installed
 TRACKING_STAMP := $(VENV)/.tracking-installed
+DOCS_STAMP := $(VENV)/.docs-installed
 # verl for the integration tests: without its pins (they clash with ours; it is the optional extra omniroll[verl]),
 # plus what its imports need. Its wheel ships a top-level `tests` package that would shadow ours: removed.
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model test bench clean
+.PHONY: install demo shapes-model test docs docs-serve bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -35,7 +36,19 @@ $(TRACKING_STAMP): $(STAMP) pyproject.toml
 	$(PIP) install -q -e ".[tracking]"
 	touch $(TRACKING_STAMP)
 
+# the docs site's tools (mkdocs, its Material theme, mkdocstrings; ~5 s, ~30 MB)
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
 install: $(STAMP)
+
+# the docs site into site/ (tests/test_docs.py builds it too), or served at http://127.0.0.1:8000 while you edit
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs serve
 
 # The generation demo with the shipped shapes model, then Flow-GRPO on the shapes world (examples/shapes_demo.yaml):
 # the GenEval-style table before and after, one line per step; out/train/ gets metrics.jsonl, eval_curve.png,
@@ -49,7 +62,7 @@ demo: $(STAMP)
 shapes-model: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes --out out/shapes-model --install
 
-test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP)
+test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 	$(PY) -m pytest tests
 
 bench: $(STAMP)
@@ -60,4 +73,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) .omniroll_cache
+	rm -rf $(VENV) .omniroll_cache site

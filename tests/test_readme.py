@@ -1,12 +1,13 @@
-"""Every shell and Python block of README.md runs verbatim (a new block is picked up automatically).
+"""Every shell and Python block of the documentation runs verbatim: README.md, CONTRIBUTING.md, CHANGELOG.md and
+every page of the docs site under docs/ (a new block or page is picked up automatically).
 
-Convention (also stated at the top of the README's Development section):
+Convention (also stated in CONTRIBUTING.md):
 - Each ```bash / ```sh / ```shell and ```python block is run as it stands: shell blocks with `bash -eo pipefail`,
   Python blocks each in a fresh interpreter (so every Python block must be self-contained). Lines that run `make`
   are left out (`make demo` / `make test` install things; CI runs them separately).
 - Blocks run in a scratch directory that holds a link to the repository's `examples/`, with the console scripts of
   this interpreter on PATH, `OMNIROLL_CACHE` pointing at the session's tiny model, Ray commands attached to the
-  test session's Ray cluster (`RAY_ADDRESS`, never a second cluster), and the environment variable the README
+  test session's Ray cluster (`RAY_ADDRESS`, never a second cluster), and the environment variable CONTRIBUTING.md
   states for small settings: `OMNIROLL_OVERRIDES` (config overrides every omniroll command applies last).
 - A block that cannot run here (it needs a GPU, a real checkpoint, a server that runs forever, network) is marked by
   an HTML comment on the line(s) right before it: `<!-- readme-test: skip: <reason> -->`. The reason is required.
@@ -23,7 +24,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+#: the files whose blocks run: the README, the project files and every page of the docs site
+DOC_FILES = ([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md"]
+             + sorted(p for p in (ROOT / "docs").rglob("*.md") if "hooks" not in p.parts))
 
 #: small settings for every omniroll command a README block runs (the README states this variable)
 SMALL = ("pipeline.height=64 pipeline.width=64 pipeline.num_inference_steps=4 pipeline.max_sequence_length=12 "
@@ -72,13 +75,13 @@ def without_make(code: str) -> str:
     return "\n".join(out)
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [dict(b, file=str(path.relative_to(ROOT))) for path in DOC_FILES for b in readme_blocks(path.read_text())]
 
 
 def test_readme_has_blocks_and_every_skip_gives_a_reason():
     assert any(b["lang"] == "python" for b in BLOCKS) and any(b["lang"] == "sh" for b in BLOCKS)
     for b in BLOCKS:
-        assert b["skip"] is None or b["skip"].strip(), f"README.md:{b['line']}: a skipped block needs a reason"
+        assert b["skip"] is None or b["skip"].strip(), f"{b['file']}:{b['line']}: a skipped block needs a reason"
 
 
 def test_block_parser_convention():
@@ -108,10 +111,10 @@ def readme_env(tiny_sd3_path, ray_cluster, tmp_path_factory):
     return work, env
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"README.md:{b['line']}-{b['lang']}" for b in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b['file']}:{b['line']}-{b['lang']}" for b in BLOCKS])
 def test_readme_block_runs_verbatim(block, readme_env):
     if block["skip"] is not None:
-        pytest.skip(f"README.md:{block['line']}: {block['skip']}")
+        pytest.skip(f"{block['file']}:{block['line']}: {block['skip']}")
     work, env = readme_env
     if block["lang"] == "sh":
         code = without_make(block["code"])
@@ -123,5 +126,5 @@ def test_readme_block_runs_verbatim(block, readme_env):
     else:
         cmd = [sys.executable, "-c", block["code"]]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert proc.returncode == 0, (f"README.md:{block['line']} ({block['lang']}) exited {proc.returncode}\n"
+    assert proc.returncode == 0, (f"{block['file']}:{block['line']} ({block['lang']}) exited {proc.returncode}\n"
                                   f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}")

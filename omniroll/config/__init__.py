@@ -45,11 +45,14 @@ class OmniRollConfig(_Strict):
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     n: int = Field(1, ge=1, description="samples per prompt (the group size)")
     seed: Optional[int] = Field(None, ge=0, description="rollout seed base; None = 0")
-    calculate_log_probs: bool = True
-    prompt_length: int = Field(512, ge=1)
-    max_prompt_embed_length: Optional[int] = Field(None, ge=1)
-    timeout_s: float = Field(600.0, gt=0)
-    max_retries: int = Field(2, ge=0, le=100)
+    calculate_log_probs: bool = Field(True, description="record SDE log-probs (training needs them)")
+    prompt_length: int = Field(512, ge=1, description="prompt token ids per row in the batch (padded; at least the "
+                                                      "tokenizer's padded length)")
+    max_prompt_embed_length: Optional[int] = Field(None, ge=1, description="a row whose prompt embeddings have more "
+                                                   "tokens fails, naming it (None: no limit)")
+    timeout_s: float = Field(600.0, gt=0, description="the routing client's deadline per sample on a replica")
+    max_retries: int = Field(2, ge=0, le=100, description="times a sample is re-run on another replica after a "
+                                               "replica failure (same seed)")
     trainer: Optional[TrainerSection] = None
 
     @field_validator("pipeline", "val_kwargs")

@@ -39,21 +39,28 @@ Resources = Annotated[dict[str, Annotated[float, Field(gt=0)]], AfterValidator(_
 
 
 class ReplicasSection(_Strict):
-    count: int = Field(1, ge=1, le=1024)
-    num_cpus: float = Field(1.0, ge=0, allow_inf_nan=False)
-    num_gpus: float = Field(0.0, ge=0, allow_inf_nan=False)
-    max_concurrency: int = Field(1000, ge=1)
+    """`replicas`: the rollout replicas, one `DiffusionEngine` per Ray actor, and where Ray places them."""
+
+    count: int = Field(1, ge=1, le=1024, description="rollout replicas: one engine each, in its own Ray actor")
+    num_cpus: float = Field(1.0, ge=0, allow_inf_nan=False, description="CPUs Ray reserves per replica")
+    num_gpus: float = Field(0.0, ge=0, allow_inf_nan=False, description="GPUs per replica (one replica holds the "
+                            "whole pipeline on one device; 0.5 packs two on a GPU)")
+    max_concurrency: int = Field(1000, ge=1, description="Ray calls a replica actor runs at once (its "
+                                 "requests wait in the engine, not in Ray)")
     placement: Placement = Field("pack", description="pack: replicas together; spread: on distinct nodes when it can")
     resources: Resources = Field(default_factory=dict, description="custom Ray resources each replica needs")
 
 
 class EngineSection(_Strict):
+    """`engine`: the model every replica loads, its device, dtype and batching."""
+
     model: str = Field("tiny", min_length=1, description='a diffusers checkpoint path, "shapes" (shipped) or "tiny" '
                                                          '(built on demand)')
     max_batch_size: Union[Literal["auto"], int] = Field(
         16, description='forward rows per batch key; "auto": measured per shape (omniroll.engine.calibrate)')
-    device: str = "cpu"
-    dtype: DtypeName = "float32"
+    device: str = Field("cpu", description="torch device of the model: cpu, cuda, cuda:N")
+    dtype: DtypeName = Field("float32", description="weights' and forwards' dtype (the SDE step, latents and "
+                                                    "log-probs are fp32 whatever it is)")
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
 
@@ -102,66 +109,83 @@ class EngineSection(_Strict):
 
 # The sampling sections: each field's type and bounds are `omniroll.engine.params`'s (one declaration per field).
 class PipelineSection(_Strict):
-    height: Pixels = 512
-    width: Pixels = 512
+    """`pipeline`: what a sample looks like (size, frames, steps, guidance, text length, output)."""
+
+    height: Pixels = Field(512, description="image height in pixels (a multiple of the model's spatial factor)")
+    width: Pixels = Field(512, description="image width in pixels")
     num_frames: NumFrames = Field(1, description="1 for images; video models: their rule (Wan: 4k + 1)")
-    fps: Fps = 16
-    num_inference_steps: Steps = 10
-    guidance_scale: GuidanceScale = 4.5
+    fps: Fps = Field(16, description="frames per second of written videos")
+    num_inference_steps: Steps = Field(10, description="denoising steps")
+    guidance_scale: GuidanceScale = Field(4.5, description="CFG scale (<= 1: no CFG); FLUX.1: the distilled guidance "
+                                                        "given to the model")
     true_cfg_scale: TrueCfgScale = Field(1.0, description="guidance-distilled models (FLUX.1) only")
-    max_sequence_length: SequenceLength = 128
-    output_type: OutputType = "pixel"
+    max_sequence_length: SequenceLength = Field(128, description="text length in tokens (T5 / the family's text "
+                                                               "encoder)")
+    output_type: OutputType = Field("pixel", description="what a sample returns: pixels, the final latent, or both")
 
 
 class AlgoSection(_Strict):
-    noise_level: NoiseLevel = 0.7
-    sde_type: SdeType = "sde"
-    sde_window_size: Optional[WindowSize] = None
-    sde_window_range: Optional[WindowRange] = None
+    """`algo`: the stochastic steps RL learns from: noise level, SDE type and the recorded window."""
+
+    noise_level: NoiseLevel = Field(0.7, description="SDE noise level eta of the window steps (0: the ODE)")
+    sde_type: SdeType = Field("sde", description="the window steps' sampler: Flow-GRPO's sde, cps (coefficients-"
+                                                 "preserving), DanceGRPO's dance_sde, or ode")
+    sde_window_size: Optional[WindowSize] = Field(None, description="SDE steps recorded per sample (log-prob and "
+                                                  "latents); None: every step but the last")
+    sde_window_range: Optional[WindowRange] = Field(None, description="[lo, hi): the window is drawn inside these "
+                                                    "steps, per sample from its seed; None: every step")
     same_latent: bool = Field(False, description="training samples of a prompt group share their initial noise and "
                                                  "SDE window (flow_grpo's same_latent); their ODE prefix runs once")
+
+
+_TRAINING_VALUE = "overrides the training value for validation (None: the training value)"
 
 
 class PartialPipeline(_Strict):
     """`val_kwargs.pipeline`: the pipeline fields validation overrides (None: the training value)."""
 
-    height: Optional[Pixels] = None
-    width: Optional[Pixels] = None
-    num_frames: Optional[NumFrames] = None
-    num_inference_steps: Optional[Steps] = None
-    guidance_scale: Optional[GuidanceScale] = None
-    max_sequence_length: Optional[SequenceLength] = None
+    height: Optional[Pixels] = Field(None, description=_TRAINING_VALUE)
+    width: Optional[Pixels] = Field(None, description=_TRAINING_VALUE)
+    num_frames: Optional[NumFrames] = Field(None, description=_TRAINING_VALUE)
+    num_inference_steps: Optional[Steps] = Field(None, description=_TRAINING_VALUE)
+    guidance_scale: Optional[GuidanceScale] = Field(None, description=_TRAINING_VALUE)
+    max_sequence_length: Optional[SequenceLength] = Field(None, description=_TRAINING_VALUE)
 
 
 class PartialAlgo(_Strict):
     """`val_kwargs.algo`: the sampling fields validation overrides (noise_level 0 by default: the ODE)."""
 
-    noise_level: NoiseLevel = 0.0
-    sde_type: Optional[SdeType] = None
-    sde_window_size: Optional[WindowSize] = None
-    sde_window_range: Optional[WindowRange] = None
+    noise_level: NoiseLevel = Field(0.0, description="validation's noise level (0: the ODE, fixed pictures per seed)")
+    sde_type: Optional[SdeType] = Field(None, description=_TRAINING_VALUE)
+    sde_window_size: Optional[WindowSize] = Field(None, description=_TRAINING_VALUE)
+    sde_window_range: Optional[WindowRange] = Field(None, description=_TRAINING_VALUE)
 
 
 class ValKwargs(_Strict):
     """Validation overlay. By default every row gets its own seed derived from `seed`; `seed_mode: shared` gives
     every row the seed `seed` itself (VeRL-Omni's validation semantics: the samples of one prompt are identical)."""
 
-    n: int = Field(1, ge=1)
-    seed: int = Field(42, ge=0)
-    seed_mode: Literal["per_row", "shared"] = "per_row"
+    n: int = Field(1, ge=1, description="validation samples per prompt")
+    seed: int = Field(42, ge=0, description="validation seed base (fixed: the same pictures for the same weights)")
+    seed_mode: Literal["per_row", "shared"] = Field("per_row", description="per_row: each row's seed derived from "
+                                                    "seed; shared: every row gets seed itself")
     pipeline: PartialPipeline = Field(default_factory=PartialPipeline)
     algo: PartialAlgo = Field(default_factory=PartialAlgo)
 
 
 class AgentSection(_Strict):
-    num_workers: int = Field(2, ge=1, le=1024)
+    """`agent`: the agent-loop workers that turn a prompt batch into rows and requests."""
+
+    num_workers: int = Field(2, ge=1, le=1024, description="agent-loop worker actors (each runs a chunk of the "
+                             "batch)")
     default_agent_loop: str = Field("diffusion_single_turn_agent", min_length=1, description="a registered agent loop "
                                     "(checked by RolloutCluster before Ray starts: the registry is the agent loop's)")
     on_failure: Literal["raise", "mark"] = Field(
         "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
     )
-    placement: Placement = "pack"
-    resources: Resources = Field(default_factory=dict)
+    placement: Placement = Field("pack", description="pack: the workers together; spread: on distinct nodes when "
+                                                     "it can")
+    resources: Resources = Field(default_factory=dict, description="custom Ray resources each worker needs")
 
 
 class RewardSection(RewardWorkerConfig):
@@ -170,10 +194,13 @@ class RewardSection(RewardWorkerConfig):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    num_workers: int = Field(1, ge=0, le=1024)
-    functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict)
-    placement: Placement = "pack"
-    resources: Resources = Field(default_factory=dict)
+    num_workers: int = Field(1, ge=0, le=1024, description="reward worker actors (they score samples as they "
+                             "finish)")
+    functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict, description="name -> a reward "
+                                                         "function; the reward is sum(weight x score)")
+    placement: Placement = Field("pack", description="pack: the workers together; spread: on distinct nodes when "
+                                                     "it can")
+    resources: Resources = Field(default_factory=dict, description="custom Ray resources each worker needs")
 
     def worker_config(self) -> dict:
         """What `omniroll.reward.create_reward_workers` takes."""

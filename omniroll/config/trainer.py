@@ -13,8 +13,8 @@ from omniroll.config.sections import _Strict
 
 
 class LoRASection(_Strict):
-    rank: int = Field(8, ge=1, le=4096)
-    alpha: float = Field(16.0, gt=0, le=1e6)
+    rank: int = Field(8, ge=1, le=4096, description="LoRA rank r")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="LoRA alpha (the update is scaled by alpha / r)")
     target_modules: Optional[list[str]] = Field(None, min_length=1, description="module names (PEFT target_modules); "
                                                 "None: the family's default (its attention projections)")
 
@@ -75,32 +75,35 @@ class TrainerSection(_Strict):
                                      "log-probs) or nft, awm (forward process: the clean latent of an ODE rollout)")
     algorithm_options: dict[str, Any] = Field(default_factory=dict, description="the chosen algorithm's own options "
                                               "(omniroll/config/algorithms.py), with its reference defaults")
-    steps: int = Field(20, ge=1, le=10**7)
+    steps: int = Field(20, ge=1, le=10**7, description="training steps (--steps overrides it)")
     prompts: list[str] = Field(default_factory=list, description="training prompts (or prompts_file)")
     prompts_file: Optional[str] = Field(None, description="one prompt per line, added to prompts")
     val_prompts: list[str] = Field(default_factory=list, description="fixed validation prompts (default: the "
                                                                      "first 4 training prompts)")
-    prompts_per_step: int = Field(4, ge=1, le=100_000)
-    lr: float = Field(1e-3, gt=0, le=10)
-    weight_decay: float = Field(0.0, ge=0, le=10)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
+    prompts_per_step: int = Field(4, ge=1, le=100_000, description="prompt groups per step (each of n samples)")
+    lr: float = Field(1e-3, gt=0, le=10, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     clip_range: float = Field(1e-4, gt=0, le=10, description="PPO clip epsilon")
-    adv_clip_max: float = Field(5.0, gt=0, le=1e6)
+    adv_clip_max: float = Field(5.0, gt=0, le=1e6, description="advantages are clipped to [-adv_clip_max, "
+                                "adv_clip_max]")
     global_std: bool = Field(False, description="normalise advantages by the whole batch's std, not the group's")
     kl_beta: float = Field(0.0, ge=0, le=1e6, description="KL to the base model (LoRA: adapter disabled)")
-    num_inner_epochs: int = Field(1, ge=1, le=1000)
+    num_inner_epochs: int = Field(1, ge=1, le=1000, description="passes over the step's samples")
     micro_batch_size: int = Field(8, ge=1, le=100_000, description="samples per forward")
     micro_batches_per_update: Optional[int] = Field(None, ge=1, description="gradient accumulation: micro-batches "
                                                     "per optimizer step; None: one step per inner epoch")
-    max_grad_norm: float = Field(1.0, gt=0)
-    mode: Literal["lora", "full"] = "lora"
-    lora: LoRASection = Field(default_factory=LoRASection)
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient norm clipping")
+    mode: Literal["lora", "full"] = Field("lora", description="train a LoRA adapter (trainer.lora) or every weight "
+                                          "of the denoiser")
+    lora: LoRASection = Field(default_factory=LoRASection, description="the LoRA adapter (mode: lora)")
     window_schedule: Literal["fixed", "random", "progressive"] = Field(
         "fixed", description="MixGRPO's SDE window per step: fixed (algo.sde_window_*), random (from seed and step), "
                              "progressive (MixGRPO's sliding window: starts at the range's start, advances by one "
                              "step every window_advance_every steps, rolls back at the range's end)")
     window_advance_every: int = Field(1, ge=1, description="MixGRPO's iters_per_group (25 in its reference)")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (inside "
+                                         "the engine's execution mode: values stay bitwise)")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
     val_every: int = Field(0, ge=0, description="steps between validations (grids, and the task evaluation when "
                                                 "`evaluation` is set; 0: before and after only)")
@@ -109,7 +112,7 @@ class TrainerSection(_Strict):
     seed: int = Field(0, ge=0, description="trainer seed: prompt order, shuffling, adapter init")
     weight_transport: Literal["auto", "object_store", "ray", "shm"] = Field(
         "auto", description="auto: /dev/shm for replicas on the trainer's node, the Ray object store for the others")
-    sync_timeout_s: float = Field(600.0, gt=0)
+    sync_timeout_s: float = Field(600.0, gt=0, description="deadline of a weight sync (every replica's ack)")
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
                                        "(None: torch's default); 1 is far faster on a busy small CPU")
     # asynchronous training (README "Asynchronous training"; omniroll/train/async_rollout.py, update.py)
@@ -129,11 +132,12 @@ class TrainerSection(_Strict):
     policy_move_rows: int = Field(8, ge=0, le=100_000, description="rows (the step's first ones) whose transitions "
                                   "are recomputed before and after the update to measure policy_kl, post_approx_kl "
                                   "and post_clip_frac; 0: not measured")
-    signal_check: SignalCheckSection = Field(default_factory=SignalCheckSection)
+    signal_check: SignalCheckSection = Field(default_factory=SignalCheckSection, description="warnings and the "
+                                             "stop on tied groups or a falling reward")
     # experiment tracking (verl's key names; omniroll.train.tracking)
     logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
                               "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")
-    project_name: str = Field("omniroll", min_length=1)
+    project_name: str = Field("omniroll", min_length=1, description="wandb / swanlab project, mlflow experiment")
     experiment_name: Optional[str] = Field(None, min_length=1, description="default: {model}-{mode}-{time}; a "
                                            "resumed run keeps its own")
     log_images_every: int = Field(10, ge=0, description="steps between captioned training samples (0: never)")

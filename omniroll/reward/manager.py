@@ -45,13 +45,15 @@ class RewardFunctionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     fn: Union[str, Callable] = Field(..., description="registry name, 'module:function', or a callable")
-    weight: float = Field(1.0, ge=-1e6, le=1e6, allow_inf_nan=False)
-    required: bool = True
-    max_retries: int = Field(2, ge=0, le=10)
+    weight: float = Field(1.0, ge=-1e6, le=1e6, allow_inf_nan=False, description="its weight in the summed reward")
+    required: bool = Field(True, description="a row it cannot score fails (True) or is flagged with this "
+                                             "component missing (False)")
+    max_retries: int = Field(2, ge=0, le=10, description="retries of the rows that failed")
     retry_backoff_s: float = Field(0.0, ge=0.0, le=60.0, description="sleep between retries (doubles each time)")
-    timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0)
+    timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0, description="deadline of each attempt (None: none)")
     per_sample: bool = Field(False, description="fn takes one RewardSample, not a list")
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the scorer's own arguments (model_dir, url, "
+                                    "device, ...)")
 
     @field_validator("fn")
     @classmethod
