@@ -18,7 +18,7 @@ and after training (`--val-n` ODE images per validation prompt at fixed seeds, t
 reward after training, its gain and its per-seed difference to synchronous say what the policy learned, free of the
 training batches' SDE noise and of an asynchronous batch's one-version lag. The last line is JSON.
 
-    python benchmarks/async_train.py              # 30 steps per run (the README's table; a quiet 2-core machine)
+    python benchmarks/async_train.py              # 30 steps per run (docs/results.md's table; a quiet 2-core machine)
     python benchmarks/async_train.py --steps 3    # a quick check that it runs
     python benchmarks/async_train.py --seeds 0-3 --modes synchronous,async,sync_reseed   # learning, 4 seeds
 """

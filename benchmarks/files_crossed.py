@@ -1,4 +1,4 @@
-"""Which omniroll files one `omniroll rollout` sample and one training step enter (README "Design", issue 16).
+"""Which omniroll files one `omniroll rollout` sample and one training step enter (docs/design.md, issue 16).
 
     .venv/bin/python benchmarks/files_crossed.py          # ~2 min on 2 CPUs; a table by layer, then one JSON line
 

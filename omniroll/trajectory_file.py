@@ -34,7 +34,7 @@ info, ...); `meta_info` (the batch's
 JSON-able meta, e.g. `global_steps`, weight versions); `run` (command, model, device, dtype, batch invariance,
 seed base, package versions: `omniroll.files.run_info`).
 
-To recompute row i's step k (see README): CFG rows are [uncond, cond] with the masked embeddings,
+To recompute row i's step k (see docs/concepts.md): CFG rows are [uncond, cond] with the masked embeddings,
 `v = v_uncond + cfg_scale[i] * (v_cond - v_uncond)` from the model at `all_latents[i, k]`,
 `all_timesteps[i, k]`, then `sde_step(x, v, sigmas[i, k], sigmas_next[i, k], noise_level[i], sde_type[i],
 prev_sample=all_latents[i, k + 1], sigma_max=sigma_max[i]).log_prob`.

@@ -1,4 +1,4 @@
-"""The package edges: every omniroll module imports only its own layer and the layers below it (README "Design"),
+"""The package edges: every omniroll module imports only its own layer and the layers below it (docs/design.md),
 module-level imports and the imports inside functions alike."""
 
 import ast
@@ -6,7 +6,7 @@ import os
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "omniroll")
 
-#: top-level package or module -> its layer (README "Design"; leaf modules at 0, beside-layers between)
+#: top-level package or module -> its layer (docs/design.md; leaf modules at 0, beside-layers between)
 LAYER = {"errors": 0, "files": 0, "library_warnings": 0, "ray_nodes": 0,
          "sampling": 1, "tasks": 1, "models": 2, "weights": 3, "engine": 4, "rollout": 5, "reward": 6,
          "config": 6.5, "agent_loop": 7, "trajectory_file": 7, "trajectory": 7, "evaluation": 7.5, "train": 8,
@@ -39,5 +39,5 @@ def test_every_import_points_down_the_layers():
                 target = module.split(".")[1]
                 if LAYER.get(target, -1) > LAYER[own]:
                     upward.append(f"{'/'.join(rel)}:{line} imports {module}")
-    assert not unknown, f"packages with no layer in this test and the README: {sorted(unknown)}"
+    assert not unknown, f"packages with no layer in this test and docs/design.md: {sorted(unknown)}"
     assert not upward, upward

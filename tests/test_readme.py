@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = ([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md"]
              + sorted(p for p in (ROOT / "docs").rglob("*.md") if "hooks" not in p.parts))
 
-#: small settings for every omniroll command a README block runs (the README states this variable)
+#: small settings for every omniroll command a README block runs (CONTRIBUTING.md states this variable)
 SMALL = ("pipeline.height=64 pipeline.width=64 pipeline.num_inference_steps=4 pipeline.max_sequence_length=12 "
          "algo.sde_window_size=2 algo.sde_window_range=[0,3] replicas.count=1 reward.num_workers=1 "
          "agent.num_workers=1 n=2")

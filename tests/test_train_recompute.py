@@ -91,15 +91,15 @@ def test_gradient_checkpointing_in_the_mode_keeps_values_and_gradients_bitwise(e
 
 
 def test_readme_custom_training_loop_runs_verbatim(tmp_path, monkeypatch):
-    """The README's "custom training loop" block, executed as written."""
+    """The trainer page's "training loop of your own" block, executed as written."""
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "training" / "index.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "recompute_log_probs(policy" in b]
     assert len(blocks) == 1
     monkeypatch.chdir(tmp_path)
-    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__readme__"})
+    exec(compile(blocks[0], "docs/training/index.md", "exec"), {"__name__": "__readme__"})
 
 
 def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_policy):

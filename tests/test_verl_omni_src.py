@@ -1,6 +1,6 @@
 """Checks against VeRL-Omni's REAL sources, run when VERL_OMNI_SRC points at a VeRL-Omni checkout (tested layout:
 a1139ba). VeRL-Omni is on no package registry and cannot be imported without vllm-omni, so CI skips this file; the
-README ("Use with verl / VeRL-Omni") gives the commands. The sources are read, not installed: each check finds what it
+docs/verl.md gives the commands. The sources are read, not installed: each check finds what it
 needs by name in the tree and runs the self-contained functions on their own, so it does not depend on file layout.
 
 - every attribute VeRL-Omni's actor `update_weights` reads on its rollout (`self.rollout.X`) exists on

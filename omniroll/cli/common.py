@@ -6,7 +6,7 @@ Flags are shorthands for config keys (`--height` is `pipeline.height`); a flag l
 $OMNIROLL_OVERRIDES > flag > `--override key=value` > `--config` file > schema default.
 
 `OMNIROLL_OVERRIDES` (space-separated `key=value` config overrides, applied last and recorded in metrics.json) shrinks
-every command at once, e.g. to run the README's commands at toy size in CI.
+every command at once, e.g. to run the docs' commands at toy size in CI.
 """
 
 from __future__ import annotations

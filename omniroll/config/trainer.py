@@ -115,7 +115,7 @@ class TrainerSection(_Strict):
     sync_timeout_s: float = Field(600.0, gt=0, description="deadline of a weight sync (every replica's ack)")
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads of the trainer process "
                                        "(None: torch's default); 1 is far faster on a busy small CPU")
-    # asynchronous training (README "Asynchronous training"; omniroll/train/async_rollout.py, update.py)
+    # asynchronous training (docs/training/async.md; omniroll/train/async_rollout.py, update.py)
     max_staleness: int = Field(0, ge=0, le=1000, description="K: 0 is the synchronous trainer; K >= 1 rolls out the "
                                "next step(s) while a step trains, and trains a sample only if every window step "
                                "ran with weight version >= current - K")

@@ -36,15 +36,15 @@ class EngineConfig:
         two rows. "auto": measured per batch key at its first request (a calibration of a few forwards, ~1-5 s,
         cached on disk per model, shape and thread count; see `omniroll.engine.calibrate`), the row count with the
         lowest cost per row. The default, 16, is the rule for CPU: the cost per row is flat from 8 to 16 rows and
-        ~10% higher at 32 (measured, README); on a GPU use "auto".
+        ~10% higher at 32 (measured: docs/benchmarks.md); on a GPU use "auto".
     batch_invariant: run linear layers in fixed row blocks so a request's output is bitwise independent of what
         else shares its batch (see `omniroll.engine.runner`). None (default): on for CPU, where it is measured
         and tested, off for other devices, where it is not verified (cuBLAS / cuDNN pick kernels by shape, so
-        padding rows does not pin one kernel; see README "Device state and batch invariance").
+        padding rows does not pin one kernel; see docs/concepts.md, "Device state and batch invariance").
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
     decode_batch_size: finished samples decoded per VAE call. The default, 2, is the CPU rule: on the bench SD3 at
         256 px a block of 2 cost the least per image on a quiet 2-core machine (0.135 s vs 0.14 at 1 and 0.16 at 4;
-        README "Performance"); on a GPU, where a larger block fills the device, raise it. In batch-invariant mode
+        docs/benchmarks.md); on a GPU, where a larger block fills the device, raise it. In batch-invariant mode
         every call decodes exactly this many (zero-padded), so, like num_threads, it is part of what makes a sample's
         pixels: replicas of one rollout must share it. A partial block waits up to this many steps for more finished
         samples while other requests run.

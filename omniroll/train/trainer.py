@@ -9,7 +9,7 @@ through `WeightSender` (version = the step) and wait for every ack; (5) log and 
 
 A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
 step's first optimizer update) is logged every step: exactly 0.0 with the engine's batch-invariant mode. With
-`trainer.max_staleness` K >= 1 (README "Asynchronous training") the rollouts of steps t+1..t+K run on a background
+`trainer.max_staleness` K >= 1 (docs/training/async.md) the rollouts of steps t+1..t+K run on a background
 event loop (`RolloutPipeline`) while step t trains, the loss is decoupled PPO (`train/algorithms/ppo.py`), and a sample
 trains only if every window step ran with a version >= current - K (`on_stale`).
 """

@@ -159,7 +159,7 @@ def behaviour_and_replay(store: VersionStore, traj: TrajectoryBatch, versions: t
 
 
 def off_policy_metrics(stats, versions: torch.Tensor, prox_version: int) -> dict:
-    """A step's staleness and exactness metrics (README "Asynchronous training")."""
+    """A step's staleness and exactness metrics (docs/training/async.md)."""
     return {**staleness_stats(versions, prox_version),
             "prox_ratio_max_abs_dev": stats.ratio_max_abs_dev, "behaviour_ratio_mean": stats.behaviour_ratio_mean,
             "behaviour_ratio_max_abs_dev": stats.behaviour_ratio_max_abs_dev,

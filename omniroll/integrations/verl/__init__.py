@@ -5,7 +5,7 @@ Importing this module registers omniroll with verl, in whichever process imports
 - verl's async rollout registry ("omniroll", "async") -> `OmnirollServerAdapter` (each actor worker's hybrid rollout);
 - verl's reward-manager registry "omniroll_image" -> `OmnirollImageRewardManager` (each reward worker).
 A VeRL-Omni config makes every process import it with `actor_rollout_ref.model.external_lib=omniroll.integrations.verl`
-(see the README, "Use with verl / VeRL-Omni").
+(see docs/verl.md).
 """
 
 from __future__ import annotations
