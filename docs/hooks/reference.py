@@ -5,12 +5,15 @@
   algorithm's own options (`omniroll.config.algorithms.ALGORITHMS`). A key without a description fails the build.
 - `reference/cli.md`: every command's `--help`, from the parsers `omniroll` itself builds.
 - `changelog.md` and `contributing.md`: the repository's CHANGELOG.md and CONTRIBUTING.md (one copy of each).
+- `design_layers.png`: the package layers as `tests/test_layers.py` enforces them (its `LAYER` table).
 - In any page, the line `<!-- generated: algorithm nft -->` is replaced by that algorithm's options table.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import io
 import os
 import re
 import types
@@ -200,6 +203,49 @@ def cli_reference() -> str:
     return "\n".join(out) + "\n"
 
 
+# ------------------------------------------------------------------------------------------ the picture of the layers
+#: what each layer holds, for the picture (the layers themselves come from tests/test_layers.py)
+LAYER_NOTES = {"sampling": "fp32 SDE / CPS / ODE steps, windows, seeds", "tasks": "the shapes world",
+               "models": "one adapter per family", "weights": "buckets, transports, LoRA, sender / receiver",
+               "engine": "the one denoise loop", "rollout": "Ray replicas, routing client",
+               "reward": "workers, manager, scorers", "config": "the YAML schema",
+               "agent_loop": "the specification's agent loop", "trajectory_file": "the batch on disk",
+               "evaluation": "GenEval on the shapes world", "train": "the trainer, one file per algorithm",
+               "integrations": "verl / VeRL-Omni", "cli": "one module per command", "http": "omniroll serve"}
+
+
+def layers_picture() -> bytes:
+    """A PNG: one band per layer rank, lowest at the bottom, its packages named (imports point down)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tree = ast.parse((ROOT / "tests" / "test_layers.py").read_text())
+    layer = next(ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", None) == "LAYER" for t in n.targets))
+    ranks = sorted(set(layer.values()))
+    fig, ax = plt.subplots(figsize=(9, 0.62 * len(ranks) + 0.6), dpi=110)
+    for i, rank in enumerate(ranks):
+        names = sorted(n for n, r in layer.items() if r == rank and n != "trajectory")
+        leaf = rank == 0
+        ax.add_patch(plt.Rectangle((0, i), 10, 0.82, color="#e8eaf6" if not leaf else "#eeeeee", ec="#3f51b5"))
+        label = "leaf modules: " + ", ".join(names) if leaf else "  |  ".join(
+            f"{n}{'/' if (ROOT / 'omniroll' / n).is_dir() else '.py'}: {LAYER_NOTES.get(n, '')}" for n in names)
+        ax.text(0.15, i + 0.41, label, va="center", fontsize=9)
+    ax.annotate("", xy=(10.35, 0.2), xytext=(10.35, len(ranks) - 0.2),
+                arrowprops={"arrowstyle": "->", "color": "#3f51b5"})
+    ax.text(10.5, len(ranks) / 2, "imports point down", rotation=90, va="center", fontsize=9, color="#3f51b5")
+    ax.set_xlim(0, 11)
+    ax.set_ylim(-0.1, len(ranks))
+    ax.axis("off")
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return out.getvalue()
+
+
 # ------------------------------------------------------------------------------------------------- mkdocs hooks
 def _generated(config, path: str, content: str) -> File:
     return File.generated(config, path, content=content)
@@ -211,6 +257,7 @@ def on_files(files, config):
              # the repository's own files, their links to docs/ pages made relative to the site
              "changelog.md": (ROOT / "CHANGELOG.md").read_text().replace("](docs/", "]("),
              "contributing.md": (ROOT / "CONTRIBUTING.md").read_text().replace("](docs/", "](")}
+    pages["design_layers.png"] = layers_picture()
     for path, content in pages.items():
         old = files.get_file_from_path(path)
         if old is not None:
