@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model test docs docs-serve bench clean
+.PHONY: install demo shapes-model test docs docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -49,6 +49,19 @@ docs: $(DOCS_STAMP)
 
 docs-serve: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs serve
+
+# Screenshots of two built pages in headless Chromium (Debian: apt-get install chromium), into docs/screenshots/
+SHOT_PORT ?= 8765
+CHROMIUM ?= chromium
+docs-screenshots: docs
+	$(PY) -m http.server $(SHOT_PORT) --bind 127.0.0.1 --directory site > /dev/null 2>&1 & echo $$! > .shot-server.pid
+	sleep 1
+	for page in index:home training/nft/:nft_page; do \
+	  $(CHROMIUM) --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
+	    --disable-component-update --disable-sync --user-data-dir=$$(mktemp -d) --hide-scrollbars --virtual-time-budget=3000 \
+	    --window-size=1280,1100 --screenshot=docs/screenshots/$${page##*:}.png \
+	    http://127.0.0.1:$(SHOT_PORT)/$$(echo $${page%%:*} | sed 's/^index$$//') 2> /dev/null; \
+	done; kill $$(cat .shot-server.pid); rm -f .shot-server.pid
 
 # The generation demo with the shipped shapes model, then Flow-GRPO on the shapes world (examples/shapes_demo.yaml):
 # the GenEval-style table before and after, one line per step; out/train/ gets metrics.jsonl, eval_curve.png,
