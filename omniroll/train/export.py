@@ -44,7 +44,10 @@ def export_source(path: str, model: Optional[str] = None) -> ExportSource:
     from omniroll.train.checkpoint import find_checkpoint, read_trainer_state
 
     ckpt = find_checkpoint(path, flag="CKPT")
-    kind = checkpoint_kind(ckpt)
+    try:
+        kind = checkpoint_kind(ckpt)
+    except ValueError as e:
+        raise ValueError(f"CKPT {e}") from None
     if model is None:
         state = read_trainer_state(ckpt, flag="CKPT")
         model = ((state.get("config") or {}).get("engine") or {}).get("model")
