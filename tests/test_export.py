@@ -141,3 +141,46 @@ def test_bad_inputs_name_the_argument_and_leave_nothing(lora_run, tmp_path, caps
 
     rc, _, err = export(capsys, lora_run, "--to", tmp_path / "d", "--model", tmp_path / "nowhere")
     assert rc == 2 and "--model: model" in err and "nowhere" in err
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan"])
+def test_other_families_export_a_lora_and_a_merge_their_pipeline_loads(family, tmp_path, capsys):
+    from diffusers import DiffusionPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    from omniroll.models import build_tiny
+    from omniroll.models.base import load_pipeline
+    from omniroll.train.export import export_source, read_lora
+
+    model = build_tiny(family, str(tmp_path / family), seed=0)
+    run = write_run(tmp_path / "run", model, "lora")
+    rc, _, err = export(capsys, run, "--to", tmp_path / "lora")
+    assert rc == 0, err
+    source = export_source(run)
+    pipe = load_pipeline(source.pipeline_class, model)
+    pipe.load_lora_weights(str(tmp_path / "lora"), adapter_name="trained")
+    assert pipe.transformer.peft_config["trained"].lora_alpha == 8 and pipe.transformer.peft_config["trained"].r == 4
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="trained")
+    _, trained = read_lora(source.checkpoint)
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    rc, _, err = export(capsys, run, "--to", tmp_path / "merged", "--merge", "--check")
+    assert rc == 2 and "--check: " + source.pipeline_class + " is not checked yet" in err, err
+    assert not os.path.exists(tmp_path / "merged") and not leftovers(tmp_path)  # refused before anything is written
+    rc, _, err = export(capsys, run, "--to", tmp_path / "merged", "--merge")
+    assert rc == 0, err
+    merged = DiffusionPipeline.from_pretrained(str(tmp_path / "merged"))
+    assert type(merged).__name__ == source.pipeline_class
+    key = sorted(trained)[0].removesuffix(".lora_A.weight")  # one adapted layer: W + (alpha / r) B A
+    base = dict(load_pipeline(source.pipeline_class, model).transformer.named_parameters())[f"{key}.weight"]
+    expected = base + 2.0 * trained[f"{key}.lora_B.weight"] @ trained[f"{key}.lora_A.weight"]
+    fused = dict(merged.transformer.named_parameters())[f"{key}.weight"]
+    assert torch.allclose(fused, expected, atol=1e-6) and not torch.allclose(fused, base, atol=1e-4)
+
+
+def test_two_denoiser_models_are_refused(lora_run, tmp_path, capsys):
+    from omniroll.models import build_tiny
+
+    wan22 = build_tiny("wan2.2", str(tmp_path / "wan2.2"), seed=0)
+    rc, _, err = export(capsys, lora_run, "--to", tmp_path / "out", "--model", wan22)
+    assert rc == 2 and "--model: WanPipeline with two denoisers (transformer_2) is not supported by export" in err
+    assert not os.path.exists(tmp_path / "out")

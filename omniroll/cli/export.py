@@ -41,6 +41,10 @@ def run(args) -> int:
     try:
         check_target(args.to)  # before any model loads
         source = export_source(args.checkpoint, args.model)
+        if args.check:
+            from omniroll.train.export_check import require_checkable
+
+            require_checkable(source)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e).splitlines()) from None
     quiet_libraries()
@@ -54,10 +58,7 @@ def run(args) -> int:
     if args.check:
         from omniroll.train.export_check import check_export
 
-        try:
-            result = check_export(source, args.to, merged=args.merge)
-        except ValueError as e:
-            raise UserError(str(e).splitlines()) from None
+        result = check_export(source, args.to, merged=args.merge)
         print(result.line())
         if not result.passed:
             raise CommandFailed(f"--check: the export differs from omniroll's engine beyond the tolerance (the "

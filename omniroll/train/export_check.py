@@ -61,6 +61,13 @@ def check_sampling(source) -> tuple[str, int, dict]:
     return (prompts[0] if prompts else "a photo of a cat"), int(cfg.val_kwargs.seed), sampling
 
 
+def require_checkable(source) -> None:
+    """ValueError naming --check when `source`'s family is not one `check_export` can compare."""
+    if source.pipeline_class not in CHECKED_PIPELINES:
+        raise ValueError(f"--check: {source.pipeline_class} is not checked yet (supported: {list(CHECKED_PIPELINES)}); "
+                         f"export without --check")
+
+
 def check_export(source, export_dir: str, merged: bool) -> CheckResult:
     """Generate once with the engine and once with diffusers from `export_dir`; compare (fp32, CPU)."""
     import torch
@@ -74,9 +81,7 @@ def check_export(source, export_dir: str, merged: bool) -> CheckResult:
     from omniroll.models.base import load_pipeline
     from omniroll.sampling import make_generator
 
-    if source.pipeline_class not in CHECKED_PIPELINES:
-        raise ValueError(f"--check: {source.pipeline_class} is not checked yet (supported: {list(CHECKED_PIPELINES)}); "
-                         f"the export itself was written")
+    require_checkable(source)
     prompt, seed, sampling = check_sampling(source)
     adapter = load_adapter(source.model_dir)
     if source.kind == "full":
@@ -107,4 +112,4 @@ def check_export(source, export_dir: str, merged: bool) -> CheckResult:
     return CheckResult("merged" if merged else "lora", latent_diff, int(pixel_diff), prompt, seed, sampling)
 
 
-__all__ = ["CHECKED_PIPELINES", "CheckResult", "TOLERANCE", "check_export", "check_sampling"]
+__all__ = ["CHECKED_PIPELINES", "CheckResult", "TOLERANCE", "check_export", "check_sampling", "require_checkable"]
