@@ -184,3 +184,15 @@ def test_two_denoiser_models_are_refused(lora_run, tmp_path, capsys):
     rc, _, err = export(capsys, lora_run, "--to", tmp_path / "out", "--model", wan22)
     assert rc == 2 and "--model: WanPipeline with two denoisers (transformer_2) is not supported by export" in err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_bfloat16_export_and_check_refuses_it(lora_run, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    rc, _, err = export(capsys, lora_run, "--to", tmp_path / "checked", "--dtype", "bfloat16", "--check")
+    assert rc == 2 and "--check compares float32 exports" in err and "--dtype bfloat16" in err
+    assert not os.path.exists(tmp_path / "checked") and not leftovers(tmp_path)
+    rc, _, err = export(capsys, lora_run, "--to", tmp_path / "bf16", "--dtype", "bfloat16")
+    assert rc == 0, err
+    assert {t.dtype for t in load_file(str(tmp_path / "bf16" / "pytorch_lora_weights.safetensors")).values()} \
+        == {torch.bfloat16}

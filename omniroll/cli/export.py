@@ -44,7 +44,7 @@ def run(args) -> int:
         if args.check:
             from omniroll.train.export_check import require_checkable
 
-            require_checkable(source)
+            require_checkable(source, args.dtype)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e).splitlines()) from None
     quiet_libraries()
@@ -52,6 +52,8 @@ def run(args) -> int:
         files = export_checkpoint(source, args.to, merge=args.merge, dtype=args.dtype)
     except ValueError as e:
         raise UserError(str(e).splitlines()) from None
+    except OSError as e:  # disk full, no permission, ...: the temporary directory was removed
+        raise CommandFailed(f"--to {args.to}: the export could not be written ({e}); nothing was written") from None
     what = "merged pipeline" if args.merge else "LoRA"
     print(json.dumps({"export": what, "checkpoint": source.checkpoint, "model": source.model_dir,
                       "to": os.path.abspath(args.to), "files": len(files)}))

@@ -61,11 +61,20 @@ def check_sampling(source) -> tuple[str, int, dict]:
     return (prompts[0] if prompts else "a photo of a cat"), int(cfg.val_kwargs.seed), sampling
 
 
-def require_checkable(source) -> None:
-    """ValueError naming --check when `source`'s family is not one `check_export` can compare."""
+def require_checkable(source, dtype: str = "float32") -> None:
+    """ValueError naming --check when `check_export` cannot compare this export: a family it cannot feed the same
+    noise, a dtype other than float32 (its tolerances are fp32's), or a run config it cannot read the sampling from."""
     if source.pipeline_class not in CHECKED_PIPELINES:
         raise ValueError(f"--check: {source.pipeline_class} is not checked yet (supported: {list(CHECKED_PIPELINES)}); "
                          f"export without --check")
+    if dtype != "float32":
+        raise ValueError(f"--check compares float32 exports (its tolerances are fp32's: bitwise, or a merge's "
+                         f"rounding), got --dtype {dtype}; export without --check")
+    try:
+        check_sampling(source)
+    except ValueError as e:
+        raise ValueError(f"--check: cannot read the run's sampling from {source.checkpoint}/trainer_state.pt: "
+                         f"{(str(e).splitlines() or [''])[0]}") from None
 
 
 def check_export(source, export_dir: str, merged: bool) -> CheckResult:
