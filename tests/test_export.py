@@ -107,10 +107,16 @@ def test_merged_lora_export_loads_with_from_pretrained_and_matches_within_the_me
 def test_full_checkpoint_exports_merged_only(tmp_path, capsys, tiny_sd3_path):
     from safetensors.torch import load_file
 
+    from omniroll.models.tiny import build_tiny_sd3
+
     run = write_run(tmp_path / "full-run", tiny_sd3_path, "full")
     rc, _, err = export(capsys, run, "--to", tmp_path / "nomerge")
     assert rc == 2 and "a full-weight checkpoint has no LoRA to export; use --merge" in err
     assert not os.path.exists(tmp_path / "nomerge") and not leftovers(tmp_path)
+    other = build_tiny_sd3(str(tmp_path / "other-model"), seed=1, attention_head_dim=16)
+    rc, _, err = export(capsys, run, "--to", tmp_path / "wrong", "--merge", "--model", other)
+    assert rc == 2 and "CKPT " in err and "(trained on another model?); pass --model" in err, err
+    assert not os.path.exists(tmp_path / "wrong") and not leftovers(tmp_path)
     rc, out, err = export(capsys, run, "--to", tmp_path / "merged", "--merge", "--check")
     assert rc == 0, err
     assert "check ok (merged export vs the engine): max |latent diff| 0 " in out, out  # the same weights: bitwise

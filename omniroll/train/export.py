@@ -190,7 +190,10 @@ def write_merged(source: ExportSource, out: str, torch_dtype) -> None:
     adapter = load_adapter(source.model_dir, dtype=torch_dtype)
     pipe = adapter.pipeline
     if source.kind == "full":
-        load_full_weights(adapter, source.checkpoint)
+        try:
+            load_full_weights(adapter, source.checkpoint)
+        except ValueError as e:
+            raise ValueError(f"CKPT {e}; pass --model") from None
     else:
         lora_dir = tempfile.mkdtemp(prefix=".tmp-lora-", dir=out)
         try:
