@@ -50,7 +50,7 @@ def run(args) -> int:
     quiet_libraries()
     try:
         files = export_checkpoint(source, args.to, merge=args.merge, dtype=args.dtype)
-    except ValueError as e:
+    except (FileNotFoundError, ValueError) as e:  # a file of the checkpoint or model that is not there, a mismatch
         raise UserError(str(e).splitlines()) from None
     except OSError as e:  # disk full, no permission, ...: the temporary directory was removed
         raise CommandFailed(f"--to {args.to}: the export could not be written ({e}); nothing was written") from None
