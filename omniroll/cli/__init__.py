@@ -24,6 +24,7 @@ import time
 COMMANDS = {
     "demo": "omniroll.cli.demo",
     "eval": "omniroll.cli.eval",
+    "export": "omniroll.cli.export",
     "generate": "omniroll.cli.generate",
     "pretrain": "omniroll.cli.pretrain",
     "rollout": "omniroll.cli.rollout",

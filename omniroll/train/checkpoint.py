@@ -40,9 +40,10 @@ def find_checkpoint(path: str, flag: str = "--resume") -> str:
 TRAINER_STATE_KEYS = ("step", "version", "optimizer", "mode")
 
 
-def read_trainer_state(ckpt: str) -> dict:
+def read_trainer_state(ckpt: str, flag: str = "--resume") -> dict:
     """A checkpoint's trainer_state.pt, loaded with `weights_only=True`: tensors and plain containers only, so a
-    resume directory cannot run code (a pickle that would is refused). ValueError naming the file otherwise."""
+    resume directory cannot run code (a pickle that would is refused). ValueError naming `flag` and the file
+    otherwise."""
     import pickle
 
     path = os.path.join(ckpt, "trainer_state.pt")
@@ -50,10 +51,10 @@ def read_trainer_state(ckpt: str) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"--resume {path}: refused: not loadable as plain tensors and containers (weights_only), "
+        raise ValueError(f"{flag} {path}: refused: not loadable as plain tensors and containers (weights_only), "
                          f"so it was not unpickled; it is not an omniroll checkpoint, or one from an older "
                          f"version: start a fresh run ({first})") from None
     missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise ValueError(f"--resume {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
+        raise ValueError(f"{flag} {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
     return state
