@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 
+from omniroll.engine.params import DTYPE_NAMES  # no torch: `omniroll --help` stays fast
+
 HELP = "export a trainer checkpoint for diffusers: a LoRA file (load_lora_weights) or, with --merge, a whole pipeline"
 
 
@@ -29,7 +31,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None,
                         help="the base model the checkpoint was trained on (default: its trainer_state.pt's "
                              "engine.model)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="the dtype the exported weights are written in")
 
 

@@ -18,10 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+from omniroll.engine.params import DTYPE_NAMES
+
 #: the file diffusers' `save_lora_weights` writes and `load_lora_weights(dir)` reads
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-#: the dtypes an export may be written in (`--dtype`)
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ def export_checkpoint(source: ExportSource, to: str, merge: bool = False, dtype:
     directory (`merge` True) at `to`, atomically; returns the files written (relative to `to`)."""
     import torch
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_NAMES:  # the dtypes a model computes in
+        raise ValueError(f"--dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
     if source.kind == "full" and not merge:
         raise ValueError(f"CKPT {source.checkpoint}: a full-weight checkpoint has no LoRA to export; use --merge "
                          f"(a whole pipeline directory with those weights)")
