@@ -230,3 +230,46 @@ def test_window_schedules_per_step():
     assert all(0 <= a and b == a + 2 and b <= 6 for a, b in wins) and len(set(wins)) > 1
     fixed = load_config({**base, "trainer": {"prompts": ["a red car"], "prompts_per_step": 1}})
     assert window_for_step(fixed, 5) is None
+
+
+def test_a_checkpoint_replaces_a_stale_one_whole(tiny_sd3_path, tmp_path):
+    """A run written into the `--out` of an earlier run: its step directory replaces the old one whole (the old run's
+    versions.safetensors, from an asynchronous run, once stayed beside a synchronous run's weights and broke
+    `--resume` with a KeyError), and `latest` names only a complete checkpoint."""
+    from omniroll.train.checkpoint import find_checkpoint, read_trainer_state, write_checkpoint
+    from omniroll.train.policy import Policy
+    from omniroll.train.versions import VersionStore
+
+    out = str(tmp_path / "run")
+    pol = Policy(tiny_sd3_path, "lora", rank=4, alpha=8, seed=3)
+    kept = VersionStore(pol, keep=1)  # an asynchronous run keeps versions
+    kept.record(0)
+    kept.record(1)
+    state = {"step": 2, "version": 2, "optimizer": {}, "mode": "lora"}
+    first = write_checkpoint(out, 2, policy=pol, store=kept, state=state)
+    assert os.path.isfile(os.path.join(first, "versions.safetensors"))
+    sync = VersionStore(pol, keep=0)  # a synchronous run in the same --out keeps none
+    sync.record(2)
+    second = write_checkpoint(out, 2, policy=pol, store=sync, state=state)
+    assert second == first and find_checkpoint(out) == second
+    assert not os.path.exists(os.path.join(second, "versions.safetensors"))
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]  # no temporary left
+    assert read_trainer_state(second)["step"] == 2
+
+
+def test_a_checkpoint_that_fails_to_write_leaves_the_previous_one(tiny_sd3_path, tmp_path):
+    from omniroll.train.checkpoint import find_checkpoint, write_checkpoint
+    from omniroll.train.policy import Policy
+    from omniroll.train.versions import VersionStore
+
+    out = str(tmp_path / "run")
+    pol = Policy(tiny_sd3_path, "lora", rank=4, alpha=8, seed=3)
+    store = VersionStore(pol, keep=0)
+    good = write_checkpoint(out, 1, policy=pol, store=store, state={"step": 1, "version": 1, "optimizer": {},
+                                                                    "mode": "lora"})
+    import pickle
+
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):  # a state torch cannot save: midway
+        write_checkpoint(out, 2, policy=pol, store=store, state={"step": 2, "bad": lambda: 0})
+    assert find_checkpoint(out) == good
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000001"]

@@ -7,18 +7,35 @@ reading its state without unpickling code (`read_trainer_state`).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import torch
 
 
 def write_checkpoint(out_dir: str, step: int, *, policy, store, state: dict) -> str:
-    """Write step `step`'s checkpoint (`state`: the trainer_state.pt dict) and point `latest` at it."""
-    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    policy.save(path)
-    store.save(path)
-    torch.save(state, os.path.join(path, "trainer_state.pt"))
-    with open(os.path.join(out_dir, "checkpoints", "latest"), "w") as f:
+    """Write step `step`'s checkpoint (`state`: the trainer_state.pt dict) and point `latest` at it. The checkpoint is
+    written into a temporary directory and renamed into place, replacing a directory of the same step whole (say, of
+    an earlier run in the same `--out`): a checkpoint never mixes files of two runs, and `latest` never names a
+    half-written one."""
+    root = os.path.join(out_dir, "checkpoints")
+    path = os.path.join(root, f"step_{step:06d}")
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.", dir=root)
+    try:
+        policy.save(tmp)
+        store.save(tmp)
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    latest = os.path.join(root, "latest")
+    with open(latest + ".tmp", "w") as f:
         f.write(os.path.basename(path) + "\n")
+    os.replace(latest + ".tmp", latest)
     return path
 
 
