@@ -92,16 +92,18 @@ class RankGroup:
                  + ", ".join(f"{n[:8]} x{self.nodes.count(n)}" for n in where))
         return self
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """Leave the process group (graceful: each rank destroys it, 30 s at most) and end the ranks."""
         from omniroll.ray_nodes import kill_actors
 
         if self.actors:
             import ray
 
-            try:
-                ray.get([a.close.remote() for a in self.actors], timeout=30)
-            except Exception:  # noqa: BLE001 - a rank that is gone or stuck: killed below
-                pass
+            if graceful:
+                try:
+                    ray.get([a.close.remote() for a in self.actors], timeout=30)
+                except Exception:  # noqa: BLE001 - a rank that is gone or stuck: killed below
+                    pass
             kill_actors(self.actors)
             self.actors = []
         if self.placement is not None:
@@ -169,7 +171,7 @@ class RankGroup:
 
         node = self.nodes[rank] if rank < len(self.nodes) else None
         where = f"node {node[:8]} ({node_address(node) or 'gone'})" if node else "an unknown node"
-        self.close()
+        self.close(graceful=False)  # the others may be blocked in a collective with the failed one
         raise TrainerRankError(f"trainer rank {rank} on {where} failed during {what}: {why}; every rank was stopped")
 
 
