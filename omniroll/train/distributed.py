@@ -84,13 +84,19 @@ class RankGroup:
         self.backend = self._gather([a.init_group.remote(address, tc.sync_timeout_s) for a in self.actors],
                                     "start")[0]
         # 4. The same state on every rank.
-        state = [ray.put({k: p.detach().cpu() for k, p in policy.named_parameters()}), ray.put(optimizer.state_dict()),
-                 ray.put(algorithm.state_dict()), ray.put(dict(store.snapshots)), store.current]
-        self._gather([a.load_state.remote(*state) for a in self.actors], "start")
+        self.load(policy, optimizer, algorithm, store)
         where = sorted({n for n in self.nodes if n})
         self.log(f"{N} trainer rank(s) ({self.backend}, {tc.placement}) on {len(where)} node(s): "
                  + ", ".join(f"{n[:8]} x{self.nodes.count(n)}" for n in where))
         return self
+
+    def load(self, policy, optimizer, algorithm, store) -> None:
+        """Give every rank `policy`'s trainable weights, the optimizer's and algorithm's state and the kept versions."""
+        import ray
+
+        state = [ray.put({k: p.detach().cpu() for k, p in policy.named_parameters()}), ray.put(optimizer.state_dict()),
+                 ray.put(algorithm.state_dict()), ray.put(dict(store.snapshots)), store.current]
+        self._gather([a.load_state.remote(*state) for a in self.actors], "loading the trainer's state")
 
     def close(self, graceful: bool = True) -> None:
         """Leave the process group (graceful: each rank destroys it, 30 s at most) and end the ranks."""
