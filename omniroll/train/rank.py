@@ -74,8 +74,6 @@ class TrainerRank:
         self.rank, self.world_size = rank, world_size
         self.policy = Policy(model_path, tc.mode, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules,
                              dtype=config.engine.dtype, seed=tc.seed)
-        if torch.cuda.is_available() and tc.resources.num_gpus > 0:
-            self.policy.denoiser.to("cuda")
         self.algorithm = make_algorithm(config, self.policy.adapter)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas),
                                            weight_decay=tc.weight_decay)
@@ -92,7 +90,8 @@ class TrainerRank:
         return free_address()
 
     def init_group(self, init_method: str, timeout_s: float) -> str:
-        """Join the process group (every rank at once). Returns the backend."""
+        """Join the process group (every rank at once): nccl when the trainable parameters are on a GPU, gloo
+        otherwise (the trainer's policy computes on the CPU today, so gloo). Returns the backend."""
         import torch.distributed as dist
 
         backend = "nccl" if next(iter(self.policy.parameters())).is_cuda else "gloo"
