@@ -190,3 +190,20 @@ def test_ranks_on_two_nodes_a_killed_rank_ends_the_run_in_one_line_naming_it(two
     assert waited < 60, waited  # no hang: the rollout of step 2, then the failure at once
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000001"
     assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1]
+
+
+def test_a_forward_process_algorithm_trains_on_two_ranks_with_its_state_kept_equal(ray_cluster, tiny_sd3_path, tmp_path):
+    """NFT at N = 2: its own state (the old weights, decayed after every step on every rank) stays equal on the ranks
+    and the driver (which samples with it), the first step is exact, the weights move."""
+    from omniroll.train import FlowGRPOTrainer
+
+    cfg = dp_config(tiny_sd3_path, 2, "nft", steps=2)
+    with FlowGRPOTrainer(cfg, str(tmp_path / "nft"), log=lambda s: None) as tr:
+        hist = tr.train()
+        ranks = tr.ranks.rank_weights()
+        olds = [r["old"] for r in tr.ranks.algorithm_states()]
+        driver_old = tr.algorithm.state_dict()["old"]
+        moved = max(float(p.detach().abs().max()) for n, p in tr.policy.named_parameters() if "lora_B" in n)
+    assert hist[0]["ratio_max_abs_dev"] == 0.0 and all(m["optimizer_steps"] == 1 for m in hist)
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0]) and moved > 0
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(olds[0], olds[1], driver_old))

@@ -146,6 +146,10 @@ class RankGroup:
         """Every rank's trainable weights (tests: they stay equal)."""
         return self._gather([a.weights.remote() for a in self.actors], "weights")
 
+    def algorithm_states(self) -> list[dict]:
+        """Every rank's algorithm state (tests: it stays equal)."""
+        return self._gather([a.algorithm_state.remote() for a in self.actors], "algorithm states")
+
     # ------------------------------------------------------------------ waiting, failing
     def _gather(self, refs: list, what: str, ranks: Optional[list[int]] = None) -> list:
         """The ranks' results in order. A failed rank stops them all (TrainerRankError naming it and its node); after

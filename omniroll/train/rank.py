@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from omniroll.sampling.seeds import rank_seed
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.policy import Policy
 from omniroll.train.update import GradientShare, train_on_batch
@@ -115,8 +116,8 @@ class TrainerRank:
         """This rank's part of the step's update. Returns its stats and metrics; rank 0 adds its weights and
         algorithm state (equal on every rank)."""
         tc = self.tc
-        # 1. The plan with this rank's versions and store.
-        plan = replace(plan, versions=versions, store=self.store)
+        # 1. The plan with this rank's seed (its own draws), versions and store.
+        plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store)
         if tc.gradient_checkpointing and not self.checkpointing and len(rows):
             from omniroll.train.policy import enable_gradient_checkpointing
 
@@ -133,12 +134,15 @@ class TrainerRank:
         out = {"stats": stats, "prepared": prepared, "after": after}
         if self.rank == 0:
             out["weights"] = self.weights()
-            out["algorithm"] = self.algorithm.state_dict()
+            out["algorithm"] = self.algorithm_state()
         return out
 
     def weights(self) -> dict:
         """This rank's trainable weights by name (tests compare the ranks with them)."""
         return {k: p.detach().cpu().clone() for k, p in self.policy.named_parameters()}
+
+    def algorithm_state(self) -> dict:
+        return self.algorithm.state_dict()
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
