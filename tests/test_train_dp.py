@@ -13,13 +13,14 @@ from omniroll.config import ConfigError, load_config
 
 PROMPTS = ["a blue car", "a green bird", "a green car", "a blue bird"]
 #: N = 2 against N = 1 on the same batch: the all-reduce adds two ranks' partial gradients where one process adds the
-#: micro-batches in another order, so a gradient element differs in its last bits. Adam's first steps move a weight by
-#: lr g / (|g| + eps): near g = 0 that multiplies a gradient difference by up to lr / eps = 1e6, so an element whose
-#: partial gradients cancel moves a little differently. The tolerance is relative to the largest move: 1e-3 of it
-#: (measured after 3 updates: 2e-5 of it for LoRA (5.7e-7 absolute), 2.6e-4 for full weights (7.7e-6)); a lost or
-#: doubly counted micro-batch changes the update by tens of percent of the move. The gradient's scale, which Adam
-#: hides in the weights, is compared through the first step's grad_norm (rel 1e-6).
-RTOL_OF_MOVE = 1e-3
+#: micro-batches in another order (and each rank shuffles its own shard), so a gradient element differs in its last
+#: bits. Adam's first steps move a weight by lr g / (|g| + eps): near g = 0 that multiplies a gradient difference by
+#: up to lr / eps = 1e6, so an element whose partial gradients cancel moves a little differently. The tolerance is
+#: relative to the largest move, 1e-2 of it (measured after 3 updates: 4e-5 of it for LoRA, 6e-4 for full weights);
+#: a lost or doubly counted micro-batch (a quarter of the rows here) changes the update by tens of percent of the
+#: move, and ranks that did not share their gradients would differ from each other (asserted bitwise). The gradient's
+#: scale, which Adam hides in the weights, is compared through the first step's grad_norm (rel 1e-6).
+RTOL_OF_MOVE = 1e-2
 
 
 def dp_config(model, world_size=1, algorithm="flow_grpo", **trainer):
@@ -77,7 +78,7 @@ def test_two_ranks_train_what_one_process_trains(ray_cluster, tiny_sd3_path, tmp
     from safetensors.torch import load_file
 
     kw = {"mode": mode, "max_staleness": max_staleness, "num_inner_epochs": 3}
-    one, _, w1 = run(dp_config(tiny_sd3_path, 1, **kw), str(tmp_path / "n1"))
+    one, _, _ = run(dp_config(tiny_sd3_path, 1, **kw), str(tmp_path / "n1"), steps=1)  # step 1 is compared
     t0 = time.time()
     two, ranks, w2 = run(dp_config(tiny_sd3_path, 2, **kw), str(tmp_path / "n2"))
     print(f"N=2, {mode}, max_staleness {max_staleness}: {time.time() - t0:.1f}s")
@@ -99,8 +100,7 @@ def test_two_ranks_train_what_one_process_trains(ray_cluster, tiny_sd3_path, tmp
         init = load_file(os.path.join(tiny_sd3_path, "transformer", "diffusion_pytorch_model.safetensors"))
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     moved = max(float((a[k] - init[k]).abs().max()) for k in init)
-    drift = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
-    print(f"step 1: max |w(N=1) - w(N=2)| {diff:.3g} (moved up to {moved:.3g}); after step 3: {drift:.3g}")
+    print(f"step 1: max |w(N=1) - w(N=2)| {diff:.3g} (moved up to {moved:.3g})")
     assert moved > 0.01 and diff <= RTOL_OF_MOVE * moved
     # one metrics.jsonl line and one checkpoint per step
     lines = [json.loads(x) for x in open(tmp_path / "n2" / "metrics.jsonl")]
