@@ -130,7 +130,8 @@ def main() -> None:
     print(f"\n{args.prompts} prompts x {args.n} = {args.prompts * args.n} rows, {args.size}px, {args.steps} steps, "
           f"window 3, {args.mode}, micro-batch {args.micro_batch_size}, {args.threads} thread(s) per process, "
           f"{args.repeats} repeats, medians")
-    print("| N | update (s) | time vs N=1 | max abs weight diff vs N=1 | ratio_max_abs_dev |\n|---|---:|---:|---:|---:|")
+    print("| N | update (s) | time vs N=1 | max abs weight diff vs N=1 | ratio_max_abs_dev |")
+    print("|---|---:|---:|---:|---:|")
     for N in (1, 2):
         print(f"| {N} | {med[N]:.2f} | {med[N] / med[1]:.2f} | {0.0 if N == 1 else diff:.3g} | {devs[N]} |")
     record_loadavg(info, "loadavg_end")

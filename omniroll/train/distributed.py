@@ -29,8 +29,8 @@ def adopt_weights(policy, weights: dict) -> None:
     """Copy `weights` (trainable parameter name -> tensor, rank 0's) into `policy`'s trainable parameters."""
     own = dict(policy.named_parameters())
     if own.keys() != weights.keys():
-        raise TrainerRankError(f"rank 0's weights do not match the trainer's policy (missing "
-                               f"{sorted(own.keys() - weights.keys())[:3]}, extra {sorted(weights.keys() - own.keys())[:3]})")
+        missing, extra = sorted(own.keys() - weights.keys())[:3], sorted(weights.keys() - own.keys())[:3]
+        raise TrainerRankError(f"rank 0's weights do not match the trainer's policy (missing {missing}, extra {extra})")
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(weights[k])
