@@ -4,8 +4,9 @@
 One step (`step`, top to bottom): (1) roll out `prompts_per_step` prompts x `n` samples through the
 `AgentLoopManager` with the algorithm's sampling overrides (replicas are Ray actors; rewards stream while generation
 runs); (2) the algorithm's advantages per prompt group; (3) its anchors (`prepare`), then inner epochs over shuffled
-micro-batches and its loss terms (`train/update.py`); (4) push the weights the replicas sample with to every replica
-through `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
+micro-batches and its loss terms (`train/update.py`; with `trainer.world_size` N > 1 on N ranks, each a shard of whole
+prompt groups: `train/distributed.py`); (4) push the weights the replicas sample with to every replica through
+`WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
 
 A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
 step's first optimizer update) is logged every step: exactly 0.0 with the engine's batch-invariant mode. With
