@@ -208,3 +208,17 @@ def test_a_forward_process_algorithm_trains_on_two_ranks_with_its_state_kept_equ
     assert hist[0]["ratio_max_abs_dev"] == 0.0 and all(m["optimizer_steps"] == 1 for m in hist)
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0]) and moved > 0
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(olds[0], olds[1], driver_old))
+
+
+def test_uneven_shards_with_accumulation_step_together(ray_cluster, tiny_sd3_path, tmp_path):
+    """3 prompt groups on 2 ranks (4 and 8 rows), an optimizer step per micro-batch of 2: rank 0 has 2 accumulation
+    groups, rank 1 has 4; rank 0 joins the last 2 global steps with a zero gradient, so both step 4 times, stay
+    equal, and nothing waits for a collective that never comes."""
+    from omniroll.train import FlowGRPOTrainer
+
+    cfg = dp_config(tiny_sd3_path, 2, steps=1, prompts_per_step=3, micro_batches_per_update=1)
+    with FlowGRPOTrainer(cfg, str(tmp_path / "uneven"), log=lambda s: None) as tr:
+        (m,) = tr.train()
+        ranks = tr.ranks.rank_weights()
+    assert m["num_samples"] == 12 and m["optimizer_steps"] == 4 and m["ratio_max_abs_dev"] == 0.0
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
