@@ -61,6 +61,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from omniroll.cli import CommandFailed
+    from omniroll.train.distributed import TrainerRankError
     from omniroll.train.signal_check import NoLearningSignal
     from omniroll.train.trainer import FlowGRPOTrainer
 
@@ -76,6 +77,10 @@ def run(args) -> int:
         print(f"\nomniroll train: interrupted; checkpoint of step {trainer.step_done} in "
               f"{os.path.join(args.out, 'checkpoints')} (continue with --resume {args.out})", file=sys.stderr)
         return 130
+    except TrainerRankError as e:  # a data-parallel rank died or failed: exit 1, one line naming it and its node
+        ckpts = os.path.join(args.out, "checkpoints")
+        raise CommandFailed([f"{e}; step {trainer.step_done} was the last completed (continue from the latest "
+                             f"checkpoint in {ckpts} with --resume {args.out})"]) from None
     except NoLearningSignal as e:  # exit 1, one line per problem (omniroll.cli.main)
         raise CommandFailed(e.problems + [f"stopped after step {trainer.step_done}; its checkpoint is in "
                                           f"{os.path.join(args.out, 'checkpoints')}"]) from None

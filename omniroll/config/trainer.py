@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
-from omniroll.config.sections import _Strict
+from omniroll.config.sections import Placement, Resources, _Strict
 
 
 class LoRASection(_Strict):
@@ -60,6 +60,16 @@ class SignalCheckSection(_Strict):
                                     "reward of the last reward_window steps is more than this many standard errors "
                                     "(from the step rewards' spread) below the mean reward of the first "
                                     "reward_window steps")
+
+
+class RankResources(_Strict):
+    """`trainer.resources`: what each trainer rank (a Ray actor of the data-parallel update) reserves."""
+
+    num_cpus: float = Field(1.0, ge=0, le=1024, allow_inf_nan=False, description="CPUs per rank, in [0, 1024]")
+    num_gpus: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="GPUs per rank, in [0, 1] (a rank "
+                            "drives one GPU at most)")
+    custom: Resources = Field(default_factory=dict, description="custom Ray resources per rank, e.g. "
+                              "{a100_node: 1} (each > 0)")
 
 
 #: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)
@@ -128,6 +138,14 @@ class TrainerSection(_Strict):
                                "under the weight version that ran each window step")
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=1e6, description="truncation of the importance weight "
                                         "pi_prox / pi_behaviour per window step (>= 1, so K = 0 is exact)")
+    # the data-parallel update (docs/training/data_parallel.md; omniroll/train/distributed.py)
+    world_size: int = Field(1, ge=1, le=1024, description="trainer ranks that run each step's update, in [1, 1024] "
+                            "and <= prompts_per_step (a rank trains whole prompt groups); 1: the update runs in the "
+                            "trainer's own process, as always; N > 1: N Ray actors in one torch.distributed group")
+    resources: RankResources = Field(default_factory=RankResources, description="what each rank reserves "
+                                     "(world_size > 1 only)")
+    placement: Placement = Field("pack", description="pack: ranks together; spread: on distinct nodes when it can "
+                                 "(world_size > 1 only)")
     # what a step reports about itself (omniroll/train/policy_move.py, signal_check.py)
     policy_move_rows: int = Field(8, ge=0, le=100_000, description="rows (the step's first ones) whose transitions "
                                   "are recomputed before and after the update to measure policy_kl, post_approx_kl "
@@ -188,4 +206,7 @@ class TrainerSection(_Strict):
             raise ValueError("prompts: training needs at least one prompt (prompts or prompts_file)")
         if self.prompts_per_step > n:
             raise ValueError(f"prompts_per_step: must be <= the number of prompts ({n}), got {self.prompts_per_step}")
+        if self.world_size > self.prompts_per_step:
+            raise ValueError(f"world_size: must be in [1, prompts_per_step={self.prompts_per_step}] (each rank trains "
+                             f"whole prompt groups), got {self.world_size}")
         return self

@@ -3,7 +3,7 @@ sits in a batch (`derive_seed`, `derive_group_seed`, `batch_prompt_uid`), the on
 (`make_generator`), and the trainer's seeds, each a function of (trainer seed, step, ...) only, so a resumed run draws
 exactly as a straight one: which prompts a step rolls out (`prompt_order_seed`), its random SDE window
 (`window_seed`), the inner epochs' shuffling (`shuffle_seed`), and the algorithms' own draws (`trained_steps_seed`,
-`training_timesteps_seed`, `noise_term_seed`).
+`training_timesteps_seed`, `noise_term_seed`), each data-parallel rank with its own seed (`rank_seed`).
 
 torch-free at import: the functions that need torch import it when called.
 """
@@ -78,6 +78,12 @@ def trained_steps_seed(seed: int, step: int) -> int:
 def training_timesteps_seed(seed: int, step: int) -> int:
     """The forward-process algorithms (NFT, AWM): the timesteps each row trains at."""
     return (int(seed) * 1_000_037 + int(step)) * 37 + 11
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A data-parallel trainer rank's seed for its shard's draws (shuffling, DanceGRPO's steps, the forward-process
+    timesteps and noise): rank 0 keeps the trainer seed, the others get their own, so no two ranks draw alike."""
+    return int(seed) if int(rank) == 0 else int(seed) + 104_729 * int(rank)
 
 
 def noise_term_seed(seed: int, step: int, epoch: int, chunk: int, term: int) -> int:

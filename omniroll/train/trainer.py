@@ -4,8 +4,9 @@
 One step (`step`, top to bottom): (1) roll out `prompts_per_step` prompts x `n` samples through the
 `AgentLoopManager` with the algorithm's sampling overrides (replicas are Ray actors; rewards stream while generation
 runs); (2) the algorithm's advantages per prompt group; (3) its anchors (`prepare`), then inner epochs over shuffled
-micro-batches and its loss terms (`train/update.py`); (4) push the weights the replicas sample with to every replica
-through `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
+micro-batches and its loss terms (`train/update.py`; with `trainer.world_size` N > 1 on N ranks, each a shard of whole
+prompt groups: `train/distributed.py`); (4) push the weights the replicas sample with to every replica through
+`WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
 
 A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
 step's first optimizer update) is logged every step: exactly 0.0 with the engine's batch-invariant mode. With
@@ -31,6 +32,8 @@ from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
 from omniroll.train import checkpoint, tracking
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
+from omniroll.train.distributed import RankGroup, adopt_weights
+from omniroll.train.interrupts import DeferredInterrupt
 from omniroll.train.policy import Policy
 from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.reward_curve import plot_rewards
@@ -67,10 +70,10 @@ class FlowGRPOTrainer:
         self.reward_handles: list = []
         self.manager = None
         self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started
+        self.ranks: Optional[RankGroup] = None  # the data-parallel update's ranks (trainer.world_size > 1)
         self.ray_address = ray_address  # a cluster to join (default: RAY_ADDRESS, else a local Ray)
         self.history: list[dict] = []
-        self._pending_interrupt = False
-        self._critical = False
+        self.interrupts = DeferredInterrupt()
         self._checkpointing = False
         self._threads_before: Optional[int] = None
         self.pipeline: Optional[RolloutPipeline] = None
@@ -107,6 +110,9 @@ class FlowGRPOTrainer:
         self.tracker = Tracker(self.config, self.out_dir, self._tracking_state, log=self.log)
         self.cluster.start()  # Ray (joined or local), replicas, reward workers, agent-loop manager
         self._adopt_cluster()
+        if self.tc.world_size > 1:
+            self.ranks = RankGroup(cfg, self.cluster.model, self.log).start(self.policy, self.optimizer, self.algorithm,
+                                                                            self.store)
         self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
@@ -142,6 +148,9 @@ class FlowGRPOTrainer:
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
         if self.cluster is not None:
             self.cluster.close()  # the manager, reward workers, replicas, placement groups, Ray: in reverse
             self.cluster = None
@@ -173,7 +182,7 @@ class FlowGRPOTrainer:
         check = LearningSignalCheck.for_config(self.config, self.log, self.history_all() or self.history)
         old = signal.getsignal(signal.SIGINT)
         with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
-            signal.signal(signal.SIGINT, self._on_sigint)
+            signal.signal(signal.SIGINT, self.interrupts.handler)
         try:
             if self.step_done == 0 and not self.resume_from:
                 self.validate("before")
@@ -210,23 +219,6 @@ class FlowGRPOTrainer:
                          model=tracking.model_name(self.config))
         return self.history
 
-    def _on_sigint(self, signum, frame) -> None:
-        if self._critical:
-            self._pending_interrupt = True  # raised once this step's update and sync are complete
-            return
-        raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def _uninterruptible(self):
-        self._critical = True
-        try:
-            yield
-        finally:
-            self._critical = False
-        if self._pending_interrupt:
-            self._pending_interrupt = False
-            raise KeyboardInterrupt
-
     def step(self, step: int) -> dict:
         tc, K = self.tc, self.tc.max_staleness
         t0 = time.time()
@@ -254,11 +246,18 @@ class FlowGRPOTrainer:
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update or n_micro, versions=versions, store=self.store,
                           decoupled=K > 0 or tc.old_log_prob == "recompute")
-        prepared = self.algorithm.prepare(self.policy, traj, plan)  # its anchors (behaviour, proximal, timesteps)
-        with self._uninterruptible():
-            stats = train_on_batch(self.policy, self.optimizer, self.algorithm, traj, adv.advantages, plan,
-                                   num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
-            after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
+        if self.ranks is None:  # the update in this process
+            prepared = self.algorithm.prepare(self.policy, traj, plan)  # its anchors (behaviour, proximal, timesteps)
+        with self.interrupts.critical():
+            if self.ranks is None:
+                stats = train_on_batch(self.policy, self.optimizer, self.algorithm, traj, adv.advantages, plan,
+                                       num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
+                after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
+            else:  # world_size > 1: the ranks' update (train/distributed.py); this process adopts rank 0's state
+                res = self.ranks.update(traj, adv.advantages, list(out.non_tensor_batch["uid"]), plan)
+                adopt_weights(self.policy, res["weights"])
+                self.algorithm.load_state_dict(res["algorithm"])
+                prepared, stats, after = res["prepared"], res["stats"], res["after"]
             t2 = time.time()
             prox_version = self.version
             self.store.record(step)
@@ -373,7 +372,8 @@ class FlowGRPOTrainer:
 
     def save_checkpoint(self) -> str:
         return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store, state={
-            "step": self.step_done, "version": self.version, "optimizer": self.optimizer.state_dict(),
+            "step": self.step_done, "version": self.version,
+            "optimizer": self.ranks.optimizer_state() if self.ranks else self.optimizer.state_dict(),
             "discarded_samples": self.discarded_samples, "mode": self.tc.mode,
             "config": self.config.model_dump(mode="json"), "algorithm": self.tc.algorithm,
             "algorithm_state": self.algorithm.state_dict(),

@@ -4,11 +4,18 @@ window steps, training timesteps), gradient accumulation, grad-norm clip, optimi
 The loop is the same for every algorithm (omniroll/train/algorithms/); it measures `ratio_max_abs_dev` (the maximum
 of the terms' `deviation` before the first optimizer update: 0.0 when the trained weights compute exactly what the
 sampler computed) and averages the terms' metrics.
+
+Data-parallel (`GradientShare`, one per rank; omniroll/train/distributed.py): the rank's rows are a shard of the
+step's batch; each micro-batch's loss (a mean over its rows) is scaled by its rows' share of the global optimizer step
+(rows / (all ranks' rows in that step x terms)), the gradients are summed over the ranks (`all_reduce`) before the
+clip, and every rank steps its optimizer the same number of times (`rows_per_update`), with zero gradient for an
+accumulation group it has no rows in. The update is then the one of the whole batch's row mean on every rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -28,11 +35,23 @@ class UpdateStats:
     behaviour_ratio_mean: float = 1.0  # pi_prox / pi_behaviour over every (row, window step, epoch); 1.0 when plain
     behaviour_ratio_max_abs_dev: float = 0.0  # max |pi_prox / pi_behaviour - 1|
     behaviour_weight_capped_frac: float = 0.0  # share of (row, window step) terms truncated at behaviour_weight_cap
+    scored: int = 0  # (row, term) pairs scored: the weight of this rank's fractions when ranks' stats are merged
+
+
+@dataclass
+class GradientShare:
+    """One data-parallel rank's part of the update (module doc). rows_per_update: the rows of every global optimizer
+    step of an inner epoch (all ranks); all_reduce: sums the parameters' gradients over the ranks, in place."""
+
+    rows_per_update: Sequence[int]
+    all_reduce: Callable[[list], None]
 
 
 def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorithm, rows, advantages: torch.Tensor,
-                   plan: UpdatePlan, *, num_inner_epochs: int, max_grad_norm: float) -> UpdateStats:
-    """Run the step's update on `rows` (TrajectoryBatch or CleanBatch) after `algorithm.prepare`."""
+                   plan: UpdatePlan, *, num_inner_epochs: int, max_grad_norm: float,
+                   share: Optional[GradientShare] = None) -> UpdateStats:
+    """Run the step's update on `rows` (TrajectoryBatch or CleanBatch) after `algorithm.prepare`; with `share`, this
+    rank's part of a data-parallel update (module doc)."""
     B = len(rows)
     if advantages.shape != (B,):
         raise ValueError(f"advantages must be [{B}], got {tuple(advantages.shape)}")
@@ -43,6 +62,14 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     b_sum, b_dev, capped, decoupled = 0.0, 0.0, 0, False
     updates = 0
     optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step():
+        if share is not None:
+            share.all_reduce(params)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     for epoch in range(num_inner_epochs):
         perm = torch.randperm(B, generator=shuffle_generator(plan.seed, plan.step, epoch))
         chunks = perm.split(plan.micro_batch_size)
@@ -57,7 +84,10 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
             for k in range(T):
                 terms = algorithm.loss(policy, mb, idx, adv, k, plan, epoch=epoch, chunk=c,
                                        first_update=updates == 0)
-                (terms.loss / (group_size * T)).backward()
+                if share is None:
+                    (terms.loss / (group_size * T)).backward()
+                else:  # its rows' share of the global step's row mean
+                    (terms.loss * (len(idx) / (share.rows_per_update[c // per_update] * T))).backward()
                 if updates == 0:
                     dev = max(dev, float(terms.deviation.max()))
                 clipped += int(terms.clipped.sum())
@@ -73,10 +103,12 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                 kls.append(float(terms.kl))
             # 3. At the end of an accumulation group: clip the gradient, step the optimizer.
             if (c + 1) % per_update == 0 or c == len(chunks) - 1:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer_step()
                 updates += 1
+        # 4. Data-parallel: the global steps this rank has no rows in (its gradient is zero; the others' is not).
+        for _ in range(-(-len(chunks) // per_update), len(share.rows_per_update) if share is not None else 0):
+            optimizer_step()
+            updates += 1
 
     def mean(x):
         return sum(x) / max(len(x), 1)
@@ -85,4 +117,5 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                        loss=mean(losses), policy_loss=mean(plosses), kl=mean(kls), grad_norm=mean(norms),
                        optimizer_steps=updates,
                        behaviour_ratio_mean=b_sum / max(total, 1) if decoupled else 1.0,
-                       behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(total, 1))
+                       behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(total, 1),
+                       scored=total)

@@ -56,6 +56,11 @@ class VersionStore:
                 for p, s in zip(params, self.snapshots[self.current]):
                     p.copy_(s)
 
+    def adopt(self, snapshots: dict[int, list[torch.Tensor]], current: int) -> None:
+        """Another store's kept versions (a data-parallel rank takes the trainer's), then `record(current)`."""
+        self.snapshots = {int(v): [t.clone() for t in snap] for v, snap in snapshots.items()}
+        self.record(current)
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
         """`versions.safetensors`: every kept version's weights (a resumed run regenerates in-flight batches with

@@ -1,0 +1,190 @@
+"""`RankGroup`: the trainer's data-parallel update (`trainer.world_size` N > 1; docs/training/data_parallel.md): N
+`TrainerRank` Ray actors (omniroll/train/rank.py), placed by `trainer.placement` / `trainer.resources` (one
+placement-group bundle each, the replicas' rules), in one torch.distributed process group.
+
+The driver (`FlowGRPOTrainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
+weight push. Each step `update` splits the batch by whole prompt groups (omniroll/train/shard.py), ships every rank
+its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights
+and algorithm state, which the driver adopts into its own policy and pushes to the replicas. A rank that dies or fails
+ends the step with `TrainerRankError`, one line naming the rank and its node; the other ranks are stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch
+
+from omniroll.train.algorithms import UpdatePlan
+from omniroll.train.shard import merge_stats, rows_per_update, shard_by_groups
+
+
+class TrainerRankError(RuntimeError):
+    """A data-parallel trainer rank died or failed."""
+
+
+def adopt_weights(policy, weights: dict) -> None:
+    """Copy `weights` (trainable parameter name -> tensor, rank 0's) into `policy`'s trainable parameters."""
+    own = dict(policy.named_parameters())
+    if own.keys() != weights.keys():
+        missing, extra = sorted(own.keys() - weights.keys())[:3], sorted(weights.keys() - own.keys())[:3]
+        raise TrainerRankError(f"rank 0's weights do not match the trainer's policy (missing {missing}, extra {extra})")
+    with torch.no_grad():
+        for k, p in own.items():
+            p.copy_(weights[k])
+
+
+def merge_metrics(records: list[dict]) -> dict:
+    """The ranks' `prepare` / `after_update` metrics as one: the maximum of a float whose key says `max`, the mean of
+    other floats, rank 0's value otherwise (e.g. NFT's decay: the same on every rank). A rank without rows adds none."""
+    records = [r for r in records if r] or [{}]
+    out = dict(records[0])
+    for k, v in out.items():
+        vals = [r[k] for r in records if k in r]
+        if isinstance(v, float):
+            out[k] = max(vals) if "max" in k else sum(vals) / len(vals)
+    return out
+
+
+class RankGroup:
+    """config: the OmniRollConfig; model_path: the trainer's resolved model; log: one line per event."""
+
+    def __init__(self, config: Any, model_path: str, log: Callable[[str], None] = print):
+        self.config, self.tc, self.model_path, self.log = config, config.trainer, model_path, log
+        self.world_size = self.tc.world_size
+        self.actors: list = []
+        self.nodes: list[Optional[str]] = []
+        self.placement = None
+        self.backend: Optional[str] = None
+
+    # ------------------------------------------------------------------ start / stop
+    def start(self, policy, optimizer, algorithm, store) -> "RankGroup":
+        """Start the ranks and their process group; give them the trainer's weights, optimizer state, algorithm
+        state and kept versions (a fresh run's or a checkpoint's)."""
+        import ray
+
+        from omniroll.ray_nodes import actor_node_ids
+        from omniroll.rollout.ray_cluster import ActorPlacement, bundle_for
+        from omniroll.train.rank import TrainerRank
+
+        tc, rs, N = self.tc, self.tc.resources, self.world_size
+        # 1. Placement: one bundle per rank (pack / spread), as the replicas are placed.
+        self.placement = ActorPlacement.create("trainer.placement", N, bundle_for(rs.num_cpus, rs.num_gpus,
+                                                                                  rs.custom), tc.placement)
+        cls = ray.remote(num_cpus=rs.num_cpus, num_gpus=rs.num_gpus, resources=dict(rs.custom) or None,
+                         max_restarts=0)(TrainerRank)
+        # 2. The ranks, and where they landed.
+        self.actors = [cls.options(**self.placement.options(r)).remote(self.config, self.model_path, r, N)
+                       for r in range(N)]
+        self.nodes = actor_node_ids(self.actors, timeout_s=tc.sync_timeout_s)
+        # 3. The process group: rank 0's node and a free port there, every rank joining at once.
+        address = self._gather([self.actors[0].rendezvous.remote()], "start", ranks=[0])[0]
+        self.backend = self._gather([a.init_group.remote(address, tc.sync_timeout_s) for a in self.actors],
+                                    "start")[0]
+        # 4. The same state on every rank.
+        self.load(policy, optimizer, algorithm, store)
+        where = sorted({n for n in self.nodes if n})
+        self.log(f"{N} trainer rank(s) ({self.backend}, {tc.placement}) on {len(where)} node(s): "
+                 + ", ".join(f"{n[:8]} x{self.nodes.count(n)}" for n in where))
+        return self
+
+    def load(self, policy, optimizer, algorithm, store) -> None:
+        """Give every rank `policy`'s trainable weights, the optimizer's and algorithm's state and the kept versions."""
+        import ray
+
+        state = [ray.put({k: p.detach().cpu() for k, p in policy.named_parameters()}), ray.put(optimizer.state_dict()),
+                 ray.put(algorithm.state_dict()), ray.put(dict(store.snapshots)), store.current]
+        self._gather([a.load_state.remote(*state) for a in self.actors], "loading the trainer's state")
+
+    def close(self, graceful: bool = True) -> None:
+        """Leave the process group (graceful: each rank destroys it, 30 s at most) and end the ranks."""
+        from omniroll.ray_nodes import kill_actors
+
+        if self.actors:
+            import ray
+
+            if graceful:
+                try:
+                    ray.get([a.close.remote() for a in self.actors], timeout=30)
+                except Exception:  # noqa: BLE001 - a rank that is gone or stuck: killed below
+                    pass
+            kill_actors(self.actors)
+            self.actors = []
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
+
+    # ------------------------------------------------------------------ a step
+    def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> dict:
+        """Every rank's part of the step's update (`rows`: the whole batch; `uids`: its prompt groups). Returns
+        {"stats": merged UpdateStats, "prepared": ..., "after": ..., "weights": rank 0's, "algorithm": its state}."""
+        import ray
+
+        # 1. Whole prompt groups per rank; the rows of every global optimizer step.
+        shards = shard_by_groups(uids, self.world_size)
+        per = rows_per_update([len(s) for s in shards], plan.micro_batch_size, plan.per_update)
+        base = replace(plan, versions=None, store=None)
+        # 2. Each rank its shard (object store), all at once; wait for all, stop every rank if one fails.
+        refs = []
+        for a, s in zip(self.actors, shards):
+            idx = torch.tensor(s, dtype=torch.long)
+            versions = plan.versions[idx] if plan.versions is not None else None
+            refs.append(a.update.remote(ray.put(rows.rows(idx)), advantages[idx], base, versions, per))
+        outs = self._gather(refs, f"step {plan.step}'s update")
+        return {"stats": merge_stats([o["stats"] for o in outs]),
+                "prepared": merge_metrics([o["prepared"] for o in outs]),
+                "after": merge_metrics([o["after"] for o in outs]), "weights": outs[0]["weights"],
+                "algorithm": outs[0]["algorithm"]}
+
+    def optimizer_state(self) -> dict:
+        """Rank 0's optimizer state (the same on every rank) for the checkpoint."""
+        return self._gather([self.actors[0].optimizer_state.remote()], "checkpoint", ranks=[0])[0]
+
+    def rank_weights(self) -> list[dict]:
+        """Every rank's trainable weights (tests: they stay equal)."""
+        return self._gather([a.weights.remote() for a in self.actors], "weights")
+
+    def algorithm_states(self) -> list[dict]:
+        """Every rank's algorithm state (tests: it stays equal)."""
+        return self._gather([a.algorithm_state.remote() for a in self.actors], "algorithm states")
+
+    # ------------------------------------------------------------------ waiting, failing
+    def _gather(self, refs: list, what: str, ranks: Optional[list[int]] = None) -> list:
+        """The ranks' results in order. A failed rank stops them all (TrainerRankError naming it and its node); after
+        the first rank finishes, the others get `sync_timeout_s` (a live rank blocked in a collective is released by
+        the process group's own timeout, the same)."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        deadline = None
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    results[r] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - any rank failure ends the step, named
+                    self._fail(r, what, f"{type(e).__name__}: {_first_line(e)}")
+            if ready and deadline is None:
+                deadline = time.time() + self.tc.sync_timeout_s
+            if pending and deadline is not None and time.time() > deadline:
+                self._fail(min(pending.values()), what, f"did not finish within sync_timeout_s="
+                                                       f"{self.tc.sync_timeout_s:g}s of the first rank")
+        return [results[r] for r in ranks]
+
+    def _fail(self, rank: int, what: str, why: str) -> None:
+        from omniroll.rollout.ray_cluster import node_address
+
+        node = self.nodes[rank] if rank < len(self.nodes) else None
+        where = f"node {node[:8]} ({node_address(node) or 'gone'})" if node else "an unknown node"
+        self.close(graceful=False)  # the others may be blocked in a collective with the failed one
+        raise TrainerRankError(f"trainer rank {rank} on {where} failed during {what}: {why}; every rank was stopped")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
