@@ -162,13 +162,15 @@ def two_nodes():
 def test_ranks_on_two_nodes_a_killed_rank_ends_the_run_in_one_line_naming_it(two_nodes, tiny_sd3_path, tmp_path):
     """Ranks spread over two worker nodes train a step; rank 1 is killed after step 1: step 2's update (rank 0 then
     waits in the all-reduce for a dead peer) ends the run with one line naming rank 1 and its node, within seconds,
-    and the checkpoint of step 1 stays the latest."""
+    and the driver writes the checkpoint of step 1, the last completed (no checkpoint_every: written at the failure),
+    with rank 0's optimizer state."""
     import ray
 
     from omniroll.train import FlowGRPOTrainer
     from omniroll.train.distributed import TrainerRankError
 
-    cfg = dp_config(tiny_sd3_path, 2, placement="spread", resources={"num_cpus": 0, "custom": {"rank_slot": 1}})
+    cfg = dp_config(tiny_sd3_path, 2, placement="spread", resources={"num_cpus": 0, "custom": {"rank_slot": 1}},
+                    checkpoint_every=0)
     out = tmp_path / "killed"
     with FlowGRPOTrainer(cfg, str(out), log=lambda s: None) as tr:
         assert set(tr.ranks.nodes) == two_nodes  # one rank on each worker node
@@ -190,6 +192,8 @@ def test_ranks_on_two_nodes_a_killed_rank_ends_the_run_in_one_line_naming_it(two
     assert waited < 60, waited  # no hang: the rollout of step 2, then the failure at once
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000001"
     assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1]
+    state = torch.load(out / "checkpoints" / "step_000001" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1 and state["optimizer"]["state"]  # Adam's moments after step 1's update
 
 
 def test_a_forward_process_algorithm_trains_on_two_ranks_with_its_state_kept_equal(ray_cluster, tiny_sd3_path,

@@ -79,8 +79,8 @@ def run(args) -> int:
         return 130
     except TrainerRankError as e:  # a data-parallel rank died or failed: exit 1, one line naming it and its node
         ckpts = os.path.join(args.out, "checkpoints")
-        raise CommandFailed([f"{e}; step {trainer.step_done} was the last completed (continue from the latest "
-                             f"checkpoint in {ckpts} with --resume {args.out})"]) from None
+        raise CommandFailed([f"{e}; the checkpoint of step {trainer.step_done}, the last completed, is in {ckpts} "
+                             f"(continue with --resume {args.out})"]) from None
     except NoLearningSignal as e:  # exit 1, one line per problem (omniroll.cli.main)
         raise CommandFailed(e.problems + [f"stopped after step {trainer.step_done}; its checkpoint is in "
                                           f"{os.path.join(args.out, 'checkpoints')}"]) from None

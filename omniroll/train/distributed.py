@@ -4,9 +4,11 @@ placement-group bundle each, the replicas' rules), in one torch.distributed proc
 
 The driver (`FlowGRPOTrainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
 weight push. Each step `update` splits the batch by whole prompt groups (omniroll/train/shard.py), ships every rank
-its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights
-and algorithm state, which the driver adopts into its own policy and pushes to the replicas. A rank that dies or fails
-ends the step with `TrainerRankError`, one line naming the rank and its node; the other ranks are stopped.
+its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights,
+optimizer state and algorithm state, which the driver adopts (it pushes the weights to the replicas, and so always
+holds the last completed step whole). A rank that dies or fails ends the step with `TrainerRankError`, one line
+naming the rank and its node; the other ranks are stopped, and the driver writes the last completed step's
+checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ def adopt_weights(policy, weights: dict) -> None:
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(weights[k])
+
+
+def adopt_rank0(result: dict, policy, optimizer, algorithm) -> None:
+    """Rank 0's weights, optimizer state and algorithm state after an update (`RankGroup.update`'s result) into the
+    driver's own: it then holds the completed step whole (what it pushes, logs and checkpoints)."""
+    adopt_weights(policy, result["weights"])
+    optimizer.load_state_dict(result["optimizer"])
+    algorithm.load_state_dict(result["algorithm"])
 
 
 def merge_metrics(records: list[dict]) -> dict:
@@ -119,7 +129,8 @@ class RankGroup:
     # ------------------------------------------------------------------ a step
     def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> dict:
         """Every rank's part of the step's update (`rows`: the whole batch; `uids`: its prompt groups). Returns
-        {"stats": merged UpdateStats, "prepared": ..., "after": ..., "weights": rank 0's, "algorithm": its state}."""
+        {"stats": merged UpdateStats, "prepared": ..., "after": ..., "weights": rank 0's, "optimizer" and
+        "algorithm": its states}."""
         import ray
 
         # 1. Whole prompt groups per rank; the rows of every global optimizer step.
@@ -136,11 +147,7 @@ class RankGroup:
         return {"stats": merge_stats([o["stats"] for o in outs]),
                 "prepared": merge_metrics([o["prepared"] for o in outs]),
                 "after": merge_metrics([o["after"] for o in outs]), "weights": outs[0]["weights"],
-                "algorithm": outs[0]["algorithm"]}
-
-    def optimizer_state(self) -> dict:
-        """Rank 0's optimizer state (the same on every rank) for the checkpoint."""
-        return self._gather([self.actors[0].optimizer_state.remote()], "checkpoint", ranks=[0])[0]
+                "optimizer": outs[0]["optimizer"], "algorithm": outs[0]["algorithm"]}
 
     def rank_weights(self) -> list[dict]:
         """Every rank's trainable weights (tests: they stay equal)."""

@@ -113,8 +113,9 @@ class TrainerRank:
 
     def update(self, rows, advantages: torch.Tensor, plan: UpdatePlan, versions: Optional[torch.Tensor],
                rows_per_update: list[int]) -> dict:
-        """This rank's part of the step's update. Returns its stats and metrics; rank 0 adds its weights and
-        algorithm state (equal on every rank)."""
+        """This rank's part of the step's update. Returns its stats and metrics; rank 0 adds its weights, optimizer
+        state and algorithm state (equal on every rank), which the driver keeps: it can checkpoint the last completed
+        step whatever happens to the ranks later."""
         tc = self.tc
         # 1. The plan with this rank's seed (its own draws), versions and store.
         plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store)
@@ -135,6 +136,7 @@ class TrainerRank:
         if self.rank == 0:
             out["weights"] = self.weights()
             out["algorithm"] = self.algorithm_state()
+            out["optimizer"] = self.optimizer.state_dict()
         return out
 
     def weights(self) -> dict:
@@ -143,9 +145,6 @@ class TrainerRank:
 
     def algorithm_state(self) -> dict:
         return self.algorithm.state_dict()
-
-    def optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
 
     def close(self) -> None:
         import torch.distributed as dist

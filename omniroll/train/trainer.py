@@ -32,7 +32,7 @@ from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
 from omniroll.train import checkpoint, tracking
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
-from omniroll.train.distributed import RankGroup, adopt_weights
+from omniroll.train.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.interrupts import DeferredInterrupt
 from omniroll.train.policy import Policy
 from omniroll.train.policy_move import policy_move, snapshot
@@ -203,10 +203,11 @@ class FlowGRPOTrainer:
         except NoLearningSignal:
             self.save_checkpoint()  # the last completed step; the caller says why the run stopped
             raise
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, TrainerRankError) as e:  # Ctrl-C, or a data-parallel rank that died or failed
             n = self.pipeline.discard() if self.pipeline is not None else 0
             self.discarded_samples += n
-            self.log(f"interrupted: discarded {n} in-flight sample(s) of coming steps; writing the checkpoint of step "
+            why = "interrupted" if isinstance(e, KeyboardInterrupt) else "a trainer rank failed"
+            self.log(f"{why}: discarded {n} in-flight sample(s) of coming steps; writing the checkpoint of step "
                      f"{self.step_done}")
             self.save_checkpoint()
             raise
@@ -255,8 +256,7 @@ class FlowGRPOTrainer:
                 after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
             else:  # world_size > 1: the ranks' update (train/distributed.py); this process adopts rank 0's state
                 res = self.ranks.update(traj, adv.advantages, list(out.non_tensor_batch["uid"]), plan)
-                adopt_weights(self.policy, res["weights"])
-                self.algorithm.load_state_dict(res["algorithm"])
+                adopt_rank0(res, self.policy, self.optimizer, self.algorithm)  # the completed step, whole
                 prepared, stats, after = res["prepared"], res["stats"], res["after"]
             t2 = time.time()
             prox_version = self.version
@@ -373,7 +373,7 @@ class FlowGRPOTrainer:
     def save_checkpoint(self) -> str:
         return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store, state={
             "step": self.step_done, "version": self.version,
-            "optimizer": self.ranks.optimizer_state() if self.ranks else self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
             "discarded_samples": self.discarded_samples, "mode": self.tc.mode,
             "config": self.config.model_dump(mode="json"), "algorithm": self.tc.algorithm,
             "algorithm_state": self.algorithm.state_dict(),
