@@ -59,7 +59,7 @@ docs-screenshots: docs
 	for page in index:home training/nft/:nft_page; do \
 	  $(CHROMIUM) --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
 	    --disable-component-update --disable-sync --user-data-dir=$$(mktemp -d) --hide-scrollbars --virtual-time-budget=3000 \
-	    --window-size=1280,1100 --screenshot=docs/screenshots/$${page##*:}.png \
+	    --window-size=1280,1500 --screenshot=docs/screenshots/$${page##*:}.png \
 	    http://127.0.0.1:$(SHOT_PORT)/$$(echo $${page%%:*} | sed 's/^index$$//') 2> /dev/null; \
 	done; kill $$(cat .shot-server.pid); rm -f .shot-server.pid
 
