@@ -1,15 +1,18 @@
-"""Files every command writes: atomic writes (mode 0644), JSON-safe values, and `run_info` (what made a file).
+"""Files every command writes: atomic writes (mode 0644) of files and of whole directories, JSON-safe values, and
+`run_info` (what made a file).
 
 The trajectory layout itself is `omniroll.trajectory_file`; these writers know nothing of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 import tempfile
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 FILE_MODE = 0o644
 
@@ -39,6 +42,24 @@ def _write_atomic(path: str, data: bytes) -> str:
             os.unlink(tmp)
         raise
     return path
+
+
+@contextlib.contextmanager
+def staged_directory(target: str, prefix: str = ".tmp-") -> Iterator[str]:
+    """A directory written whole or not at all: yields a new temporary directory beside `target` to write into; when
+    the block ends normally it replaces `target` (a directory already there is removed first), and when the block
+    raises (or is interrupted) it is removed and `target` stays as it was."""
+    target = os.path.abspath(target)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix + os.path.basename(target) + ".", dir=os.path.dirname(target))
+    try:
+        yield tmp
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_text(path: str, text: str) -> str:

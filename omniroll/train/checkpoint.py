@@ -7,10 +7,10 @@ reading its state without unpickling code (`read_trainer_state`).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import torch
+
+from omniroll.files import staged_directory
 
 
 def write_checkpoint(out_dir: str, step: int, *, policy, store, state: dict) -> str:
@@ -20,18 +20,10 @@ def write_checkpoint(out_dir: str, step: int, *, policy, store, state: dict) -> 
     half-written one."""
     root = os.path.join(out_dir, "checkpoints")
     path = os.path.join(root, f"step_{step:06d}")
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.", dir=root)
-    try:
+    with staged_directory(path) as tmp:
         policy.save(tmp)
         store.save(tmp)
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     latest = os.path.join(root, "latest")
     with open(latest + ".tmp", "w") as f:
         f.write(os.path.basename(path) + "\n")

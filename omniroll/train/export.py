@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from omniroll.engine.params import DTYPE_NAMES
+from omniroll.files import staged_directory
 
 #: the file diffusers' `save_lora_weights` writes and `load_lora_weights(dir)` reads
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -90,22 +91,13 @@ def export_checkpoint(source: ExportSource, to: str, merge: bool = False, dtype:
                          f"(a whole pipeline directory with those weights)")
     check_target(to)
     to = os.path.abspath(to)
-    parent = os.path.dirname(to)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
-    try:
+    with staged_directory(to, prefix=".tmp-export-") as tmp:  # `to` holds a whole export or nothing
         torch_dtype = getattr(torch, dtype)
         if merge:
             write_merged(source, tmp, torch_dtype)
         else:
             write_lora(source, tmp, torch_dtype)
-        check_target(to)  # nothing appeared there meanwhile
-        if os.path.isdir(to):
-            os.rmdir(to)
-        os.rename(tmp, to)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        check_target(to)  # nothing appeared there meanwhile (an empty directory is replaced)
     return sorted(os.path.relpath(os.path.join(d, f), to) for d, _, files in os.walk(to) for f in files)
 
 
