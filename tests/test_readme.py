@@ -5,6 +5,8 @@ Convention (also stated in CONTRIBUTING.md):
 - Each ```bash / ```sh / ```shell and ```python block is run as it stands: shell blocks with `bash -eo pipefail`,
   Python blocks each in a fresh interpreter (so every Python block must be self-contained). Lines that run `make`
   are left out (`make demo` / `make test` install things; CI runs them separately).
+- The files run in DOC_FILES' order and each file's blocks top to bottom, in one scratch directory: a block may read
+  what an earlier block wrote (the README's shapes run, which the evaluation page evaluates).
 - Blocks run in a scratch directory that holds a link to the repository's `examples/`, with the console scripts of
   this interpreter on PATH, `OMNIROLL_CACHE` pointing at the session's tiny model, Ray commands attached to the
   test session's Ray cluster (`RAY_ADDRESS`, never a second cluster), and the environment variable CONTRIBUTING.md
