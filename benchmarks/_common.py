@@ -21,6 +21,31 @@ PLACES = ("on a table", "in a forest", "on the beach", "in the city", "under the
           "in a garden", "on a mountain", "in a kitchen", "in the snow")
 
 
+# ------------------------------------------------------------------------------------------- training steps
+#: the prompts of the training-step benchmarks (blue / green: the colours the tiny random VAE can make)
+TRAIN_PROMPTS = ["a blue car", "a green car", "a blue bird", "a green bird", "a blue house", "a green house"]
+
+
+def train_step_config(args, model: str, reward_functions: dict, **trainer):
+    """The training-step benchmarks' config (train_step.py, train_scaling.py): the tiny model, one replica, one
+    agent-loop and one reward worker, an SDE window of 3 in steps [0, 6); `args` gives prompts, n, size, steps and
+    threads; `trainer` adds or overrides trainer keys."""
+    from omniroll.config import load_config
+
+    return load_config({
+        "replicas": {"count": 1, "num_cpus": 1},
+        "engine": {"model": model, "max_batch_size": 64, "num_threads": args.threads},
+        "pipeline": {"height": args.size, "width": args.size, "num_inference_steps": args.steps,
+                     "guidance_scale": 4.5, "max_sequence_length": 16},
+        "algo": {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 3, "sde_window_range": [0, 6]},
+        "agent": {"num_workers": 1},
+        "reward": {"num_workers": 1, "functions": reward_functions},
+        "n": args.n, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 1},
+        "trainer": {"prompts": TRAIN_PROMPTS[:args.prompts], "prompts_per_step": args.prompts, "lr": 0.003,
+                    "steps": 10_000, **trainer},
+    })
+
+
 # --------------------------------------------------------------------------------------------------- prompts
 def make_prompts(P: int, run: int, tag: int = 0, tags_per_run: int = 1) -> list[str]:
     """P distinct prompts, different for every (run, tag) with 0 <= tag < tags_per_run, so no engine ever re-encodes

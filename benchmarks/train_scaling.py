@@ -21,27 +21,12 @@ import time
 
 import torch
 
-from _common import machine_info, quiet_libraries, record_loadavg
-
-PROMPTS = ["a blue car", "a green car", "a blue bird", "a green bird", "a blue house", "a green house"]
-
+from _common import machine_info, quiet_libraries, record_loadavg, train_step_config
 
 def config(args, model: str, world_size: int):
-    from omniroll.config import load_config
-
-    return load_config({
-        "replicas": {"count": 1, "num_cpus": 1},
-        "engine": {"model": model, "max_batch_size": 64, "num_threads": args.threads},
-        "pipeline": {"height": args.size, "width": args.size, "num_inference_steps": args.steps,
-                     "guidance_scale": 4.5, "max_sequence_length": 16},
-        "algo": {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 3, "sde_window_range": [0, 6]},
-        "agent": {"num_workers": 1},
-        "reward": {"num_workers": 1, "functions": {"colour": {"fn": "prompt_colour"}}},
-        "n": args.n, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 1},
-        "trainer": {"prompts": PROMPTS[:args.prompts], "prompts_per_step": args.prompts, "lr": 0.003,
-                    "micro_batch_size": args.micro_batch_size, "steps": 10_000, "mode": args.mode,
-                    "num_threads": args.threads, "world_size": world_size, "resources": {"num_cpus": 0}},
-    })
+    return train_step_config(args, model, {"colour": {"fn": "prompt_colour"}},
+                             micro_batch_size=args.micro_batch_size, mode=args.mode, num_threads=args.threads,
+                             world_size=world_size, resources={"num_cpus": 0})
 
 
 def main() -> None:

@@ -23,27 +23,12 @@ import time
 
 import torch
 
-from _common import machine_info, quiet_libraries, record_loadavg
-
-PROMPTS = ["a blue car", "a green car", "a blue bird", "a green bird", "a blue house", "a green house"]
-
+from _common import machine_info, quiet_libraries, record_loadavg, train_step_config
 
 def config(args, model: str):
-    from omniroll.config import load_config
-
-    return load_config({
-        "replicas": {"count": 1, "num_cpus": 1},
-        "engine": {"model": model, "max_batch_size": 64, "num_threads": args.threads},
-        "pipeline": {"height": args.size, "width": args.size, "num_inference_steps": args.steps,
-                     "guidance_scale": 4.5, "max_sequence_length": 16},
-        "algo": {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 3, "sde_window_range": [0, 6]},
-        "agent": {"num_workers": 1},
-        "reward": {"num_workers": 1, "functions": {"r": {"fn": "benchmarks_reward:delayed_colour",
-                                                       "kwargs": {"delay_ms": args.reward_delay_ms}}}},
-        "n": args.n, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 1},
-        "trainer": {"prompts": PROMPTS[:args.prompts], "prompts_per_step": args.prompts, "lr": 0.003,
-                    "micro_batch_size": 16, "steps": 10_000, "lora": {"rank": 8, "alpha": 16}},
-    })
+    return train_step_config(args, model, {"r": {"fn": "benchmarks_reward:delayed_colour",
+                                                 "kwargs": {"delay_ms": args.reward_delay_ms}}},
+                             micro_batch_size=16, lora={"rank": 8, "alpha": 16})
 
 
 class Sequential:
