@@ -6,8 +6,8 @@ Each step it receives its shard of the batch (whole prompt groups, advantages of
 algorithm's `prepare`, the generic update (`train_on_batch` with a `GradientShare`: the trainable gradients are
 summed over the ranks before every clip and optimizer step; not a `DistributedDataParallel` wrapper) and
 `after_update`. The ranks start from the same weights and optimizer state and step with the same all-reduced
-gradient, so their weights stay equal; rank 0 returns its weights and algorithm state to the driver, which pushes
-them to the replicas.
+gradient, so their weights stay equal; rank 0 returns its weights, optimizer state and algorithm state to the driver,
+which adopts them (and pushes the weights to the replicas).
 """
 
 from __future__ import annotations
@@ -43,16 +43,18 @@ def all_reduce_gradients(params: list, group: Any = None) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     bucket: list = []
+    numel = 0
     for i, p in enumerate(live):
         bucket.append(p)
-        if i == len(live) - 1 or sum(q.numel() for q in bucket) >= BUCKET_NUMEL:
+        numel += p.numel()
+        if i == len(live) - 1 or numel >= BUCKET_NUMEL:
             flat = torch.cat([q.grad.reshape(-1) for q in bucket])
             dist.all_reduce(flat, group=group)
             offset = 0
             for q in bucket:
                 q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
                 offset += q.numel()
-            bucket = []
+            bucket, numel = [], 0
 
 
 def free_address() -> str:
