@@ -61,9 +61,10 @@ def check_sampling(source) -> tuple[str, int, dict]:
     return (prompts[0] if prompts else "a photo of a cat"), int(cfg.val_kwargs.seed), sampling
 
 
-def require_checkable(source, dtype: str = "float32") -> None:
-    """ValueError naming --check when `check_export` cannot compare this export: a family it cannot feed the same
-    noise, a dtype other than float32 (its tolerances are fp32's), or a run config it cannot read the sampling from."""
+def require_checkable(source, dtype: str = "float32") -> tuple[str, int, dict]:
+    """The check's (prompt, seed, sampling) (`check_sampling`); ValueError naming --check when `check_export` cannot
+    compare this export: a family it cannot feed the same noise, a dtype other than float32 (its tolerances are
+    fp32's), or a run config it cannot read the sampling from."""
     if source.pipeline_class not in CHECKED_PIPELINES:
         raise ValueError(f"--check: {source.pipeline_class} is not checked yet (supported: {list(CHECKED_PIPELINES)}); "
                          f"export without --check")
@@ -71,7 +72,7 @@ def require_checkable(source, dtype: str = "float32") -> None:
         raise ValueError(f"--check compares float32 exports (its tolerances are fp32's: bitwise, or a merge's "
                          f"rounding), got --dtype {dtype}; export without --check")
     try:
-        check_sampling(source)
+        return check_sampling(source)
     except ValueError as e:
         raise ValueError(f"--check: cannot read the run's sampling from {source.checkpoint}/trainer_state.pt: "
                          f"{(str(e).splitlines() or [''])[0]}") from None
@@ -90,8 +91,7 @@ def check_export(source, export_dir: str, merged: bool) -> CheckResult:
     from omniroll.models.base import load_pipeline
     from omniroll.sampling import make_generator
 
-    require_checkable(source)
-    prompt, seed, sampling = check_sampling(source)
+    prompt, seed, sampling = require_checkable(source)
     adapter = load_adapter(source.model_dir)
     if source.kind == "full":
         load_full_weights(adapter, source.checkpoint)
