@@ -28,14 +28,22 @@ def require_checkpoint(path: str, what: str = "path") -> str:
     return index
 
 
-def pipeline_class_name(path: str) -> Optional[str]:
-    """model_index.json's `_class_name` (ValueError when unreadable)."""
+def read_model_index(path: str) -> dict:
+    """model_index.json: the pipeline class and each component's (library, class) (ValueError when unreadable)."""
     index = require_checkpoint(path)
     try:
         with open(index) as f:
-            return json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"cannot read _class_name from {index}: {e}") from e
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {index}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"cannot read {index}: not a JSON object")
+    return data
+
+
+def pipeline_class_name(path: str) -> Optional[str]:
+    """model_index.json's `_class_name` (ValueError when unreadable)."""
+    return read_model_index(path).get("_class_name")
 
 
 def _is_int(value) -> bool:

@@ -11,7 +11,6 @@ into a temporary directory beside the target, renamed onto it at the end: the ta
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -42,6 +41,7 @@ def export_source(path: str, model: Optional[str] = None) -> ExportSource:
     argument (CKPT, --model) and what is wrong."""
     from omniroll.evaluation.checkpoints import checkpoint_kind
     from omniroll.models import ADAPTERS, pipeline_class_name, resolve_model
+    from omniroll.models.checkpoint import read_model_index
     from omniroll.train.checkpoint import find_checkpoint, read_trainer_state
 
     ckpt = find_checkpoint(path, flag="CKPT")
@@ -64,8 +64,7 @@ def export_source(path: str, model: Optional[str] = None) -> ExportSource:
     class_name = pipeline_class_name(model_dir)
     if class_name not in ADAPTERS:
         raise ValueError(f"{what}: pipeline {class_name!r} is not one omniroll exports; supported: {sorted(ADAPTERS)}")
-    with open(os.path.join(model_dir, "model_index.json")) as f:
-        second = (json.load(f).get("transformer_2") or [None])[0]
+    second = (read_model_index(model_dir).get("transformer_2") or [None])[0]
     if second is not None:  # Wan 2.2 A14B: two denoisers, and a LoRA file names one
         raise ValueError(f"{what}: {class_name} with two denoisers (transformer_2) is not supported by export")
     return ExportSource(ckpt, kind, model_dir, class_name)
@@ -136,8 +135,9 @@ def base_transformer(source: ExportSource, torch_dtype):
     """The base model's transformer alone (the class model_index.json names), loaded offline."""
     import diffusers
 
-    with open(os.path.join(source.model_dir, "model_index.json")) as f:
-        _, class_name = json.load(f)["transformer"]
+    from omniroll.models.checkpoint import read_model_index
+
+    _, class_name = read_model_index(source.model_dir)["transformer"]
     return getattr(diffusers, class_name).from_pretrained(source.model_dir, subfolder="transformer",
                                                           local_files_only=True, torch_dtype=torch_dtype)
 
