@@ -247,10 +247,6 @@ def layers_picture() -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------- mkdocs hooks
-def _generated(config, path: str, content: str) -> File:
-    return File.generated(config, path, content=content)
-
-
 def on_files(files, config):
     """Add the generated pages (replacing any file of the same name)."""
     pages = {"reference/config.md": config_reference(), "reference/cli.md": cli_reference(),
@@ -262,7 +258,7 @@ def on_files(files, config):
         old = files.get_file_from_path(path)
         if old is not None:
             files.remove(old)
-        files.append(_generated(config, path, content))
+        files.append(File.generated(config, path, content=content))
     return files
 
 
