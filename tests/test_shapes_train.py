@@ -1,6 +1,7 @@
-"""Flow-GRPO on the shapes world end to end: the shipped model, the shapes reward, the trainer's task evaluation
-before and after, and `omniroll eval` on the trainer's checkpoint drawing the very pictures (and so the very table)
-the trainer's evaluation drew with those weights."""
+"""Training on the shapes world end to end: the shipped model, the shapes reward, the trainer's task evaluation before
+and after (at the guidance scales of the regime the algorithm trains, the after one paired with the before one), and
+`omniroll eval` on the trainer's checkpoint drawing the very pictures (and so the very table and the very paired
+comparison, with `--baseline none`) the trainer's evaluation drew with those weights."""
 
 import json
 import os
@@ -8,12 +9,15 @@ import os
 from omniroll.config import load_config
 
 
-def shapes_config(prompts_file, **trainer):
+SDE = {"noise_level": 0.8, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 4]}
+
+
+def shapes_config(prompts_file, algo=SDE, **trainer):
     return load_config({
         "replicas": {"count": 1, "num_cpus": 1},
         "engine": {"model": "shapes", "max_batch_size": 32, "num_threads": 1},
         "pipeline": {"num_inference_steps": 6},
-        "algo": {"noise_level": 0.8, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 4]},
+        "algo": algo,
         "agent": {"num_workers": 1},
         "reward": {"num_workers": 1, "functions": {"geneval": {"fn": "shapes"},
                                                    "strict": {"fn": "shapes_strict", "weight": 0.0}}},
@@ -40,17 +44,53 @@ def test_training_evaluates_both_ends_and_omniroll_eval_reproduces_the_last(ray_
     assert all("reward/geneval/strict" in m and "reward/strict/mean" in m for m in steps)  # the zero-weight pass too
     evals = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"eval"' in x]
     assert [(e["eval"], e["step"]) for e in evals] == [("before", 0), ("after", 2)]
-    assert {"eval/prompts/strict", "eval/prompts/counting/strict", "eval/prompts/chance",
-            "eval/prompts/varied_prompts"} <= set(evals[-1])
-    assert sum(line.startswith("eval before (step 0) prompts: strict") for line in lines) == 1
-    for f in ("eval_curve.png", "eval/after_prompts_grid.png", "eval/before_prompts.json", "val_after.png",
-              "eval/before_after_prompts.png"):
+    name = "prompts_cfg4.5"  # Flow-GRPO samples with the pipeline's CFG: evaluated there
+    assert {f"eval/{name}/strict", f"eval/{name}/se", f"eval/{name}/counting/strict", f"eval/{name}/chance",
+            f"eval/{name}/varied_prompts"} <= set(evals[-1])
+    assert {f"eval/{name}/paired_up", f"eval/{name}/paired_z", f"eval/{name}/counting/paired_down"} <= set(evals[-1])
+    assert not any("paired" in k for k in evals[0])
+    assert sum(line.startswith(f"eval before (step 0) {name} (CFG 4.5): strict") for line in lines) == 1
+    assert sum(line.startswith("  vs before: ") for line in lines) == 1
+    for f in ("eval_curve.png", f"eval/after_{name}_grid.png", f"eval/before_{name}.json", "val_after.png",
+              f"eval/before_after_{name}.png"):
         assert os.path.getsize(os.path.join(out, f)) > 0
-    trainer_after = json.loads(open(os.path.join(out, "eval", "after_prompts.json")).read())
+    trainer_after = json.loads(open(os.path.join(out, "eval", f"after_{name}.json")).read())
+    assert trainer_after["guidance_scale"] == 4.5
 
     capsys.readouterr()
-    assert main(["eval", "--model", "shapes", "--checkpoint", out, "--prompts", str(prompts), "--seeds", "2",
-                 "--steps", "6", "--out", str(tmp_path / "ev"), "--quiet"]) == 0
+    assert main(["eval", "--model", "shapes", "--checkpoint", out, "--baseline", "none", "--prompts", str(prompts),
+                 "--seeds", "2", "--steps", "6", "--out", str(tmp_path / "ev"), "--quiet"]) == 0
+    printed = capsys.readouterr().out
     mine = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert mine["pictures"] == trainer_after["pictures"]  # same seeds, same weights: the same pictures and results
     assert mine["overall"] == trainer_after["overall"]
+    # the baseline `none` is the model itself, which the trainer's "before" evaluation drew: the same comparison
+    assert [mine["paired"]["overall"][k] for k in ("up", "down", "z")] == [
+        evals[-1][f"eval/{name}/paired_{k}"] for k in ("up", "down", "z")]
+    assert "McNemar z" in printed and "guidance 4.5" in printed
+    assert (tmp_path / "ev" / "baseline.json").is_file() and (tmp_path / "ev" / "baseline_grid.png").is_file()
+
+
+def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_numbers_beside(ray_cluster, tmp_path, capsys):
+    from omniroll.cli import main
+    from omniroll.train import FlowGRPOTrainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a circle\nthree squares\n")
+    cfg = shapes_config(prompts, algo={}, algorithm="nft", steps=1, algorithm_options={"timestep_fraction": 0.3},
+                        evaluation={"splits": [str(prompts)], "seeds": 1})
+    assert cfg.evaluation_guidances() == [1.0, 4.5]
+    out = str(tmp_path / "run")
+    lines = []
+    with FlowGRPOTrainer(cfg, out, log=lines.append) as tr:
+        tr.train()
+    after = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"eval"' in x][-1]
+    assert {"eval/prompts_cfg1/strict", "eval/prompts_cfg4.5/strict", "eval/prompts_cfg1/paired_z"} <= set(after)
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("eval after")] == [
+        "eval after (step 1) prompts_cfg1 (CFG off)", "eval after (step 1) prompts_cfg4.5 (CFG 4.5)"]
+    capsys.readouterr()
+    assert main(["eval", "--model", "shapes", "--checkpoint", out, "--prompts", str(prompts), "--seeds", "1",
+                 "--steps", "6", "--out", str(tmp_path / "ev"), "--quiet"]) == 0
+    assert "guidance 1 (CFG off): the regime" in capsys.readouterr().out  # the checkpoint's own regime by default
+    trainer_after = json.loads(open(os.path.join(out, "eval", "after_prompts_cfg1.json")).read())
+    assert json.loads((tmp_path / "ev" / "eval.json").read_text())["pictures"] == trainer_after["pictures"]

@@ -1,11 +1,20 @@
-"""`omniroll eval`: GenEval on the shapes world for a model and, optionally, a trainer checkpoint.
+"""`omniroll eval`: GenEval on the shapes world for a model and, optionally, a trainer checkpoint, with its standard
+errors, and paired with a baseline at the same prompts and seeds.
 
 Every prompt of `--prompts` (a split: train, heldout, all; or a file, one grammar prompt a line) `--seeds` times at
 fixed seeds (the trainer's evaluation seeds: `omniroll.evaluation.shapes.eval_seed`, from `val_kwargs.seed`),
-sampled with the deterministic ODE (the config's validation sampling: `val_kwargs` over `pipeline`, noise level 0),
-scored by the exact checker. Prints the table (strict accuracy per category, partial
-credit, the chance baseline) and writes `eval.json` (the table and every picture's result) and `eval_grid.png`
-(pictures captioned with their prompt, green when they pass, red when they fail) to `--out`.
+sampled with the deterministic ODE (the config's validation sampling: `val_kwargs` over `pipeline`, noise level 0)
+at the guidance scale `--guidance` (default: the regime the checkpoint trained in, CFG off for NFT and AWM; else the
+validation sampling's), scored by the exact checker. Prints the table (strict accuracy per category with its
+standard error, partial credit, the chance baseline) and writes `eval.json` (the table and every picture's result)
+and `eval_grid.png` (pictures captioned with their prompt: a check mark and green when they pass, a cross and red
+when they fail) to `--out`.
+
+`--baseline BASE` (a checkpoint, a run directory, or `none`: the model itself) evaluates BASE at the same prompts,
+seeds and guidance first (`baseline.json`, `baseline_grid.png`), then pairs the two (`omniroll.evaluation.paired`):
+pictures fail -> pass (up), pass -> fail (down), McNemar's z, per category and overall, in eval.json's `paired` field;
+prints the paired table and a verdict ("no detectable change" when |z| < 2); frames the flipped pictures in the grid
+and draws them, the baseline's above the checkpoint's, in `flips.png`.
 """
 
 from __future__ import annotations
@@ -13,10 +22,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Optional
 
 from omniroll.cli.common import add_config_arguments, build_config, preflight, quiet_libraries
 
-HELP = "GenEval-style evaluation on the shapes world (strict accuracy per category, a grid, a JSON file)"
+HELP = "GenEval-style evaluation on the shapes world (strict accuracy per category, paired with a baseline)"
+DEFAULT_SEEDS = 16  # the demo's 37 training prompts: a standard error of about 2 points (docs/evaluation.md)
 
 
 def add_arguments(parser) -> None:
@@ -25,9 +36,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint", "--lora", dest="checkpoint", default=None,
                         help="a checkpoint `omniroll train` wrote (LoRA or full; a run directory means its latest) "
                              "applied to --model (default: none, the model itself)")
+    parser.add_argument("--baseline", default=None, metavar="BASE",
+                        help="also evaluate BASE (a checkpoint, a run directory, or 'none': the model itself) at the "
+                             "same prompts, seeds and guidance, and pair the two (default: no baseline)")
     parser.add_argument("--prompts", default="train", help="train, heldout, all, or a file of grammar prompts (one a "
                                                            "line)")
-    parser.add_argument("--seeds", type=int, default=4, help="pictures per prompt, at seeds 0 .. N-1")
+    parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="pictures per prompt, at seeds 0 .. N-1")
     parser.add_argument("--out", default="out/eval", help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -43,38 +57,80 @@ def run(args) -> int:
         prompts = prompts_of(args.prompts)
     except (ValueError, FileNotFoundError) as e:
         raise UserError([f"--prompts: {line}" for line in str(e).splitlines()]) from None
-    ckpt = None
-    if args.checkpoint is not None:
-        from omniroll.evaluation.checkpoints import checkpoint_kind
-        from omniroll.train.checkpoint import find_checkpoint
-
-        try:
-            ckpt = find_checkpoint(args.checkpoint, flag="--checkpoint")
-            checkpoint_kind(ckpt)
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(f"--checkpoint: {e}") from None
+    ckpt = checkpoint_arg(args.checkpoint, "--checkpoint")
+    base = None if args.baseline in (None, "none") else checkpoint_arg(args.baseline, "--baseline")
+    guidance, why = eval_guidance(cfg, ckpt, getattr(args, "guidance", None))
     if args.quiet:
         quiet_libraries()
     model = preflight(cfg, prompts)
-    result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet)
+    print(f"guidance {guidance:g} ({'CFG off' if guidance <= 1 else 'CFG on'}): {why}")
+    baseline = None
+    if args.baseline is not None:
+        baseline = evaluate_model(cfg, model, prompts, args.seeds, base, args.out, progress=not args.quiet,
+                                  name="baseline", guidance=guidance)
+        print(baseline["table"])
+    result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet,
+                            guidance=guidance, baseline=baseline)
     print(result["table"])
-    print(json.dumps({"overall_strict": result["overall"]["strict"], "images": result["overall"]["n"],
-                      "seconds": round(result["seconds"], 1)}))
+    line = {"overall_strict": result["overall"]["strict"], "se": result["overall"]["se"],
+            "images": result["overall"]["n"], "guidance_scale": guidance, "seconds": round(result["seconds"], 1)}
+    if baseline is not None:
+        print(result["paired_table"])
+        line.update({"baseline_strict": baseline["overall"]["strict"], "paired": result["paired"]["overall"]})
+    print(json.dumps(line))
     for p in result["files"].values():
         print(f"  {os.path.abspath(p)}")
     return 0
 
 
+def checkpoint_arg(path: Optional[str], flag: str) -> Optional[str]:
+    """The checkpoint directory a flag names (a run directory means its latest); UserError naming the flag."""
+    from omniroll.cli import UserError
+    from omniroll.evaluation.checkpoints import checkpoint_kind
+    from omniroll.train.checkpoint import find_checkpoint
+
+    if path is None:
+        return None
+    try:
+        ckpt = find_checkpoint(path, flag=flag)
+        checkpoint_kind(ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"{flag}: {e}") from None
+    return ckpt
+
+
+def eval_guidance(cfg, checkpoint: Optional[str], flag: Optional[float]) -> tuple[float, str]:
+    """(the guidance scale to evaluate at, why): --guidance when given; else CFG off (1.0) for a checkpoint whose
+    algorithm rolls out CFG-free (NFT, AWM: the regime it trained); else the validation sampling's scale."""
+    from omniroll.config.algorithms import cfg_free_rollout
+    from omniroll.evaluation.shapes import eval_sampling
+    from omniroll.train.checkpoint import read_trainer_state
+
+    if flag is not None:
+        return float(flag), "--guidance"
+    scale = float(eval_sampling(cfg)["guidance_scale"])
+    if checkpoint is not None:
+        trained = (read_trainer_state(checkpoint, flag="--checkpoint").get("config") or {}).get("trainer")
+        if trained and scale > 1.0 and cfg_free_rollout(trained.get("algorithm"), trained.get("algorithm_options")):
+            return 1.0, (f"the regime {checkpoint} trained in (trainer.algorithm {trained.get('algorithm')} rolls out "
+                         f"CFG-free); --guidance {scale:g} for the guided numbers")
+    return scale, "the config's validation sampling"
+
+
 def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: str | None, out_dir: str,
-                   progress: bool = False, name: str = "eval") -> dict:
-    """Build the engine (with the checkpoint applied), evaluate, write the files; returns the report's dict with
-    `table`, `seconds` and `files`."""
+                   progress: bool = False, name: str = "eval", guidance: Optional[float] = None,
+                   baseline: Optional[dict] = None) -> dict:
+    """Build the engine (with the checkpoint applied), evaluate at `guidance` (default: the validation sampling's),
+    write the files; returns the report's dict with `table`, `seconds`, `files` and `evaluation` (the pictures).
+    With `baseline` (another call's result at the same prompts and seeds): also `paired` and `paired_table`, the
+    flipped pictures framed in the grid and drawn in `flips.png`."""
     import torch
 
     from omniroll.engine.config import EngineConfig
     from omniroll.engine.engine import DiffusionEngine
     from omniroll.evaluation.checkpoints import add_lora_checkpoint, checkpoint_kind, load_full_weights
-    from omniroll.evaluation.shapes import eval_sampling, evaluate, write_evaluation
+    from omniroll.evaluation.paired import flips, paired, paired_table
+    from omniroll.evaluation.shapes import eval_sampling, evaluate, flips_picture, write_evaluation
     from omniroll.models import load_adapter
 
     kwargs = cfg.engine.engine_kwargs()
@@ -83,18 +139,38 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     kind = checkpoint_kind(checkpoint) if checkpoint is not None else None
     if kind == "full":
         load_full_weights(adapter, checkpoint)
+    sampling = eval_sampling(cfg)
+    if guidance is not None:
+        sampling["guidance_scale"] = float(guidance)
     engine = DiffusionEngine(adapter, EngineConfig(**kwargs))
     t0 = time.time()
     try:
         if kind == "lora":
             add_lora_checkpoint(engine, checkpoint)
-        ev = evaluate(engine, prompts, seeds, eval_sampling(cfg), cfg.val_kwargs.seed, progress=progress)
+        ev = evaluate(engine, prompts, seeds, sampling, cfg.val_kwargs.seed, progress=progress)
     finally:
         engine.shutdown()
     seconds = time.time() - t0
-    title = cfg.engine.model + (f" + {checkpoint}" if checkpoint else "")
-    files = write_evaluation(ev, out_dir, name=name, title=title,
-                             extra={"model": cfg.engine.model, "checkpoint": checkpoint, "seeds": seeds,
-                                    "sampling": eval_sampling(cfg), "seconds": seconds})
+    title = (cfg.engine.model + (f" + {checkpoint}" if checkpoint else "")
+             + f", guidance {sampling['guidance_scale']:g}")
+    extra = {"model": cfg.engine.model, "checkpoint": checkpoint, "seeds": seeds, "sampling": sampling,
+             "guidance_scale": sampling["guidance_scale"], "seconds": seconds}
+    flipped, out = None, {}
+    if baseline is not None:
+        base_pictures = baseline["evaluation"].picture_records()
+        cmp = paired(base_pictures, ev.picture_records())
+        flipped = flips(base_pictures, ev.picture_records())
+        extra.update({"baseline": {"checkpoint": baseline["checkpoint"], "overall": baseline["overall"],
+                                   "categories": baseline["categories"]}, "paired": cmp})
+        out = {"paired": cmp, "paired_table": paired_table(
+            cmp, baseline, ev.report.to_dict(), f"paired with the baseline ({baseline['title']}): same prompts and "
+                                                f"seeds")}
+    files = write_evaluation(ev, out_dir, name=name, title=title, extra=extra, flipped=flipped)
+    if flipped is not None:
+        path = flips_picture(baseline["evaluation"], ev, flipped, os.path.join(out_dir, "flips.png"),
+                             title=f"{title} vs {baseline['title']}")
+        if path is not None:
+            files["flips"] = path
     table = ev.report.table(f"omniroll eval: {title} ({len(set(prompts))} prompts x {seeds} seeds)")
-    return {**ev.report.to_dict(), "table": table, "seconds": seconds, "files": files}
+    return {**ev.report.to_dict(), **out, "table": table, "seconds": seconds, "files": files, "evaluation": ev,
+            "checkpoint": checkpoint, "title": title}

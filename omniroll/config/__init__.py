@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from omniroll.config.algorithms import ALGORITHMS, check_algorithm
+from omniroll.config.algorithms import ALGORITHMS, cfg_free_rollout, check_algorithm
 from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
                                       Placement, ReplicasSection, Resources, RewardSection, ValKwargs, PartialAlgo,
                                       PartialPipeline, _Strict)
@@ -125,6 +125,19 @@ class OmniRollConfig(_Strict):
                     locate=lambda loc: (f"{section}{_SECTION.get(str(loc[0]), '')}{'.'.join(map(str, loc))}"
                                         if loc else ""))) from None
         return self
+
+    def evaluation_guidances(self) -> list[float]:
+        """The CFG scales `trainer.evaluation` evaluates at (its `guidance_scales`, else the regime the algorithm
+        trains first: 1.0, CFG off, then the validation sampling's scale for a CFG-free rollout; the validation
+        sampling's scale alone otherwise)."""
+        ev = self.trainer.evaluation if self.trainer is not None else None
+        if ev is not None and ev.guidance_scales is not None:
+            return list(ev.guidance_scales)
+        scale = float(self.sampling_params(validate=True)["guidance_scale"])
+        tc = self.trainer
+        if tc is not None and scale > 1.0 and cfg_free_rollout(tc.algorithm, tc.algorithm_options):
+            return [1.0, scale]
+        return [scale]
 
     def sampling_params(self, validate: bool = False) -> dict:
         """The per-request sampling dict (SamplingParams fields)."""

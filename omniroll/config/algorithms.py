@@ -58,8 +58,8 @@ COMMON_KEYS = frozenset({
     "adv_clip_max", "global_std", "kl_beta", "num_inner_epochs", "micro_batch_size", "micro_batches_per_update",
     "max_grad_norm", "mode", "lora", "gradient_checkpointing", "checkpoint_every", "val_every", "evaluation", "seed",
     "weight_transport", "sync_timeout_s", "num_threads", "max_staleness", "partial_rollout", "on_stale",
-    "signal_check", "logger", "project_name", "experiment_name", "log_images_every", "log_images_count",
-    "algorithm", "algorithm_options", "world_size", "resources", "placement"})
+    "signal_check", "signal_every", "logger", "project_name", "experiment_name", "log_images_every",
+    "log_images_count", "algorithm", "algorithm_options", "world_size", "resources", "placement"})
 #: shared keys only the log-prob (SDE window) algorithms read
 LOG_PROB_KEYS = frozenset({"clip_range", "old_log_prob", "behaviour_weight_cap", "window_schedule",
                            "window_advance_every", "policy_move_rows"})
@@ -91,6 +91,15 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {  # each one's reference: its file's doc
 }
 
 AlgorithmName = Literal["flow_grpo", "grpo_guard", "dance_grpo", "nft", "awm"]
+
+def cfg_free_rollout(algorithm: str, options: dict) -> bool:
+    """Whether `algorithm` with `options` (a `trainer.algorithm_options` dict) rolls out, and so trains, the CFG-free
+    policy: the forward-process algorithms unless `rollout_cfg` keeps the pipeline's CFG. Such a run is evaluated
+    CFG-free by default."""
+    spec = ALGORITHMS.get(algorithm)
+    return (spec is not None and spec.rollout == "clean_latent"
+            and not spec.options.model_validate(options or {}).rollout_cfg)
+
 
 #: `algo.*` keys that describe the SDE window: a forward-process algorithm samples the ODE and sets none of them
 SDE_ALGO_KEYS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent")

@@ -4,7 +4,9 @@ with the exact checker, and tabulate strict accuracy per category against a chan
 
 `evaluate(engine, prompts, seeds, sampling)` runs it on an in-process `DiffusionEngine` (`omniroll eval`,
 `omniroll pretrain shapes`); the trainer validates with the same prompts, seeds and scoring through its replicas.
-`write_evaluation` writes `eval.json` (the table, every picture's prompt, seed and result) and a captioned grid.
+`write_evaluation` writes `eval.json` (the table, every picture's prompt, seed and result) and a captioned grid
+(flipped pictures marked when a paired comparison is given: `omniroll.evaluation.paired`); `flips_picture` draws the
+pictures a change flipped, the baseline's above the new ones.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import numpy as np
 
 from omniroll.tasks.shapes.report import Report, Scored, captioned_grid, score_pictures
 
-__all__ = ["Evaluation", "eval_sampling", "eval_seed", "eval_uid", "evaluate", "prompts_of", "scored",
-           "write_evaluation"]
+__all__ = ["Evaluation", "eval_sampling", "eval_seed", "eval_uid", "evaluate", "flips_picture", "prompts_of",
+           "scored", "write_evaluation"]
 from omniroll.tasks.shapes.splits import prompts_of
 
 
@@ -32,9 +34,12 @@ class Evaluation:
     report: Report
 
     def to_dict(self) -> dict:
-        return {**self.report.to_dict(), "pictures": [
-            {"prompt": r.prompt, "seed": s, "tag": r.tag, "strict": r.strict, "partial": r.partial,
-             "chance": r.chance, "reasons": list(r.reasons)} for r, s in zip(self.rows, self.seeds)]}
+        return {**self.report.to_dict(), "pictures": self.picture_records()}
+
+    def picture_records(self) -> list[dict]:
+        """Every picture's prompt, seed, category, verdicts and reasons (what a paired comparison reads)."""
+        return [{"prompt": r.prompt, "seed": s, "tag": r.tag, "strict": r.strict, "partial": r.partial,
+                 "chance": r.chance, "reasons": list(r.reasons)} for r, s in zip(self.rows, self.seeds)]
 
 
 def eval_sampling(config) -> dict:
@@ -78,9 +83,12 @@ def scored(pictures: list[np.ndarray], prompts: list[str], seeds: list[int]) -> 
 
 
 def write_evaluation(ev: Evaluation, out_dir: str, name: str = "eval", title: str = "",
-                     grid_per_category: int = 8, extra: Optional[dict] = None) -> dict:
+                     grid_per_category: int = 8, extra: Optional[dict] = None,
+                     flipped: Optional[dict] = None) -> dict:
     """`{name}.json` and `{name}_grid.png` (a row per category: its first `grid_per_category` pictures, captioned
-    with the prompt, green for a pass and red for a fail) under `out_dir`; returns {json, grid} paths."""
+    with the prompt, a check mark and green for a pass, a cross and red for a fail) under `out_dir`; `flipped`
+    ({(prompt, seed): "up" | "down"}, `omniroll.evaluation.paired.flips`) frames the pictures that flipped against
+    a baseline. Returns {json, grid} paths."""
     from PIL import Image
 
     os.makedirs(out_dir, exist_ok=True)
@@ -88,14 +96,70 @@ def write_evaluation(ev: Evaluation, out_dir: str, name: str = "eval", title: st
     with open(json_path, "w") as f:
         json.dump({"title": title, **(extra or {}), **ev.to_dict()}, f, indent=1)
         f.write("\n")
-    cells, caps, passed = [], [], []
+    cells, caps, passed, marks = [], [], [], []
     for tag in ev.report.categories:  # one row per category
         mine = [i for i, r in enumerate(ev.rows) if r.tag == tag][:grid_per_category]
         pad = grid_per_category - len(mine)
         cells += [ev.pictures[i] for i in mine] + [None] * pad
         caps += [ev.rows[i].prompt for i in mine] + [""] * pad
         passed += [ev.rows[i].strict for i in mine] + [False] * pad
-    grid = captioned_grid(cells, caps, passed, columns=grid_per_category)
+        marks += [(flipped or {}).get((ev.rows[i].prompt, ev.seeds[i])) for i in mine] + [None] * pad
+    grid = captioned_grid(cells, caps, passed, columns=grid_per_category, marks=marks)
     grid_path = os.path.join(out_dir, f"{name}_grid.png")
     Image.fromarray(grid).save(grid_path)
     return {"json": json_path, "grid": grid_path}
+
+
+def flips_picture(base: Evaluation, new: Evaluation, flipped: dict, path: str, title: str = "",
+                  columns: int = 12) -> Optional[str]:
+    """A PNG of the pictures that flipped: for "fail -> pass" and then "pass -> fail", up to `columns` of them (taken
+    evenly over the categories), the baseline's picture above the new one at the same prompt and seed, each section
+    under a heading with its count. None (nothing written) when no picture flipped."""
+    from PIL import Image, ImageDraw
+
+    from omniroll.tasks.shapes.report import caption_font
+
+    if not flipped:
+        return None
+    at = {(r.prompt, s): i for i, (r, s) in enumerate(zip(base.rows, base.seeds))}
+    at_new = {(r.prompt, s): i for i, (r, s) in enumerate(zip(new.rows, new.seeds))}
+    parts = []
+    for kind, heading in (("up", "fail -> pass"), ("down", "pass -> fail")):
+        keys = [(r.prompt, s) for r, s in zip(new.rows, new.seeds) if flipped.get((r.prompt, s)) == kind]
+        if not keys:
+            continue
+        by_tag: dict[str, list] = {}
+        for k in keys:
+            by_tag.setdefault(new.rows[at_new[k]].tag, []).append(k)
+        shown = round_robin(list(by_tag.values()), columns)
+        cells = [base.pictures[at[k]] for k in shown] + [None] * (columns - len(shown))
+        cells += [new.pictures[at_new[k]] for k in shown] + [None] * (columns - len(shown))
+        caps = [f"before: {k[0]}" for k in shown] + [""] * (columns - len(shown))
+        caps += [f"after: {k[0]}" for k in shown] + [""] * (columns - len(shown))
+        passed = [kind == "down"] * columns + [kind == "up"] * columns
+        marks = [None] * columns + [kind] * columns
+        grid = captioned_grid(cells, caps, passed, columns=columns, marks=marks)
+        parts.append((Image.fromarray(grid), f"{heading}: {len(keys)} picture(s)"
+                      + (f", {len(shown)} shown" if len(shown) < len(keys) else "")))
+    band = 28
+    width = max(im.width for im, _ in parts)
+    canvas = Image.new("RGB", (width, band + sum(im.height + band for im, _ in parts)), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    draw.text((4, 6), title, fill=(0, 0, 0), font=caption_font(16))
+    y = band
+    for im, heading in parts:
+        draw.text((4, y + 6), heading, fill=(0, 0, 0), font=caption_font(14))
+        canvas.paste(im, (0, y + band))
+        y += im.height + band
+    canvas.save(path)
+    return path
+
+
+def round_robin(groups: list[list], limit: int) -> list:
+    """Up to `limit` items taken one from each group in turn (the categories evenly)."""
+    out: list = []
+    k = 0
+    while len(out) < limit and any(k < len(g) for g in groups):
+        out += [g[k] for g in groups if k < len(g)][: limit - len(out)]
+        k += 1
+    return out

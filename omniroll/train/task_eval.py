@@ -1,12 +1,18 @@
-"""The trainer's task evaluation (`trainer.evaluation`): GenEval on the shapes world's splits, drawn through the
-rollout replicas with the validation sampling (the ODE) at the fixed seeds `omniroll eval` uses, so the table the
-trainer logs for a step is the table `omniroll eval --checkpoint` prints for that step's checkpoint.
+"""The trainer's task evaluation (`trainer.evaluation`): GenEval on the shapes world's splits at each guidance scale,
+drawn through the rollout replicas with the validation sampling (the ODE) at the fixed seeds `omniroll eval` uses,
+and every evaluation after the first compared, picture by picture, with the one before training.
 
-`run_task_eval` writes, per split, `eval/<tag>_<split>.json` and a captioned grid under the run directory (after
-the last step also `eval/before_after_<split>.png`, the two grids one above the other), hands the flat metrics
-(`eval/<split>/strict`, `eval/<split>/<category>/strict`, partial credit and the chance baseline alike) and the
-console's summary lines (`eval_lines`) to the tracker, redraws `eval_curve.png` (strict accuracy per split and
-category over the steps so far, from metrics.jsonl) and returns the metrics.
+`TaskEvaluation.run(tag, step)` evaluates the replicas' current weights: for every guidance scale G of
+`config.evaluation_guidances()` (the regime the algorithm trains first: CFG off for NFT and AWM) and every split, the
+evaluation `<split>_cfg<G>` (e.g. `shapes_eval_train_cfg1`). It writes `eval/<tag>_<name>.json` and a captioned grid
+under the run directory, hands the flat metrics (`eval/<name>/strict`, its standard error `eval/<name>/se`,
+`eval/<name>/<category>/strict`, partial credit and the chance baseline alike) and the console lines to the tracker,
+and redraws `eval_curve.png`. Every evaluation after "before" is paired with it (`omniroll.evaluation.paired`: the
+same prompts and seeds): `eval/<name>/paired_up`, `paired_down`, `paired_z` (overall and per category) and a verdict
+line; its grid frames the flipped pictures; after the last step `eval/before_after_<name>.png` (the two grids, one
+above the other) and `eval/flips_<name>.png` (the flipped pictures, before above after). A resumed run reads the
+"before" verdicts from `eval/before_<name>.json` (the paired numbers; its pictures, and so the two PNGs, only exist
+in the process that drew them).
 """
 
 from __future__ import annotations
@@ -14,41 +20,108 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from typing import Optional
 
 from omniroll.agent_loop.batch import prompt_batch
-from omniroll.evaluation.shapes import Evaluation, eval_uid, scored, write_evaluation
+from omniroll.evaluation.paired import flips, paired, verdict_line
+from omniroll.evaluation.shapes import Evaluation, eval_uid, flips_picture, scored, write_evaluation
 from omniroll.tasks.shapes.splits import prompts_of
 
 
-def run_task_eval(manager, config, out_dir: str, tag: str, step: int, tracker) -> dict:
-    """One evaluation of the replicas' current weights: written, logged (`Tracker.log_eval`: the console lines,
-    metrics.jsonl, the trackers); returns its metrics."""
-    ev_cfg = config.trainer.evaluation
-    metrics: dict = {}
-    results: dict[str, Evaluation] = {}
-    for split in ev_cfg.splits:
-        prompts = prompts_of(split)
-        batch = prompt_batch(prompts, ev_cfg.seeds, lambda i: eval_uid(prompts[i]), data_source=f"eval/{split}",
-                             meta_info={"validate": True})
+def evaluation_name(split: str, guidance: float) -> str:
+    """`<split file's stem>_cfg<G>`: every evaluation's name says its guidance scale."""
+    return f"{os.path.splitext(os.path.basename(split))[0]}_cfg{guidance:g}"
+
+
+def guidance_label(guidance: float) -> str:
+    return "CFG off" if guidance <= 1.0 else f"CFG {guidance:g}"
+
+
+class TaskEvaluation:
+    """The evaluations of one run (module doc); keeps the "before" ones to pair every later one with."""
+
+    def __init__(self, config, out_dir: str):
+        self.config = config
+        self.eval_dir = os.path.join(out_dir, "eval")
+        self.out_dir = out_dir
+        self.before: dict[str, Evaluation] = {}
+
+    def run(self, manager, tracker, tag: str, step: int) -> dict:
+        """One evaluation of the weights `manager`'s replicas hold: written, paired, logged (`tracker.log_eval`);
+        returns its metrics."""
+        ev_cfg = self.config.trainer.evaluation
+        metrics: dict = {}
+        lines: list[str] = []
+        for guidance in self.config.evaluation_guidances():
+            for split in ev_cfg.splits:
+                name = evaluation_name(split, guidance)
+                ev = self.draw(manager, prompts_of(split), ev_cfg.seeds, guidance, split)
+                base = self.baseline(name, ev) if tag != "before" else None
+                flipped = flips(base, ev.picture_records()) if base is not None else None
+                write_evaluation(ev, self.eval_dir, name=f"{tag}_{name}", flipped=flipped,
+                                 title=f"{tag} (step {step}): {split}, {guidance_label(guidance)}",
+                                 extra={"step": step, "tag": tag, "split": split, "seeds": ev_cfg.seeds,
+                                        "guidance_scale": guidance})
+                metrics.update(ev.report.flat(f"eval/{name}"))
+                lines.append(summary_line(tag, step, name, guidance, ev))
+                if base is not None:
+                    cmp = paired(base, ev.picture_records())
+                    metrics.update(paired_metrics(f"eval/{name}", cmp))
+                    lines.append(f"  vs before: {verdict_line(cmp['overall'])}")
+                if tag == "before":
+                    self.before[name] = ev
+                elif tag == "after" and name in self.before:
+                    before_after_picture(self.eval_dir, name, step)
+                    flips_picture(self.before[name], ev, flipped, os.path.join(self.eval_dir, f"flips_{name}.png"),
+                                  title=f"{name}: the pictures {step} steps flipped (same prompts and seeds)")
+        tracker.log_eval(tag, step, metrics, lines)
+        plot_eval_curve(self.out_dir)
+        return metrics
+
+    def draw(self, manager, prompts: list[str], seeds: int, guidance: float, split: str) -> Evaluation:
+        """Every prompt `seeds` times through the replicas, with the validation sampling at `guidance`."""
+        batch = prompt_batch(prompts, seeds, lambda i: eval_uid(prompts[i]), data_source=f"eval/{split}",
+                             meta_info={"validate": True, "sampling_params": {"guidance_scale": guidance}})
         out = asyncio.run(manager.generate_sequences_async(batch))
         pictures = [p.permute(1, 2, 0).contiguous().numpy() for p in out.batch["responses"]]
-        ev = scored(pictures, list(out.non_tensor_batch["raw_prompt"]), [int(s) for s in out.non_tensor_batch["seed"]])
-        name = os.path.splitext(os.path.basename(split))[0]
-        write_evaluation(ev, os.path.join(out_dir, "eval"), name=f"{tag}_{name}", title=f"{tag} (step {step}): {split}",
-                         extra={"step": step, "tag": tag, "split": split, "seeds": ev_cfg.seeds})
-        metrics.update(ev.report.flat(f"eval/{name}"))
-        results[name] = ev
-        if tag == "after":
-            before_after_picture(os.path.join(out_dir, "eval"), name, step)
-    tracker.log_eval(tag, step, metrics, eval_lines(tag, step, results))
-    plot_eval_curve(out_dir)
-    return metrics
+        return scored(pictures, list(out.non_tensor_batch["raw_prompt"]),
+                      [int(s) for s in out.non_tensor_batch["seed"]])
+
+    def baseline(self, name: str, ev: Evaluation) -> Optional[list[dict]]:
+        """The "before" pictures' verdicts of evaluation `name`: this process's, else `eval/before_<name>.json` (a
+        resumed run); None when there is none or it holds other pictures (the config changed in between)."""
+        if name in self.before:
+            return self.before[name].picture_records()
+        path = os.path.join(self.eval_dir, f"before_{name}.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            pictures = json.load(f).get("pictures", [])
+        have = {(p["prompt"], int(p["seed"])) for p in pictures}
+        return pictures if have == set(zip((r.prompt for r in ev.rows), ev.seeds)) else None
+
+
+def paired_metrics(prefix: str, cmp: dict) -> dict[str, float]:
+    """`{prefix}/paired_up`, `paired_down`, `paired_z`, and `{prefix}/<category>/paired_*`."""
+    out = {f"{prefix}/paired_{k}": float(cmp["overall"][k]) for k in ("up", "down", "z")}
+    for tag, c in cmp["categories"].items():
+        out.update({f"{prefix}/{tag}/paired_{k}": float(c[k]) for k in ("up", "down", "z")})
+    return out
+
+
+def summary_line(tag: str, step: int, name: str, guidance: float, ev: Evaluation) -> str:
+    """Overall strict accuracy +- its standard error, the chance baseline and each category's accuracy (%)."""
+    r = ev.report
+    cats = "  ".join(f"{t} {100 * c['strict']:.0f}" for t, c in r.categories.items())
+    return (f"eval {tag} (step {step}) {name} ({guidance_label(guidance)}): strict {100 * r.overall['strict']:.1f} "
+            f"+- {100 * r.overall['se']:.1f} % (chance {100 * r.overall['chance']:.1f} %, {r.overall['n']} pictures)"
+            f"  {cats}")
 
 
 def before_after_picture(eval_dir: str, name: str, step: int) -> None:
-    """eval/before_after_<split>.png: the split's captioned grid before the first step above the one after the
-    last (the same prompts and seeds, so each picture sits at the same place in both), each under a heading with
-    its overall strict accuracy. Nothing when the run has no "before" evaluation (a resumed run)."""
+    """eval/before_after_<name>.png: the evaluation's captioned grid before the first step above the one after the
+    last (the same prompts and seeds, so each picture sits at the same place in both; the flipped ones framed in the
+    second), each under a heading with its overall strict accuracy."""
     from PIL import Image, ImageDraw
 
     from omniroll.tasks.shapes.report import caption_font
@@ -59,8 +132,9 @@ def before_after_picture(eval_dir: str, name: str, step: int) -> None:
         if not (os.path.isfile(grid) and os.path.isfile(record)):
             return
         with open(record) as f:
-            strict = json.load(f)["overall"]["strict"]
-        parts.append((Image.open(grid).convert("RGB"), f"{heading}: {100 * strict:.1f} % strict ({name})"))
+            o = json.load(f)["overall"]
+        parts.append((Image.open(grid).convert("RGB"),
+                      f"{heading}: {100 * o['strict']:.1f} +- {100 * o['se']:.1f} % strict ({name})"))
     band = 28
     width = max(im.width for im, _ in parts)
     canvas = Image.new("RGB", (width, sum(im.height + band for im, _ in parts)), (255, 255, 255))
@@ -72,20 +146,9 @@ def before_after_picture(eval_dir: str, name: str, step: int) -> None:
     canvas.save(os.path.join(eval_dir, f"before_after_{name}.png"))
 
 
-def eval_lines(tag: str, step: int, results: dict[str, Evaluation]) -> list[str]:
-    """One line per split: overall strict accuracy, the chance baseline and each category's accuracy (%)."""
-    out = []
-    for split, ev in results.items():
-        r = ev.report
-        cats = "  ".join(f"{t} {100 * c['strict']:.0f}" for t, c in r.categories.items())
-        out.append(f"eval {tag} (step {step}) {split}: strict {100 * r.overall['strict']:.1f} % (chance "
-                   f"{100 * r.overall['chance']:.1f} %, {r.overall['n']} pictures)  {cats}")
-    return out
-
-
 def plot_eval_curve(out_dir: str) -> None:
-    """eval_curve.png: per split, the overall strict accuracy (thick), each category's (thin) and the chance
-    baseline (dotted) at every evaluation in metrics.jsonl."""
+    """eval_curve.png: per evaluation (split and guidance), the overall strict accuracy (thick, with its standard
+    error), each category's (thin) and the chance baseline (dotted) at every evaluation in metrics.jsonl."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,22 +158,23 @@ def plot_eval_curve(out_dir: str) -> None:
     from omniroll.train.tracking import read_jsonl
 
     recs = [r for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "eval" in r]
-    splits = sorted({k.split("/")[1] for r in recs for k in r if k.startswith("eval/")})
-    if not recs or not splits:
+    names = sorted({k.split("/")[1] for r in recs for k in r if k.startswith("eval/")})
+    if not recs or not names:
         return
-    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 4.0), dpi=100, squeeze=False)
-    for ax, split in zip(axes[0], splits):
-        rows = [r for r in recs if f"eval/{split}/strict" in r]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.0), dpi=100, squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rows = [r for r in recs if f"eval/{name}/strict" in r]
         steps = [r["step"] for r in rows]
         for i, tag in enumerate(TAGS):
-            key = f"eval/{split}/{tag}/strict"
+            key = f"eval/{name}/{tag}/strict"
             if any(key in r for r in rows):
                 ax.plot(steps, [100 * r.get(key, float("nan")) for r in rows], lw=1, marker=".", color=f"C{i}",
                         label=tag)
-        ax.plot(steps, [100 * r[f"eval/{split}/strict"] for r in rows], lw=3, color="black", marker="o",
-                label="overall")
-        ax.plot(steps, [100 * r[f"eval/{split}/chance"] for r in rows], lw=1, ls=":", color="grey", label="chance")
-        ax.set_title(f"{split}\nstrict accuracy (GenEval rules)", fontsize=10)
+        ax.errorbar(steps, [100 * r[f"eval/{name}/strict"] for r in rows],
+                    yerr=[100 * r.get(f"eval/{name}/se", 0.0) for r in rows], lw=3, color="black", marker="o",
+                    capsize=4, label="overall (+- se)")
+        ax.plot(steps, [100 * r[f"eval/{name}/chance"] for r in rows], lw=1, ls=":", color="grey", label="chance")
+        ax.set_title(f"{name}\nstrict accuracy (GenEval rules)", fontsize=10)
         ax.set_xlabel("training step")
         ax.set_ylabel("%")
         ax.set_ylim(0, 100)

@@ -2,8 +2,10 @@
 chance baseline, and a captioned grid of pictures.
 
 `score_pictures(prompts, pictures)` gives one `Scored` row per picture. `Report.from_rows(rows)` tabulates them:
-strict accuracy per category (the share of its pictures that pass), overall = the mean of the category accuracies
-(GenEval's overall score), the mean partial credit, and the chance baseline: the same pictures scored against
+strict accuracy per category (the share of its pictures that pass) with its standard error (`se`: the binomial
+sqrt(p (1 - p) / n) of the category's n pictures), overall = the mean of the category accuracies (GenEval's overall
+score) with its standard error (sqrt(sum of the categories' se^2) / categories), the mean partial credit, and the
+chance baseline: the same pictures scored against
 another prompt of their category with a different requirement (the next one in the grammar's order), which is what
 a model that ignores the prompt's details would score; and, when prompts have several pictures, the share of prompts
 whose pictures do not all earn the same partial credit (`varied_prompts`: a GRPO group of such a prompt has a
@@ -72,10 +74,15 @@ def score_pictures(prompts: list[str], pictures, world: World = DEFAULT_WORLD) -
     return rows
 
 
+def binomial_se(p: float, n: int) -> float:
+    """The standard error sqrt(p (1 - p) / n) of a pass rate p measured on n pictures (0 pictures: nan)."""
+    return math.sqrt(p * (1 - p) / n) if n > 0 else float("nan")
+
+
 @dataclass
 class Report:
-    """Per category: strict accuracy, partial credit, chance and the number of pictures; overall: their means over
-    the categories present."""
+    """Per category: strict accuracy, its standard error, partial credit, chance and the number of pictures; overall:
+    their means over the categories present, and the standard error of that mean (module doc)."""
 
     categories: dict[str, dict] = field(default_factory=dict)
     overall: dict = field(default_factory=dict)
@@ -86,11 +93,13 @@ class Report:
         for tag in TAGS:
             mine = [r for r in rows if r.tag == tag]
             if mine:
-                cats[tag] = {"strict": float(np.mean([r.strict for r in mine])),
+                strict = float(np.mean([r.strict for r in mine]))
+                cats[tag] = {"strict": strict, "se": binomial_se(strict, len(mine)),
                              "partial": float(np.mean([r.partial for r in mine])),
                              "chance": float(np.mean([r.chance for r in mine])), "n": len(mine)}
         overall = {k: float(np.mean([c[k] for c in cats.values()])) if cats else float("nan")
                    for k in ("strict", "partial", "chance")}
+        overall["se"] = (math.sqrt(sum(c["se"] ** 2 for c in cats.values())) / len(cats)) if cats else float("nan")
         overall["n"] = len(rows)
         by_prompt: dict[str, list[float]] = {}
         for r in rows:
@@ -114,13 +123,13 @@ class Report:
     def table(self, title: str = "") -> str:
         """A plain-text table (percentages), one line per category and the overall line."""
         lines = [title] if title else []
-        lines.append(f"{'category':<14} {'strict %':>8} {'partial':>8} {'chance %':>8} {'images':>7}")
+        lines.append(f"{'category':<14} {'strict %':>8} {'+- se':>6} {'partial':>8} {'chance %':>8} {'images':>7}")
         for tag, c in self.categories.items():
-            lines.append(f"{tag:<14} {100 * c['strict']:>8.1f} {c['partial']:>8.3f} {100 * c['chance']:>8.1f} "
-                         f"{c['n']:>7}")
+            lines.append(f"{tag:<14} {100 * c['strict']:>8.1f} {100 * c['se']:>6.1f} {c['partial']:>8.3f} "
+                         f"{100 * c['chance']:>8.1f} {c['n']:>7}")
         o = self.overall
-        lines.append(f"{'overall':<14} {100 * o['strict']:>8.1f} {o['partial']:>8.3f} {100 * o['chance']:>8.1f} "
-                     f"{o['n']:>7}")
+        lines.append(f"{'overall':<14} {100 * o['strict']:>8.1f} {100 * o['se']:>6.1f} {o['partial']:>8.3f} "
+                     f"{100 * o['chance']:>8.1f} {o['n']:>7}")
         if not math.isnan(o.get("varied_prompts", math.nan)):  # some prompt has several pictures
             lines.append(f"prompts whose pictures earn different rewards (GRPO's signal): "
                          f"{100 * o['varied_prompts']:.0f} %")
@@ -160,11 +169,17 @@ def wrap(text: str, font, width: int) -> list[str]:
     return lines or [""]
 
 
+#: the marks of a flipped picture (`captioned_grid`'s `marks`): a glyph and a frame colour (blue and orange: told
+#: apart with every common colour-vision deficiency; the glyph says it without colour)
+FLIP_MARKS = {"up": ("\u25b2", (0, 90, 200)), "down": ("\u25bc", (230, 120, 0))}
+
+
 def captioned_grid(pictures, captions: list[str], passed: list[bool] | None = None, columns: int = 8,
-                   scale: int = 2) -> np.ndarray:
+                   scale: int = 2, marks: list | None = None) -> np.ndarray:
     """uint8 [H, W, 3]: the pictures (HWC or CHW; None leaves a cell blank) in rows of `columns`, each enlarged
-    `scale` times above its caption (wrapped to three lines), the caption green when the picture passed and red when
-    it failed (black when `passed` is None)."""
+    `scale` times above its caption (wrapped to three lines). With `passed`, the caption starts with a check mark
+    and is green for a pass, a cross and red for a fail (black without `passed`). With `marks` ("up": fail -> pass,
+    "down": pass -> fail, None: unchanged, per cell), a flipped picture gets a frame and a triangle (FLIP_MARKS)."""
     from PIL import Image, ImageDraw
 
     cells = [None if p is None else hwc(p) for p in pictures]
@@ -173,16 +188,26 @@ def captioned_grid(pictures, captions: list[str], passed: list[bool] | None = No
         raise ValueError("no pictures")
     h, w = first.shape[0] * scale, first.shape[1] * scale
     font = caption_font()
-    cap_h = 40
+    cap_h, pad = 40, 6
     rows = (len(cells) + columns - 1) // columns
-    canvas = Image.new("RGB", (columns * (w + 6), rows * (h + cap_h + 6)), (255, 255, 255))
+    canvas = Image.new("RGB", (columns * (w + pad), rows * (h + cap_h + pad)), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     for i, (pic, text) in enumerate(zip(cells, captions)):
         if pic is None:
             continue
-        x, y = (i % columns) * (w + 6), (i // columns) * (h + cap_h + 6)
+        x, y = (i % columns) * (w + pad), (i // columns) * (h + cap_h + pad)
         canvas.paste(Image.fromarray(pic.astype(np.uint8)).resize((w, h), Image.NEAREST), (x, y))
-        colour = (0, 0, 0) if passed is None else ((0, 120, 0) if passed[i] else (190, 0, 0))
+        mark = FLIP_MARKS.get(marks[i]) if marks is not None and i < len(marks) else None
+        if mark is not None:
+            glyph, frame = mark
+            draw.rectangle((x, y, x + w - 1, y + h - 1), outline=frame, width=3)
+            draw.rectangle((x, y, x + 15, y + 15), fill=frame)
+            draw.text((x + 2, y + 1), glyph, fill=(255, 255, 255), font=caption_font(12))
+        if passed is None:
+            colour = (0, 0, 0)
+        else:
+            colour = (0, 120, 0) if passed[i] else (190, 0, 0)
+            text = ("\u2713 " if passed[i] else "\u2717 ") + text
         for k, ln in enumerate(wrap(text, font, w)[:3]):
             draw.text((x + 1, y + h + 1 + 12 * k), ln, fill=colour, font=font)
     return np.asarray(canvas)

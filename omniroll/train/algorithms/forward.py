@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from omniroll.config.algorithms import cfg_free_rollout
 from omniroll.sampling.seeds import training_timesteps_seed
 from omniroll.train.algorithms.base import Algorithm, UpdatePlan, term_generator
 from omniroll.train.clean_batch import CleanBatch
@@ -38,7 +39,7 @@ class ForwardProcessAlgorithm(Algorithm):
 
     def sampling_overrides(self, step: int) -> dict:
         over = {"noise_level": 0.0, "logprobs": False, "output_type": "both"}
-        if not self.options.rollout_cfg:
+        if cfg_free_rollout(self.tc.algorithm, self.tc.algorithm_options):
             over["true_cfg_scale" if self.adapter.guidance_kind == "distilled" else "guidance_scale"] = 1.0
         return over
 

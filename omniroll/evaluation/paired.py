@@ -1,0 +1,90 @@
+"""The paired comparison of two evaluations at the same prompts and seeds: which pictures flipped, McNemar's z, a
+verdict.
+
+Two evaluations of the same prompts at the same seeds draw from the same initial noise, so most pictures keep their
+verdict and only the flipped ones carry information about the change: U pictures went fail -> pass ("up"), D went
+pass -> fail ("down"). McNemar's statistic z = (U - D) / sqrt(U + D) is about standard normal when the change does
+nothing, so |z| < 2 reads "no detectable change", whatever the two means say (any LoRA update flips 10-20 % of the
+shapes world's pictures both ways). Reported per category and overall (all pictures pooled).
+
+    cmp = paired(base_pictures, new_pictures)   # lists of {"prompt", "seed", "strict", "tag"} (an eval.json's pictures)
+    cmp["overall"]  -> {"up": U, "down": D, "n": pairs, "z": z, "verdict": ...}
+    verdict(cmp["overall"]["z"])  -> "no detectable change" | "detectably better" | "detectably worse"
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+#: |z| at and above which a paired difference counts as detectable (about a 5 % two-sided false-alarm rate)
+DETECTABLE_Z = 2.0
+
+
+def mcnemar_z(up: int, down: int) -> float:
+    """(U - D) / sqrt(U + D); 0.0 when no picture flipped."""
+    return (up - down) / math.sqrt(up + down) if up + down else 0.0
+
+
+def verdict(z: float) -> str:
+    """"no detectable change" when |z| < DETECTABLE_Z, else "detectably better" or "detectably worse"."""
+    if abs(z) < DETECTABLE_Z:
+        return "no detectable change"
+    return "detectably better" if z > 0 else "detectably worse"
+
+
+def picture_key(picture: Mapping) -> tuple[str, int]:
+    return str(picture["prompt"]), int(picture["seed"])
+
+
+def flips(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict[tuple[str, int], str]:
+    """{(prompt, seed): "up" | "down"} for the pictures whose strict verdict changed from `base` to `new`. ValueError
+    when the two do not hold the same (prompt, seed) pairs: a paired comparison needs the same pictures."""
+    b = {picture_key(p): bool(p["strict"]) for p in base}
+    n = {picture_key(p): bool(p["strict"]) for p in new}
+    if b.keys() != n.keys():
+        only_b, only_n = sorted(b.keys() - n.keys()), sorted(n.keys() - b.keys())
+        raise ValueError(f"a paired comparison needs the same prompts and seeds on both sides: {len(only_b)} "
+                         f"picture(s) only in the baseline (e.g. {only_b[:2]}), {len(only_n)} only in the other "
+                         f"(e.g. {only_n[:2]})")
+    return {k: ("up" if n[k] else "down") for k in b if b[k] != n[k]}
+
+
+def paired(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict:
+    """Per category (the pictures' `tag`) and overall: up, down, n (pairs), z and the verdict."""
+    base, new = list(base), list(new)
+    changed = flips(base, new)
+    tag_of = {picture_key(p): str(p["tag"]) for p in new}
+
+    def part(keys: list) -> dict:
+        up = sum(changed.get(k) == "up" for k in keys)
+        down = sum(changed.get(k) == "down" for k in keys)
+        z = mcnemar_z(up, down)
+        return {"up": up, "down": down, "n": len(keys), "z": z, "verdict": verdict(z)}
+
+    tags = list(dict.fromkeys(tag_of.values()))
+    return {"overall": part(list(tag_of)),
+            "categories": {t: part([k for k, g in tag_of.items() if g == t]) for t in tags}}
+
+
+def paired_table(cmp: dict, base_report: Mapping, new_report: Mapping, title: str = "") -> str:
+    """A plain-text table: per category and overall, the two strict accuracies (%) with their standard errors, the
+    pictures up and down and z; then the verdict line."""
+    lines = [title] if title else []
+    lines.append(f"{'category':<14} {'base %':>7} {'+- se':>5} {'new %':>7} {'+- se':>5} {'up':>4} {'down':>5} "
+                 f"{'z':>6}")
+    rows = [(t, base_report["categories"][t], new_report["categories"][t], c) for t, c in cmp["categories"].items()
+            if t in base_report["categories"] and t in new_report["categories"]]
+    rows.append(("overall", base_report["overall"], new_report["overall"], cmp["overall"]))
+    for name, b, n, c in rows:
+        lines.append(f"{name:<14} {100 * b['strict']:>7.1f} {100 * b['se']:>5.1f} {100 * n['strict']:>7.1f} "
+                     f"{100 * n['se']:>5.1f} {c['up']:>4} {c['down']:>5} {c['z']:>+6.2f}")
+    o = cmp["overall"]
+    lines.append(verdict_line(o))
+    return "\n".join(lines)
+
+
+def verdict_line(overall: Mapping) -> str:
+    """"<verdict>: U pictures fail -> pass, D pass -> fail, McNemar z = .. (|z| < 2: no detectable change)"."""
+    return (f"{overall['verdict']}: {overall['up']} picture(s) fail -> pass, {overall['down']} pass -> fail of "
+            f"{overall['n']}, McNemar z = {overall['z']:+.2f} (|z| < {DETECTABLE_Z:g}: no detectable change)")
