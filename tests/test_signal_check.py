@@ -87,11 +87,9 @@ def test_the_signal_check_keys_are_validated_naming_the_key_and_range():
 
 
 def test_groups_solved_at_the_runs_best_reward_are_not_a_collapse():
-    from types import SimpleNamespace
-
     logs = []
-    check = LearningSignalCheck(SimpleNamespace(tied_warn_frac=0.75, stop_after_tied_steps=2, reward_window=3,
-                                                reward_drop_stds=2.0), logs.append)
+    check = LearningSignalCheck(SignalCheckSection(tied_warn_frac=0.75, stop_after_tied_steps=2, reward_window=3,
+                                                   reward_drop_stds=2.0), logs.append)
     check.observe({"step": 1, "reward_mean": 0.4, "reward_std": 0.3, "reward_max": 1.0, "tied_groups": 0,
                    "tied_rewards": [], "num_groups": 4})
     for step in (2, 3, 4):  # every group tied at 1.0, the best any sample had: learned, not collapsed
@@ -121,4 +119,33 @@ def test_a_steady_slide_of_a_widely_spread_reward_is_a_drop_and_its_usual_wobble
     c, lines = check(stop_after_tied_steps=0)
     for i, r in enumerate(wobble, start=1):
         c.observe({**step(i, 0, mean=r, std=0.31), "num_samples": 48})
+    assert lines == []
+
+
+def meter_steps(cos, window, rows=24):
+    from omniroll.train.grad_signal import SignalWindow, signal_metrics
+
+    w = SignalWindow(window)
+    return [{**step(i, 0), **w.metrics(signal_metrics(x, rows, rows))} for i, x in enumerate(cos, start=1)]
+
+
+def test_the_gradient_noise_warning_reads_the_meter_once_per_episode():
+    c, lines = check(stop_after_tied_steps=0, grad_cos_window=4, grad_cos_warn=0.05)
+    cos = [0.01, -0.02, 0.0, 0.01,  # mean 0.0 +- 0.006: confidently below 0.05 at step 4
+           0.02, 0.3, 0.4, 0.35,    # the halves agree again (steps 6-8): the episode ends
+           0.0, 0.01, -0.01, 0.0]   # noise again at step 12
+    for m in meter_steps(cos, 4):
+        c.observe(m)
+    noise = [ln for ln in lines if "mostly noise" in ln]
+    assert [int(ln.split()[2].rstrip(":")) for ln in noise] == [4, 12], lines
+    assert "at 24 samples per half" in noise[0] and "trainer.kl_beta" in noise[0] and "prompts_per_step" in noise[0]
+    assert "benchmarks/grad_signal.py" in noise[0]
+
+
+def test_the_gradient_noise_warning_stays_quiet_while_the_halves_agree_or_the_meter_is_off():
+    c, lines = check(stop_after_tied_steps=0, grad_cos_window=3)
+    for m in meter_steps([0.2, 0.15, 0.25, 0.3, 0.1], 3):
+        c.observe(m)
+    for i in range(6, 12):  # steps the meter did not read carry no grad_cos
+        c.observe(step(i, 0))
     assert lines == []

@@ -28,7 +28,13 @@ class EvaluationSection(_Strict):
     splits: list[str] = Field(default_factory=lambda: ["train", "heldout"], min_length=1,
                               description="each a split of the task's prompts (train, heldout, all) or a file of "
                                           "prompts, one a line")
-    seeds: int = Field(4, ge=1, le=1000, description="pictures per prompt (fixed seeds, the ODE)")
+    seeds: int = Field(16, ge=1, le=1000, description="pictures per prompt (fixed seeds, the ODE); 16 gives the "
+                       "demo's 37 training prompts a standard error of about 2 points")
+    guidance_scales: Optional[list[float]] = Field(None, min_length=1, description="the CFG scale of each "
+                                                   "evaluation (every split is evaluated at each; <= 1: CFG off); "
+                                                   "None: the regime the algorithm trains, first: CFG off (1.0) "
+                                                   "then the validation sampling's scale for a CFG-free rollout "
+                                                   "(nft, awm), the validation sampling's scale alone otherwise")
 
     @field_validator("splits")
     @classmethod
@@ -42,6 +48,17 @@ class EvaluationSection(_Strict):
                 prompts_of(split)
             except (ValueError, FileNotFoundError) as e:
                 raise ValueError(str(e).splitlines()[0]) from None
+        return value
+
+    @field_validator("guidance_scales")
+    @classmethod
+    def _guidance_scales(cls, value):
+        if value is not None:
+            bad = [g for g in value if not 0 <= g <= 100]
+            if bad:
+                raise ValueError(f"each must be in [0, 100], got {bad[0]}")
+            if len(set(value)) != len(value):
+                raise ValueError(f"names a scale twice: {value}")
         return value
 
 
@@ -60,6 +77,11 @@ class SignalCheckSection(_Strict):
                                     "reward of the last reward_window steps is more than this many standard errors "
                                     "(from the step rewards' spread) below the mean reward of the first "
                                     "reward_window steps")
+    grad_cos_window: int = Field(5, ge=2, le=10**4, description="readings of the gradient-signal meter (grad_cos) "
+                                 "the noise warning averages")
+    grad_cos_warn: float = Field(0.05, gt=-1, lt=1, description="warn (once, until it recovers) when the mean "
+                                 "grad_cos of the last grad_cos_window readings plus twice its standard error is "
+                                 "below this: the halves of a step's update do not agree, the update is noise")
 
 
 class RankResources(_Strict):
@@ -151,7 +173,11 @@ class TrainerSection(_Strict):
                                   "are recomputed before and after the update to measure policy_kl, post_approx_kl "
                                   "and post_clip_frac; 0: not measured")
     signal_check: SignalCheckSection = Field(default_factory=SignalCheckSection, description="warnings and the "
-                                             "stop on tied groups or a falling reward")
+                                             "stop on tied groups, a falling reward or a gradient that is noise")
+    signal_every: int = Field(1, ge=0, le=10**6, description="steps between readings of the gradient-signal meter "
+                              "(grad_cos: the cosine between the gradients of two halves of the step's prompt "
+                              "groups; one extra copy of the trainable gradients; omniroll/train/grad_signal.py); "
+                              "0: never")
     # experiment tracking (verl's key names; omniroll.train.tracking)
     logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
                               "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")

@@ -70,6 +70,11 @@ def shuffle_seed(seed: int, step: int, epoch: int) -> int:
     return (int(seed) * 1_000_003 + int(step)) * 1009 + int(epoch)
 
 
+def signal_halves_seed(seed: int, step: int) -> int:
+    """The gradient-signal meter: which half of a step's prompt groups each group is in."""
+    return (int(seed) * 1_000_037 + int(step)) * 43 + 11
+
+
 def trained_steps_seed(seed: int, step: int) -> int:
     """DanceGRPO: which window steps each row trains."""
     return (int(seed) * 1_000_033 + int(step)) * 31 + 7

@@ -135,14 +135,17 @@ class RankGroup:
 
         # 1. Whole prompt groups per rank; the rows of every global optimizer step.
         shards = shard_by_groups(uids, self.world_size)
-        per = rows_per_update([len(s) for s in shards], plan.micro_batch_size, plan.per_update)
-        base = replace(plan, versions=None, store=None)
+        halves = plan.halves
+        rows_a = [int(halves[torch.tensor(s, dtype=torch.long)].sum()) for s in shards] if halves is not None else None
+        per = rows_per_update([len(s) for s in shards], plan.micro_batch_size, plan.per_update, rows_a)
+        base = replace(plan, versions=None, store=None, halves=None)
         # 2. Each rank its shard (object store), all at once; wait for all, stop every rank if one fails.
         refs = []
         for a, s in zip(self.actors, shards):
             idx = torch.tensor(s, dtype=torch.long)
             versions = plan.versions[idx] if plan.versions is not None else None
-            refs.append(a.update.remote(ray.put(rows.rows(idx)), advantages[idx], base, versions, per))
+            refs.append(a.update.remote(ray.put(rows.rows(idx)), advantages[idx], base, versions, per,
+                                        halves[idx] if halves is not None else None))
         outs = self._gather(refs, f"step {plan.step}'s update")
         return {"stats": merge_stats([o["stats"] for o in outs]),
                 "prepared": merge_metrics([o["prepared"] for o in outs]),

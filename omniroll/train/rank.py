@@ -57,6 +57,23 @@ def all_reduce_gradients(params: list, group: Any = None) -> None:
             bucket, numel = [], 0
 
 
+def all_reduce_tensors(tensors: list, group: Any = None) -> None:
+    """Sum plain tensors over the ranks, in place (one collective per dtype: the gradient-signal meter's copy of
+    half A's gradient and its row counts)."""
+    import torch.distributed as dist
+
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def free_address() -> str:
     """`tcp://<this node's IP>:<a free port>`: the process group's rendezvous (asked of rank 0)."""
     from omniroll.ray_nodes import this_node
@@ -114,13 +131,13 @@ class TrainerRank:
         self.store.adopt(snapshots, current)
 
     def update(self, rows, advantages: torch.Tensor, plan: UpdatePlan, versions: Optional[torch.Tensor],
-               rows_per_update: list[int]) -> dict:
+               rows_per_update: list[int], halves: Optional[torch.Tensor] = None) -> dict:
         """This rank's part of the step's update. Returns its stats and metrics; rank 0 adds its weights, optimizer
         state and algorithm state (equal on every rank), which the driver keeps: it can checkpoint the last completed
         step whatever happens to the ranks later."""
         tc = self.tc
         # 1. The plan with this rank's seed (its own draws), versions and store.
-        plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store)
+        plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store, halves=halves)
         if tc.gradient_checkpointing and not self.checkpointing and len(rows):
             from omniroll.train.policy import enable_gradient_checkpointing
 
@@ -129,7 +146,8 @@ class TrainerRank:
         # 2. The algorithm's anchors on the shard (none for a rank without rows: it only joins the all-reduces).
         prepared = self.algorithm.prepare(self.policy, rows, plan) if len(rows) else {}
         # 3. The update, gradients summed over the ranks before every optimizer step; the algorithm's after-update.
-        share = GradientShare(rows_per_update=rows_per_update, all_reduce=all_reduce_gradients)
+        share = GradientShare(rows_per_update=rows_per_update, all_reduce=all_reduce_gradients,
+                              all_reduce_tensors=all_reduce_tensors)
         stats = train_on_batch(self.policy, self.optimizer, self.algorithm, rows, advantages, plan,
                                num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm, share=share)
         after = self.algorithm.after_update(self.policy, plan.step)

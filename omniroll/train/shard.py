@@ -2,20 +2,22 @@
 of every global optimizer step (`rows_per_update`), and the ranks' update metrics merged into one (`merge_stats`).
 
     shards = shard_by_groups(uids, world_size)          # one list of row indices per rank (whole groups, in order)
-    rows = rows_per_update([len(s) for s in shards], micro_batch_size, per_update)
+    rows = rows_per_update([len(s) for s in shards], micro_batch_size, per_update, rows_a)
     stats = merge_stats([stats_of_rank_0, stats_of_rank_1])    # one UpdateStats for the step's record
 
 Rank r trains the contiguous block of prompt groups [r G / N, (r + 1) G / N) in order of first appearance, so every
 group's rows stay on one rank; the advantages are computed on the whole batch before the split. A global optimizer
-step u joins every rank's accumulation group u (its micro-batches u * per_update ... (u + 1) * per_update - 1); its
-gradient is the mean over those rows (`rows_per_update` gives their count, each rank scales its loss by it).
+step u joins every rank's accumulation group u (omniroll/train/micro_batches.py: its micro-batches u * per_update ...
+(u + 1) * per_update - 1, cut half by half of the gradient-signal meter's split); its gradient is the mean over those
+rows (`rows_per_update` gives their count, each rank scales its loss by it).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Sequence
+from typing import Optional, Sequence
 
+from omniroll.train.micro_batches import group_rows
 from omniroll.train.update import UpdateStats
 
 
@@ -30,21 +32,20 @@ def shard_by_groups(uids: Sequence, world_size: int) -> list[list[int]]:
             for r in range(world_size)]
 
 
-def rows_per_update(shard_sizes: Sequence[int], micro_batch_size: int, per_update: int) -> list[int]:
+def rows_per_update(shard_sizes: Sequence[int], micro_batch_size: int, per_update: Optional[int],
+                    rows_a: Optional[Sequence[int]] = None) -> list[int]:
     """Rows in each global optimizer step of one inner epoch: the sum over ranks of the rows in their accumulation
-    group u (a rank that has fewer groups adds none; the ranks still step together)."""
-    def groups(B: int) -> list[int]:
-        chunks = [min(micro_batch_size, B - s) for s in range(0, B, micro_batch_size)]
-        return [sum(chunks[u:u + per_update]) for u in range(0, len(chunks), per_update)]
-
-    per_rank = [groups(B) for B in shard_sizes]
+    group u (a rank that has fewer groups adds none; the ranks still step together). rows_a: each rank's rows in the
+    meter's half A (None: no halves); per_update None: one step per epoch."""
+    per_rank = [group_rows(B, rows_a[r] if rows_a is not None else None, micro_batch_size, per_update)
+                for r, B in enumerate(shard_sizes)]
     U = max((len(g) for g in per_rank), default=0)
     return [sum(g[u] for g in per_rank if u < len(g)) for u in range(U)]
 
 
 def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
-    """One step's metrics from every rank's: maxima for the deviations, rank 0's gradient norm and optimizer steps
-    (the same on every rank: they act on the all-reduced gradient), the other fractions and means weighted by each
+    """One step's metrics from every rank's: maxima for the deviations, rank 0's gradient norm, optimizer steps and
+    gradient-signal reading (the same on every rank: they act on all-reduced gradients), the other fractions and means weighted by each
     rank's scored (row, term) count."""
     rows = [s.scored for s in stats]
     total = max(sum(rows), 1)
@@ -53,7 +54,7 @@ def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
         vals = [getattr(s, f.name) for s in stats]
         if f.name in ("ratio_max_abs_dev", "behaviour_ratio_max_abs_dev"):
             out[f.name] = max(vals)
-        elif f.name in ("grad_norm", "optimizer_steps"):
+        elif f.name in ("grad_norm", "optimizer_steps", "grad_cos", "signal_rows_a", "signal_rows_b"):
             out[f.name] = vals[0]
         elif f.name == "scored":
             out[f.name] = sum(vals)

@@ -19,6 +19,10 @@ zero-weight reward), or when the groups are too small (`n`). Fed every step's me
   is in the reward's own units: it works for a reward of any sign and scale, and flags a steady slide (0.6 to 0.35
   over 20 steps of a partial-credit reward whose samples spread +- 0.3) as well as a collapse. Once per episode (a
   new one starts when the drop is back under half the threshold);
+- warns when the step's update is mostly noise: the gradient-signal meter (`grad_cos`, omniroll/train/grad_signal.py:
+  the cosine between the gradients of two halves of a step's prompt groups) averaged over its last `grad_cos_window`
+  readings (`grad_cos_mean`), plus twice the standard error of that mean, is below `grad_cos_warn`: the halves do not
+  agree, so each optimizer step goes in a direction the next batch would not confirm. Once per episode;
 - raises `NoLearningSignal` when every group has been tied, and not every one solved, for `stop_after_tied_steps`
   consecutive steps (0: never).
   The trainer then writes the checkpoint of the last completed step and re-raises; `omniroll train` exits 1 with the
@@ -51,6 +55,9 @@ class LearningSignalCheck:
         self.stop_after = int(settings.stop_after_tied_steps)
         self.window = int(settings.reward_window)
         self.drop_stds = float(settings.reward_drop_stds)
+        self.cos_window = int(settings.grad_cos_window)
+        self.cos_warn = float(settings.grad_cos_warn)
+        self.warned_noise = False
         self.log, self.hints = log, dict(hints or {})
         self.rewards = [self._point(m) for m in earlier if "reward_mean" in m and "reward_std" in m]
         self.tied_streak: list[dict] = []  # the consecutive all-tied steps up to now
@@ -89,6 +96,11 @@ class LearningSignalCheck:
             self.warned_drop = True
         elif drop is None and self.reward_drop(self.drop_stds / 2) is None:  # recovered by a margin: a new episode
             self.warned_drop = False
+        if m.get("grad_cos_mean") is not None:
+            noise = self.gradient_noise(m)
+            if noise is not None and not self.warned_noise:
+                self.log(f"warning: step {m['step']}: {noise}")
+            self.warned_noise = noise is not None
         self.tied_streak = self.tied_streak + [m] if groups and tied == groups and solved < groups else []
         if self.stop_after and len(self.tied_streak) >= self.stop_after:
             raise NoLearningSignal(self.stop_message(self.tied_streak[-self.stop_after:]), self.tied_streak)
@@ -122,6 +134,26 @@ class LearningSignalCheck:
         return (f"the mean reward of steps {n - w + 1}-{n} ({now:+.4g}) is {start - now:.3g} below that of steps 1-{w} "
                 f"({start:+.4g}), more than {stds:g} x the standard error of that difference ({se:.3g}, "
                 f"from the step rewards' spread)")
+
+    def gradient_noise(self, m: dict) -> Optional[str]:
+        """What the noise warning says, when the meter's window (`grad_cos_mean` +- `grad_cos_se` over
+        `grad_cos_readings` readings, omniroll/train/grad_signal.py's SignalWindow) is full and confidently below
+        `grad_cos_warn` (else None)."""
+        from omniroll.train.grad_signal import samples_for_cos, snr_from_cos
+
+        k, mean, se = int(m.get("grad_cos_readings", 0)), float(m["grad_cos_mean"]), float(m["grad_cos_se"])
+        if k < self.cos_window or not mean + 2 * se < self.cos_warn:
+            return None
+        n = float(m.get("grad_cos_rows", 0))
+        need = samples_for_cos(snr_from_cos(mean + 2 * se, n))
+        need_text = f"more than {need:,.0f}" if need < float("inf") else "far more"
+        return (f"the step's update is mostly noise: grad_cos (the cosine between the gradients of two halves of "
+                f"the step's prompt groups) read {mean:+.3f} +- {se:.3f} over the last {k} steps at {n:.0f} "
+                f"samples per half, so two updates of this size would agree with cosine 0.5 only at {need_text} "
+                f"samples each. A small signal can still add up over many steps (measure it at larger batches with "
+                f"benchmarks/grad_signal.py before tuning the learning rate); for more per step: more samples per "
+                f"update (prompts_per_step, n), a KL term (trainer.kl_beta) against the random walk, or another "
+                f"estimator (trainer.algorithm)")
 
     def stop_message(self, steps: list[dict]) -> list[str]:
         """The lines `NoLearningSignal` carries: what was measured, the likely causes, what to change."""

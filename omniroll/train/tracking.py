@@ -59,6 +59,8 @@ NAMES = {
     "post_approx_kl": "actor/post_approx_kl", "post_clip_frac": "actor/post_clipfrac",
     "weight_version": "rollout/weight_version",
     "synced_version": "rollout/synced_version",
+    "grad_cos": "actor/grad_cos", "grad_cos_rows": "actor/grad_cos_rows", "grad_snr": "actor/grad_snr",
+    "grad_samples_for_cos50": "actor/grad_samples_for_cos50",
 }
 #: a key these do not name gets a prefix by its shape (see `tracker_name`)
 _ASYNC_PREFIXES = ("staleness", "off_policy", "stale", "async", "partial", "min_weight_version",
@@ -272,9 +274,17 @@ def read_jsonl(path: str) -> list[dict]:
 def format_step(m: dict, total: int) -> str:
     return (f"step {m['step']:>4}/{total}  reward {m['reward_mean']:+.4f} +- {m['reward_std']:.4f}  "
             f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  kl {m['approx_kl']:.1e}  "
-            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  {_move_part(m)}v{m['weight_version']}  "
+            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  {_signal_part(m)}{_move_part(m)}"
+            f"v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
             f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s" + _async_part(m))
+
+
+def _signal_part(m: dict) -> str:
+    """The gradient-signal meter's reading (grad_signal.py; absent on steps it did not read)."""
+    if m.get("grad_cos") is None:
+        return ""
+    return f"grad_cos {m['grad_cos']:+.3f}  "
 
 
 def _move_part(m: dict) -> str:

@@ -33,11 +33,12 @@ from omniroll.train import checkpoint, tracking
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
 from omniroll.train.distributed import RankGroup, TrainerRankError, adopt_rank0
+from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
 from omniroll.train.policy import Policy
 from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.reward_curve import plot_rewards
-from omniroll.train.task_eval import run_task_eval
+from omniroll.train.task_eval import TaskEvaluation
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import train_on_batch
@@ -81,6 +82,8 @@ class FlowGRPOTrainer:
         self._last = self.tc.steps
         self.tracker: Optional[Tracker] = None
         self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
+        self.task_eval = TaskEvaluation(self.config, out_dir) if self.tc.evaluation is not None else None
+        self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window)  # the meter's last readings
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "FlowGRPOTrainer":
@@ -179,7 +182,9 @@ class FlowGRPOTrainer:
             from tqdm import tqdm
 
             bar = tqdm(total=last, initial=self.step_done, desc="train", unit="step", dynamic_ncols=True)
-        check = LearningSignalCheck.for_config(self.config, self.log, self.history_all() or self.history)
+        earlier = self.history_all() or self.history
+        check = LearningSignalCheck.for_config(self.config, self.log, earlier)
+        self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window, earlier)  # a resumed run's too
         old = signal.getsignal(signal.SIGINT)
         with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
             signal.signal(signal.SIGINT, self.interrupts.handler)
@@ -243,10 +248,11 @@ class FlowGRPOTrainer:
         t_move = time.time()
         before = snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
         t1 = time.time()
-        n_micro = -(-len(traj) // tc.micro_batch_size)
+        uids = list(out.non_tensor_batch["uid"])
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
-                          per_update=tc.micro_batches_per_update or n_micro, versions=versions, store=self.store,
-                          decoupled=K > 0 or tc.old_log_prob == "recompute")
+                          per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
+                          decoupled=K > 0 or tc.old_log_prob == "recompute", halves=signal_halves(uids, tc.seed, step),
+                          signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0)
         if self.ranks is None:  # the update in this process
             prepared = self.algorithm.prepare(self.policy, traj, plan)  # its anchors (behaviour, proximal, timesteps)
         with self.interrupts.critical():
@@ -255,7 +261,7 @@ class FlowGRPOTrainer:
                                        num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
                 after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
             else:  # world_size > 1: the ranks' update (train/distributed.py); this process adopts rank 0's state
-                res = self.ranks.update(traj, adv.advantages, list(out.non_tensor_batch["uid"]), plan)
+                res = self.ranks.update(traj, adv.advantages, uids, plan)
                 adopt_rank0(res, self.policy, self.optimizer, self.algorithm)  # the completed step, whole
                 prepared, stats, after = res["prepared"], res["stats"], res["after"]
             t2 = time.time()
@@ -273,7 +279,9 @@ class FlowGRPOTrainer:
                  "num_groups": adv.num_groups, "num_samples": len(traj),
                  "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
                  "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
-                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps, **move,
+                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
+                 **self.signal_window.metrics(signal_metrics(stats.grad_cos, stats.signal_rows_a,
+                                                             stats.signal_rows_b)), **move,
                  "weight_version": int(versions.min()), "synced_version": self.version,
                  "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale, **prepared, **after,
                  **off_policy_metrics(stats, versions, prox_version),
@@ -366,8 +374,8 @@ class FlowGRPOTrainer:
         `trainer.evaluation`, the task evaluation too (`train/task_eval.py`)."""
         rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
                              self.step_done, self.tracker, self.log)
-        if self.tc.evaluation is not None:
-            rec.update(run_task_eval(self.manager, self.config, self.out_dir, tag, self.step_done, self.tracker))
+        if self.task_eval is not None:
+            rec.update(self.task_eval.run(self.manager, self.tracker, tag, self.step_done))
         return rec
 
     def save_checkpoint(self) -> str:

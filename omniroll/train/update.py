@@ -5,11 +5,15 @@ The loop is the same for every algorithm (omniroll/train/algorithms/); it measur
 of the terms' `deviation` before the first optimizer update: 0.0 when the trained weights compute exactly what the
 sampler computed) and averages the terms' metrics.
 
+Each micro-batch's loss (a mean over its rows) is scaled by its rows' share of its optimizer step (rows / (the step's
+rows x terms)), so every optimizer step follows the mean over its rows however the micro-batches were cut
+(omniroll/train/micro_batches.py: half by half of the prompt groups, for the gradient-signal meter).
+
 Data-parallel (`GradientShare`, one per rank; omniroll/train/distributed.py): the rank's rows are a shard of the
-step's batch; each micro-batch's loss (a mean over its rows) is scaled by its rows' share of the global optimizer step
-(rows / (all ranks' rows in that step x terms)), the gradients are summed over the ranks (`all_reduce`) before the
-clip, and every rank steps its optimizer the same number of times (`rows_per_update`), with zero gradient for an
-accumulation group it has no rows in. The update is then the one of the whole batch's row mean on every rank.
+step's batch; the step's rows are all ranks' rows in that global optimizer step (`rows_per_update`), the gradients
+are summed over the ranks (`all_reduce`) before the clip, and every rank steps its optimizer the same number of
+times, with zero gradient for an accumulation group it has no rows in. The update is then the one of the whole
+batch's row mean on every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from omniroll.train.algorithms.base import Algorithm, UpdatePlan, shuffle_generator
+from omniroll.train.algorithms.base import Algorithm, UpdatePlan
+from omniroll.train.grad_signal import HalfGradient
 
 
 @dataclass
@@ -36,77 +41,91 @@ class UpdateStats:
     behaviour_ratio_max_abs_dev: float = 0.0  # max |pi_prox / pi_behaviour - 1|
     behaviour_weight_capped_frac: float = 0.0  # share of (row, window step) terms truncated at behaviour_weight_cap
     scored: int = 0  # (row, term) pairs scored: the weight of this rank's fractions when ranks' stats are merged
+    grad_cos: Optional[float] = None  # the gradient-signal meter's reading (omniroll/train/grad_signal.py), or None
+    signal_rows_a: int = 0  # the rows of each half the reading compares (all ranks)
+    signal_rows_b: int = 0
 
 
 @dataclass
 class GradientShare:
     """One data-parallel rank's part of the update (module doc). rows_per_update: the rows of every global optimizer
-    step of an inner epoch (all ranks); all_reduce: sums the parameters' gradients over the ranks, in place."""
+    step of an inner epoch (all ranks); all_reduce: sums the parameters' gradients over the ranks, in place;
+    all_reduce_tensors: sums plain tensors over the ranks, in place (the meter's copy of half A's gradient)."""
 
     rows_per_update: Sequence[int]
     all_reduce: Callable[[list], None]
+    all_reduce_tensors: Optional[Callable[[list], None]] = None
 
 
 def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorithm, rows, advantages: torch.Tensor,
                    plan: UpdatePlan, *, num_inner_epochs: int, max_grad_norm: float,
                    share: Optional[GradientShare] = None) -> UpdateStats:
     """Run the step's update on `rows` (TrajectoryBatch or CleanBatch) after `algorithm.prepare`; with `share`, this
-    rank's part of a data-parallel update (module doc)."""
+    rank's part of a data-parallel update (module doc). With `plan.halves` the micro-batches are cut half by half of
+    the prompt groups (omniroll/train/micro_batches.py), and with `plan.signal` the gradient-signal meter reads the
+    two halves' gradients at the first optimizer step (omniroll/train/grad_signal.py)."""
     B = len(rows)
     if advantages.shape != (B,):
         raise ValueError(f"advantages must be [{B}], got {tuple(advantages.shape)}")
     params = policy.parameters()
-    per_update = plan.per_update
     cap = getattr(algorithm.tc, "behaviour_weight_cap", float("inf"))
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
     b_sum, b_dev, capped, decoupled = 0.0, 0.0, 0, False
     updates = 0
+    meter = None
+    if plan.signal and plan.halves is not None:
+        meter = HalfGradient(params, share.all_reduce_tensors if share is not None else None)
+    cos = None
     optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step():
+        nonlocal cos
         if share is not None:
             share.all_reduce(params)
+        if meter is not None and updates == 0:
+            cos = meter.reading()  # the step's first gradient, before the clip
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     for epoch in range(num_inner_epochs):
-        perm = torch.randperm(B, generator=shuffle_generator(plan.seed, plan.step, epoch))
-        chunks = perm.split(plan.micro_batch_size)
-        for c, idx in enumerate(chunks):
-            # 1. A micro-batch of the epoch's shuffled rows, and its place in its gradient-accumulation group.
-            mb = rows.rows(idx)
-            adv = advantages[idx]
-            group_start = (c // per_update) * per_update
-            group_size = min(per_update, len(chunks) - group_start)
-            # 2. The algorithm's loss terms (window steps, training timesteps), each backpropagated at once.
-            T = algorithm.num_terms(mb)
-            for k in range(T):
-                terms = algorithm.loss(policy, mb, idx, adv, k, plan, epoch=epoch, chunk=c,
-                                       first_update=updates == 0)
-                if share is None:
-                    (terms.loss / (group_size * T)).backward()
-                else:  # its rows' share of the global step's row mean
-                    (terms.loss * (len(idx) / (share.rows_per_update[c // per_update] * T))).backward()
-                if updates == 0:
-                    dev = max(dev, float(terms.deviation.max()))
-                clipped += int(terms.clipped.sum())
-                if terms.behaviour_ratio is not None:
-                    decoupled = True
-                    b_sum += float(terms.behaviour_ratio.double().sum())
-                    b_dev = max(b_dev, float((terms.behaviour_ratio - 1.0).abs().max()))
-                    capped += int((terms.behaviour_ratio > cap).sum())
-                total += len(idx)
-                approx.append(float(terms.approx_kl))
-                losses.append(float(terms.loss.detach()))
-                plosses.append(float(terms.policy_loss))
-                kls.append(float(terms.kl))
+        ep = plan.epoch(B, epoch)
+        group_rows = share.rows_per_update if share is not None else ep.group_rows()
+        for u, group in enumerate(ep.groups):
+            for c in group:
+                # 1. A micro-batch of the epoch's shuffled rows (half A's before half B's in the first group).
+                idx = ep.chunks[c]
+                mb = rows.rows(idx)
+                adv = advantages[idx]
+                if meter is not None and updates == 0:
+                    if ep.half_a[c] is False:
+                        meter.start_b()
+                    meter.count(len(idx), bool(ep.half_a[c]))
+                # 2. The algorithm's loss terms (window steps, training timesteps), each backpropagated at once,
+                #    weighted by the micro-batch's share of its accumulation group's rows (all ranks').
+                T = algorithm.num_terms(mb)
+                for k in range(T):
+                    terms = algorithm.loss(policy, mb, idx, adv, k, plan, epoch=epoch, chunk=c,
+                                           first_update=updates == 0)
+                    (terms.loss * (len(idx) / (group_rows[u] * T))).backward()
+                    if updates == 0:
+                        dev = max(dev, float(terms.deviation.max()))
+                    clipped += int(terms.clipped.sum())
+                    if terms.behaviour_ratio is not None:
+                        decoupled = True
+                        b_sum += float(terms.behaviour_ratio.double().sum())
+                        b_dev = max(b_dev, float((terms.behaviour_ratio - 1.0).abs().max()))
+                        capped += int((terms.behaviour_ratio > cap).sum())
+                    total += len(idx)
+                    approx.append(float(terms.approx_kl))
+                    losses.append(float(terms.loss.detach()))
+                    plosses.append(float(terms.policy_loss))
+                    kls.append(float(terms.kl))
             # 3. At the end of an accumulation group: clip the gradient, step the optimizer.
-            if (c + 1) % per_update == 0 or c == len(chunks) - 1:
-                optimizer_step()
-                updates += 1
+            optimizer_step()
+            updates += 1
         # 4. Data-parallel: the global steps this rank has no rows in (its gradient is zero; the others' is not).
-        for _ in range(-(-len(chunks) // per_update), len(share.rows_per_update) if share is not None else 0):
+        for _ in range(len(ep.groups), len(share.rows_per_update) if share is not None else 0):
             optimizer_step()
             updates += 1
 
@@ -118,4 +137,6 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                        optimizer_steps=updates,
                        behaviour_ratio_mean=b_sum / max(total, 1) if decoupled else 1.0,
                        behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(total, 1),
-                       scored=total)
+                       scored=total, grad_cos=cos,
+                       signal_rows_a=meter.rows_a if meter is not None else 0,
+                       signal_rows_b=meter.rows_b if meter is not None else 0)

@@ -32,17 +32,28 @@ from omniroll.train.algorithms.ppo import LossTerms
 
 @dataclass
 class UpdatePlan:
-    """How the step's update runs (the inner loop's settings an algorithm may need to plan its anchors). versions:
-    [B, W] the weight version behind each row's window steps (forward-process rows: [B, 1]); store: the
-    `VersionStore` of the kept versions."""
+    """How the step's update runs (the inner loop's settings an algorithm may need to plan its anchors). per_update:
+    micro-batches per optimizer step (None: one step per inner epoch); versions: [B, W] the weight version behind
+    each row's window steps (forward-process rows: [B, 1]); store: the `VersionStore` of the kept versions; halves:
+    bool [B], the gradient-signal meter's half A (omniroll/train/grad_signal.py: micro-batches are cut half by half),
+    None for no split; signal: whether the meter reads the halves' gradients this step."""
 
     step: int
     seed: int
     micro_batch_size: int
-    per_update: int
+    per_update: Optional[int] = None
     versions: Optional[torch.Tensor] = None
     store: Any = None
     decoupled: bool = False
+    halves: Optional[torch.Tensor] = None
+    signal: bool = False
+
+    def epoch(self, B: int, epoch: int):
+        """The micro-batches of inner epoch `epoch` over B rows (`omniroll.train.micro_batches.EpochPlan`)."""
+        from omniroll.train.micro_batches import epoch_micro_batches
+
+        return epoch_micro_batches(B, self.halves, self.micro_batch_size, self.per_update,
+                                   shuffle_generator(self.seed, self.step, epoch))
 
 
 def shuffle_generator(seed: int, step: int, epoch: int) -> torch.Generator:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from omniroll.sampling.window import window_for_step
-from omniroll.train.algorithms.base import Algorithm, UpdatePlan, shuffle_generator
+from omniroll.train.algorithms.base import Algorithm, UpdatePlan
 from omniroll.train.algorithms.ppo import (LossTerms, decoupled_ppo_loss, density_log_ratio_scale, kl_to_reference,
                                            ppo_clip_loss)
 from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
@@ -26,10 +26,10 @@ from omniroll.train.versions import behaviour_and_replay
 REPLAY_ROWS = 2
 
 
-def rows_before_first_update(B: int, seed: int, step: int, micro_batch_size: int, per_update: int) -> set:
-    """The rows of epoch 0 scored before its first optimizer update (the first `per_update` micro-batches)."""
-    perm = torch.randperm(B, generator=shuffle_generator(seed, step, 0))
-    return set(perm[: per_update * micro_batch_size].tolist())
+def rows_before_first_update(B: int, plan: UpdatePlan) -> set:
+    """The rows of epoch 0 scored before its first optimizer update (its first accumulation group)."""
+    ep = plan.epoch(B, 0)
+    return {int(i) for c in ep.groups[0] for i in ep.chunks[c]} if ep.groups else set()
 
 
 class FlowGRPO(Algorithm):
@@ -73,7 +73,7 @@ class FlowGRPO(Algorithm):
         true no-grad recompute, so ratio_max_abs_dev measures it), now; the others in the first pass (NaN here)."""
         B, W = len(rows), rows.num_steps
         prox = torch.full((B, W), float("nan"))
-        first = rows_before_first_update(B, plan.seed, plan.step, plan.micro_batch_size, plan.per_update)
+        first = rows_before_first_update(B, plan)
         need = sorted((set(range(B)) - first) | set(range(min(REPLAY_ROWS, B))))
         for chunk in torch.tensor(need, dtype=torch.long).split(plan.micro_batch_size) if need else ():
             for k in range(W):

@@ -1,0 +1,148 @@
+"""Is a training config's update signal or noise, before any training? The cosine between the update directions of two
+independent batches (the same prompts, other seeds) at several batch sizes, at the base model.
+
+For a training config (its model, algorithm, rollout, reward and trainer settings), the trainer's own pieces roll out
+two batches of every training prompt (n samples each, seeds that training never draws), compute every prompt group's
+update direction with the algorithm's loss at the current weights (`omniroll.train.grad_signal.group_gradients`: the
+trainer's recompute, the ratio exactly 1), and for each batch size N (samples) average, over random subsets of
+N / n prompts, the cosine between batch A's summed direction and batch B's. If a batch's gradient is N samples of
+signal mu plus noise of variance sigma^2 each, E cos = N s / (1 + N s) with s = |mu|^2 / sigma^2 the per-sample
+signal-to-noise ratio; the fitted s says how many samples an update needs for cosine 0.5 (1 / s). The trainer's
+meter (`grad_cos` in every step's metrics) reads the same quantity on each step's two halves.
+
+    python benchmarks/grad_signal.py --config examples/shapes_flow_grpo.yaml          # one config (~3-5 min here)
+    python benchmarks/grad_signal.py --config examples/shapes_flow_grpo.yaml --override algo.noise_level=0.5
+    python benchmarks/grad_signal.py --all                # every examples/shapes_<algorithm>.yaml, one table
+
+Prints a table per config and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+from _common import machine_info, quiet_libraries
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(HERE, "..", "examples")
+#: the rollout steps of the two batches: far from any training step, so their seeds are ones training never draws
+BATCH_STEPS = (1_000_001, 1_000_002)
+
+
+def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: int, seed: int,
+            verbose: bool) -> dict:
+    """One config's curve: {"sizes": [{"samples", "cos_mean", "cos_std", "cos_se"}], "snr", "samples_for_cos50",
+    "seconds", ...}."""
+    from omniroll.agent_loop.batch import prompt_batch
+    from omniroll.config import load_config
+    from omniroll.sampling.seeds import batch_prompt_uid
+    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train.algorithms import UpdatePlan
+    from omniroll.train.grad_signal import fit_snr, group_gradients, samples_for_cos
+    from omniroll.train.versions import step_versions
+
+    cfg = load_config(config_path, overrides=overrides + ["trainer.evaluation=null", "trainer.logger=[jsonl]"])
+    t0 = time.time()
+    log = print if verbose else (lambda s: None)
+    grads = []
+    with tempfile.TemporaryDirectory() as tmp, FlowGRPOTrainer(cfg, tmp, log=log) as tr:
+        prompts = tr.prompts
+        for b, step in enumerate(BATCH_STEPS):
+            meta = {"global_steps": step, "rollout_seed": cfg.seed or 0}
+            overrides_sp = tr.algorithm.sampling_overrides(1)
+            if overrides_sp:
+                meta["sampling_params"] = overrides_sp
+            batch = prompt_batch(prompts, cfg.n, batch_prompt_uid, data_source="train", meta_info=meta)
+            out = asyncio.run(tr.manager.generate_sequences_async(batch))
+            W = int(out.batch["rollout_log_probs"].shape[1]) if "rollout_log_probs" in out.batch.keys() else 0
+            versions = step_versions(out, W)
+            rewards = out.batch["rm_scores"][:, 0].float()
+            uids = list(out.non_tensor_batch["uid"])
+            adv = tr.algorithm.advantages(rewards, uids)
+            rows = tr.algorithm.rows(out, tr.policy.adapter)
+            plan = UpdatePlan(step=1, seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
+                              versions=versions, store=tr.store)
+            grads.append(group_gradients(tr.policy, tr.algorithm, rows, adv.advantages, uids, plan))
+            log(f"batch {b}: {len(rows)} samples, reward {float(rewards.mean()):.3f}, {adv.tied_groups} tied groups")
+    common = sorted(set(grads[0]) & set(grads[1]))
+    rng = random.Random(seed)
+    curve = []
+    for samples in sizes:
+        k = max(1, samples // cfg.n)
+        if k > len(common):
+            continue
+        cos = []
+        for _ in range(subsets if k < len(common) else 1):
+            pick = rng.sample(common, k)
+            a = sum(grads[0][u] for u in pick)
+            b = sum(grads[1][u] for u in pick)
+            cos.append(float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30)))
+        m = sum(cos) / len(cos)
+        sd = (sum((c - m) ** 2 for c in cos) / max(len(cos) - 1, 1)) ** 0.5
+        curve.append({"samples": k * cfg.n, "cos_mean": m, "cos_std": sd, "subsets": len(cos)})
+    s = fit_snr([c["samples"] for c in curve], [c["cos_mean"] for c in curve])
+    return {"config": os.path.relpath(config_path), "overrides": overrides, "algorithm": cfg.trainer.algorithm,
+            "n": cfg.n, "prompts": len(common), "sizes": curve, "snr": s,
+            "samples_for_cos50": samples_for_cos(s) if s > 0 else None, "seconds": time.time() - t0}
+
+
+def table(rec: dict) -> str:
+    head = f"{rec['config']} {' '.join(rec['overrides'])} ({rec['algorithm']}, n={rec['n']}, {rec['prompts']} prompts)"
+    lines = [head, f"{'samples':>8} {'cos mean':>9} {'+- std':>7}  {'fit':>7}"]
+    for c in rec["sizes"]:
+        fit = c["samples"] * rec["snr"] / (1 + c["samples"] * rec["snr"])
+        lines.append(f"{c['samples']:>8} {c['cos_mean']:>+9.3f} {c['cos_std']:>7.3f}  {fit:>7.3f}")
+    need = rec["samples_for_cos50"]
+    lines.append(f"per-sample signal-to-noise s = {rec['snr']:.2e}: "
+                 + (f"about {need:,.0f} samples per update for cosine 0.5" if need else "no signal detected")
+                 + f"  ({rec['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", action="append", default=[], help="a training config (repeatable)")
+    ap.add_argument("--all", action="store_true", help="every examples/shapes_<algorithm>.yaml")
+    ap.add_argument("--override", action="append", default=[], help="dotted override for every config (repeatable)")
+    ap.add_argument("--sizes", default="8,16,48,96,192,296", help="batch sizes in samples (comma-separated)")
+    ap.add_argument("--subsets", type=int, default=200, help="random prompt subsets per batch size")
+    ap.add_argument("--seed", type=int, default=0, help="the subsets' seed")
+    ap.add_argument("--out", default=None, help="also write the JSON record here")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    if args.all:
+        from omniroll.config.algorithms import ALGORITHMS
+
+        args.config += [os.path.join(EXAMPLES, f"shapes_{name}.yaml") for name in ALGORITHMS]
+    configs = list(args.config)
+    if not configs:
+        ap.error("give --config or --all")
+    quiet_libraries()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sizes = [int(x) for x in args.sizes.split(",")]
+    records = []
+    for path in configs:
+        rec = measure(path, list(args.override), sizes, args.subsets, args.seed, args.verbose)
+        print(table(rec), flush=True)
+        records.append(rec)
+    out = {"benchmark": "grad_signal", "machine": machine_info(torch.get_num_threads()), "records": records,
+           "date": time.strftime("%Y-%m-%d")}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps(out, default=lambda x: None if isinstance(x, float) and math.isinf(x) else str(x)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
