@@ -30,6 +30,9 @@ class EvaluationSection(_Strict):
                                           "prompts, one a line")
     seeds: int = Field(16, ge=1, le=1000, description="pictures per prompt (fixed seeds, the ODE); 16 gives the "
                        "demo's 37 training prompts a standard error of about 2 points")
+    beside_seeds: Optional[int] = Field(None, ge=1, le=1000, description="pictures per prompt at the guidance "
+                                        "scales after the first (the numbers beside the regime's own); None: "
+                                        "seeds")
     guidance_scales: Optional[list[float]] = Field(None, min_length=1, description="the CFG scale of each "
                                                    "evaluation (every split is evaluated at each; <= 1: CFG off); "
                                                    "None: the regime the algorithm trains, first: CFG off (1.0) "

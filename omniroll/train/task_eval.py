@@ -4,7 +4,8 @@ and every evaluation after the first compared, picture by picture, with the one 
 
 `TaskEvaluation.run(tag, step)` evaluates the replicas' current weights: for every guidance scale G of
 `config.evaluation_guidances()` (the regime the algorithm trains first: CFG off for NFT and AWM) and every split, the
-evaluation `<split>_cfg<G>` (e.g. `shapes_eval_train_cfg1`). It writes `eval/<tag>_<name>.json` and a captioned grid
+evaluation `<split>_cfg<G>` (e.g. `shapes_eval_train_cfg1`), at `seeds` pictures per prompt (`beside_seeds` at the
+scales after the first). It writes `eval/<tag>_<name>.json` and a captioned grid
 under the run directory, hands the flat metrics (`eval/<name>/strict`, its standard error `eval/<name>/se`,
 `eval/<name>/<category>/strict`, partial credit and the chance baseline alike) and the console lines to the tracker,
 and redraws `eval_curve.png`. Every evaluation after "before" is paired with it (`omniroll.evaluation.paired`: the
@@ -52,15 +53,16 @@ class TaskEvaluation:
         ev_cfg = self.config.trainer.evaluation
         metrics: dict = {}
         lines: list[str] = []
-        for guidance in self.config.evaluation_guidances():
+        for k, guidance in enumerate(self.config.evaluation_guidances()):
+            seeds = ev_cfg.seeds if k == 0 or ev_cfg.beside_seeds is None else ev_cfg.beside_seeds
             for split in ev_cfg.splits:
                 name = evaluation_name(split, guidance)
-                ev = self.draw(manager, prompts_of(split), ev_cfg.seeds, guidance, split)
+                ev = self.draw(manager, prompts_of(split), seeds, guidance, split)
                 base = self.baseline(name, ev) if tag != "before" else None
                 flipped = flips(base, ev.picture_records()) if base is not None else None
                 write_evaluation(ev, self.eval_dir, name=f"{tag}_{name}", flipped=flipped,
                                  title=f"{tag} (step {step}): {split}, {guidance_label(guidance)}",
-                                 extra={"step": step, "tag": tag, "split": split, "seeds": ev_cfg.seeds,
+                                 extra={"step": step, "tag": tag, "split": split, "seeds": seeds,
                                         "guidance_scale": guidance})
                 metrics.update(ev.report.flat(f"eval/{name}"))
                 lines.append(summary_line(tag, step, name, guidance, ev))
