@@ -153,3 +153,43 @@ def add_run_args(ap: argparse.ArgumentParser, *, threads: int, threads_help: str
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache-dir", default=".omniroll_cache")
     ap.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+# ------------------------------------------------------------------------------------------- shapes evaluations
+def run_evaluations(out_dir: str) -> dict:
+    """A training run's task evaluations (`eval/before_<name>.json`, `eval/after_<name>.json`): per evaluation name,
+    the before and after summaries (strict, se, n, categories), the paired comparison of the two (the same prompts
+    and seeds: up, down, z per category and overall), the split and the guidance scale."""
+    import json
+
+    from omniroll.evaluation.paired import paired
+
+    eval_dir = os.path.join(out_dir, "eval")
+    out = {}
+    for f in sorted(os.listdir(eval_dir)):
+        if f.startswith("after_") and f.endswith(".json"):
+            name = f[len("after_"):-len(".json")]
+            with open(os.path.join(eval_dir, f"before_{name}.json")) as b, open(os.path.join(eval_dir, f)) as a:
+                before, after = json.load(b), json.load(a)
+            out[name] = {"before": picture_summary(before["pictures"]), "after": picture_summary(after["pictures"]),
+                         "split": after["split"],
+                         "guidance_scale": after["guidance_scale"],
+                         "paired": paired(before["pictures"], after["pictures"]),
+                         "pictures": (before["pictures"], after["pictures"])}
+    return out
+
+
+def picture_summary(pictures: list[dict]) -> dict:
+    """strict (GenEval's overall: the category mean), se, n and per-category strict of an eval.json's pictures."""
+    from omniroll.tasks.shapes.report import Report, Scored
+
+    rep = Report.from_rows([Scored(p["prompt"], p["tag"], p["strict"], p["partial"], p["chance"]) for p in pictures])
+    return {"strict": rep.overall["strict"], "se": rep.overall["se"], "n": rep.overall["n"],
+            "categories": {t: c["strict"] for t, c in rep.categories.items()}}
+
+
+def common_pictures(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The pictures of `a` and of `b` at the (prompt, seed) pairs both have (an evaluation at fewer seeds draws a
+    subset of another's: seeds 0 .. N-1 of every prompt)."""
+    keys = {(p["prompt"], p["seed"]) for p in a} & {(p["prompt"], p["seed"]) for p in b}
+    return ([p for p in a if (p["prompt"], p["seed"]) in keys], [p for p in b if (p["prompt"], p["seed"]) in keys])
