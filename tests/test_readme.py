@@ -36,7 +36,29 @@ SMALL = ("pipeline.height=64 pipeline.width=64 pipeline.num_inference_steps=4 pi
          "agent.num_workers=1 n=2")
 # a block of `omniroll train` commands also trains 2 steps (a key only the train config has)
 SMALL_TRAIN = SMALL + " trainer.steps=2"
-BLOCK_TIMEOUT_S = 300
+#: what a training config's own sections need on top: a forward-process algorithm (nft, awm) records no SDE window,
+#: so the window keys are left out; a task evaluation draws one picture per prompt
+SDE_KEYS = "algo.sde_window_size=2 algo.sde_window_range=[0,3] "
+SMALL_EVAL = " trainer.evaluation.seeds=1 trainer.evaluation.beside_seeds=1"
+
+
+def small_overrides(code: str) -> str:
+    """The block's OMNIROLL_OVERRIDES: SMALL, or SMALL_TRAIN for a block of `omniroll train` commands; without the
+    SDE window keys when a config the block names (`--config`) trains a forward-process algorithm (nft, awm: no
+    window); with SMALL_EVAL for a training block whose config has a task evaluation."""
+    import yaml
+
+    train = "omniroll train" in code
+    out = SMALL_TRAIN if train else SMALL
+    for path in re.findall(r"--config\s+(\S+)", code):
+        file = ROOT / path
+        trainer = ((yaml.safe_load(file.read_text()) or {}).get("trainer") or {}) if file.is_file() else {}
+        if trainer.get("algorithm") in ("nft", "awm"):
+            out = out.replace(SDE_KEYS, "")
+        if train and trainer.get("evaluation") and SMALL_EVAL not in out:
+            out += SMALL_EVAL
+    return out
+
 
 _FENCE = re.compile(r"^```(\w+)?\s*$")
 _SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*:?\s*(.*?)\s*-->")
@@ -123,8 +145,7 @@ def test_readme_block_runs_verbatim(block, readme_env):
         if not code.strip() or all(line.strip().startswith("#") for line in code.splitlines() if line.strip()):
             pytest.skip("only make lines")
         cmd = ["bash", "-eo", "pipefail", "-c", code]
-        if "omniroll train" in code:
-            env = {**env, "OMNIROLL_OVERRIDES": SMALL_TRAIN}
+        env = {**env, "OMNIROLL_OVERRIDES": small_overrides(code)}
     else:
         cmd = [sys.executable, "-c", block["code"]]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
