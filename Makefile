@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model test docs docs-serve docs-screenshots bench clean
+.PHONY: install demo shapes-model test docs docs-generate docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -43,8 +43,13 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 
 install: $(STAMP)
 
+# The generated pages and regions of docs/ (references, option tables, file map, pictures), rewritten from the code;
+# they are committed so that they read on GitHub, and tests/test_docs.py fails when one is stale.
+docs-generate: $(STAMP)
+	$(PY) docs/hooks/generated.py
+
 # the docs site into site/ (tests/test_docs.py builds it too), or served at http://127.0.0.1:8000 while you edit
-docs: $(DOCS_STAMP)
+docs: docs-generate
 	$(VENV)/bin/mkdocs build --strict
 
 docs-serve: $(DOCS_STAMP)
