@@ -90,9 +90,10 @@ def _default(field) -> str:
 
 def _cell(text: str) -> str:
     """`text` for a table cell: one line, `|` escaped, `<` and `>` outside code spans as entities (GitHub and
-    Markdown would read `<family>` as an HTML tag and drop it)."""
+    Markdown would read `<family>` as an HTML tag and drop it), `$` escaped (not math)."""
     parts = text.replace("|", "\\|").replace("\n", " ").split("`")
-    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
+    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;").replace("$", "\\$")
+                    for i, p in enumerate(parts))
 
 
 # ------------------------------------------------------------------------------------------- the config reference
