@@ -90,6 +90,28 @@ def test_every_relative_link_of_the_docs_resolves_on_github():
     assert not broken, f"links that 404 on GitHub: {broken}"
 
 
+def test_every_recipe_of_the_config_cookbook_validates():
+    """Each ```yaml block of docs/howto/config.md, laid over the example its first line names, is a valid config."""
+    from omegaconf import OmegaConf
+
+    from omniroll.config import load_config
+
+    text = (ROOT / "docs" / "howto" / "config.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) >= 10, "the cookbook's recipes"
+    for block in blocks:
+        base = re.match(r"# on top of (examples/\S+\.yaml)\n", block)
+        assert base, f"a recipe must start with '# on top of examples/<name>.yaml':\n{block}"
+        merged = OmegaConf.merge(OmegaConf.load(ROOT / base.group(1)), OmegaConf.create(block))
+        config = OmegaConf.to_container(merged)
+        if "prompts_file" in config.get("trainer", {}):  # the examples name their files relative to the repo
+            config["trainer"]["prompts_file"] = str(ROOT / config["trainer"]["prompts_file"])
+        for key in ("splits",):
+            evaluation = config.get("trainer", {}).get("evaluation") or {}
+            evaluation[key] = [str(ROOT / s) if s.endswith(".txt") else s for s in evaluation.get(key, [])]
+        load_config(config)  # raises ConfigError naming the key
+
+
 def test_readme_links_point_at_files_that_exist():
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
