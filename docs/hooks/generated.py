@@ -45,9 +45,11 @@ FILES: dict[str, tuple[Callable[[], str | bytes], str]] = {
     "changelog.md": (lambda: _copy("CHANGELOG.md"), ""),
     "contributing.md": (lambda: _copy("CONTRIBUTING.md"), ""),
     "design_layers.png": (pictures.layers_picture, ""),
+    "training_step.png": (pictures.training_step_picture, ""),
 }
 #: for pictures: what they are drawn from (their staleness is a hash of it, see pictures.py)
-PICTURE_INPUTS: dict[str, Callable[[], str]] = {"design_layers.png": pictures.layers_inputs}
+PICTURE_INPUTS: dict[str, Callable[[], str]] = {"design_layers.png": pictures.layers_inputs,
+                                                "training_step.png": pictures.training_step_inputs}
 
 
 def region(name: str) -> str:
