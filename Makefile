@@ -55,13 +55,15 @@ docs: docs-generate
 docs-serve: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs serve
 
-# Screenshots of two built pages in headless Chromium (Debian: apt-get install chromium), into docs/screenshots/
+# Screenshots of three built pages (the home page, a how-to, an algorithm page) in headless Chromium (Debian:
+# apt-get install chromium), into docs/screenshots/. The pages' math renders with KaTeX from a CDN: offline it shows
+# as LaTeX source.
 SHOT_PORT ?= 8765
 CHROMIUM ?= chromium
 docs-screenshots: docs
 	$(PY) -m http.server $(SHOT_PORT) --bind 127.0.0.1 --directory site > /dev/null 2>&1 & echo $$! > .shot-server.pid
 	sleep 1
-	for page in index:home training/nft/:nft_page; do \
+	for page in index:home howto/reward/:howto_reward training/nft/:nft_page; do \
 	  $(CHROMIUM) --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
 	    --disable-component-update --disable-sync --user-data-dir=$$(mktemp -d) --hide-scrollbars --virtual-time-budget=3000 \
 	    --window-size=1280,1500 --screenshot=docs/screenshots/$${page##*:}.png \
