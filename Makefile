@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model test docs docs-serve docs-screenshots bench clean
+.PHONY: install demo shapes-model test docs docs-generate docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -43,20 +43,27 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 
 install: $(STAMP)
 
+# The generated pages and regions of docs/ (references, option tables, file map, pictures), rewritten from the code;
+# they are committed so that they read on GitHub, and tests/test_docs.py fails when one is stale.
+docs-generate: $(STAMP)
+	$(PY) docs/hooks/generated.py
+
 # the docs site into site/ (tests/test_docs.py builds it too), or served at http://127.0.0.1:8000 while you edit
-docs: $(DOCS_STAMP)
+docs: docs-generate
 	$(VENV)/bin/mkdocs build --strict
 
 docs-serve: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs serve
 
-# Screenshots of two built pages in headless Chromium (Debian: apt-get install chromium), into docs/screenshots/
+# Screenshots of three built pages (the home page, a how-to, an algorithm page) in headless Chromium (Debian:
+# apt-get install chromium), into docs/screenshots/. The pages' math renders with KaTeX from a CDN: offline it shows
+# as LaTeX source.
 SHOT_PORT ?= 8765
 CHROMIUM ?= chromium
 docs-screenshots: docs
 	$(PY) -m http.server $(SHOT_PORT) --bind 127.0.0.1 --directory site > /dev/null 2>&1 & echo $$! > .shot-server.pid
 	sleep 1
-	for page in index:home training/nft/:nft_page; do \
+	for page in index:home howto/reward/:howto_reward training/nft/:nft_page; do \
 	  $(CHROMIUM) --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
 	    --disable-component-update --disable-sync --user-data-dir=$$(mktemp -d) --hide-scrollbars --virtual-time-budget=3000 \
 	    --window-size=1280,1500 --screenshot=docs/screenshots/$${page##*:}.png \

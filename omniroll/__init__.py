@@ -1,4 +1,5 @@
-"""omniroll: the rollout side of online RL on flow-matching diffusion models."""
+"""omniroll: online RL on flow-matching diffusion models, from the rollout (engine, Ray replicas, streaming rewards,
+weight sync) to its own trainer (Flow-GRPO, GRPO-Guard, DanceGRPO, DiffusionNFT, AWM)."""
 
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams

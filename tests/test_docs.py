@@ -1,10 +1,14 @@
 """The documentation site builds with `mkdocs build --strict` (no broken link or anchor, no page left out of the
-navigation, every config key described), the README's links point at files that exist, and the version is written
-in one place (omniroll/__init__.py, which pyproject.toml reads and CHANGELOG.md's newest section names)."""
+navigation, every config key described); the generated pages and regions committed under docs/ are what the code
+gives now (docs/hooks/generated.py), so they read on GitHub as on the site; every relative link of the docs' Markdown
+points at a file of the repository (no 404 on GitHub); and the version is written in one place
+(omniroll/__init__.py, which pyproject.toml reads and CHANGELOG.md's newest section names)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -31,6 +35,81 @@ def test_docs_site_builds_strict(tmp_path):
     from omniroll.cli import COMMANDS
     for command in COMMANDS:
         assert f"omniroll {command}" in cli_page, command
+
+
+def _generated():
+    """docs/hooks/generated.py as a module (it is a script beside the docs, not part of the package)."""
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("generated", ROOT / "docs" / "hooks" / "generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_docs_are_committed_and_fresh():
+    stale = _generated().stale()
+    assert not stale, f"stale generated docs (run `make docs-generate` and commit): {stale}"
+
+
+def test_a_stale_generated_page_or_region_is_found(tmp_path, monkeypatch):
+    generated = _generated()
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    for name in ("CHANGELOG.md", "CONTRIBUTING.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    monkeypatch.setattr(generated, "ROOT", tmp_path)
+    monkeypatch.setattr(generated, "DOCS", tmp_path / "docs")
+    assert generated.stale() == []
+    config = tmp_path / "docs" / "reference" / "config.md"
+    config.write_text(config.read_text().replace("| `pipeline.height` |", "| `pipeline.heightt` |"))
+    nft = tmp_path / "docs" / "training" / "nft.md"
+    nft.write_text(nft.read_text().replace("| `beta` |", "| `betta` |"))
+    (tmp_path / "docs" / "design_layers.png").write_bytes(b"not the picture")
+    with pytest.raises(Exception):  # a PNG without the inputs hash cannot even be read as one
+        generated.stale()
+    (tmp_path / "docs" / "design_layers.png").write_bytes((ROOT / "docs" / "design_layers.png").read_bytes())
+    assert generated.stale() == ["docs/reference/config.md", "docs/training/nft.md (algorithm nft)"]
+    assert sorted(generated.write()) == ["docs/reference/config.md", "docs/training/nft.md"]
+    assert generated.stale() == []
+
+
+#: a Markdown link or image: [text](target) / ![alt](target "title")
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def test_every_relative_link_of_the_docs_resolves_on_github():
+    files = ([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md"]
+             + sorted(p for p in (ROOT / "docs").rglob("*.md") if "hooks" not in p.parts))
+    broken = []
+    for path in files:
+        text = re.sub(r"`[^`\n]*`", "", re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M))
+        for target in _LINK.findall(text):
+            target = target.split("#")[0]
+            if target and "://" not in target and not target.startswith("mailto:"):
+                if not (path.parent / target).exists():
+                    broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, f"links that 404 on GitHub: {broken}"
+
+
+def test_every_recipe_of_the_config_cookbook_validates():
+    """Each ```yaml block of docs/howto/config.md, laid over the example its first line names, is a valid config."""
+    from omegaconf import OmegaConf
+
+    from omniroll.config import load_config
+
+    text = (ROOT / "docs" / "howto" / "config.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) >= 10, "the cookbook's recipes"
+    for block in blocks:
+        base = re.match(r"# on top of (examples/\S+\.yaml)\n", block)
+        assert base, f"a recipe must start with '# on top of examples/<name>.yaml':\n{block}"
+        merged = OmegaConf.merge(OmegaConf.load(ROOT / base.group(1)), OmegaConf.create(block))
+        config = OmegaConf.to_container(merged)
+        if "prompts_file" in config.get("trainer", {}):  # the examples name their files relative to the repo
+            config["trainer"]["prompts_file"] = str(ROOT / config["trainer"]["prompts_file"])
+        for key in ("splits",):
+            evaluation = config.get("trainer", {}).get("evaluation") or {}
+            evaluation[key] = [str(ROOT / s) if s.endswith(".txt") else s for s in evaluation.get(key, [])]
+        load_config(config)  # raises ConfigError naming the key
 
 
 def test_readme_links_point_at_files_that_exist():

@@ -74,8 +74,8 @@ def _command(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omniroll", description="omniroll: the rollout side of online RL on "
-                                     "flow-matching diffusion models. `omniroll <command> --help` for a command.")
+    parser = argparse.ArgumentParser(prog="omniroll", description="omniroll: online RL on flow-matching diffusion "
+                                     "models, from rollout to trainer. `omniroll <command> --help` for a command.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name in COMMANDS:
         module = _command(name)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-HELP = "Flow-GRPO training: rollout replicas and streaming rewards on local Ray, exact ratios"
+HELP = ("train with trainer.algorithm (Flow-GRPO, GRPO-Guard, DanceGRPO, DiffusionNFT, AWM): rollout replicas and "
+        "streaming rewards on Ray, exact ratios")
 
 
 def add_arguments(p) -> None:

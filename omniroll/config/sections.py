@@ -62,7 +62,8 @@ class EngineSection(_Strict):
     dtype: DtypeName = Field("float32", description="weights' and forwards' dtype (the SDE step, latents and "
                                                     "log-probs are fp32 whatever it is)")
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the other EngineConfig fields (decode_batch_size, "
+                                   "weight_update, prefix_sharing, ...: docs/reference/engine.md)")
 
     @field_validator("max_batch_size", mode="before")
     @classmethod

@@ -32,6 +32,9 @@ def check_max_batch_size(value: Any, name: Optional[str] = "max_batch_size"):
 class EngineConfig:
     """Knobs of one engine (one model replica).
 
+    device: the torch device every module of the model is placed on (`cpu`, `cuda`, `cuda:N`).
+    dtype: the dtype of the weights and the forwards; the SDE step, the recorded latents and the log-probs are fp32
+        whatever it is.
     max_batch_size: forward rows per denoising step and batch key (latent shape and text length); a CFG request takes
         two rows. "auto": measured per batch key at its first request (a calibration of a few forwards, ~1-5 s,
         cached on disk per model, shape and thread count; see `omniroll.engine.calibrate`), the row count with the
@@ -41,6 +44,10 @@ class EngineConfig:
         else shares its batch (see `omniroll.engine.runner`). None (default): on for CPU, where it is measured
         and tested, off for other devices, where it is not verified (cuBLAS / cuDNN pick kernels by shape, so
         padding rows does not pin one kernel; see docs/concepts.md, "Device state and batch invariance").
+    invariant_block_rows: in batch-invariant mode, the rows of every linear layer's input are zero-padded to a
+        multiple of this before the matmul (the padding is sliced off), so the kernel runs on a row count that does
+        not change with the batch (see `omniroll.engine.execution`). Recorded in every trajectory: the trainer's
+        recompute uses the rollout's value.
     prompt_cache_size: prompt encodings kept (LRU); a prompt is encoded once however many samples use it.
     decode_batch_size: finished samples decoded per VAE call. The default, 2, is the CPU rule: on the bench SD3 at
         256 px a block of 2 cost the least per image on a quiet 2-core machine (0.135 s vs 0.14 at 1 and 0.16 at 4;

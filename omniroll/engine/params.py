@@ -62,7 +62,8 @@ class SamplingParams(BaseModel):
     sde_type: SdeType = "sde"
     sde_window_size: Optional[WindowSize] = None
     sde_window_range: Optional[WindowRange] = None
-    logprobs: bool = True
+    logprobs: bool = Field(True, description="record the window steps' latents and log-probs (False: nothing is "
+                                             "recorded, as for validation and forward-process algorithms)")
     output_type: OutputType = "pixel"
     latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
 

@@ -13,7 +13,8 @@ random int(T * timestep_fraction) of its T sampling timesteps, fresh eps each):
     loss  = mean_rows((r L_pos + (1 - r) L_neg) / beta * adv_clip_max) + kl_beta mean((v - v_base)^2)
 
 After each step: old <- d old + (1 - d) theta, d from `decay_type` (`old_decay`). At theta = old the two implicit
-policies coincide and the gradient is advantage-signed flow matching, (2r - 1) t (v_old - u) / w; with r = 0.5 it is
+policies coincide and the gradient with respect to v is advantage-signed flow matching,
+2 adv_clip_max (2r - 1) t^2 (v_old - u) / (w D B) (u = eps - x0; D elements per row, B rows); with r = 0.5 it is
 exactly zero. Exactness: `ratio_max_abs_dev` reports max |v_theta - v_old| before the step's first update (0.0 when
 old == theta: the first step, `decay_type` 0); the rollout's x0 is the ODE's final latent under `old` bitwise (the
 replicas hold `old`'s weights, checked by version as for every algorithm). While old == theta bitwise and no optimizer
