@@ -48,6 +48,10 @@ def test_a_shapes_reward_refuses_a_training_prompt_outside_the_grammar_before_an
     with pytest.raises(ConfigError, match=r"trainer.prompts: prompt 1: prompt 'three squars' .* nearest valid "
                                           r"prompt is 'three squares'"):
         load_config(raw)
+    raw["reward"]["functions"]["strict"] = {"fn": "shapes_strict", "weight": 0.0}
+    with pytest.raises(ConfigError) as e:  # two shapes rewards: the prompt is still named once
+        load_config(raw)
+    assert str(e.value).count("three squars") == 1
 
 
 def test_the_shipped_model_generates_the_worlds_pictures_in_the_engine():
