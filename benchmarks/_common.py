@@ -186,10 +186,3 @@ def picture_summary(pictures: list[dict]) -> dict:
     rep = Report.from_rows([Scored(p["prompt"], p["tag"], p["strict"], p["partial"], p["chance"]) for p in pictures])
     return {"strict": rep.overall["strict"], "se": rep.overall["se"], "n": rep.overall["n"],
             "categories": {t: c["strict"] for t, c in rep.categories.items()}}
-
-
-def common_pictures(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The pictures of `a` and of `b` at the (prompt, seed) pairs both have (an evaluation at fewer seeds draws a
-    subset of another's: seeds 0 .. N-1 of every prompt)."""
-    keys = {(p["prompt"], p["seed"]) for p in a} & {(p["prompt"], p["seed"]) for p in b}
-    return ([p for p in a if (p["prompt"], p["seed"]) in keys], [p for p in b if (p["prompt"], p["seed"]) in keys])

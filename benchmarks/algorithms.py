@@ -26,8 +26,7 @@ import sys
 import tempfile
 import time
 
-from _common import (common_pictures, machine_info, picture_summary, quiet_libraries, record_loadavg,
-                     run_evaluations)
+from _common import machine_info, picture_summary, quiet_libraries, record_loadavg, run_evaluations
 from shapes_learning import parse_seeds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,7 +41,7 @@ def run(name: str, args, seed: int, out_dir: str) -> dict:
     """One training run of `name`'s recipe; returns its evaluations (before / after, per evaluation name: overall,
     categories, paired), training seconds and samples."""
     from omniroll.config import load_config
-    from omniroll.evaluation.paired import paired
+    from omniroll.evaluation.paired import common_pictures, paired
     from omniroll.train import FlowGRPOTrainer
     from omniroll.train.tracking import read_jsonl
 
@@ -159,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "algorithms.png"))
     p.add_argument("--keep", default=None, help="keep each run's directory under this folder as NAME-SEED/")
     p.add_argument("--partial", default=None, help="append each finished run to this JSON-lines file")
+    p.add_argument("--summarize", default=None, metavar="PARTIAL", help="run nothing: summarize the runs a --partial "
+                                                                       "file holds (several invocations may append "
+                                                                       "to one)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     algos = args.algorithms.split(",")
@@ -166,6 +168,14 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--algorithms: unknown {unknown}; registered: {','.join(ALGORITHMS)}")
     seeds = parse_seeds(args.seeds)
+    if args.summarize:
+        runs = {}
+        with open(args.summarize) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec["algorithm"] in algos:
+                    runs.setdefault(rec["algorithm"], {})[rec["seed"]] = rec
+        return report(runs, sorted({s for r in runs.values() for s in r}), args, {"summarized": args.summarize})
     quiet_libraries()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     info = machine_info(1)
@@ -185,14 +195,19 @@ def main(argv=None) -> int:
                     with open(args.partial, "a") as f:
                         f.write(json.dumps({"algorithm": algo, "seed": seed, **r}) + "\n")
     record_loadavg(info, "loadavg_after")
+    return report(runs, seeds, args, info)
+
+
+def report(runs: dict, seeds: list[int], args, info: dict) -> int:
+    """The tables, the plot and the JSON line of finished runs."""
     text, res = tables(runs)
     print(text)
     plot(res, args.plot)
     print(f"plot -> {os.path.relpath(args.plot)}")
     print(json.dumps({"benchmark": "algorithms", "summary": res, "seeds": seeds, "steps": args.steps,
                       "machine": info, "date": time.strftime("%Y-%m-%d"),
-                      "runs": {a: {s: {k: v for k, v in r.items() if k != "evals"} for s, r in by_seed.items()}
-                               for a, by_seed in runs.items()}}))
+                      "runs": {a: {s: {k: v for k, v in r.items() if k not in ("evals", "algorithm", "seed")}
+                                   for s, r in by_seed.items()} for a, by_seed in runs.items()}}))
     return 0
 
 

@@ -47,6 +47,9 @@ def test_micro_batches_never_mix_halves_and_half_a_comes_first_in_each_accumulat
         assert per_update is None or len(g) <= per_update
     assert per_update is not None or len(ep.groups) == 1
     assert ep.group_rows() == group_rows(B, int(halves.sum()), m, per_update)
+    one_half = epoch_micro_batches(B, torch.ones(B, dtype=torch.bool), m, per_update, torch.Generator().manual_seed(5))
+    assert all(len(c) for c in one_half.chunks) and set(one_half.half_a) == {True}  # a shard of one half only
+    assert epoch_micro_batches(0, torch.ones(0, dtype=torch.bool), m, per_update, torch.Generator()).chunks == []
     plain = epoch_micro_batches(B, None, m, per_update, torch.Generator().manual_seed(5))
     assert [len(c) for c in plain.chunks] == [4, 4, 4, 4, 4, 3] and set(plain.half_a) == {None}
 

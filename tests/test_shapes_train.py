@@ -85,7 +85,9 @@ def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_number
     with FlowGRPOTrainer(cfg, out, log=lines.append) as tr:
         tr.train()
     after = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"eval"' in x][-1]
-    assert {"eval/prompts_cfg1/strict", "eval/prompts_cfg4.5/strict", "eval/prompts_cfg1/paired_z"} <= set(after)
+    assert {"eval/prompts_cfg1/strict", "eval/prompts_cfg4.5/strict", "eval/prompts_cfg1/paired_z",
+            "eval/prompts_cfg1/vs_guided_before_z"} <= set(after)  # CFG off now against the guided model before
+    assert sum("prompts_cfg1 (CFG off) vs prompts_cfg4.5 before training (CFG 4.5)" in ln for ln in lines) == 1
     assert [ln.split(":")[0] for ln in lines if ln.startswith("eval after")] == [
         "eval after (step 1) prompts_cfg1 (CFG off)", "eval after (step 1) prompts_cfg4.5 (CFG 4.5)"]
     capsys.readouterr()

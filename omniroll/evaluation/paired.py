@@ -50,6 +50,14 @@ def flips(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict[tuple[str, in
     return {k: ("up" if n[k] else "down") for k in b if b[k] != n[k]}
 
 
+def common_pictures(a: Iterable[Mapping], b: Iterable[Mapping]) -> tuple[list, list]:
+    """The pictures of `a` and of `b` at the (prompt, seed) pairs both hold (an evaluation at fewer seeds per prompt
+    draws a subset of another's: seeds 0 .. N-1 of every prompt)."""
+    a, b = list(a), list(b)
+    keys = {picture_key(p) for p in a} & {picture_key(p) for p in b}
+    return [p for p in a if picture_key(p) in keys], [p for p in b if picture_key(p) in keys]
+
+
 def paired(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict:
     """Per category (the pictures' `tag`) and overall: up, down, n (pairs), z and the verdict."""
     base, new = list(base), list(new)

@@ -37,11 +37,15 @@ def epoch_micro_batches(B: int, halves: Optional[torch.Tensor], micro_batch_size
                         generator: torch.Generator) -> EpochPlan:
     """The epoch's micro-batches (module doc). per_update: chunks per optimizer step (None: one step per epoch)."""
     perm = torch.randperm(B, generator=generator)
+
+    def cut(rows: torch.Tensor) -> list[torch.Tensor]:
+        return [c for c in rows.split(micro_batch_size) if len(c)]  # an empty half cuts into nothing
+
     if halves is None:
-        seq = [(c, None) for c in perm.split(micro_batch_size)]
+        seq = [(c, None) for c in cut(perm)]
     else:
         in_a = halves[perm]
-        a, b = list(perm[in_a].split(micro_batch_size)), list(perm[~in_a].split(micro_batch_size))
+        a, b = cut(perm[in_a]), cut(perm[~in_a])
         seq = []
         for i in range(max(len(a), len(b))):
             seq += ([(a[i], True)] if i < len(a) else []) + ([(b[i], False)] if i < len(b) else [])

@@ -2,7 +2,7 @@
 drawn through the rollout replicas with the validation sampling (the ODE) at the fixed seeds `omniroll eval` uses,
 and every evaluation after the first compared, picture by picture, with the one before training.
 
-`TaskEvaluation.run(tag, step)` evaluates the replicas' current weights: for every guidance scale G of
+`TaskEvaluation.run(manager, tracker, tag, step)` evaluates the weights the replicas hold: for every guidance scale G of
 `config.evaluation_guidances()` (the regime the algorithm trains first: CFG off for NFT and AWM) and every split, the
 evaluation `<split>_cfg<G>` (e.g. `shapes_eval_train_cfg1`), at `seeds` pictures per prompt (`beside_seeds` at the
 scales after the first). It writes `eval/<tag>_<name>.json` and a captioned grid
@@ -11,7 +11,9 @@ under the run directory, hands the flat metrics (`eval/<name>/strict`, its stand
 and redraws `eval_curve.png`. Every evaluation after "before" is paired with it (`omniroll.evaluation.paired`: the
 same prompts and seeds): `eval/<name>/paired_up`, `paired_down`, `paired_z` (overall and per category) and a verdict
 line; its grid frames the flipped pictures; after the last step `eval/before_after_<name>.png` (the two grids, one
-above the other) and `eval/flips_<name>.png` (the flipped pictures, before above after). A resumed run reads the
+above the other) and `eval/flips_<name>.png` (the flipped pictures, before above after). In a CFG-free regime the
+model CFG off is also paired with the guided model before training (`eval/<name>/vs_guided_before_z`: whether
+training made guidance unnecessary). A resumed run reads the
 "before" verdicts from `eval/before_<name>.json` (the paired numbers; its pictures, and so the two PNGs, only exist
 in the process that drew them).
 """
@@ -24,7 +26,7 @@ import os
 from typing import Optional
 
 from omniroll.agent_loop.batch import prompt_batch
-from omniroll.evaluation.paired import flips, paired, verdict_line
+from omniroll.evaluation.paired import common_pictures, flips, paired, verdict_line
 from omniroll.evaluation.shapes import Evaluation, eval_uid, flips_picture, scored, write_evaluation
 from omniroll.tasks.shapes.splits import prompts_of
 
@@ -76,9 +78,33 @@ class TaskEvaluation:
                     before_after_picture(self.eval_dir, name, step)
                     flips_picture(self.before[name], ev, flipped, os.path.join(self.eval_dir, f"flips_{name}.png"),
                                   title=f"{name}: the pictures {step} steps flipped (same prompts and seeds)")
+        if tag != "before":
+            lines += self.across_guidance(tag, metrics)
         tracker.log_eval(tag, step, metrics, lines)
         plot_eval_curve(self.out_dir)
         return metrics
+
+    def across_guidance(self, tag: str, metrics: dict) -> list[str]:
+        """A CFG-free regime (first scale <= 1, a guided one after): the model now, CFG off, paired with the one before
+        training at the largest scale, at the pictures both drew (`eval/<name>/vs_guided_before_z`, ...): whether
+        training made guidance unnecessary."""
+        scales = self.config.evaluation_guidances()
+        if not (scales[0] <= 1.0 < max(scales)):
+            return []
+        lines = []
+        for split in self.config.trainer.evaluation.splits:
+            off, guided = evaluation_name(split, scales[0]), evaluation_name(split, max(scales))
+            now, base = (os.path.join(self.eval_dir, f) for f in (f"{tag}_{off}.json",
+                                                                  f"before_{guided}.json"))
+            if not (os.path.isfile(now) and os.path.isfile(base)):
+                continue
+            with open(base) as b, open(now) as n:
+                before, after = common_pictures(json.load(b)["pictures"], json.load(n)["pictures"])
+            o = paired(before, after)["overall"]
+            metrics.update({f"eval/{off}/vs_guided_before_{k}": float(o[k]) for k in ("up", "down", "z")})
+            lines.append(f"{off} (CFG off) vs {guided} before training (CFG {max(scales):g}), {o['n']} pictures: "
+                         f"{verdict_line(o)}")
+        return lines
 
     def draw(self, manager, prompts: list[str], seeds: int, guidance: float, split: str) -> Evaluation:
         """Every prompt `seeds` times through the replicas, with the validation sampling at `guidance`."""
