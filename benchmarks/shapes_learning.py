@@ -2,7 +2,7 @@
 after training, per category, on the training prompts and on the held-out ones, over several seeds, for the
 synchronous trainer and the asynchronous one (`max_staleness: 1`, with and without `partial_rollout`).
 
-Every run is a fresh `FlowGRPOTrainer` on `--config` (default examples/shapes_grpo.yaml, the full recipe) whose
+Every run is a fresh `FlowGRPOTrainer` on `--config` (default examples/shapes_flow_grpo.yaml, the full recipe) whose
 `trainer.evaluation` evaluates both splits before the first step, every `trainer.val_every` steps and after the last
 (the ODE at fixed seeds: the same pictures for every mode and seed, so differences are the weights'). A seed sets the
 samples' noise (`seed`) and the trainer (`trainer.seed`); every mode runs every seed. Training time is the sum of the
@@ -26,7 +26,7 @@ import statistics
 import sys
 import tempfile
 
-from _common import machine_info, quiet_libraries, record_loadavg
+from _common import machine_info, quiet_libraries, record_loadavg, run_evaluations
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = {"synchronous": {"max_staleness": 0},
@@ -68,7 +68,8 @@ def run(mode: str, args, seed: int, out_dir: str) -> dict:
         seconds[m["step"]] = seconds[m["step"] - 1] + m["step_s"]
         samples[m["step"]] = samples[m["step"] - 1] + m["num_samples"]
     evals = [{**r, "train_s": seconds[r["step"]], "samples": samples[r["step"]]} for r in recs if "eval" in r]
-    return {"steps": steps, "evals": evals}
+    paired = {name: e["paired"]["overall"] for name, e in run_evaluations(out_dir).items()}
+    return {"steps": steps, "evals": evals, "paired": paired}
 
 
 def mean_std(xs: list[float]) -> dict:
@@ -106,7 +107,8 @@ def summarise(runs: dict[str, dict[int, dict]], splits: list[str]) -> dict:
                           "gain_per_1000_samples": mean_std([g / s * 1000 for g, s in zip(gain, samples)]),
                           "gain_per_minute": mean_std([g / m for g, m in zip(gain, minutes)]),
                           "at_shortest_time": mean_std([at_time(r["evals"], key, shortest) for r in by_seed.values()]),
-                          "per_seed_after": dict(zip(by_seed, after))}
+                          "per_seed_after": dict(zip(by_seed, after)),
+                          "paired_z": [r["paired"][split]["z"] for r in by_seed.values()]}
             cats = categories(by_seed, split)
             rec[split]["categories_after"] = {c: mean_std([r["evals"][-1][f"eval/{split}/{c}/strict"]
                                                            for r in by_seed.values()]) for c in cats}
@@ -124,7 +126,7 @@ def pct(d: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join(HERE, "..", "examples", "shapes_grpo.yaml"))
+    p.add_argument("--config", default=os.path.join(HERE, "..", "examples", "shapes_flow_grpo.yaml"))
     p.add_argument("--modes", default="synchronous,async,async_partial", help=f"a subset of {','.join(MODES)}")
     p.add_argument("--seeds", default="0-2", help="rollout and trainer seeds, each run by every mode (default 0-2)")
     p.add_argument("--steps", type=int, default=0, help="training steps per run (default: the config's)")
@@ -163,14 +165,18 @@ def main(argv=None) -> int:
     base = res["modes"][modes[0]]
     for split in splits:
         print(f"\n{split} prompts, strict accuracy % (mean +- std over {len(seeds)} seed(s))")
-        print(f"{'mode':<14} {'before':>13} {'after':>13} {'gain':>13} {'per 1k samples':>15} {'per minute':>13} "
-              f"{'at {:.1f} min'.format(res['shortest_train_s'] / 60):>13} {'x ' + modes[0] + ' gain':>14}")
+        print(f"{'mode':<14} {'before':>13} {'after':>13} {'gain':>13} {'paired z per seed':>20} "
+              f"{'per 1k samples':>15} {'per minute':>13} {'at {:.1f} min'.format(res['shortest_train_s'] / 60):>13} "
+              f"{'x ' + modes[0] + ' gain':>14}")
         for m, rec in res["modes"].items():
             s = rec[split]
             ratio = s["gain"]["mean"] / base[split]["gain"]["mean"] if base[split]["gain"]["mean"] else float("nan")
-            print(f"{m:<14} {pct(s['before']):>13} {pct(s['after']):>13} {pct(s['gain']):>13} "
+            zs = " ".join(f"{z:+.1f}" for z in s["paired_z"])
+            print(f"{m:<14} {pct(s['before']):>13} {pct(s['after']):>13} {pct(s['gain']):>13} {zs:>20} "
                   f"{pct(s['gain_per_1000_samples']):>15} {pct(s['gain_per_minute']):>13} "
                   f"{pct(s['at_shortest_time']):>13} {ratio:>14.2f}")
+        print("paired z: each seed's after against its before at the same evaluation seeds; |z| < 2 is no detectable "
+              "change")
         cats = list(base[split]["categories_after"])
         print(f"{'per category':<14} " + " ".join(f"{c[:12]:>14}" for c in cats))
         for m, rec in res["modes"].items():
