@@ -202,3 +202,20 @@ def test_algorithm_options_are_validated_and_keys_that_do_not_apply_are_errors()
             cfg(trainer, algo)
     dumped = cfg({"algorithm": "awm"}).model_dump(mode="json")  # a saved config (every key) loads again
     assert load_config(dumped).trainer.algorithm == "awm" and not math.isnan(load_config(dumped).trainer.kl_beta)
+
+
+def test_every_registered_algorithm_is_configurable_trained_end_to_end_and_has_a_shapes_recipe(monkeypatch):
+    import os
+    import typing
+
+    from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
+    from omniroll.train.algorithms import REGISTRY
+    from tests.test_algorithms_train import ALGOS
+
+    names = set(ALGORITHMS)
+    assert set(typing.get_args(AlgorithmName)) == names == set(REGISTRY) == set(ALGOS)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    monkeypatch.chdir(root)  # the recipes name their prompt files from the repository's root
+    for name in names:  # one recipe per algorithm, so trying another one is one file
+        cfg = load_config(os.path.join(root, "examples", f"shapes_{name}.yaml"))
+        assert cfg.trainer.algorithm == name and cfg.trainer.evaluation is not None

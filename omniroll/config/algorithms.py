@@ -90,7 +90,8 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {  # each one's reference: its file's doc
     "awm": AlgorithmSpec(AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
 }
 
-AlgorithmName = Literal["flow_grpo", "grpo_guard", "dance_grpo", "nft", "awm"]
+#: the `trainer.algorithm` values: the registered algorithms' names
+AlgorithmName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]
 
 def cfg_free_rollout(algorithm: str, options: dict) -> bool:
     """Whether `algorithm` with `options` (a `trainer.algorithm_options` dict) rolls out, and so trains, the CFG-free
