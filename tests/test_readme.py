@@ -42,6 +42,7 @@ SMALL_TRAIN = SMALL + " trainer.steps=2"
 #: so the window keys are left out; a task evaluation draws one picture per prompt
 SDE_KEYS = "algo.sde_window_size=2 algo.sde_window_range=[0,3] "
 SMALL_EVAL = " trainer.evaluation.seeds=1 trainer.evaluation.beside_seeds=1"
+BLOCK_TIMEOUT_S = 300
 
 
 def small_overrides(code: str) -> str:
