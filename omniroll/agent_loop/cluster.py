@@ -44,12 +44,6 @@ class RolloutCluster:
         self.with_rewards, self.with_manager = with_rewards, with_manager
         self.log = log or (lambda msg: None)
         self.model: str = resolve_model(self.config.engine.model)  # a bad model fails before Ray starts
-        from omniroll.agent_loop.registry import registered_names
-
-        loop = self.config.agent.default_agent_loop
-        if loop not in registered_names():  # so does a loop nobody registered (the registry is the agent loop's)
-            raise ValueError(f"agent.default_agent_loop: agent loop {loop!r} is not registered; registered: "
-                             f"{registered_names()} (import the module whose @register(...) defines it first)")
         self.info = None  # omniroll.rollout.ray_cluster.ClusterInfo once started
         self.replicas: list = []
         self.replica_nodes: list[Optional[str]] = []  # node id per replica, same order

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.agent_loop.loop import prompt_text
 from omniroll.agent_loop.output_batch import RowResult, assemble, fit_error
-from omniroll.agent_loop.registry import get_agent_loop_class
+from omniroll.config.agent_loops import get_agent_loop_class
 from omniroll.agent_loop.rows import RowPlan, as_config, failed_entries, plan_batch, plan_rows, row_sampling
 
 
