@@ -36,6 +36,7 @@ def _config_error(raw: dict) -> str:
     ({"engine": {"kwargs": {"decode_batch_size": 0}}}, "engine.kwargs: decode_batch_size must be >= 1"),
     ({"replicas": {"num_cpus": float("inf")}}, "replicas.num_cpus: Input should be a finite number"),
     ({"replicas": {"num_gpus": float("nan")}}, "replicas.num_gpus: Input should be a finite number"),
+    ({"engine": {"max_waiting": 0}}, "engine.max_waiting: Input should be greater than or equal to 1"),
     ({"agent": {"default_agent_loop": "nope"}}, "agent.default_agent_loop: agent loop 'nope' is not registered, the "
                                                 "registered ones are ['diffusion_single_turn_agent']"),
 ])

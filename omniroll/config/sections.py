@@ -63,6 +63,8 @@ class EngineSection(_Strict):
     dtype: DtypeName = Field("float32", description="weights' and forwards' dtype (the SDE step, latents and "
                                                     "log-probs are fp32 whatever it is)")
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
+    max_waiting: int = Field(8192, ge=1, le=1_000_000, description="requests that may wait to start on one replica; "
+                             "a call past it is refused (EngineOverloadedError), nothing queued")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra DiffusionEngine.from_pretrained kwargs")
 
     @field_validator("max_batch_size", mode="before")
@@ -102,7 +104,8 @@ class EngineSection(_Strict):
         return value
 
     def engine_kwargs(self) -> dict:
-        kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size, **self.kwargs}
+        kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size,
+              "max_waiting": self.max_waiting, **self.kwargs}
         if self.num_threads is not None:
             kw["num_threads"] = self.num_threads
         return kw
