@@ -184,7 +184,8 @@ class ControlCalls:
     def wake_up(self, timeout_s: float = 120.0) -> dict:
         """Bring the weights back to the device (a no-op when awake). After a level-2 sleep a full weight update must
         come before requests run. Errors (e.g. out of memory) reach the caller; a wake that does not finish within
-        `timeout_s` raises TimeoutError instead of hanging."""
+        `timeout_s` raises TimeoutError instead of hanging, saying whether it never started (nothing changed) or is
+        still running (it completes behind the error: `asleep_level` says when)."""
         with self._control_call("wake_up", timeout_s) as deadline:
             return self.engine.call_between_steps(self.engine.lifecycle.wake_up, self._left("wake_up", deadline), op="wake_up")
 
