@@ -75,10 +75,9 @@ def run_generate(args, base: dict | None = None) -> dict:
 
     import asyncio
 
-    import torch
-
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.engine.engine import DiffusionEngine
+    from omniroll.rollout.replica import resolve_engine_kwargs
     from omniroll.sampling.seeds import derive_group_seed
     from omniroll.cli.common import CLI_GLOBAL_STEP
 
@@ -94,9 +93,7 @@ def run_generate(args, base: dict | None = None) -> dict:
         requests.append(GenerationRequest(request_id=f"gen/{uid}/{j}", prompt=nt["raw_prompt"][r],
                                           sampling_params=SamplingParams.model_validate(row_sp),
                                           seed=sample_seed(cfg.seed, uid, j)))
-    kwargs = cfg.engine.engine_kwargs()
-    kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-    engine = DiffusionEngine.from_pretrained(model, **kwargs)
+    engine = DiffusionEngine.from_pretrained(model, **resolve_engine_kwargs(cfg.engine.engine_kwargs()))
     results: dict[int, object] = {}
     errors: dict[int, str] = {}
     t0 = time.perf_counter()
