@@ -8,7 +8,7 @@ Two sync policies for the samples in flight when a weight update arrives (`updat
 `partial=False` (the default) quiesces (below): no sample spans two versions; `partial=True` lands the update between
 two denoising steps and the samples in flight continue with the new weights, each recording the version of every
 step (`step_weight_versions`, see engine/request.py). `pause_generation(after_steps=k)` / `wait_for_pause` /
-`resume_generation` (`StepPause`, engine/lifecycle.py) make "the update lands after step k" a deterministic schedule.
+`resume_generation` (`StepPause`, engine/step_pause.py) make "the update lands after step k" a deterministic schedule.
 
 `ControlCalls` is a component of `DiffusionEngine`, as nano-vllm's engine composes its scheduler and runner (the
 engine's public API keeps one class: it forwards these calls). Around `engine/lifecycle.py` it adds one control call

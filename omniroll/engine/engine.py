@@ -31,12 +31,13 @@ from omniroll.engine.control import ControlCalls, check_seconds
 from omniroll.engine.inbox import Inbox
 from omniroll.engine.decode_queue import DecodeQueue
 from omniroll.engine.errors import EngineError, EngineShutdownError
-from omniroll.engine.lifecycle import Lifecycle, StepPause
+from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.request import RequestState, aborted_output, build_output
 from omniroll.engine.runner import ModelRunner
 from omniroll.engine.scheduler import Scheduler
+from omniroll.engine.step_pause import StepPause
 from omniroll.models.base import DiffusionAdapter
 
 
