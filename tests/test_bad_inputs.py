@@ -180,7 +180,7 @@ def test_generate_on_a_full_disk_names_the_file_and_what_was_kept(tiny_sd3_path,
 
 def test_a_sample_file_that_cannot_be_written_is_named_and_removed(tmp_path):
     """Images and videos (PIL / PyAV write them, not `write_bytes`) fail the same way, leaving no partial file."""
-    code = ("import sys, torch; from pathlib import Path; from omniroll.cli.media import save_sample\n"
+    code = ("import sys, torch; from pathlib import Path; from omniroll.media import save_sample\n"
             "g = torch.Generator().manual_seed(0)\n"
             "try:\n"
             "    save_sample(torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g), Path(sys.argv[1]))\n"

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, make_batch, preflight,
+from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, preflight,
                                  quiet_libraries, read_prompts, sample_seed)
 
 HELP = "generate images with SDE log-probs on one in-process engine"
@@ -79,10 +79,11 @@ def run_generate(args, base: dict | None = None) -> dict:
     from omniroll.engine.engine import DiffusionEngine
     from omniroll.rollout.replica import resolve_engine_kwargs
     from omniroll.sampling.seeds import derive_group_seed
-    from omniroll.cli.common import CLI_GLOBAL_STEP
+    from omniroll.agent_loop.batch import command_batch
+    from omniroll.sampling.seeds import CLI_GLOBAL_STEP
 
     sp = cfg.sampling_params()
-    batch = make_batch(prompts, cfg.n, rollout_seed=cfg.seed)
+    batch = command_batch(prompts, cfg.n, rollout_seed=cfg.seed)
     nt = batch.non_tensor_batch
     requests = []
     for r in range(len(batch)):
@@ -154,7 +155,7 @@ def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, result
     """Write the finished samples (grids, trajectories, metrics); returns the metrics."""
     import torch
 
-    from omniroll.cli.media import video_encoder
+    from omniroll.media import video_encoder
     from omniroll.files import jsonable, run_info, write_json
     from omniroll.trajectory_file import FILE_NAME, batch_from_outputs, write_trajectories
 
@@ -171,7 +172,7 @@ def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, result
                                   meta_info=batch.meta_info)
         images = traj.batch["responses"]
         if images.dtype == torch.uint8 and images.ndim == 5:  # video: a file and a frame strip per sample
-            from omniroll.cli.media import save_sample
+            from omniroll.media import save_sample
 
             for k, r in enumerate(done):
                 stem = out / f"prompt_{r // cfg.n:03d}_s{r % cfg.n}"

@@ -38,6 +38,12 @@ def derive_group_seed(base_seed: Optional[int], global_step: int, uid: str) -> i
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") & _MAX
 
 
+#: the trainer step a command's batch is seeded with: `omniroll generate` and `omniroll rollout` derive every sample's
+#: seed as `derive_seed(seed, CLI_GLOBAL_STEP, uid, index)`, the agent loop's own derivation, so the same prompt, seed
+#: and settings give the same image in both commands.
+CLI_GLOBAL_STEP = 0
+
+
 def batch_prompt_uid(i: int) -> str:
     """The uid (prompt group) of the i-th prompt of a batch whose caller names none: `omniroll generate`, `omniroll
     rollout` and the HTTP `/v1/rollout` all use it, so the same prompt position, seed and settings give the same
