@@ -200,10 +200,6 @@ class LoRAManager:
     def lora_int_id(self) -> int | None:
         return self._request.lora_int_id if self._request else None
 
-    @property
-    def active_request(self) -> OmniTensorLoRARequest | None:
-        return self._request
-
     def _resolve(self, req: OmniTensorLoRARequest) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
         cfg, tensors = req.peft_config, req.lora_tensors
         if tensors is None:
