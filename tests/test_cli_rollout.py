@@ -1,4 +1,4 @@
-"""run_rollout (omniroll.agent_loop.run) end to end on the tiny SD3 (replicas, reward workers, manager) with files
+"""run_rollout (omniroll.run_rollout) end to end on the tiny SD3 (replicas, reward workers, manager) with files
 written."""
 
 import asyncio
@@ -7,7 +7,7 @@ import os
 
 from safetensors.torch import load_file
 
-from omniroll.agent_loop.run import run_rollout
+from omniroll.run_rollout import run_rollout
 from omniroll.config import load_config
 
 

@@ -1,5 +1,5 @@
 """`omniroll rollout`: one rollout batch end to end (replicas, reward workers, agent-loop manager) on Ray (joined at
-`RAY_ADDRESS` / `--ray-address`, else local): the command line of `omniroll.agent_loop.run.run_rollout`, which writes
+`RAY_ADDRESS` / `--ray-address`, else local): the command line of `omniroll.run_rollout.run_rollout`, which writes
 the files (images, trajectories, rewards.jsonl, metrics.json). A group that finished is kept when another fails or
 the run is interrupted (Ctrl-C: what finished is written, exit 130); each failed row is one line.
 """
@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import asyncio
 
-    from omniroll.agent_loop.run import run_rollout  # torch and Ray: imported when the command runs
+    from omniroll.run_rollout import run_rollout  # torch and Ray: imported when the command runs
     from omniroll.agent_loop.worker import AgentLoopError
 
     if args.validate and getattr(args, "n", None) is not None:
