@@ -2,7 +2,6 @@
 mid-batch, streaming rewards, bad inputs."""
 
 import asyncio
-import time
 
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ path: config keys (at load time, before Ray), agent-loop batch fields (before an
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

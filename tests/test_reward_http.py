@@ -232,7 +232,8 @@ def test_safetensors_splits_mixed_resolutions_by_shape(server):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [({"timeout_s": 0}, r"timeout_s must be a number in"), ({"max_retries": -1}, r"max_retries must be an int in"),
-     ({"batch_size": 0}, r"batch_size must be an int in \[1, 65536\]"), ({"encoding": "pickle"}, r"encoding must be one of")],
+     ({"batch_size": 0}, r"batch_size must be an int in \[1, 65536\]"),
+     ({"encoding": "pickle"}, r"encoding must be one of")],
 )
 def test_constructor_validation(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

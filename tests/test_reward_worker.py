@@ -8,8 +8,6 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 from omniroll.reward import (
     RewardLoopWorker,
     RewardPoolError,
@@ -19,6 +17,7 @@ from omniroll.reward import (
 )
 from tests.reward_fns import make_image
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FNS = "tests.reward_fns"
 RECORD = {"rec": {"fn": f"{FNS}:record_batch"}}
 

@@ -143,7 +143,8 @@ def algorithm_table(name: str) -> str:
                      + ", ".join(f"`trainer.{k}: {v!r}`" for k, v in spec.defaults.items()) + ".")
     fields = spec.options.model_fields
     if fields:
-        lines += ["", "| `trainer.algorithm_options.*` | type | range | default | description |", "|---|---|---|---|---|"]
+        lines += ["", "| `trainer.algorithm_options.*` | type | range | default | description |",
+                  "|---|---|---|---|---|"]
         for key, field in fields.items():
             base, bounds, optional = _unwrap(field.annotation)
             lines.append(f"| `{key}` | {_cell(_type_name(base))} | {_range(bounds + list(field.metadata))} | "
@@ -174,7 +175,8 @@ def config_reference() -> str:
         out += _rows(sub, name + ".", flags, missing)
         out.append("")
     top = {k: f for k, f in OmniRollConfig.model_fields.items() if _section_model(f.annotation)[0] is None}
-    out += ["## Top-level keys", "", "| key | type | range | default | description | flag |", "|---|---|---|---|---|---|"]
+    out += ["## Top-level keys", "", "| key | type | range | default | description | flag |",
+            "|---|---|---|---|---|---|"]
     out += [_row(name, field, flags, missing) for name, field in top.items()]
     out += ["", "## `trainer.algorithm_options`: each algorithm's own options", ""]
     for name in ALGORITHMS:
@@ -210,7 +212,8 @@ LAYER_NOTES = {"sampling": "fp32 SDE / CPS / ODE steps, windows, seeds", "tasks"
                "engine": "the one denoise loop", "rollout": "Ray replicas, routing client",
                "reward": "workers, manager, scorers", "config": "the YAML schema",
                "agent_loop": "the specification's agent loop", "trajectory_file": "the batch on disk",
-               "evaluation": "GenEval on the shapes world", "run_rollout": "a rollout batch from Python", "train": "the trainer, one file per algorithm",
+               "evaluation": "GenEval on the shapes world", "run_rollout": "a rollout batch from Python",
+               "train": "the trainer, one file per algorithm",
                "integrations": "verl / VeRL-Omni", "cli": "one module per command", "http": "omniroll serve"}
 
 

@@ -194,7 +194,8 @@ def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, result
         "images_per_second": len(done) / seconds if seconds > 0 else None,
         "mean_log_prob": float(log_probs.mean()) if log_probs is not None and log_probs.numel() else None,
         "interrupted": interrupted,
-        "failed_rows": [{"row": r, "request_id": requests[r].request_id, "error": e} for r, e in sorted(errors.items())],
+        "failed_rows": [{"row": r, "request_id": requests[r].request_id, "error": e}
+                        for r, e in sorted(errors.items())],
         "seeds": [requests[r].seed for r in range(len(requests))],
         "prompts": prompts,
         "sde_window": [list(results[r].extra_fields["sde_window"]) for r in done],

@@ -10,8 +10,8 @@ A candidate replaces the CPU rule's 16 rows only when it is at least `MIN_GAIN` 
 not move the choice). The choice is cached in memory and on disk (`$OMNIROLL_CACHE_DIR/calibration.json`, default
 `~/.cache/omniroll`), keyed by the denoiser's architecture, latent shape, text length, thread count, device, dtype
 and mode, so a machine calibrates each shape once; a calibration made while the machine is busy (1-minute load
-average above the CPU count) is used by this process only, never cached on disk. The rows never change a sample in batch-invariant mode (tested),
-so replicas that calibrate differently still give bitwise-identical samples.
+average above the CPU count) is used by this process only, never cached on disk. The rows never change a sample in
+batch-invariant mode (tested), so replicas that calibrate differently still give bitwise-identical samples.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class DiffusionEngine:
         self.step_pause = StepPause()  # the step pause (pause_generation): no denoising step runs; the loop reads it
         self.controls = ControlCalls(self)  # engine/control.py: weight, LoRA, sleep and pause calls
 
-    # ------------------------------------------------------------------ control calls: `ControlCalls` (engine/control.py)
+    # ---------------------------------------------------------- control calls: `ControlCalls` (engine/control.py)
     def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
         return self.controls.pause_generation(after_steps, timeout_s)
 

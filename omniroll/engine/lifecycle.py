@@ -162,7 +162,8 @@ class Lifecycle:
             elif not any(p.is_meta for p in module.parameters()):
                 module.to("cpu")
         if level == 2:
-            self.unusable, self._dropped = "weights were dropped by sleep(level=2): a full weight sync must come first", True
+            self.unusable = "weights were dropped by sleep(level=2): a full weight sync must come first"
+            self._dropped = True
         self.asleep_level = level
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

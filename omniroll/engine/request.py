@@ -198,7 +198,8 @@ def version_fields(state: RequestState, current_version: int) -> dict:
             "max_weight_version": max(window, default=int(first))}
 
 
-def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution: Optional[dict] = None) -> DiffusionOutput:
+def build_output(state: RequestState, pixels: Optional[torch.Tensor],
+                 execution: Optional[dict] = None) -> DiffusionOutput:
     """Package what RL needs. The window's sigmas, noise level and SDE type travel with the trajectory, so a trainer
     never has to recover sigma from a timestep or mirror the sampling config."""
     p = state.params

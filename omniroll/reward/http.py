@@ -11,8 +11,8 @@ Wire format (one POST per batch of at most `batch_size` samples):
   per shape. A video cannot go as `"png"` (one image per sample): that encoding refuses it with a clear error.
 
 The server answers `{"scores": [...]}` with one entry per image (a number or a dict with `"score"`); a score must be
-a finite number (`true` / `false`, strings, NaN are the scorer's errors, never 1.0 / 0.0: see `RewardManager`). Servers can
-decode requests with `decode_png_batch` / `decode_safetensors_batch`.
+a finite number (`true` / `false`, strings, NaN are the scorer's errors, never 1.0 / 0.0: see `RewardManager`).
+Servers can decode requests with `decode_png_batch` / `decode_safetensors_batch`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ import io
 import json
 import struct
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:  # the optional `server` extra: imported when a request is made
+    import httpx
 
 RETRY_STATUSES = frozenset({408, 429})
 ENCODINGS = ("png", "safetensors")
@@ -91,7 +94,8 @@ def encode_safetensors_batch(samples) -> bytes:
     if len(shapes) != 1:
         raise ValueError(f"HttpScorer encoding='safetensors' needs one image shape per batch, got {sorted(shapes)}")
     images = np.stack([s.image for s in samples]).astype(np.uint8, copy=False)
-    meta = {"prompts": _dumps([s.prompt for s in samples], "prompts"), "metadata": _dumps(_metadata(samples), "metadata")}
+    meta = {"prompts": _dumps([s.prompt for s in samples], "prompts"),
+            "metadata": _dumps(_metadata(samples), "metadata")}
     return save({"images": images}, metadata=meta)
 
 

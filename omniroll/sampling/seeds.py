@@ -11,7 +11,10 @@ torch-free at import: the functions that need torch import it when called.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 _MAX = 2**63 - 1

@@ -270,7 +270,7 @@ def iter_shm_buckets(stream: ShmStream) -> Iterator[Bucket]:
     finally:
         if not completed:
             c[err_idx] = 1
-        del c
+        c = None  # the view goes before its mapping closes
         for m in slots + [ctrl]:
             m.close()
 
