@@ -140,7 +140,8 @@ class ActorHealth:
                                             f"(a restart needs a node with room for the actor's resources)")
                 return
         finally:
-            self._probes.pop(index, None)
+            if self._probes.get(index) is asyncio.current_task():
+                del self._probes[index]
 
     def _forget(self, index: int) -> None:
         probe = self._probes.pop(index, None)
