@@ -215,8 +215,8 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_
     from omniroll.weights import WeightSender, WeightSyncError
 
     cluster, workers, ids = nodes
-    prompts = ["a blue car", "a green bird", "a red cube", "a blue bird", "a green car", "a red bird"]  # 6 groups on
-    # one agent-loop worker, whose client spreads them over the 3 idle replicas
+    prompts = ["a blue car", "a green bird", "a red cube"]  # 3 groups on one agent-loop worker, whose client puts
+    # one on each of the 3 idle replicas
     # w0's "rw" and w1's "aw" are held while the trainer starts, so its one reward worker and one agent-loop worker
     # start on the victim (the only node with room), and are released before the fault: the restarts go there
     class Hold:  # holds the resources it was created with (defined here: Ray ships it by value)
@@ -229,7 +229,7 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_
     cluster.wait_for_nodes()
     cfg = rollout_config(tiny_sd3_path, placement="spread", resources={"worker": 1}, count=3).model_dump()
     cfg["agent"]["num_workers"] = cfg["reward"]["num_workers"] = 1
-    cfg["trainer"] = {"prompts": prompts, "prompts_per_step": 6, "steps": 1, "micro_batch_size": 12, "num_threads": 1}
+    cfg["trainer"] = {"prompts": prompts, "prompts_per_step": 3, "steps": 1, "micro_batch_size": 6, "num_threads": 1}
     lines = []
     with FlowGRPOTrainer(load_config(cfg), str(tmp_path / "out"), log=lines.append) as tr:
         c = tr.cluster
