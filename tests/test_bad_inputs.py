@@ -36,8 +36,9 @@ def _config_error(raw: dict) -> str:
     ({"replicas": {"num_cpus": float("inf")}}, "replicas.num_cpus: Input should be a finite number"),
     ({"replicas": {"num_gpus": float("nan")}}, "replicas.num_gpus: Input should be a finite number"),
     ({"engine": {"max_waiting": 0}}, "engine.max_waiting: Input should be greater than or equal to 1"),
+    # (loops other tests registered follow the built-in one)
     ({"agent": {"default_agent_loop": "nope"}}, "agent.default_agent_loop: agent loop 'nope' is not registered, the "
-                                                "registered ones are ['diffusion_single_turn_agent']"),
+                                                "registered ones are ['diffusion_single_turn_agent'"),
 ])
 def test_config_refuses_at_load_time_naming_the_key(raw, expected):
     assert expected in _config_error(raw)
