@@ -83,6 +83,7 @@ shapes-model: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes --out out/shapes-model --install
 
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

@@ -101,14 +101,14 @@ def run_sample(out_dir: str, n: int) -> None:
     import asyncio
 
     from omniroll.agent_loop.cluster import RolloutCluster
-    from omniroll.cli.common import make_batch
+    from omniroll.agent_loop.batch import command_batch
     from omniroll.config import load_config
 
     cfg = load_config(os.path.join(REPO, "examples", "rollout.yaml"), [f"n={n}", "replicas.count=1"])
     with RolloutCluster(cfg, log=None) as cluster:
-        warm = make_batch(["a red car on a table"], n, rollout_seed=cfg.seed)
+        warm = command_batch(["a red car on a table"], n, rollout_seed=cfg.seed)
         asyncio.run(cluster.manager.generate_sequences_async(warm))
-        batch = make_batch(["a blue bird in a forest"], n, rollout_seed=cfg.seed)
+        batch = command_batch(["a blue bird in a forest"], n, rollout_seed=cfg.seed)
         set_phase(out_dir, "sample")
         out = asyncio.run(cluster.manager.generate_sequences_async(batch))
         set_phase(out_dir, "after-sample")

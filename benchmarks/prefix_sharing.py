@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     }
     n_img = args.prompts * args.n
     print(f"# prefix sharing: {args.prompts} prompts x {args.n} samples = {n_img} images, T={args.steps}, CFG "
-          f"{args.guidance}, {args.size}px, L={args.max_sequence_length}, fp32, {args.threads} threads; flow_grpo batch "
-          f"{args.batch_size}, omniroll {args.engine_batch} rows; {info['cpu']} x{info['cpu_count']}, load "
+          f"{args.guidance}, {args.size}px, L={args.max_sequence_length}, fp32, {args.threads} threads; flow_grpo "
+          f"batch {args.batch_size}, omniroll {args.engine_batch} rows; {info['cpu']} x{info['cpu_count']}, load "
           f"{info.get('loadavg_start')}", flush=True)
 
     results = {s: {k: [] for k in contenders} for s in SCENARIOS}

@@ -65,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=[2, 4, 8, 16, 32])
     ap.add_argument("--sweep-decode", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--sweep-repeats", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="tiny setting (1 prompt x 2, 64 px, 1 repeat): checks the script")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny setting (1 prompt x 2, 64 px, 1 repeat): checks the script")
     ap.add_argument("--skip", nargs="*", default=[], choices=["omniroll", "omniroll_noninvariant", "flowgrpo", "bound"],
                     help="contenders to leave out (quick experiments)")
     args = ap.parse_args(argv)

@@ -142,7 +142,7 @@ def main() -> None:
     speedup = med["sequential"]["step_s"] / med["omniroll"]["step_s"]
     print(f"\n{args.prompts} prompts x {args.n}, {args.steps} steps, {args.size}px, CFG 4.5, window 3, LoRA r8, "
           f"reward delay {args.reward_delay_ms:g} ms/sample, {args.repeats} measured steps, medians (s)")
-    print(f"| contender | rollout | reward wait | train | sync | step |\n|---|---:|---:|---:|---:|---:|")
+    print("| contender | rollout | reward wait | train | sync | step |\n|---|---:|---:|---:|---:|---:|")
     for name in ("omniroll", "sequential"):
         m = med[name]
         print(f"| {name} | {m['rollout_s']:.2f} | {m['reward_wait_s']:.2f} | {m['train_s']:.2f} | "

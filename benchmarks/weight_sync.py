@@ -109,7 +109,7 @@ def size_sweep(args) -> int:
                             "extra_mb_hwm_delta": round(hwm_delta / 2**20, 1)}
         rows.append((mb, len(sd), nbytes / t_copy / 1e9, t_copy / t_checked, t, t_copy / t, t_checked / t,
                      hwm_delta / 2**20))
-        del src, dst, sd, dst_sd, sender
+        src = dst = sd = dst_sd = sender = None  # freed before the next size
     print(f"in-process full sync by model size: {args.layers} layers, head_dim {args.head_dim}, bucket "
           f"{args.bucket_mb} MB, threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
     print(f"{'MB':>8s} {'tensors':>8s} {'copy GB/s':>10s} {'copy+check':>11s} {'sync s':>8s} {'vs copy':>8s} "
@@ -198,7 +198,8 @@ def main() -> int:
         acct = alive * acks[0].get("max_bucket_bytes", bucket_bytes)
         gbs = nbytes / t / 1e9
         rows.append((f"full sync [{transport}]", t, gbs, gbs / copy_gbs, acct, f"{hwm_delta / 2**20:.1f}"))
-        results[f"full_{transport}"] = {"seconds": round(t, 4), "gbs": round(gbs, 3), "ratio_vs_copy": round(gbs / copy_gbs, 3),
+        results[f"full_{transport}"] = {"seconds": round(t, 4), "gbs": round(gbs, 3),
+                                        "ratio_vs_copy": round(gbs / copy_gbs, 3),
                                         "ratio_vs_checked_copy": round(t_checked / t, 3),
                                         "extra_mb_buckets": round(acct / 2**20, 1),
                                         "extra_mb_hwm_delta": round(hwm_delta / 2**20, 1),
@@ -234,7 +235,8 @@ def main() -> int:
         rows.append((f"LoRA r{args.lora_rank} first install [{transport}]", t_first, lora_bytes / t_first / 1e9,
                      float("nan"), lora_bytes, "-"))
         results[f"lora_{transport}_first_ms"] = round(t_first * 1e3, 2)
-        rows.append((f"LoRA r{args.lora_rank} sync [{transport}]", t, lora_bytes / t / 1e9, float("nan"), lora_bytes, "-"))
+        rows.append((f"LoRA r{args.lora_rank} sync [{transport}]", t, lora_bytes / t / 1e9, float("nan"), lora_bytes,
+                     "-"))
         results[f"lora_{transport}_ms"] = round(t * 1e3, 2)
         sender.close()
     results["lora_mb"] = round(lora_bytes / 2**20, 2)
@@ -243,7 +245,8 @@ def main() -> int:
 
     print(f"model: {nbytes / 2**20:.1f} MB fp32, {len(sd)} tensors, bucket {args.bucket_mb} MB, "
           f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
-    print(f"{'what':34s} {'seconds':>9s} {'GB/s':>8s} {'vs copy':>8s} {'extra MB (buckets)':>19s} {'HWM delta MB':>13s}")
+    print(f"{'what':34s} {'seconds':>9s} {'GB/s':>8s} {'vs copy':>8s} {'extra MB (buckets)':>19s} "
+          f"{'HWM delta MB':>13s}")
     for name, t, gbs, ratio, acct, hwm in rows:
         print(f"{name:34s} {t:9.4f} {gbs:8.3f} {ratio:8.2f} {acct / 2**20:19.1f} {hwm:>13s}")
     ok_full = all(results[f"full_{tr}"]["ratio_vs_copy"] >= 0.5 for tr in transports)

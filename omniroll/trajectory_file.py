@@ -67,7 +67,7 @@ def batch_from_outputs(outputs: list, prompts: list[str], n: int, rows: Optional
     outputs are (default: all, in order; fewer when some did not finish). The rows are `agent_loop.batch.prompt_batch`'s
     (uid = `batch_prompt_uid(prompt index)`, data_source "cli"), as `omniroll generate` and `rollout` build them."""
     from omniroll.agent_loop.batch import prompt_batch
-    from omniroll.agent_loop.output_batch import RowResult, assemble
+    from omniroll.agent_loop.output_batch import RowResult, assemble, fit_error
     from omniroll.agent_loop.outputs import agent_loop_output
     from omniroll.sampling.seeds import batch_prompt_uid
 
@@ -78,6 +78,10 @@ def batch_from_outputs(outputs: list, prompts: list[str], n: int, rows: Optional
     results = [RowResult(index=k, request_id=str(o.extra_fields.get("request_id")), seed=int(o.extra_fields["seed"]),
                          out=agent_loop_output(o, float(o.extra_fields.get("generate_seconds", 0.0))))
                for k, o in enumerate(outputs)]
+    for r in results:
+        err = fit_error(r.out, prompt_length, max_prompt_embed_length)
+        if err is not None:
+            raise ValueError(f"row {rows[r.index]} ({r.request_id}): {err}")
     return assemble(results, inputs, prompt_length=prompt_length, max_prompt_embed_length=max_prompt_embed_length,
                     mark_failed=False, scored=False)
 

@@ -1,6 +1,7 @@
 """Tests' receiver of weight streams: :func:`apply_weight_update` (check, receive, commit in one call) and
-:class:`ModuleReceiver`, a minimal in-process target without an engine (not part of omniroll's API). The engine splits the three steps itself
-(``omniroll.engine.lifecycle``) so that it drains and aborts only once an update is known to be complete.
+:class:`ModuleReceiver`, a minimal in-process target without an engine (not part of omniroll's API). The engine splits
+the three steps itself (``omniroll.engine.lifecycle``) so that it drains and aborts only once an update is known to be
+complete.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 mid-batch, streaming rewards, bad inputs."""
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -104,6 +103,28 @@ def test_same_images_with_two_replicas_and_two_workers(cfg, replicas, baseline, 
         _same(baseline, out)
         assert list(out.non_tensor_batch["uid"]) == ["u0", "u0", "u1", "u1", "u2"]
         assert len(out.meta_info["metrics"]) == 5 and "timing" in out.meta_info
+
+
+def test_the_only_agent_loop_worker_lost_mid_batch_is_restarted_and_its_chunk_rerun(cfg, replicas, baseline,
+                                                                                    ray_cluster):
+    """The one agent-loop worker's process is lost while its rows generate (as when its node leaves): Ray restarts
+    it, the manager re-runs its chunk there (new engine request ids), and the samples are the unfailed run's."""
+    mgr = AgentLoopManager(cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"num_workers": 1})}), replicas)
+
+    async def go():
+        task = asyncio.ensure_future(mgr.generate_sequences_async(make_batch(ROWS5)))
+        while sum(ray_cluster.get(r.stats.remote())["running"] for r in replicas) == 0:
+            assert not task.done()
+            await asyncio.sleep(0.02)
+        ray_cluster.kill(mgr.workers[0], no_restart=False)  # its process dies; Ray restarts it
+        return await task
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        mgr.shutdown()
+    _same(baseline, out)
+    assert list(out.non_tensor_batch["request_id"]) == list(baseline.non_tensor_batch["request_id"])
 
 
 def test_seeds_do_not_depend_on_chunking(cfg, replicas, baseline):

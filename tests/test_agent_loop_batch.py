@@ -20,7 +20,8 @@ def test_chunk_uneven_and_concat_round_trip():
     assert [len(p) for p in parts] == [3, 2]
     assert [len(p) for p in b.chunk(7)] == [1, 1, 1, 1, 1, 0, 0]
     back = DataBatch.concat(parts)
-    assert torch.equal(back.batch["x"], b.batch["x"]) and list(back.non_tensor_batch["uid"]) == list(b.non_tensor_batch["uid"])
+    assert torch.equal(back.batch["x"], b.batch["x"])
+    assert list(back.non_tensor_batch["uid"]) == list(b.non_tensor_batch["uid"])
     assert back.non_tensor_batch["msgs"].shape == (5,) and back.meta_info == {"global_steps": 3}
     assert [len(p) for p in b.split(2)] == [2, 2, 1] and [len(p) for p in b.split([1, 4])] == [1, 4]
     with pytest.raises(ValueError, match="sum to the batch size"):

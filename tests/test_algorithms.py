@@ -186,7 +186,8 @@ def test_algorithm_options_are_validated_and_keys_that_do_not_apply_are_errors()
     assert (c.trainer.kl_beta, c.trainer.global_std) == (1e-4, True)  # the reference's defaults
     assert c.trainer.options().beta == 1.0 and cfg({"algorithm": "grpo_guard"}).trainer.clip_range == 2e-6
     assert cfg({"algorithm": "nft", "kl_beta": 0.0}).trainer.kl_beta == 0.0  # set: kept
-    bad = [({"algorithm": "nft", "clip_range": 0.1}, None, "trainer.clip_range does not apply to trainer.algorithm nft"),
+    bad = [({"algorithm": "nft", "clip_range": 0.1}, None,
+            "trainer.clip_range does not apply to trainer.algorithm nft"),
            ({"algorithm": "awm", "window_schedule": "random"}, None, "trainer.window_schedule does not apply"),
            ({"algorithm": "nft"}, {"noise_level": 0.5}, "algo.noise_level does not apply to trainer.algorithm nft"),
            ({"algorithm": "nft", "algorithm_options": {"betta": 1}}, None, "algorithm_options.betta: Extra inputs"),

@@ -112,14 +112,14 @@ def test_generate_keeps_finished_samples_on_ctrl_c(tiny_cache, tmp_path, monkeyp
 @pytest.fixture()
 def nothing_starts(monkeypatch):
     """Fail the test if a model is loaded or Ray replicas are started (errors must come before both)."""
-    import omniroll.cli.rollout
+    import omniroll.run_rollout
     from omniroll.engine.engine import DiffusionEngine
 
     def refuse(*a, **k):
         raise AssertionError("started expensive work before reporting the input error")
 
     monkeypatch.setattr(DiffusionEngine, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(omniroll.cli.rollout, "run_rollout", refuse)
+    monkeypatch.setattr(omniroll.run_rollout, "run_rollout", refuse)
 
 
 def _errors(capsys) -> list[str]:

@@ -1,4 +1,5 @@
-"""run_rollout end to end on the tiny SD3 (replicas, reward workers, manager) with files written."""
+"""run_rollout (omniroll.run_rollout) end to end on the tiny SD3 (replicas, reward workers, manager) with files
+written."""
 
 import asyncio
 import json
@@ -6,7 +7,7 @@ import os
 
 from safetensors.torch import load_file
 
-from omniroll.cli.rollout import run_rollout
+from omniroll.run_rollout import run_rollout
 from omniroll.config import load_config
 
 

@@ -127,6 +127,7 @@ def test_the_version_is_written_in_one_place():
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]["version"] == {
         "attr": "omniroll.__version__"}
     newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M).group(1)
-    assert newest == omniroll.__version__, f"CHANGELOG.md's newest section is {newest}, omniroll is {omniroll.__version__}"
+    assert newest == omniroll.__version__, (f"CHANGELOG.md's newest section is {newest}, omniroll is "
+                                            f"{omniroll.__version__}")
     from importlib.metadata import version
     assert version("omniroll") == omniroll.__version__, "reinstall (pip install -e .): the installed metadata is stale"

@@ -90,3 +90,36 @@ def test_outputs_do_not_alias_the_prompt_cache(engine):
     assert torch.equal(after.diffusion_output, pixels)
     for k in ("prompt_embeds", "negative_pooled_prompt_embeds", "all_latents"):
         assert torch.equal(after.extra_fields[k], kept[k]), k
+
+
+def test_a_queued_request_holds_no_latent_and_the_queue_is_bounded(tiny_sd3_path):
+    """While nothing can start (the step pause holds the loop), queued requests are checked but hold no latent,
+    generator or window (built at admission); a call that would make more than max_waiting wait is refused whole,
+    naming the key, and nothing of it is queued. Once the queue moves, the queued requests give the samples they give
+    on an engine that admits them at once."""
+    from omniroll.engine.errors import EngineOverloadedError
+
+    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16, max_waiting=3)
+    try:
+        eng.pause_generation(after_steps=0, timeout_s=120)
+        futures = eng._submit_futures([req("q0", seed=0), req("q1", prompt="a dog", seed=1)])
+        with pytest.raises(EngineOverloadedError, match=r"2 request\(s\) wait to start and 2 more would pass "
+                                                        r"max_waiting=3 \(engine.max_waiting\); nothing of this call"):
+            eng._submit_futures([req("q2"), req("q3")])
+        assert eng.stats()["waiting"] == 2
+        queued = eng.call_between_steps(lambda: list(eng.scheduler.waiting), op="test")
+        assert [s.request_id for s in queued] == ["q0", "q1"]
+        assert all(not s.started and s.latents is None and s.generator is None for s in queued)
+        eng.resume_generation()
+        got = [f.result(timeout=120) for f in futures]
+    finally:
+        eng.shutdown()
+    ref = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
+    try:
+        want = ref.generate([req("q0", seed=0), req("q1", prompt="a dog", seed=1)])
+    finally:
+        ref.shutdown()
+    for g, w in zip(got, want):
+        assert torch.equal(g.diffusion_output, w.diffusion_output) and torch.equal(g.log_probs, w.log_probs)
+    with pytest.raises(ValueError, match="max_waiting must be an int >= 1"):
+        EngineConfig(max_waiting=0)

@@ -1,7 +1,7 @@
-"""`omniroll export` on the tiny SD3: a trainer checkpoint (written by the trainer's own checkpoint writer) exported as a
-diffusers LoRA file and as a merged pipeline, loaded by diffusers itself (`load_lora_weights`, `from_pretrained`) and
-compared with omniroll's engine at the same seed and ODE sampler; bad inputs fail naming the argument and leave
-nothing behind."""
+"""`omniroll export` on the tiny SD3: a trainer checkpoint (written by the trainer's own checkpoint writer) exported as
+a diffusers LoRA file and as a merged pipeline, loaded by diffusers itself (`load_lora_weights`, `from_pretrained`) and
+compared with omniroll's engine at the same seed and ODE sampler; bad inputs fail naming the argument and leave nothing
+behind."""
 
 import os
 

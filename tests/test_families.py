@@ -197,7 +197,7 @@ def test_frame_counts_never_share_a_forward(engines):
     from omniroll.engine.admission import build_state
 
     sa, sb = (build_state(engine.adapter, engine.config, engine.runner.device, r, None) for r in (a, b))
-    assert sa.batch_key != sb.batch_key and sa.latents.shape[1] == 2 and sb.latents.shape[1] == 1
+    assert sa.batch_key != sb.batch_key and sa.latent_shape[1] == 2 and sb.latent_shape[1] == 1
 
 
 def test_qwen_template_drop_count_comes_from_the_tokenizer(paths):

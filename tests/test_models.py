@@ -201,7 +201,8 @@ def test_sigmas_use_dynamic_shift_like_the_pipeline(adapter):
     dyn.scheduler_config = {**adapter.scheduler_config, "use_dynamic_shifting": True}
     ref = FlowMatchEulerDiscreteScheduler.from_config(dyn.scheduler_config)
     c = ref.config
-    ref.set_timesteps(4, mu=calculate_shift(8 * 8, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift))
+    mu = calculate_shift(8 * 8, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    ref.set_timesteps(4, mu=mu)
     assert torch.equal(dyn.sigmas(4, 128, 128), ref.sigmas.float())
     assert not torch.equal(dyn.sigmas(4, 128, 128), adapter.sigmas(4, 128, 128))
 

@@ -6,7 +6,8 @@ What is checked: `spread` puts replicas on distinct nodes; the weight sender cho
 node and the object store for the others (the choice, read from the acks: on one machine /dev/shm would work for
 all); a forced shm to another node fails before any byte moves, naming replica and node; `omniroll train` (the real
 command, joining the cluster with --ray-address) runs 2 steps with its replicas on the two worker nodes; a node
-removed mid-rollout still returns every sample, bitwise equal to a run without the fault; a sync during which a
+removed mid-rollout (holding a replica, the only reward worker and the only agent-loop worker, which Ray restarts
+elsewhere) still returns every sample, bitwise equal to a run without the fault; a sync during which a
 receiver's node disappears (before the send, and in the middle of it: the victim has every bucket and waits to
 commit) fails as a whole naming it, the survivors hold the complete update, and the next sync to them works.
 """
@@ -207,25 +208,37 @@ def test_a_receivers_node_removed_in_the_middle_of_a_sync_fails_it_naming_replic
 
 def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_goes_on_with_the_survivors(
         nodes, tiny_sd3_path, tmp_path):
+    """The removed node holds a replica, the only reward worker and the only agent-loop worker (the case the issue 38
+    run hit: with a second worker of each role on another node, as this test had, a node loss never needed more
+    than the survivors). Ray restarts the two workers on other nodes; every sample comes back bitwise."""
     from omniroll.train import FlowGRPOTrainer
     from omniroll.weights import WeightSender, WeightSyncError
 
     cluster, workers, ids = nodes
-    prompts = ["a blue car", "a green bird", "a red cube", "a blue bird", "a green car", "a red bird"]  # 3 groups a
-    # worker: each worker's client spreads its groups over the 3 idle replicas
+    prompts = ["a blue car", "a green bird", "a red cube"]  # 3 groups on one agent-loop worker, whose client puts
+    # one on each of the 3 idle replicas
+    # w0's "rw" and w1's "aw" are held while the trainer starts, so its one reward worker and one agent-loop worker
+    # start on the victim (the only node with room), and are released before the fault: the restarts go there
+    class Hold:  # holds the resources it was created with (defined here: Ray ships it by value)
+        pass
+
+    hold = ray.remote(num_cpus=0)(Hold)
+    held = [hold.options(resources={"rw": 1}).remote(), hold.options(resources={"aw": 1}).remote()]
+    ray.get([h.__ray_ready__.remote() for h in held])
     victim = cluster.add_node(num_cpus=1, resources={"worker": 4, "victim": 4, "rw": 1, "aw": 1})
     cluster.wait_for_nodes()
     cfg = rollout_config(tiny_sd3_path, placement="spread", resources={"worker": 1}, count=3).model_dump()
-    cfg["trainer"] = {"prompts": prompts, "prompts_per_step": 6, "steps": 1, "micro_batch_size": 12, "num_threads": 1}
+    cfg["agent"]["num_workers"] = cfg["reward"]["num_workers"] = 1
+    cfg["trainer"] = {"prompts": prompts, "prompts_per_step": 3, "steps": 1, "micro_batch_size": 6, "num_threads": 1}
     lines = []
     with FlowGRPOTrainer(load_config(cfg), str(tmp_path / "out"), log=lines.append) as tr:
         c = tr.cluster
-        ref = asyncio.run(tr.manager.generate_sequences_async(batch(prompts)))
         on_victim = [i for i, n in enumerate(c.replica_nodes) if n == victim.node_id]
         assert len(on_victim) == 1 and len(set(c.replica_nodes)) == 3
-        # one reward worker and one agent-loop worker live on the victim too
-        assert sorted(map(where, c.reward_workers)) == sorted([ids["w0"], victim.node_id])
-        assert sorted(map(where, c.manager.workers)) == sorted([ids["w1"], victim.node_id])
+        assert [where(c.reward_workers[0]), where(c.manager.workers[0])] == [victim.node_id] * 2
+        for h in held:
+            ray.kill(h)
+        ref = asyncio.run(tr.manager.generate_sequences_async(batch(prompts)))
         sender = WeightSender(tr.replicas, bucket_bytes=64 << 10)
         assert sender.nodes == c.replica_nodes
 
@@ -242,6 +255,8 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_
         for k in ("responses", "all_latents", "rollout_log_probs", "rm_scores"):
             assert torch.equal(got.batch[k], ref.batch[k]), k
         assert list(got.non_tensor_batch["request_id"]) == list(ref.non_tensor_batch["request_id"])
+        # the same handles, restarted where there was room
+        assert [where(c.reward_workers[0]), where(c.manager.workers[0])] == [ids["w0"], ids["w1"]]
         assert set(ref.non_tensor_batch["replica_node_id"]) <= {ids["w0"], ids["w1"], victim.node_id}
 
         # the trainer's next step: it says in one line that it goes on without the lost replica; its sync works

@@ -16,7 +16,7 @@ from peft import LoraConfig
 from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
 from omniroll.models import load_adapter
 from omniroll.train import TrajectoryBatch, recompute_log_probs
-from omniroll.trajectory import batch_from_outputs, read_trajectories, write_trajectories
+from omniroll.trajectory_file import batch_from_outputs, read_trajectories, write_trajectories
 from omniroll.weights import WeightSender
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"])

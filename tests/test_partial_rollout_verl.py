@@ -9,7 +9,7 @@ import torch
 
 verl = pytest.importorskip("verl")
 
-from omniroll.trajectory import batch_from_outputs  # noqa: E402
+from omniroll.trajectory_file import batch_from_outputs  # noqa: E402
 from omniroll.weights import WeightSender  # noqa: E402
 
 

@@ -92,6 +92,12 @@ def _make_app(state: dict) -> FastAPI:
 
         return StreamingResponse(body(), media_type="application/json")
 
+    @app.post("/hang/{key}")
+    async def hang(key: str):  # never answers in time (bounded, so the server can stop)
+        hits[key] += 1
+        await asyncio.sleep(5)
+        return {"scores": [1.0]}
+
     @app.post("/notnumbers/{key}")
     async def notnumbers(key: str):
         hits[key] += 1
@@ -226,7 +232,8 @@ def test_safetensors_splits_mixed_resolutions_by_shape(server):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [({"timeout_s": 0}, r"timeout_s must be a number in"), ({"max_retries": -1}, r"max_retries must be an int in"),
-     ({"batch_size": 0}, r"batch_size must be an int in \[1, 65536\]"), ({"encoding": "pickle"}, r"encoding must be one of")],
+     ({"batch_size": 0}, r"batch_size must be an int in \[1, 65536\]"),
+     ({"encoding": "pickle"}, r"encoding must be one of")],
 )
 def test_constructor_validation(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -283,3 +290,62 @@ def test_scores_must_be_finite_numbers(server):
     assert [r.score for r in results] == [None] * 4 + [0.25]  # never 1.0 / 0.0 for true / false
     for r, kind in zip(results, ("bool", "bool", "str", "bool")):
         assert f"returned a {kind}, expected a number" in r.error
+
+
+def _png_b64(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def test_png_decode_refuses_too_many_pixels_by_name_before_decoding():
+    """A PNG declares its size in its header: two 6000x6000 pictures (a few kB each) are refused from their headers,
+    naming the image and the limit, before anything is decoded; so are images over the request's limit together."""
+    from PIL import Image
+
+    from omniroll.reward.http import MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS
+
+    assert MAX_IMAGE_PIXELS < Image.MAX_IMAGE_PIXELS and MAX_IMAGE_PIXELS < MAX_REQUEST_PIXELS
+    huge = _png_b64(Image.new("1", (6000, 6000)))  # 1 bit per pixel, compressed to a few kB
+    assert len(huge) < 100_000
+    with pytest.raises(ValueError, match=r"images\[0\] is 6000x6000 = 36000000 pixels, more than "
+                                         r"max_image_pixels=16777216"):
+        decode_png_batch({"images": [huge, huge]})
+    small = _png_b64(Image.new("RGB", (8, 8), (10, 20, 30)))
+    with pytest.raises(ValueError, match=r"images\[0..2\] have 192 pixels together, more than "
+                                         r"max_request_pixels=150"):
+        decode_png_batch({"images": [small] * 3}, max_request_pixels=150)
+    images, _, _ = decode_png_batch({"images": [small] * 2}, max_request_pixels=150)
+    assert [im.shape for im in images] == [(3, 8, 8)] * 2 and images[0][:, 0, 0].tolist() == [10, 20, 30]
+
+
+def test_a_hanging_server_fails_the_batch_at_its_deadline(server):
+    """Attempts and backoffs together end at deadline_s, whatever max_retries allows; the manager does not retry an
+    http function on top (its max_retries defaults to 0 for http, 2 for the rest), so the row fails at that time."""
+    from omniroll.reward.manager import RewardFunctionConfig
+
+    url, state = server
+    scorer = HttpScorer(f"{url}/hang/u", timeout_s=0.4, max_retries=50, backoff_s=0.05, deadline_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RewardHTTPError, match=r"status=None: timeout after .*deadline_s=1 reached") as info:
+        _run(scorer, _samples(1))
+    assert 0.9 < time.monotonic() - t0 < 3.0 and 2 <= info.value.attempts <= 3
+    assert RewardFunctionConfig(fn="http", kwargs={"url": url}).max_retries == 0
+    assert RewardFunctionConfig(fn="jpeg_compressibility").max_retries == 2
+    assert (HttpScorer(url).timeout_s, HttpScorer(url).max_retries, HttpScorer(url).deadline_s) == (30.0, 2, 60.0)
+    manager = RewardManager({"h": {"fn": "http", "kwargs": {"url": f"{url}/hang/v", "timeout_s": 0.3,
+                                                             "deadline_s": 0.5}}})
+
+    async def go():
+        try:
+            return await manager.score(_samples(1))
+        finally:
+            await manager.aclose()
+
+    t0 = time.monotonic()
+    (result,) = asyncio.run(go())
+    assert result.status == "failed" and "deadline_s=0.5 reached" in result.error
+    assert result.extra_info["h/attempts"] == 1 and time.monotonic() - t0 < 2.5

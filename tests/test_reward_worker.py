@@ -8,8 +8,6 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 from omniroll.reward import (
     RewardLoopWorker,
     RewardPoolError,
@@ -19,6 +17,7 @@ from omniroll.reward import (
 )
 from tests.reward_fns import make_image
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FNS = "tests.reward_fns"
 RECORD = {"rec": {"fn": f"{FNS}:record_batch"}}
 
@@ -238,3 +237,35 @@ def test_killed_worker_leaves_the_pool_and_its_samples_are_rescored(ray_cluster)
     ray.kill(actors[1], no_restart=True)
     with pytest.raises(RewardPoolError, match=r"'s0' cannot be scored: every reward worker \(2 of 2\) left the pool"):
         asyncio.run(pool.score(samples[0]))
+
+
+def test_the_only_worker_lost_while_scoring_is_restarted_and_its_samples_rescored_on_it(ray_cluster):
+    """The one reward worker's process is lost while it scores (as when its node leaves): Ray restarts it
+    (create_reward_workers makes it restartable), the pool waits for it and re-scores its samples there: every
+    row scored, with the scores an unfailed run gives, and the worker never left the pool."""
+    ray = ray_cluster
+    config = {"functions": {"slow": {"fn": f"{FNS}:slow_async", "kwargs": {"delay": 1.0}},
+                            "bright": {"fn": f"{FNS}:mean_pixel"}}, "max_wait_ms": 20}
+    (actor,) = create_reward_workers(config, 1, **_actor_options())
+    ray.get(actor.ping.remote())
+    pool = RewardWorkerPool([actor], restart_timeout_s=120)
+    samples = _samples(4)
+
+    async def go():
+        task = asyncio.ensure_future(pool.score_many(samples))
+        for _ in range(200):  # until it is scoring (bounded)
+            if ray.get(actor.stats.remote())["batches"] >= 1:
+                break
+            await asyncio.sleep(0.02)
+        ray.kill(actor, no_restart=False)  # its process dies; Ray restarts it
+        return await task
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        ray.kill(actor, no_restart=True)
+    assert [r.status for r in results] == ["ok"] * 4
+    assert [r.components["bright"] for r in results] == pytest.approx([i / 255 for i in range(4)])
+    st = pool.stats()
+    assert st["dead"] == [] and st["restarting"] == [] and st["live"] == 1 and st["rescored"] == 4
+    assert pool.sent() == [8]

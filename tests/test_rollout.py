@@ -21,7 +21,8 @@ def test_wire_round_trip():
         extra_fields={"all_latents": torch.randn(3, 4, 2, 2), "emb": torch.randn(5, 3).bfloat16(),
                       "prompt_ids": [1, 2], "sde_window": (0, 2), "seed": 5})
     wire = output_to_wire(out)
-    assert isinstance(wire["diffusion_output"], np.ndarray) and isinstance(wire["extra_fields"]["all_latents"], np.ndarray)
+    assert isinstance(wire["diffusion_output"], np.ndarray)
+    assert isinstance(wire["extra_fields"]["all_latents"], np.ndarray)
     back = output_from_wire(wire)
     assert torch.equal(back.diffusion_output, out.diffusion_output) and torch.equal(back.log_probs, out.log_probs)
     assert back.extra_fields["emb"].dtype == torch.bfloat16
@@ -64,7 +65,8 @@ def test_generate_routing_and_stats(replicas, ray_cluster):
     assert client.stats()["served"] == [3, 3] and client.stats()["in_flight"] == [0, 0]
     # same seed and prompt on another replica -> the identical image
     d = (outs[0].diffusion_output.int() - outs[3].diffusion_output.int()).abs()
-    assert torch.equal(outs[0].diffusion_output, outs[3].diffusion_output), (d.max(), (d > 0).sum(), [o.extra_fields["seed"] for o in outs])
+    assert torch.equal(outs[0].diffusion_output, outs[3].diffusion_output), (
+        d.max(), (d > 0).sum(), [o.extra_fields["seed"] for o in outs])
     st = ray_cluster.get(replicas[0].stats.remote())
     assert {"in_flight", "queued", "served", "weight_version", "replica_index"} <= set(st)
     assert ray_cluster.get(replicas[1].health.remote())["ok"]
@@ -134,7 +136,8 @@ def test_bad_request_through_a_replica_fails_alone_and_benches_nothing(replicas,
 
 def test_duplicate_request_id_on_a_replica_is_refused_not_retried(replicas, ray_cluster):
     long_sp = {**SP, "num_inference_steps": 400}
-    first = replicas[1].generate.remote({"request_id": "same", "prompt": "a cat", "seed": 0, "sampling_params": long_sp})
+    first = replicas[1].generate.remote({"request_id": "same", "prompt": "a cat", "seed": 0,
+                                         "sampling_params": long_sp})
     for _ in range(600):  # until the engine holds it (bounded: a broken replica fails the assert below)
         if ray_cluster.get(replicas[1].stats.remote())["in_flight"] >= 1:
             break

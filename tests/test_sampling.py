@@ -156,7 +156,8 @@ def test_log_prob_of_a_row_is_bitwise_independent_of_its_batch():
 
 
 def test_dance_sde_matches_hand_computation():
-    # VeRL-Omni's dance_sde: mean = x + dt v - 0.5 eta^2 score dt, score = -(x - (1 - s) x0) / s^2, std = eta sqrt(s - sn)
+    # VeRL-Omni's dance_sde: mean = x + dt v - 0.5 eta^2 score dt, score = -(x - (1 - s) x0) / s^2,
+    # std = eta sqrt(s - sn)
     x, v, s, sn, eta, eps = 1.0, 0.5, 0.8, 0.6, 0.7, 0.5
     dt = sn - s
     x0 = x - s * v

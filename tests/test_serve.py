@@ -224,6 +224,7 @@ def test_metrics_are_prometheus_text(live):
 
 
 def test_status_codes_are_classified_in_one_place():
+    from omniroll.engine.errors import EngineOverloadedError
     from omniroll.engine.lifecycle import EngineAsleepError
     from omniroll.rollout.client import RequestError, RolloutError
 
@@ -231,6 +232,8 @@ def test_status_codes_are_classified_in_one_place():
     assert classify(RequestError("r", f"prompt {secret!r} is bad"), [secret]).status == 400
     assert secret not in classify(ValueError(f"prompt {secret!r} is too long"), [secret]).message
     assert classify(EngineAsleepError("asleep")).status == 503
+    full = classify(EngineOverloadedError("the engine's queue is full"))
+    assert full.status == 503 and full.retry_after == 1
     assert classify(RolloutError("every replica failed")).status == 503
     assert classify(TimeoutError()).status == 503
     bug = classify(RuntimeError(f"boom on {secret}"), [secret])

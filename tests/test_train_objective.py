@@ -44,8 +44,8 @@ def test_the_behaviour_weight_is_the_ratio_of_the_two_policies_densities_of_the_
     step = dict(sigma=0.7, sigma_next=0.6, noise_level=0.8, sde_type=sde_type)
     behaviour = sde_step(x, v_b, **step, generator=g)
     prox = sde_step(x, v_prox, **step, prev_sample=behaviour.prev_sample)
-    true_log_w = [Normal(o.mean[i], o.std[i]).log_prob(behaviour.prev_sample[i]).double().sum() for o in (prox, behaviour)
-                  for i in range(B)]
+    true_log_w = [Normal(o.mean[i], o.std[i]).log_prob(behaviour.prev_sample[i]).double().sum()
+                  for o in (prox, behaviour) for i in range(B)]
     true_w = torch.exp(torch.stack(true_log_w[:B]) - torch.stack(true_log_w[B:]))
     scale = density_log_ratio_scale(prox.std, [sde_type] * B, x[0].numel())
     t = decoupled_ppo_loss(prox.log_prob, prox.log_prob, behaviour.log_prob, torch.ones(B), 1e-4, 1e9,

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from omniroll.agent_loop import DataBatch, DiffusionAgentLoopWorker
 from omniroll.cli import main
-from omniroll.cli.media import save_video, video_encoder
+from omniroll.media import save_video, video_encoder
 from omniroll.config import load_config
 from omniroll.models.tiny import build_tiny
 from omniroll.reward import RewardLoopWorker, RewardSample

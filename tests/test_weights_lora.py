@@ -8,7 +8,8 @@ from omniroll.weights import (LoRABindError, LoRAManager, OmniTensorLoRARequest,
 
 
 def _req(pm, name="a", int_id=1, tensors=None):
-    return OmniTensorLoRARequest(lora_name=name, lora_int_id=int_id, peft_config=peft_config_to_dict(pm.peft_config["default"]),
+    return OmniTensorLoRARequest(lora_name=name, lora_int_id=int_id,
+                                 peft_config=peft_config_to_dict(pm.peft_config["default"]),
                                  lora_tensors=lora_state_dict(pm) if tensors is None else tensors)
 
 

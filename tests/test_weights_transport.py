@@ -120,3 +120,43 @@ def test_shm_reuse_keeps_two_slots_until_close_and_drops_them_on_error():
         with pytest.raises(RuntimeError, match="exploded"):
             s2.send(trained, version=3)
         assert _mine() == []
+
+
+def test_a_shm_descriptor_opens_only_files_its_sender_created(tmp_path):
+    """The control file is mapped read-write: a descriptor naming a file outside /dev/shm, a link in /dev/shm with a
+    sender's name, another sender's slot or a file too small for its layout is refused naming the field, and the
+    file it named is left untouched. A sender's own descriptor passes."""
+    import dataclasses
+
+    from omniroll.weights.buckets import BucketEntry
+    from omniroll.weights.transport import SHM_DIR, ShmChannel, check_descriptor
+
+    plan = [[BucketEntry("w", "float32", (4,), 0, 16)]]
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"\x07" * 4096)
+    ch, other = ShmChannel(plan, num_receivers=1), ShmChannel(plan, num_receivers=1)
+    link = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{'0' * 12}-ctrl")  # a sender's name, a link to the victim
+    try:
+        good = ch.descriptor(0)
+        assert check_descriptor(good, use_shm=True) is good
+        os.symlink(victim, link)
+        cases = [(dataclasses.replace(good, ctrl=str(victim)), r"ShmStream.ctrl: .*victim' is not a file a weight "
+                                                               r"sender creates"),
+                 (dataclasses.replace(good, ctrl=link, slots=[link[:-4] + "slot0"]),
+                  r"ShmStream.ctrl: .* is not a regular file of this user"),
+                 (dataclasses.replace(good, slots=other.descriptor(0).slots), "come from different senders"),
+                 (dataclasses.replace(good, receiver=5), r"ShmStream.ctrl: .* at least 112 bytes"),
+                 (dataclasses.replace(good, slots=[good.slots[0].replace("slot0", "slot1")]),
+                  r"ShmStream.slots\[0\]: .* is not a file a weight sender creates")]
+        for bad, match in cases:
+            with pytest.raises(WeightSyncError, match=match):
+                check_descriptor(bad, use_shm=True)
+            with pytest.raises(WeightSyncError, match=match):
+                next(iter_shm_buckets(bad))
+        assert victim.read_bytes() == b"\x07" * 4096
+    finally:
+        ch.close()
+        other.close()
+        if os.path.islink(link):
+            os.unlink(link)
+    assert _mine() == []

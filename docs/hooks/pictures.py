@@ -59,7 +59,8 @@ LAYER_NOTES = {"sampling": "fp32 SDE / CPS / ODE steps, windows, seeds", "tasks"
                "engine": "the one denoise loop", "rollout": "Ray replicas, routing client",
                "reward": "workers, manager, scorers", "config": "the YAML schema",
                "agent_loop": "the specification's agent loop", "trajectory_file": "the batch on disk",
-               "evaluation": "GenEval on the shapes world", "train": "the trainer, one file per algorithm",
+               "evaluation": "GenEval on the shapes world", "run_rollout": "a rollout batch from Python",
+               "train": "the trainer, one file per algorithm",
                "integrations": "verl / VeRL-Omni", "cli": "one module per command", "http": "omniroll serve"}
 
 

@@ -3,8 +3,8 @@
 from omniroll.agent_loop.batch import DataBatch
 from omniroll.agent_loop.loop import DiffusionSingleTurnAgentLoop
 from omniroll.agent_loop.outputs import AgentLoopMetrics, DiffusionAgentLoopOutput
-from omniroll.agent_loop.registry import get_agent_loop_class, register, registered_names
 from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker
+from omniroll.config.agent_loops import get_agent_loop_class, register, registered_names
 
 __all__ = [
     "AgentLoopError",

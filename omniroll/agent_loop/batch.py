@@ -45,6 +45,20 @@ def prompt_batch(prompts: Sequence[str], n: int, uid_of: Callable[[int], str], *
         "extra_info": [{} for _ in rows]}, meta_info=dict(meta_info or {}))
 
 
+def command_batch(prompts: Sequence[str], n: int, rollout_seed: Optional[int] = None,
+                  validate: bool = False) -> "DataBatch":
+    """A command's input batch (`omniroll generate`, `omniroll rollout`, `run_rollout`): `n` rows per prompt (p0, p0,
+    ..., p1, ...), uid = `batch_prompt_uid(position)`, seeded at `CLI_GLOBAL_STEP`."""
+    from omniroll.sampling.seeds import CLI_GLOBAL_STEP, batch_prompt_uid
+
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    meta = {"global_steps": CLI_GLOBAL_STEP, "validate": validate}
+    if rollout_seed is not None:
+        meta["rollout_seed"] = rollout_seed
+    return prompt_batch(prompts, n, batch_prompt_uid, data_source="cli", meta_info=meta)
+
+
 class DataBatch:
     def __init__(
         self,

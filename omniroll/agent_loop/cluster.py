@@ -11,8 +11,11 @@ functions or with `with_rewards=False`); (4) the `AgentLoopManager` and its work
 `agent.resources`). `close()` undoes them in reverse, each step attempted whatever the previous one did (a start that
 fails midway closes what it started and re-raises); Ray is shut down only if this cluster started it.
 
-Faults: `prune()` drops the replicas, reward workers and agent-loop workers whose actors are gone (a node that left
-the cluster); the trainer calls it before each weight sync. Used by `omniroll rollout`,
+Faults: a node that leaves the cluster costs time, never a sample. Its replicas are gone (their weights are the
+trainer's: a restart could not serve the current version): their requests re-run on the survivors (the routing
+client), and `prune()` drops them (the trainer calls it before each weight sync). Its reward and agent-loop workers
+hold no state: Ray restarts them on a node with room for them (`omniroll.ray_nodes.RESTARTED`), and their samples
+are re-scored and their chunks re-run (`RewardWorkerPool`, `AgentLoopManager`). Used by `omniroll rollout`,
 `omniroll train` (`FlowGRPOTrainer.start` / `close`), `omniroll serve --config` and the benchmarks.
 """
 
@@ -41,12 +44,6 @@ class RolloutCluster:
         self.with_rewards, self.with_manager = with_rewards, with_manager
         self.log = log or (lambda msg: None)
         self.model: str = resolve_model(self.config.engine.model)  # a bad model fails before Ray starts
-        from omniroll.agent_loop.registry import registered_names
-
-        loop = self.config.agent.default_agent_loop
-        if loop not in registered_names():  # so does a loop nobody registered (the registry is the agent loop's)
-            raise ValueError(f"agent.default_agent_loop: agent loop {loop!r} is not registered; registered: "
-                             f"{registered_names()} (import the module whose @register(...) defines it first)")
         self.info = None  # omniroll.rollout.ray_cluster.ClusterInfo once started
         self.replicas: list = []
         self.replica_nodes: list[Optional[str]] = []  # node id per replica, same order
@@ -144,21 +141,16 @@ class RolloutCluster:
 
     # ------------------------------------------------------------------ nodes and faults
     def prune(self) -> list[dict]:
-        """Drop the replicas, reward workers and agent-loop workers whose actors are gone (their node left the
-        cluster); returns the lost replicas as [{"replica": index before pruning, "node_id": ...}]. The agent-loop
-        workers' routing clients and reward pools already stop using a dead actor at its first failed call (the call
-        is re-run elsewhere, same seed); pruning keeps the trainer's weight sync to the survivors."""
+        """Drop the replicas whose actors are gone (their node left the cluster); returns them as [{"replica": index
+        before pruning, "node_id": ...}]. The routing clients already stop using a dead replica at its first failed
+        call (the call is re-run elsewhere, same seed); pruning keeps the trainer's weight sync to the survivors. Reward
+        and agent-loop workers are not pruned: Ray restarts them (`omniroll.ray_nodes.RESTARTED`)."""
         alive = _alive(self.replicas)
         lost = [{"replica": i, "node_id": self.replica_nodes[i]} for i, ok in enumerate(alive) if not ok]
         if lost and not any(alive):
             raise RuntimeError(f"every rollout replica is gone (nodes {sorted({str(x['node_id']) for x in lost})})")
         self.replicas = [h for h, ok in zip(self.replicas, alive) if ok]
         self.replica_nodes = [n for n, ok in zip(self.replica_nodes, alive) if ok]
-        if lost and self.reward_workers:
-            self.reward_workers = [h for h, ok in zip(self.reward_workers, _alive(self.reward_workers)) if ok]
-        if lost and self.manager is not None:
-            workers = self.manager.workers
-            self.manager.drop_workers([w for w, ok in zip(workers, _alive(workers)) if not ok])
         return lost
 
 

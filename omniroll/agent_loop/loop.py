@@ -9,7 +9,7 @@ from typing import Any, Optional
 import numpy as np
 
 from omniroll.agent_loop.outputs import DiffusionAgentLoopOutput, agent_loop_output
-from omniroll.agent_loop.registry import register
+from omniroll.config.agent_loops import SINGLE_TURN, register
 
 
 def prompt_text(raw: Any, field: str = "raw_prompt") -> str:
@@ -41,7 +41,7 @@ def _content_text(content: Any, field: str) -> str:
     raise ValueError(f"{field} must be a string or a list of parts, got {type(content).__name__}")
 
 
-@register("diffusion_single_turn_agent")
+@register(SINGLE_TURN)
 class DiffusionSingleTurnAgentLoop:
     """Agent loop for diffusion model serving. Built once per worker (not per sample); `run` is re-entrant."""
 

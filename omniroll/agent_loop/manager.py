@@ -1,14 +1,17 @@
 """`AgentLoopManager`: splits a batch over `agent.num_workers` DiffusionAgentLoopWorker Ray actors and reassembles it.
 
 Before splitting it fixes each row's `_group_index` (its position within its uid group over the WHOLE batch), so seeds
-do not depend on the chunking. Chunks are cut at group boundaries and may be uneven; results are concatenated in the
-original row order, prompt embeddings re-padded to one length across chunks, and failures of all chunks reported in
-ONE `AgentLoopError` with global row numbers, carrying every chunk's succeeded rows merged into one batch
-(`error.batch`, `error.succeeded_rows`). A worker whose actor dies (its node left the cluster) leaves the manager and
-its chunk is re-run whole on a live worker: same rows, same `_group_index`, so the same seeds and the same samples
-(its engine request ids get a `~rerunK` suffix, so they never collide with the lost worker's requests still running
-on the replicas; the output keeps the rows' own request ids). In raise mode, rows that cannot share the output batch
-are refused for the whole batch before any chunk is sent (see `rows.rows_that_cannot_share`).
+do not depend on the chunking, and plans the batch once (`rows.plan_batch`: every row's seed, request id and sampling;
+in raise mode rows that cannot share the output batch are refused for the whole batch before any chunk is sent);
+each worker gets its chunk with its part of the plan. Chunks are cut at group boundaries and may be uneven; results
+are concatenated in the original row order, prompt embeddings re-padded to one length across chunks, and failures of
+all chunks reported in ONE `AgentLoopError` with global row numbers, carrying every chunk's succeeded rows merged into
+one batch (`error.batch`, `error.succeeded_rows`).
+
+Lost workers: Ray restarts a worker whose process or node is lost (`omniroll.ray_nodes.RESTARTED`: a worker holds no
+state). Its chunk is re-run whole on a usable worker, or on it once it answers again (at most `restart_timeout_s`):
+same rows, same plan, so the same seeds and the same samples (its engine request ids get a `~rerunK` suffix, so they
+never collide with the lost worker's requests still running on the replicas; the output keeps the rows' own ids).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import numpy as np
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.models.base import is_sequence_embedding
-from omniroll.agent_loop.rows import (as_config, base_sampling, failed_entries, group_indices, plan_rows, row_uids,
-                                      rows_that_cannot_share)
-from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker
+from omniroll.agent_loop.rows import RowPlan, as_config, group_indices, plan_batch, row_uids
+from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker, refuse_unshareable
+from omniroll.ray_nodes import RESTARTED, ActorHealth, actor_fault
 
 _PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_weight_version", "worker_seconds")
 
@@ -32,11 +35,12 @@ class AgentLoopManager:
     """config: OmniRollConfig / dict / DictConfig. rollout: a list of RolloutReplica handles, a `RolloutClient`, or
     a zero-argument factory returning a client (called here; the client is pickled into each worker, which gets its own
     routing state). reward_worker_handles: reward workers for streaming scoring (or None). worker_options: Ray actor
-    options of every worker; placement(i): extra options of worker i (its placement-group bundle)."""
+    options of every worker; placement(i): extra options of worker i (its placement-group bundle). restart_timeout_s:
+    how long a chunk waits for a lost worker to come back when no other worker can take it."""
 
     def __init__(self, config: Any, rollout: Union[list, Any, Callable[[], Any]],
                  reward_worker_handles: Optional[list] = None, worker_options: Optional[dict] = None,
-                 placement: Optional[Callable[[int], dict]] = None):
+                 placement: Optional[Callable[[int], dict]] = None, restart_timeout_s: float = 300.0):
         import ray
 
         from omniroll.rollout.client import RolloutClient
@@ -50,10 +54,13 @@ class AgentLoopManager:
             client = rollout()
         else:
             raise TypeError(f"rollout must be replica handles, a RolloutClient or a factory, got {type(rollout)}")
-        opts = {"num_cpus": 0, "max_concurrency": 1000, **(worker_options or {})}
+        # restartable (their arguments hold actor handles, which this process keeps: Ray's one-line warning about
+        # restart arguments "in the object store" does not apply to them)
+        opts = {"num_cpus": 0, "max_concurrency": 1000, **RESTARTED, **(worker_options or {})}
         cls = ray.remote(DiffusionAgentLoopWorker)
         self.workers = [cls.options(**opts, **(placement(i) if placement else {})).remote(
             self.config, client, None, reward_worker_handles) for i in range(self.config.agent.num_workers)]
+        self.health = ActorHealth(self.workers, restart_timeout_s)
         self._calls = 0
 
     @staticmethod
@@ -77,22 +84,18 @@ class AgentLoopManager:
     async def generate_sequences_async(self, batch: DataBatch) -> DataBatch:
         t0 = time.perf_counter()
         batch = self.prepare(batch)
-        rows = plan_rows(self.config, batch)  # a bad batch field (global_steps, _group_index, ...) raises here
-        if self.config.agent.on_failure == "raise":  # refuse the whole batch before any chunk generates anything
-            validate = bool(batch.meta_info.get("validate", False))
-            rejected = rows_that_cannot_share(base_sampling(self.config, batch.meta_info, validate),
-                                              [f.get("sampling_params") for f in rows], validate)
-            if rejected:
-                raise AgentLoopError.from_rows(failed_entries(rows, rejected), len(rows),
-                                               note=" before generation (nothing was generated)")
-        chunks = batch.split(group_chunk_sizes(list(batch.non_tensor_batch["uid"]), len(self.workers)))
+        plan = plan_batch(self.config, batch)  # a bad batch field (global_steps, _group_index, ...) raises here
+        refuse_unshareable(plan, self.config.agent.on_failure)  # before any chunk generates anything
+        workers = await self._usable()
+        chunks = batch.split(group_chunk_sizes(list(batch.non_tensor_batch["uid"]), len(workers)))
         offsets = np.cumsum([0] + [len(c) for c in chunks])
         # rotate the first worker per call, so concurrent small calls (one prompt group each) spread over workers
-        start = self._calls % len(self.workers)
+        start = self._calls % len(workers)
         self._calls += 1
-        workers = self.workers[start:] + self.workers[:start]
+        workers = workers[start:] + workers[:start]
         jobs = [(w, c, int(off)) for w, c, off in zip(workers, chunks, offsets) if len(c)]
-        results = await asyncio.gather(*[self._run_chunk(w, c) for w, c, _ in jobs], return_exceptions=True)
+        results = await asyncio.gather(*[self._run_chunk(w, c, plan.part(off, off + len(c))) for w, c, off in jobs],
+                                       return_exceptions=True)
         failed_rows: list[dict] = []
         kept: list[DataBatch] = []
         kept_rows: list[int] = []
@@ -115,30 +118,33 @@ class AgentLoopManager:
         out.meta_info["timing"] = batch_timing(out.meta_info["metrics"], time.perf_counter() - t0)
         return out
 
-    async def _run_chunk(self, worker: Any, chunk: DataBatch) -> DataBatch:
-        """One chunk on `worker`; if that worker's actor dies, the chunk again on a live one (see the module doc)."""
-        from ray.exceptions import RayActorError
-
+    async def _run_chunk(self, worker: int, chunk: DataBatch, plan: RowPlan) -> DataBatch:
+        """One chunk on worker `worker`; if that worker is lost, the chunk again on a usable one (module doc)."""
         rerun = 0
         while True:
             try:
-                return await _await(worker.generate_sequences.remote(chunk))
-            except RayActorError:
-                self.drop_workers([worker])
-                if not self.workers:
+                return await _await(self.workers[worker].generate_planned.remote(chunk, plan, rerun))
+            except Exception as e:  # noqa: BLE001 - classified: a lost worker re-runs the chunk, the rest re-raised
+                if actor_fault(e) is None:
                     raise
+                self.health.lost(worker, e)
+                usable = await self._usable()
                 rerun += 1
-                worker = self.workers[rerun % len(self.workers)]
-                chunk = DataBatch(chunk.batch, chunk.non_tensor_batch, {**chunk.meta_info, "_rerun": rerun},
-                                  len(chunk))
+                worker = usable[rerun % len(usable)]
 
-    def drop_workers(self, gone: list) -> None:
-        """Send no more chunks to these workers (their actors are gone)."""
-        self.workers = [w for w in self.workers if w not in gone]
+    async def _usable(self) -> list[int]:
+        """The workers that take chunks now (waiting for a restarting one when there is none); raises when every
+        worker is gone for good."""
+        usable = await self.health.wait_usable()
+        if not usable:
+            why = "; ".join(f"worker {i}: {e}" for i, e in sorted(self.health.dead.items()))
+            raise RuntimeError(f"every agent-loop worker ({len(self.workers)} of {len(self.workers)}) is gone: {why}")
+        return usable
 
     def shutdown(self) -> None:
         from omniroll.ray_nodes import kill_actors
 
+        self.health.close()
         kill_actors(self.workers)
         self.workers = []
 

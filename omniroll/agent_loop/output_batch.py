@@ -55,13 +55,20 @@ class RowResult:
         return "flagged" if self.reward is not None and self.reward.status == "flagged" else "ok"
 
 
-def embed_length_error(out: DiffusionAgentLoopOutput, max_len: Optional[int]) -> Optional[str]:
-    """Why this row's prompt embeddings do not fit `max_prompt_embed_length` (None when they do)."""
-    if max_len is None:
+def fit_error(out: DiffusionAgentLoopOutput, prompt_length: int,
+              max_prompt_embed_length: Optional[int]) -> Optional[str]:
+    """Why a row's output does not fit its batch's shapes (None: it fits): more prompt token ids than
+    `prompt_length` (a model the config load could not look into), or prompt embeddings longer than
+    `max_prompt_embed_length`. Checked once per row, where its `RowResult` is made (the agent-loop worker, where that
+    row fails alone; `trajectory_file.batch_from_outputs`); `assemble` relies on it."""
+    if len(out.prompt_ids) > prompt_length:
+        return (f"the prompt has {len(out.prompt_ids)} token ids (the tokenizer's padded length), more than "
+                f"prompt_length={prompt_length}")
+    if max_prompt_embed_length is None:
         return None
     for k, v in out.extra_fields.items():
-        if is_sequence_embedding(k) and isinstance(v, torch.Tensor) and v.shape[0] > max_len:
-            return (f"{k} has {v.shape[0]} tokens, more than max_prompt_embed_length={max_len} "
+        if is_sequence_embedding(k) and isinstance(v, torch.Tensor) and v.shape[0] > max_prompt_embed_length:
+            return (f"{k} has {v.shape[0]} tokens, more than max_prompt_embed_length={max_prompt_embed_length} "
                     f"(raise max_prompt_embed_length or lower pipeline.max_sequence_length)")
     return None
 
@@ -90,23 +97,19 @@ def _stack(name: str, rows: list[RowResult], values: list[Optional[torch.Tensor]
 
 def assemble(rows: list[RowResult], inputs: DataBatch, *, prompt_length: int, max_prompt_embed_length: Optional[int],
              mark_failed: bool, scored: bool) -> DataBatch:
-    """The rows' outputs as one DataBatch (the module docstring's contract); raises naming the row or field that does
-    not fit."""
+    """The rows' outputs as one DataBatch (the module docstring's contract), each row checked by `fit_error` first;
+    raises naming the field whose rows do not stack."""
     B = len(rows)
     ok = [r.out for r in rows]  # None where generation failed (zeros in mark mode); reward failures keep tensors
     tensors: dict[str, torch.Tensor] = {}
 
-    # 1. Prompt token ids, right-padded to prompt_length, and their mask.
+    # 1. Prompt token ids, right-padded to prompt_length (each row fits: `fit_error`), and their mask.
     prompts = torch.zeros(B, prompt_length, dtype=torch.int64)
     attn = torch.zeros(B, prompt_length, dtype=torch.int64)
     for i, o in enumerate(ok):
         if o is not None:
-            ids = o.prompt_ids[:prompt_length] if len(o.prompt_ids) <= prompt_length else None
-            if ids is None:
-                raise ValueError(f"row {rows[i].index}: prompt has {len(o.prompt_ids)} token ids, more than "
-                                 f"prompt_length={prompt_length}")
-            prompts[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            attn[i, :len(ids)] = 1
+            prompts[i, :len(o.prompt_ids)] = torch.tensor(o.prompt_ids, dtype=torch.int64)
+            attn[i, :len(o.prompt_ids)] = 1
     tensors["prompts"], tensors["attention_mask"] = prompts, attn
 
     # 2. The samples' tensors: responses, log-probs, every tensor extra (embeddings padded to Lmax), per-row scalars.

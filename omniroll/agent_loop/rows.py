@@ -15,6 +15,9 @@ row with `val_kwargs.seed_mode: shared` (VeRL-Omni's semantics); ODE (noise_leve
 `algo.same_latent` a training row also gets `latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the
 group shares its initial noise and window.
 
+`plan_batch` does all of it once per batch (a `RowPlan`): the manager plans the whole batch and hands each worker its
+part (`RowPlan.part`); a worker called directly (verl's manager) plans its own batch.
+
 Sampling parameters: every row of a batch is generated with the batch's sampling parameters (config, then
 `meta_info["sampling_params"]`, `base_sampling`) plus its own `sampling_params` override (`row_sampling`). Its outputs
 are stacked into one tensor per field, so rows that would give another shape (height, width, the number of recorded
@@ -26,6 +29,7 @@ generated (`rows_that_cannot_share`; the manager asks the same for the whole bat
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -129,6 +133,32 @@ def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
             fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
         rows.append(fields)
     return rows
+
+
+@dataclass
+class RowPlan:
+    """A batch as planned once: each row's fields (`plan_rows`), the batch's sampling dict (`base_sampling`), whether
+    it is a validation batch, and the rows that cannot share its output batch (index -> reason)."""
+
+    rows: list[dict]
+    base_sampling: dict
+    validate: bool
+    rejected: dict[int, str]
+
+    def part(self, start: int, stop: int) -> "RowPlan":
+        """The plan of rows [start, stop) (a chunk of the batch), row numbers from 0."""
+        return RowPlan(self.rows[start:stop], self.base_sampling, self.validate,
+                       {i - start: why for i, why in self.rejected.items() if start <= i < stop})
+
+
+def plan_batch(config: OmniRollConfig, batch: DataBatch, rows: Optional[list[dict]] = None) -> RowPlan:
+    """Plan `batch` (`rows`: already planned, e.g. re-seeded by a worker subclass; default `plan_rows`). Batch-level
+    input errors raise ValueError naming the field."""
+    validate = bool(batch.meta_info.get("validate", False))
+    rows = plan_rows(config, batch) if rows is None else rows
+    base = base_sampling(config, batch.meta_info, validate)
+    rejected = rows_that_cannot_share(base, [f.get("sampling_params") for f in rows], validate)
+    return RowPlan(rows, base, validate, rejected)
 
 
 def failed_entries(rows: list[dict], errors: dict[int, str]) -> list[dict]:

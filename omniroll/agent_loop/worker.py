@@ -19,10 +19,9 @@ from typing import Any, Optional
 
 from omniroll.agent_loop.batch import DataBatch, to_object_array
 from omniroll.agent_loop.loop import prompt_text
-from omniroll.agent_loop.output_batch import RowResult, assemble, embed_length_error
-from omniroll.agent_loop.registry import get_agent_loop_class
-from omniroll.agent_loop.rows import (as_config, base_sampling, failed_entries, plan_rows, row_sampling,
-                                      rows_that_cannot_share)
+from omniroll.agent_loop.output_batch import RowResult, assemble, fit_error
+from omniroll.config.agent_loops import get_agent_loop_class
+from omniroll.agent_loop.rows import RowPlan, as_config, failed_entries, plan_batch, plan_rows, row_sampling
 
 
 class AgentLoopError(RuntimeError):
@@ -48,6 +47,14 @@ class AgentLoopError(RuntimeError):
                 if batch is not None and len(batch) else "")
         return cls(f"{len(failed_rows)} of {total} rows failed{note}:\n{lines}{kept}", failed_rows, batch,
                    succeeded_rows)
+
+
+def refuse_unshareable(plan: RowPlan, on_failure: str) -> None:
+    """With `agent.on_failure: raise`, a batch holding rows that cannot share its output batch fails whole, before
+    anything generates (AgentLoopError naming each row and field); with `mark` those rows are marked failed."""
+    if plan.rejected and on_failure == "raise":
+        raise AgentLoopError.from_rows(failed_entries(plan.rows, plan.rejected), len(plan.rows),
+                                       note=" before generation (nothing was generated)")
 
 
 class DiffusionAgentLoopWorker:
@@ -85,25 +92,24 @@ class DiffusionAgentLoopWorker:
         return loop
 
     def plan(self, batch: DataBatch) -> list[dict]:
+        """Each row's fields (`rows.plan_rows`); a subclass may re-seed them (verl's worker does)."""
         return plan_rows(self.config, batch)
 
     async def generate_sequences(self, batch: DataBatch) -> DataBatch:
-        """Generate one sample per row. Returns the output batch described in `loop.py` (`assemble`)."""
+        """Generate one sample per row. Returns the output batch described in `output_batch.py` (`assemble`). Plans
+        the batch and refuses it (`refuse_unshareable`) first: the entry point of a worker called directly (verl's
+        manager); omniroll's manager plans the whole batch once and calls `generate_planned`."""
+        plan = plan_batch(self.config, batch, self.plan(batch))
+        refuse_unshareable(plan, self.config.agent.on_failure)
+        return await self.generate_planned(batch, plan)
+
+    async def generate_planned(self, batch: DataBatch, plan: RowPlan, rerun: int = 0) -> DataBatch:
+        """Generate one sample per row of `batch`, planned (and refused) by the caller. `rerun` > 0: the manager runs
+        again the chunk of a worker it lost (see manager.py); its engine requests get new ids."""
         t0 = time.perf_counter()
-        rerun = int(batch.meta_info.get("_rerun", 0))  # the manager re-runs a lost worker's chunk (see manager.py)
-        if rerun:
-            batch = DataBatch(batch.batch, batch.non_tensor_batch,
-                              {k: v for k, v in batch.meta_info.items() if k != "_rerun"}, len(batch))
-        validate = bool(batch.meta_info.get("validate", False))
-        base_sp = base_sampling(self.config, batch.meta_info, validate)
-        rows = self.plan(batch)
-        mark = self.config.agent.on_failure == "mark"
-        rejected = rows_that_cannot_share(base_sp, [f.get("sampling_params") for f in rows], validate)
-        if rejected and not mark:
-            raise AgentLoopError.from_rows(failed_entries(rows, rejected), len(rows),
-                                           note=" before generation (nothing was generated)")
-        tasks = {i: asyncio.create_task(self._run_row(i, f, base_sp, validate, rerun))
-                 for i, f in enumerate(rows) if i not in rejected}
+        rows, mark = plan.rows, self.config.agent.on_failure == "mark"
+        tasks = {i: asyncio.create_task(self._run_row(i, f, plan.base_sampling, plan.validate, rerun))
+                 for i, f in enumerate(rows) if i not in plan.rejected}
         try:
             done = dict(zip(tasks, await asyncio.gather(*tasks.values())))
         except BaseException:
@@ -111,7 +117,8 @@ class DiffusionAgentLoopWorker:
                 t.cancel()
             raise
         results: list[RowResult] = [
-            done[i] if i in done else RowResult(index=i, request_id=f["request_id"], seed=f["seed"], error=rejected[i])
+            done[i] if i in done else RowResult(index=i, request_id=f["request_id"], seed=f["seed"],
+                                                error=plan.rejected[i])
             for i, f in enumerate(rows)]
         failed = {r.index: r.error for r in results if r.status == "failed"}
         if failed and not mark:
@@ -125,12 +132,13 @@ class DiffusionAgentLoopWorker:
         return out
 
     def _assemble(self, results: list[RowResult], inputs: DataBatch, rows: list[dict], mark: bool) -> DataBatch:
-        out = assemble(results, inputs, prompt_length=self.config.prompt_length,
-                       max_prompt_embed_length=self.config.max_prompt_embed_length, mark_failed=mark,
-                       scored=self.reward_pool is not None)
-        out.non_tensor_batch["uid"] = to_object_array(f["uid"] for f in rows)
-        out.non_tensor_batch["_group_index"] = to_object_array(f["_group_index"] for f in rows)
-        return out
+        """`assemble` on the inputs with their planned uid and group index (a direct caller may have left them out)."""
+        nt = {**inputs.non_tensor_batch, "uid": to_object_array(f["uid"] for f in rows),
+              "_group_index": to_object_array(f["_group_index"] for f in rows)}
+        return assemble(results, DataBatch(inputs.batch, nt, inputs.meta_info, len(inputs)),
+                        prompt_length=self.config.prompt_length,
+                        max_prompt_embed_length=self.config.max_prompt_embed_length, mark_failed=mark,
+                        scored=self.reward_pool is not None)
 
     async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool, rerun: int = 0) -> RowResult:
         res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
@@ -142,12 +150,9 @@ class DiffusionAgentLoopWorker:
             if rerun:  # the lost worker's requests may still run on the replicas under the row's own id
                 row_kwargs["request_id"] = f"{fields['request_id']}~rerun{rerun}"
             out = await loop.run(sp, **row_kwargs)
-            err = embed_length_error(out, self.config.max_prompt_embed_length)
+            err = fit_error(out, self.config.prompt_length, self.config.max_prompt_embed_length)
             if err is not None:
                 raise ValueError(err)
-            if len(out.prompt_ids) > self.config.prompt_length:  # a model the config load could not look into
-                raise ValueError(f"the prompt has {len(out.prompt_ids)} token ids (the tokenizer's padded length), "
-                                 f"more than prompt_length={self.config.prompt_length}")
         except Exception as e:  # this row fails; the others carry on
             res.error = f"{type(e).__name__}: {e}"
             return res

@@ -19,10 +19,6 @@ from typing import Any, Optional, get_args
 
 from omniroll.cli import UserError
 
-#: the trainer step a CLI batch is seeded with: `omniroll generate` and `omniroll rollout` derive every sample's seed
-#: as `derive_seed(seed, CLI_GLOBAL_STEP, uid, index)`, the agent loop's own derivation, so the same prompt, seed
-#: and settings give the same image in both commands.
-CLI_GLOBAL_STEP = 0
 ENV_OVERRIDES = "OMNIROLL_OVERRIDES"
 
 
@@ -66,7 +62,8 @@ FLAGS = [
     Flag("--max-sequence-length", "pipeline.max_sequence_length", int, "T5 text length in tokens"),
     Flag("--noise-level", "algo.noise_level", float, "SDE noise level eta (0: the ODE)"),
     Flag("--sde-type", "algo.sde_type", str, "SDE step", choices=True),
-    Flag("--window-size", "algo.sde_window_size", int, "SDE steps recorded per sample (unset: every step but the last)"),
+    Flag("--window-size", "algo.sde_window_size", int,
+         "SDE steps recorded per sample (unset: every step but the last)"),
     Flag("--window-range", "algo.sde_window_range", int, "LO HI: the window is drawn inside steps [LO, HI)", nargs=2),
     Flag("--n", "n", int, "samples per prompt (the group size)"),
     Flag("--seed", "seed", int, "base seed of every sample's seed (unset: 0)"),
@@ -202,22 +199,9 @@ def quiet_libraries() -> None:
         lib.set_verbosity_error()
 
 
-def make_batch(prompts: list[str], n: int, rollout_seed: Optional[int] = None, validate: bool = False):
-    """The CLI's input batch: `n` rows per prompt (p0, p0, ..., p1, ...), uid = `batch_prompt_uid(position)`."""
-    from omniroll.agent_loop.batch import prompt_batch
-    from omniroll.sampling.seeds import batch_prompt_uid
-
-    if not prompts:
-        raise ValueError("prompts must not be empty")
-    meta = {"global_steps": CLI_GLOBAL_STEP, "validate": validate}
-    if rollout_seed is not None:
-        meta["rollout_seed"] = rollout_seed
-    return prompt_batch(prompts, n, batch_prompt_uid, data_source="cli", meta_info=meta)
-
-
 def sample_seed(base: Optional[int], uid: str, index: int) -> int:
     """A CLI sample's seed: the agent loop's derivation (`derive_seed(base, step, uid, index)`) at the CLI's step."""
-    from omniroll.sampling.seeds import derive_seed
+    from omniroll.sampling.seeds import CLI_GLOBAL_STEP, derive_seed
 
     return derive_seed(base, CLI_GLOBAL_STEP, uid, index)
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, make_batch, preflight,
+from omniroll.cli.common import (add_config_arguments, add_prompt_arguments, build_config, preflight,
                                  quiet_libraries, read_prompts, sample_seed)
 
 HELP = "generate images with SDE log-probs on one in-process engine"
@@ -75,15 +75,15 @@ def run_generate(args, base: dict | None = None) -> dict:
 
     import asyncio
 
-    import torch
-
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.engine.engine import DiffusionEngine
+    from omniroll.rollout.replica import resolve_engine_kwargs
     from omniroll.sampling.seeds import derive_group_seed
-    from omniroll.cli.common import CLI_GLOBAL_STEP
+    from omniroll.agent_loop.batch import command_batch
+    from omniroll.sampling.seeds import CLI_GLOBAL_STEP
 
     sp = cfg.sampling_params()
-    batch = make_batch(prompts, cfg.n, rollout_seed=cfg.seed)
+    batch = command_batch(prompts, cfg.n, rollout_seed=cfg.seed)
     nt = batch.non_tensor_batch
     requests = []
     for r in range(len(batch)):
@@ -94,9 +94,7 @@ def run_generate(args, base: dict | None = None) -> dict:
         requests.append(GenerationRequest(request_id=f"gen/{uid}/{j}", prompt=nt["raw_prompt"][r],
                                           sampling_params=SamplingParams.model_validate(row_sp),
                                           seed=sample_seed(cfg.seed, uid, j)))
-    kwargs = cfg.engine.engine_kwargs()
-    kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-    engine = DiffusionEngine.from_pretrained(model, **kwargs)
+    engine = DiffusionEngine.from_pretrained(model, **resolve_engine_kwargs(cfg.engine.engine_kwargs()))
     results: dict[int, object] = {}
     errors: dict[int, str] = {}
     t0 = time.perf_counter()
@@ -157,7 +155,7 @@ def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, result
     """Write the finished samples (grids, trajectories, metrics); returns the metrics."""
     import torch
 
-    from omniroll.cli.media import video_encoder
+    from omniroll.media import video_encoder
     from omniroll.files import jsonable, run_info, write_json
     from omniroll.trajectory_file import FILE_NAME, batch_from_outputs, write_trajectories
 
@@ -174,7 +172,7 @@ def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, result
                                   meta_info=batch.meta_info)
         images = traj.batch["responses"]
         if images.dtype == torch.uint8 and images.ndim == 5:  # video: a file and a frame strip per sample
-            from omniroll.cli.media import save_sample
+            from omniroll.media import save_sample
 
             for k, r in enumerate(done):
                 stem = out / f"prompt_{r // cfg.n:03d}_s{r % cfg.n}"
@@ -196,7 +194,8 @@ def write_generate_outputs(out_dir, cfg, model, prompts, batch, requests, result
         "images_per_second": len(done) / seconds if seconds > 0 else None,
         "mean_log_prob": float(log_probs.mean()) if log_probs is not None and log_probs.numel() else None,
         "interrupted": interrupted,
-        "failed_rows": [{"row": r, "request_id": requests[r].request_id, "error": e} for r, e in sorted(errors.items())],
+        "failed_rows": [{"row": r, "request_id": requests[r].request_id, "error": e}
+                        for r, e in sorted(errors.items())],
         "seeds": [requests[r].seed for r in range(len(requests))],
         "prompts": prompts,
         "sde_window": [list(results[r].extra_fields["sde_window"]) for r in done],

@@ -24,8 +24,10 @@ def add_arguments(p) -> None:
     p.add_argument("--config", required=True, help="YAML with a trainer section (see examples/train.yaml)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--steps", type=int, default=None, help="train until this step (default: trainer.steps)")
-    p.add_argument("--resume", default=None, help="a run directory (its latest checkpoint) or a checkpoint directory (default: none, a fresh run)")
-    p.add_argument("--override", action="append", help="dotted config override, e.g. trainer.lr=0.001 (repeatable; default: none)")
+    p.add_argument("--resume", default=None, help="a run directory (its latest checkpoint) or a checkpoint directory "
+                                                  "(default: none, a fresh run)")
+    p.add_argument("--override", action="append",
+                   help="dotted config override, e.g. trainer.lr=0.001 (repeatable; default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stdout and stderr "
                    "are a terminal)")
 

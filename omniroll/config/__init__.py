@@ -78,7 +78,8 @@ class OmniRollConfig(_Strict):
         if self.trainer is None:
             return self
         if not self.reward.functions or self.reward.num_workers < 1:
-            raise ValueError("reward.functions: training needs at least one reward function and reward.num_workers >= 1")
+            raise ValueError("reward.functions: training needs at least one reward function and "
+                             "reward.num_workers >= 1")
         check_algorithm(self.trainer, self.algo)  # the keys it reads, the rollout it needs
         log_probs = ALGORITHMS[self.trainer.algorithm].rollout == "sde_window"
         if log_probs and (self.algo.sde_type == "ode" or self.algo.noise_level <= 0):

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from omniroll.config.agent_loops import SINGLE_TURN, check_agent_loop
 from omniroll.engine.params import (DtypeName, Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
                                     SequenceLength, Steps, TrueCfgScale, WindowRange, WindowSize)
 from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
@@ -62,6 +63,8 @@ class EngineSection(_Strict):
     dtype: DtypeName = Field("float32", description="weights' and forwards' dtype (the SDE step, latents and "
                                                     "log-probs are fp32 whatever it is)")
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
+    max_waiting: int = Field(8192, ge=1, le=1_000_000, description="requests that may wait to start on one replica; "
+                             "a call past it is refused (EngineOverloadedError), nothing queued")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="the other EngineConfig fields (decode_batch_size, "
                                    "weight_update, prefix_sharing, ...: docs/reference/engine.md)")
 
@@ -102,7 +105,8 @@ class EngineSection(_Strict):
         return value
 
     def engine_kwargs(self) -> dict:
-        kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size, **self.kwargs}
+        kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size,
+              "max_waiting": self.max_waiting, **self.kwargs}
         if self.num_threads is not None:
             kw["num_threads"] = self.num_threads
         return kw
@@ -179,14 +183,19 @@ class AgentSection(_Strict):
 
     num_workers: int = Field(2, ge=1, le=1024, description="agent-loop worker actors (each runs a chunk of the "
                              "batch)")
-    default_agent_loop: str = Field("diffusion_single_turn_agent", min_length=1, description="a registered agent loop "
-                                    "(checked by RolloutCluster before Ray starts: the registry is the agent loop's)")
+    default_agent_loop: str = Field(SINGLE_TURN, min_length=1, description="a registered agent loop (checked when "
+                                    "the config loads: import the module that registers your own loop first)")
     on_failure: Literal["raise", "mark"] = Field(
         "raise", description="raise: one error listing failed rows; mark: return them with status 'failed'"
     )
     placement: Placement = Field("pack", description="pack: the workers together; spread: on distinct nodes when "
                                                      "it can")
     resources: Resources = Field(default_factory=dict, description="custom Ray resources each worker needs")
+
+    @field_validator("default_agent_loop")
+    @classmethod
+    def _check_loop(cls, v: str) -> str:
+        return check_agent_loop(v)
 
 
 class RewardSection(RewardWorkerConfig):

@@ -8,7 +8,7 @@ declaration), `output` (DiffusionOutput), `request` (RequestState, and how a fin
 rows of each step, and group prefix sharing), `calibrate` (max_batch_size "auto"), `runner` (one batched step:
 `DiffusionAdapter.guided_velocity` then `sde_step`; the decode; batch-invariant execution, `execution_mode`),
 `decode_queue` (finished samples waiting for a decode block), `lifecycle` (the weights and memory state the engine
-owns: version, sleep level, LoRA, transactional updates; the step pause), `control` (the inbox that carries requests
-and control calls to the loop thread; weight, LoRA, sleep and wake calls between steps), `errors`, `engine` (the loop,
-submission, aborts, shutdown).
+owns: version, sleep level, LoRA, transactional updates), `step_pause` (no step after k more), `inbox` (what carries
+requests and control calls to the loop thread), `control` (weight, LoRA, sleep and wake calls between steps),
+`errors`, `engine` (the loop, submission, aborts, shutdown).
 """

@@ -4,7 +4,9 @@ from the engine's `PromptCache`, a bounded LRU: a prompt is encoded once however
 
 Both are the engine's only entry points for a request's content, so every check of a request lives here: the model's
 limits (resolution, text length, frames, guidance), prompt size, token ids. A failure is a `RequestError` naming the
-request before anything is queued or encoded; a prompt that fails to encode fails its own request only.
+request before anything is queued or encoded; a prompt that fails to encode fails its own request only. The queue's
+bound (`check_queue`, `EngineConfig.max_waiting`) is checked here too. A state holds no latent until the engine
+admits it (`RequestState.start`).
 
 A prompt is text or per-encoder token ids (`{"clip": [...], "t5": [...]}`); each is cached under its own key (the
 text, or the ids), with the text length.
@@ -17,7 +19,7 @@ from collections import OrderedDict
 from typing import Hashable, Union
 
 from omniroll.engine.config import EngineConfig
-from omniroll.engine.errors import EngineError, RequestError
+from omniroll.engine.errors import EngineError, EngineOverloadedError, RequestError
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.request import RequestState
 from omniroll.models.base import Conditioning, DiffusionAdapter
@@ -70,6 +72,15 @@ def admit(adapter: DiffusionAdapter, config: EngineConfig, device, requests: lis
         states.append(state)
         futures.append(future)
     return futures, states
+
+
+def check_queue(waiting: int, adding: int, max_waiting: int) -> None:
+    """Refuse a call whose `adding` requests would make more than `max_waiting` wait to start (EngineOverloadedError:
+    nothing of the call is queued)."""
+    if waiting + adding > max_waiting:
+        raise EngineOverloadedError(f"the engine's queue is full: {waiting} request(s) wait to start and {adding} more "
+                                    f"would pass max_waiting={max_waiting} (engine.max_waiting); nothing of this call "
+                                    f"was queued: retry later or on another replica")
 
 
 def _settler(future: concurrent.futures.Future, request_id: str, release):

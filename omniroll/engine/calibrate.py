@@ -10,8 +10,8 @@ A candidate replaces the CPU rule's 16 rows only when it is at least `MIN_GAIN` 
 not move the choice). The choice is cached in memory and on disk (`$OMNIROLL_CACHE_DIR/calibration.json`, default
 `~/.cache/omniroll`), keyed by the denoiser's architecture, latent shape, text length, thread count, device, dtype
 and mode, so a machine calibrates each shape once; a calibration made while the machine is busy (1-minute load
-average above the CPU count) is used by this process only, never cached on disk. The rows never change a sample in batch-invariant mode (tested),
-so replicas that calibrate differently still give bitwise-identical samples.
+average above the CPU count) is used by this process only, never cached on disk. The rows never change a sample in
+batch-invariant mode (tested), so replicas that calibrate differently still give bitwise-identical samples.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class RowCalibrator:
         arch = json.dumps(dict(getattr(den, "config", {})), sort_keys=True, default=str)
         cpu = platform.processor() or platform.machine()
         ident = (f"{type(den).__name__}|{hashlib.sha256(arch.encode()).hexdigest()[:16]}|"
-                 f"{tuple(state.latents.shape)}|L{state.params.max_sequence_length}|expert{state.expert}|threads{torch.get_num_threads()}|"
+                 f"{state.latent_shape}|L{state.params.max_sequence_length}|expert{state.expert}|threads{torch.get_num_threads()}|"
                  f"{self.device.type}|{self.dtype}|{'invariant' if self.invariant else 'plain'}|{cpu}|"
                  f"torch{torch.__version__}|{'|'.join(map(str, self.candidates))}")
         return ident
@@ -121,7 +121,7 @@ class RowCalibrator:
     def _measure(self, key: str, state: RequestState) -> int:
         cond = self.adapter.encode_prompts([""], state.params.max_sequence_length)[0]
         n = max(self.candidates)
-        x = torch.randn((n,) + tuple(state.latents.shape), generator=torch.Generator().manual_seed(0)).to(self.device)
+        x = torch.randn((n,) + state.latent_shape, generator=torch.Generator().manual_seed(0)).to(self.device)
         t = torch.full((n,), 500.0, device=self.device)
         tensors = {k: v.unsqueeze(0).expand(n, *v.shape).contiguous().to(self.device) for k, v in cond.tensors.items()}
         guidance = None

@@ -66,6 +66,10 @@ class EngineConfig:
         submission, naming the request, before any encoding. Default 8192: T5 reads at most 512 tokens (a few
         thousand characters of English); text past that is truncated anyway, and tokenizing megabytes on the engine
         thread would stall every other request.
+    max_waiting: the requests that may wait to start (queued, not yet admitted); a call that would pass it is refused
+        whole with `EngineOverloadedError`, nothing queued. A waiting request holds its parameters and prompt, no
+        latent (its state is built at admission), so the bound is about the queue's length, not its memory: 8192
+        is two steps of a 256-prompt x 16-sample batch on one replica.
     num_threads: torch intra-op threads for this process (None leaves torch's setting). CPU kernels (oneDNN
         convolutions in particular) can pick other algorithms at another thread count, so engines that must give
         bitwise-identical samples (replicas of one rollout) must run with the same num_threads.
@@ -83,6 +87,7 @@ class EngineConfig:
     weight_update: str = "staged"
     prefix_sharing: bool = True
     max_prompt_chars: int = 8192
+    max_waiting: int = 8192
 
     def __post_init__(self):
         if self.batch_invariant is None:
@@ -100,5 +105,7 @@ class EngineConfig:
             raise ValueError(f"weight_update must be 'staged' or 'in_place', got {self.weight_update!r}")
         if self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be an int >= 1, got {self.max_waiting!r}")
         if self.asleep_policy not in ("error", "wait"):
             raise ValueError(f"asleep_policy must be 'error' or 'wait', got {self.asleep_policy!r}")

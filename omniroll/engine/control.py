@@ -8,7 +8,7 @@ Two sync policies for the samples in flight when a weight update arrives (`updat
 `partial=False` (the default) quiesces (below): no sample spans two versions; `partial=True` lands the update between
 two denoising steps and the samples in flight continue with the new weights, each recording the version of every
 step (`step_weight_versions`, see engine/request.py). `pause_generation(after_steps=k)` / `wait_for_pause` /
-`resume_generation` (`StepPause`, engine/lifecycle.py) make "the update lands after step k" a deterministic schedule.
+`resume_generation` (`StepPause`, engine/step_pause.py) make "the update lands after step k" a deterministic schedule.
 
 `ControlCalls` is a component of `DiffusionEngine`, as nano-vllm's engine composes its scheduler and runner (the
 engine's public API keeps one class: it forwards these calls). Around `engine/lifecycle.py` it adds one control call
@@ -97,14 +97,16 @@ class ControlCalls:
         timeout_s = check_seconds("timeout_s", timeout_s)
         self.engine.inbox.check_open("wait_for_pause")
         if not self.engine.step_pause.began.wait(timeout_s):
-            raise TimeoutError(f"wait_for_pause: no pause began within {timeout_s:g}s ({self.engine.step_pause.state()})")
+            raise TimeoutError(f"wait_for_pause: no pause began within {timeout_s:g}s "
+                               f"({self.engine.step_pause.state()})")
         return self.engine.call_between_steps(
             lambda: {"paused": self.engine.step_pause.paused, "steps": self.engine.steps_run,
                      "running": [s.request_id for s in self.engine.scheduler.running]}, timeout_s, op="wait_for_pause")
 
     def resume_generation(self, timeout_s: float = 60.0) -> dict:
         """End the pause (or disarm one that has not begun); returns whether generation was paused."""
-        return self.engine.call_between_steps(lambda: {"resumed": self.engine.step_pause.resume()}, timeout_s, op="resume_generation")
+        return self.engine.call_between_steps(lambda: {"resumed": self.engine.step_pause.resume()}, timeout_s,
+                                              op="resume_generation")
 
     def set_weight_version(self, version: int, timeout_s: float = 60.0) -> dict:
         """Steps run from now on record `version` (an int >= the current one; the weights do not change)."""
@@ -145,7 +147,8 @@ class ControlCalls:
                     return self._apply_in_place(update, buckets, use_shm)
             if partial:
                 return self.engine.call_between_steps(
-                    lambda: {"aborted": [], "continued": [s.request_id for s in self.engine.scheduler.running], **land()},
+                    lambda: {"aborted": [], "continued": [s.request_id for s in self.engine.scheduler.running],
+                             **land()},
                     self._left(op, deadline), op=op)
             return self._quiesced(op, land, drain_timeout_s, deadline)
 
@@ -184,9 +187,11 @@ class ControlCalls:
     def wake_up(self, timeout_s: float = 120.0) -> dict:
         """Bring the weights back to the device (a no-op when awake). After a level-2 sleep a full weight update must
         come before requests run. Errors (e.g. out of memory) reach the caller; a wake that does not finish within
-        `timeout_s` raises TimeoutError instead of hanging."""
+        `timeout_s` raises TimeoutError instead of hanging, saying whether it never started (nothing changed) or is
+        still running (it completes behind the error: `asleep_level` says when)."""
         with self._control_call("wake_up", timeout_s) as deadline:
-            return self.engine.call_between_steps(self.engine.lifecycle.wake_up, self._left("wake_up", deadline), op="wake_up")
+            return self.engine.call_between_steps(self.engine.lifecycle.wake_up, self._left("wake_up", deadline),
+                                                  op="wake_up")
 
     @contextlib.contextmanager
     def _control_call(self, op: str, timeout_s: float):
@@ -223,8 +228,9 @@ class ControlCalls:
         try:
             self.engine.wait_idle(deadline if wait_all else min(time.monotonic() + drain_timeout_s, deadline))
             if wait_all and self.engine.scheduler.running:
-                raise TimeoutError(f"{op}: {len(self.engine.scheduler.running)} sample(s) still in flight when its timeout_s "
-                                   f"ran out (drain_timeout_s=None waits for all of them); nothing applied or aborted")
+                raise TimeoutError(f"{op}: {len(self.engine.scheduler.running)} sample(s) still in flight when its "
+                                   f"timeout_s ran out (drain_timeout_s=None waits for all of them); nothing applied "
+                                   f"or aborted")
 
             def swap():
                 aborted = self.engine.abort_running()

@@ -24,19 +24,20 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from omniroll.engine import exit_hook
-from omniroll.engine.admission import PromptCache, admit, attach_encodings
+from omniroll.engine.admission import PromptCache, admit, attach_encodings, check_queue
 from omniroll.engine.calibrate import RowCalibrator
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.control import ControlCalls, check_seconds
 from omniroll.engine.inbox import Inbox
 from omniroll.engine.decode_queue import DecodeQueue
 from omniroll.engine.errors import EngineError, EngineShutdownError
-from omniroll.engine.lifecycle import Lifecycle, StepPause
+from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest
 from omniroll.engine.request import RequestState, aborted_output, build_output
 from omniroll.engine.runner import ModelRunner
 from omniroll.engine.scheduler import Scheduler
+from omniroll.engine.step_pause import StepPause
 from omniroll.models.base import DiffusionAdapter
 
 
@@ -78,11 +79,12 @@ class DiffusionEngine:
         self._to_decode = DecodeQueue(self.config.decode_batch_size)  # finished, waiting for a full decode block
         self._thread: Optional[threading.Thread] = None
         self._thread_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
         self.admission_paused = False  # the admission gate (pause_admission): no new request starts
         self.step_pause = StepPause()  # the step pause (pause_generation): no denoising step runs; the loop reads it
         self.controls = ControlCalls(self)  # engine/control.py: weight, LoRA, sleep and pause calls
 
-    # ------------------------------------------------------------------ control calls: `ControlCalls` (engine/control.py)
+    # ---------------------------------------------------------- control calls: `ControlCalls` (engine/control.py)
     def pause_generation(self, after_steps: int = 0, timeout_s: float = 300.0) -> dict:
         """Run `after_steps` more denoising steps (0: none), then pause until `resume_generation()`, or until
         `timeout_s` after the pause began (nothing hangs). Samples in flight keep their state, new requests queue and
@@ -328,7 +330,9 @@ class DiffusionEngine:
         if error is not None:
             raise error
         self._ensure_thread("generate")
-        self.inbox.add(states)
+        with self._submit_lock:  # the count only falls between the check and the add (the loop admits)
+            check_queue(len(self.scheduler.waiting) + len(self.inbox), len(states), self.config.max_waiting)
+            self.inbox.add(states)
         return futures
 
     def _ensure_thread(self, op: str) -> None:
@@ -396,6 +400,8 @@ class DiffusionEngine:
                 s.admitted_version = self.weight_version
             if admitted:
                 try:
+                    for s in admitted:
+                        s.start()  # its latent and generator exist from admission on, not while it waits
                     self._encode(admitted)
                 except Exception as e:  # noqa: BLE001 - a bug: fails the requests being admitted, not the running
                     self._fail(admitted, e)

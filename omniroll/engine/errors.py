@@ -26,5 +26,10 @@ class EngineAsleepError(EngineError):
     """The engine sleeps, or its denoiser's weights were dropped by sleep(level=2) and no full update landed yet."""
 
 
+class EngineOverloadedError(EngineError):
+    """The engine's queue holds `EngineConfig.max_waiting` requests that wait to start: the call was refused whole
+    (nothing queued). Another replica, or the same one later, can take it."""
+
+
 class EngineShutdownError(EngineError):
     """The engine was shut down (or its loop died): every call raises at once."""

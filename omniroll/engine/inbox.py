@@ -57,7 +57,8 @@ class Inbox:
 
     def call(self, fn: Callable[[], Any], timeout_s: float, op: str) -> Any:
         """Queue `fn` for the loop thread and wait for its result (or its error). TimeoutError naming `op` after
-        `timeout_s`; a call that had not started by then never runs."""
+        `timeout_s`; a call that had not started by then never runs, and one that had runs to its end (a model
+        change cannot stop halfway): the error says which."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self.check_open(op)
@@ -68,9 +69,12 @@ class Inbox:
         except concurrent.futures.TimeoutError:
             if future.done() and not future.cancelled():
                 raise  # fn itself raised a TimeoutError
-            future.cancel()
-            raise TimeoutError(f"{op} did not finish within {timeout_s:g}s (the engine thread was busy with a step "
-                               f"or an earlier call)") from None
+            if future.cancel():
+                raise TimeoutError(f"{op} did not start within {timeout_s:g}s (the engine thread was busy with a "
+                                   f"step or an earlier call): it will never run, nothing changed") from None
+            raise TimeoutError(f"{op} did not finish within {timeout_s:g}s and is still running on the engine thread: "
+                               f"it cannot be stopped halfway and will complete (or fail) after this error; check "
+                               f"the engine's stats() before calling it again") from None
 
     @staticmethod
     def run(control: Control) -> None:

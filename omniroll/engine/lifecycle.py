@@ -1,6 +1,6 @@
-"""The state of one engine between its steps: the weights and memory state (`Lifecycle`: weight version, sleep
-level, LoRA adapter, whether the weights can serve) and a pause of generation after a chosen number of steps
-(`StepPause`). Components the engine owns (`engine.lifecycle`, `engine.step_pause`); they hold no reference to the engine.
+"""The weights and memory state of one engine between its steps (`Lifecycle`: weight version, sleep level, LoRA
+adapter, whether the weights can serve): a component the engine owns (`engine.lifecycle`); it holds no reference to
+the engine. (The pause of generation after a chosen number of steps is `engine/step_pause.py`.)
 
 State (explicit, nothing else):
   version        the weight version every step run now records (0: the checkpoint's weights)
@@ -26,21 +26,10 @@ byte landed, the weights are `unusable`: every request is refused with an error 
 complete full update lands. Weights that are already unusable (after sleep(level=2), the usual colocated RL flow) are
 always written in place: nothing is served from them, so the staging copy would only cost memory. A LoRA update is
 always staged; the previous adapter stays active on any failure.
-
-Step pause: `DiffusionEngine.pause_generation(after_steps=k)` arms it; the engine runs `k` more denoising steps
-(forwards; 0: none) and then runs no step until `resume_generation()` (or until the pause's own `timeout_s` has passed
-since it began, so nothing hangs when the caller never resumes). While paused, running samples keep their latents,
-generators and recorded steps, queued requests wait, and control calls still run between steps: a weight update with
-`partial=True` lands there, so the samples in flight continue with the new weights after exactly `k` steps. This
-makes "the update lands after step k" a deterministic schedule (tests, and a trainer that wants one) instead of a
-race with the step loop. The engine thread alone reads and changes it (arming and resuming run as control calls
-between two steps); callers wait for a pause to begin through `began`, a threading.Event.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Optional
 
 import torch
@@ -51,7 +40,7 @@ from omniroll.weights import LoRAManager, OmniTensorLoRARequest, check_version, 
 from omniroll.weights.staging import StagingPool
 from omniroll.weights.transport import check_descriptor
 
-__all__ = ["Lifecycle", "StepPause", "EngineAsleepError"]
+__all__ = ["Lifecycle", "EngineAsleepError"]
 
 SLEEP_LEVELS = (1, 2)
 
@@ -173,7 +162,8 @@ class Lifecycle:
             elif not any(p.is_meta for p in module.parameters()):
                 module.to("cpu")
         if level == 2:
-            self.unusable, self._dropped = "weights were dropped by sleep(level=2): a full weight sync must come first", True
+            self.unusable = "weights were dropped by sleep(level=2): a full weight sync must come first"
+            self._dropped = True
         self.asleep_level = level
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -189,53 +179,3 @@ class Lifecycle:
                     module.to(self.device)
         changed, self.asleep_level = bool(self.asleep_level), 0
         return {"awake": True, "changed": changed, "needs_weight_sync": self.unusable is not None}
-
-
-class StepPause:
-    def __init__(self):
-        self.steps_left: Optional[int] = None  # None: not armed; 0: paused (since `since`)
-        self.timeout_s = 0.0
-        self.since: Optional[float] = None
-        self.began = threading.Event()
-
-    def arm(self, after_steps: int, timeout_s: float) -> None:
-        self.steps_left, self.timeout_s, self.since = after_steps, timeout_s, None
-        self.began.clear()
-        self._begin_if_due()
-
-    def resume(self) -> bool:
-        """End the pause (or disarm one not begun yet); returns whether one was paused."""
-        was = self.since is not None
-        self.steps_left, self.since = None, None
-        self.began.clear()
-        return was
-
-    def count_step(self) -> None:
-        """One denoising step ran."""
-        if self.steps_left:
-            self.steps_left -= 1
-            self._begin_if_due()
-
-    @property
-    def paused(self) -> bool:
-        """Whether no step may run now; a pause past its timeout ends here."""
-        if self.since is None:
-            return False
-        if time.monotonic() - self.since >= self.timeout_s:
-            self.resume()
-            return False
-        return True
-
-    def seconds_left(self) -> Optional[float]:
-        """How long the engine loop may sleep before the pause times out (None: no pause, sleep until woken)."""
-        if self.since is None:
-            return None
-        return max(self.timeout_s - (time.monotonic() - self.since), 0.0)
-
-    def state(self) -> dict:
-        return {"paused": self.since is not None, "armed_steps_left": self.steps_left if self.since is None else None}
-
-    def _begin_if_due(self) -> None:
-        if self.steps_left == 0 and self.since is None:
-            self.since = time.monotonic()
-            self.began.set()

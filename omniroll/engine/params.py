@@ -35,9 +35,10 @@ class SamplingParams(BaseModel):
 
     SDE window: steps in `[start, start + sde_window_size)` inject noise and (with `logprobs`) record latents and
     log-probs; the others are plain ODE (Euler) steps and record nothing. Without `logprobs` nothing is recorded: a
-    forward-process trainer (NFT, AWM) asks for the final latent only (`output_type` "both" or "latent"). `sde_window_size=None` means every step but the last
-    (Flow-GRPO's default: the last step's Gaussian is too sharp). With a size, `start` is drawn uniformly from
-    `[lo, hi - size]` using the request's own generator, where `(lo, hi) = sde_window_range or (0, T - 1)`.
+    forward-process trainer (NFT, AWM) asks for the final latent only (`output_type` "both" or "latent").
+    `sde_window_size=None` means every step but the last (Flow-GRPO's default: the last step's Gaussian is too sharp).
+    With a size, `start` is drawn uniformly from `[lo, hi - size]` using the request's own generator, where `(lo, hi) =
+    sde_window_range or (0, T - 1)`.
 
     `latent_seed` (flow_grpo's `same_latent`): when set, the initial noise and the SDE window are drawn from this
     seed instead of the request's; the noise inside the window still comes from the request's own seed. Give every

@@ -45,7 +45,11 @@ class RequestState:
     order: initial latent, window start, then one noise draw per SDE step, so the sample never depends on its batch
     mates. With `latent_seed` the initial latent and the window start come from a generator of that seed instead
     (shared by a group), the window's noise still from the request's own. `cfg_scale` (`NO_CFG`: no unconditional row)
-    and `experts` (the denoiser of each step) come from the adapter."""
+    and `experts` (the denoiser of each step) come from the adapter.
+
+    A queued request holds only what admission and scheduling read (its request, schedule, latent shape, rows);
+    `start()`, at admission, builds the rest (generator, initial latent, window, device copies), so a long queue costs
+    no latent memory. The draws are the same whenever it starts (they come from its own seeds)."""
 
     def __init__(self, request: GenerationRequest, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
                  on_done: DoneCallback, num_train_timesteps: int = 1000, device: torch.device | str = "cpu",
@@ -60,22 +64,12 @@ class RequestState:
         self.cfg_scale = cfg_scale
         self.sigmas = sigmas  # [T + 1] fp32 on the host, ends at 0
         self.timesteps = sigmas[:-1] * num_train_timesteps  # what the denoiser sees (as diffusers computes them)
+        self.latent_shape = tuple(latent_shape)
         self.experts: Optional[list[int]] = None  # per step, set by the engine for multi-denoiser families
-        self.generator = make_generator(request.seed, self.device)
-        prefix_gen = self.generator if p.latent_seed is None else make_generator(p.latent_seed, self.device)
-        self.latents = torch.randn(latent_shape, generator=prefix_gen, dtype=torch.float32, device=self.device)
-        self.window = draw_sde_window(p.num_inference_steps, p.sde_window_size, p.sde_window_range, prefix_gen)
-        # Device copies of everything a step reads (one transfer here, none per step).
-        T = p.num_inference_steps
-        stochastic = [self.window[0] <= k < self.window[1] and p.stochastic for k in range(T)]
-        self._stochastic = stochastic
-        self.dev_sigmas = sigmas.to(self.device)
-        self.dev_timesteps = self.timesteps.to(self.device)
-        self.dev_noise_level = torch.tensor([p.noise_level if s else 0.0 for s in stochastic],
-                                            dtype=torch.float32).to(self.device)
-        self.dev_sde_code = torch.tensor(SDE_CODES[p.sde_type if p.stochastic else "ode"]).to(self.device)
-        self.dev_sigma_max = self.sigma_max.to(self.device)
-        self.dev_guidance = torch.tensor(float(p.guidance_scale), dtype=torch.float32).to(self.device)
+        self.started = False  # `start()` ran: the fields below hold their values
+        self.generator: Optional[torch.Generator] = None
+        self.latents: Optional[torch.Tensor] = None
+        self.window: Optional[tuple[int, int]] = None
         self.step_index = 0
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
@@ -90,6 +84,28 @@ class RequestState:
         self.rec_latents: list[torch.Tensor] = []
         self.rec_log_probs: list[torch.Tensor] = []
         self.rec_steps: list[int] = []
+
+    def start(self) -> None:
+        """At admission: the generator, the initial latent, the SDE window and the device copies of everything a step
+        reads (one transfer here, none per step). Idempotent."""
+        if self.started:
+            return
+        p = self.params
+        self.generator = make_generator(self.request.seed, self.device)
+        prefix_gen = self.generator if p.latent_seed is None else make_generator(p.latent_seed, self.device)
+        self.latents = torch.randn(self.latent_shape, generator=prefix_gen, dtype=torch.float32, device=self.device)
+        self.window = draw_sde_window(p.num_inference_steps, p.sde_window_size, p.sde_window_range, prefix_gen)
+        T = p.num_inference_steps
+        stochastic = [self.window[0] <= k < self.window[1] and p.stochastic for k in range(T)]
+        self._stochastic = stochastic
+        self.dev_sigmas = self.sigmas.to(self.device)
+        self.dev_timesteps = self.timesteps.to(self.device)
+        self.dev_noise_level = torch.tensor([p.noise_level if s else 0.0 for s in stochastic],
+                                            dtype=torch.float32).to(self.device)
+        self.dev_sde_code = torch.tensor(SDE_CODES[p.sde_type if p.stochastic else "ode"]).to(self.device)
+        self.dev_sigma_max = self.sigma_max.to(self.device)
+        self.dev_guidance = torch.tensor(float(p.guidance_scale), dtype=torch.float32).to(self.device)
+        self.started = True
 
     @property
     def request_id(self) -> str:
@@ -182,7 +198,8 @@ def version_fields(state: RequestState, current_version: int) -> dict:
             "max_weight_version": max(window, default=int(first))}
 
 
-def build_output(state: RequestState, pixels: Optional[torch.Tensor], execution: Optional[dict] = None) -> DiffusionOutput:
+def build_output(state: RequestState, pixels: Optional[torch.Tensor],
+                 execution: Optional[dict] = None) -> DiffusionOutput:
     """Package what RL needs. The window's sigmas, noise level and SDE type travel with the trajectory, so a trainer
     never has to recover sigma from a timestep or mirror the sampling config."""
     p = state.params

@@ -61,10 +61,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def running_rows(self) -> int:
-        return sum(s.num_rows for s in self.running)
-
     def admit(self) -> list[RequestState]:
         """Move waiting requests into the running set while their key has room; return the newly admitted ones."""
         if not self.waiting:

@@ -66,7 +66,7 @@ def classify(error: BaseException, texts: Iterable[Any] = ()) -> ApiError:
     """The one place where an exception becomes a status code."""
     from pydantic import ValidationError
 
-    from omniroll.engine.errors import EngineAsleepError, EngineShutdownError
+    from omniroll.engine.errors import EngineAsleepError, EngineOverloadedError, EngineShutdownError
     from omniroll.rollout.client import RolloutError
 
     if isinstance(error, ApiError):
@@ -78,6 +78,8 @@ def classify(error: BaseException, texts: Iterable[Any] = ()) -> ApiError:
         return ApiError(400, scrub(str(error), texts), param=_field_in(str(error)))
     if isinstance(error, EngineAsleepError):
         return ApiError(503, scrub(str(error), texts), retry_after=5)
+    if isinstance(error, EngineOverloadedError):
+        return ApiError(503, scrub(str(error), texts), retry_after=1)
     if isinstance(error, (RolloutError, TimeoutError, asyncio.TimeoutError)):
         return ApiError(503, scrub(str(error) or "timed out", texts), retry_after=1)
     if isinstance(error, EngineShutdownError):

@@ -37,7 +37,8 @@ def pipeline_sigmas(scheduler_config: dict, num_steps: int, image_seq_len: Optio
 class PackedLatentAdapter(DiffusionAdapter):
     """Shapes and schedule of the 2x2-packed image families (FLUX.1, Qwen-Image): the latent is
     [in_channels / 4, H / f, W / f] before packing, and the pipeline's sigmas are linspace(1, 1/T, T) shifted by
-    mu(image_seq_len) (dynamic shift), cached per (steps, h, w) in `_sigma_cache` (`DiffusionAdapter._adopt` makes it)."""
+    mu(image_seq_len) (dynamic shift), cached per (steps, h, w) in `_sigma_cache` (`DiffusionAdapter._adopt` makes
+    it)."""
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.check_num_frames(num_frames)

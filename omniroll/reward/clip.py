@@ -90,9 +90,11 @@ class _ClipBase:
         import torch
         from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor
 
+        from omniroll.engine.config import torch_dtype
+
         self.device = torch.device(device)
         self.batch_size = batch_size
-        self.model = CLIPModel.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = CLIPModel.from_pretrained(model_dir, torch_dtype=torch_dtype(dtype)).to(self.device).eval()
         self.model.requires_grad_(False)
         processor_dir = processor_dir or model_dir
         if self.text:

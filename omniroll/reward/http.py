@@ -11,8 +11,8 @@ Wire format (one POST per batch of at most `batch_size` samples):
   per shape. A video cannot go as `"png"` (one image per sample): that encoding refuses it with a clear error.
 
 The server answers `{"scores": [...]}` with one entry per image (a number or a dict with `"score"`); a score must be
-a finite number (`true` / `false`, strings, NaN are the scorer's errors, never 1.0 / 0.0: see `RewardManager`). Servers can
-decode requests with `decode_png_batch` / `decode_safetensors_batch`.
+a finite number (`true` / `false`, strings, NaN are the scorer's errors, never 1.0 / 0.0: see `RewardManager`).
+Servers can decode requests with `decode_png_batch` / `decode_safetensors_batch`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,21 @@ import io
 import json
 import struct
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from PIL import Image
 
+if TYPE_CHECKING:  # the optional `server` extra: imported when a request is made
+    import httpx
+
 RETRY_STATUSES = frozenset({408, 429})
 ENCODINGS = ("png", "safetensors")
+#: a PNG server's decode limits (`decode_png_batch`): pixels of one image (4096 x 4096, below PIL's decompression-bomb
+#: threshold of ~89.5 M) and of one request's images together (32 x 1024 x 1024: ~100 MB of RGB). A PNG of a few kB can
+#: declare 6000 x 6000 pixels; its size is read from its header and refused before anything is decoded.
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_REQUEST_PIXELS = 32 * 1024 * 1024
 
 
 class RewardHTTPError(RuntimeError):
@@ -86,20 +94,40 @@ def encode_safetensors_batch(samples) -> bytes:
     if len(shapes) != 1:
         raise ValueError(f"HttpScorer encoding='safetensors' needs one image shape per batch, got {sorted(shapes)}")
     images = np.stack([s.image for s in samples]).astype(np.uint8, copy=False)
-    meta = {"prompts": _dumps([s.prompt for s in samples], "prompts"), "metadata": _dumps(_metadata(samples), "metadata")}
+    meta = {"prompts": _dumps([s.prompt for s in samples], "prompts"),
+            "metadata": _dumps(_metadata(samples), "metadata")}
     return save({"images": images}, metadata=meta)
 
 
-def decode_png_batch(payload: dict) -> tuple[list[np.ndarray], list[str], list[dict]]:
-    """Server side: a JSON body of `encoding="png"` -> (CHW uint8 images, prompts, metadata)."""
+def decode_png_batch(payload: dict, max_image_pixels: int = MAX_IMAGE_PIXELS,
+                     max_request_pixels: int = MAX_REQUEST_PIXELS) -> tuple[list[np.ndarray], list[str], list[dict]]:
+    """Server side: a JSON body of `encoding="png"` -> (CHW uint8 images, prompts, metadata). Every image's size is
+    read from its header first: an image over `max_image_pixels`, or images over `max_request_pixels` together, are
+    refused (ValueError naming them and the limit) before any pixel is decoded."""
     if not isinstance(payload, dict) or not isinstance(payload.get("images"), list):
         raise ValueError("body must be a JSON object with a list 'images'")
-    images = []
-    for i, b64 in enumerate(payload["images"]):
-        with Image.open(io.BytesIO(base64.b64decode(b64, validate=True))) as im:
+    opened, total = [], 0
+    try:
+        for i, b64 in enumerate(payload["images"]):
+            try:
+                im = Image.open(io.BytesIO(base64.b64decode(b64, validate=True)))  # reads the header only
+            except Image.DecompressionBombError as e:  # PIL's own limit, far above ours: named the same way
+                raise ValueError(f"images[{i}]: {e}; the limit is max_image_pixels={max_image_pixels}") from None
+            opened.append(im)
             if im.format != "PNG":
                 raise ValueError(f"images[{i}] must be a PNG, got {im.format}")
-            images.append(np.asarray(im.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1).copy())
+            w, h = im.size
+            if w * h > max_image_pixels:
+                raise ValueError(f"images[{i}] is {w}x{h} = {w * h} pixels, more than max_image_pixels="
+                                 f"{max_image_pixels}")
+            total += w * h
+            if total > max_request_pixels:
+                raise ValueError(f"images[0..{i}] have {total} pixels together, more than max_request_pixels="
+                                 f"{max_request_pixels} (send fewer images per request)")
+        images = [np.asarray(im.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1).copy() for im in opened]
+    finally:
+        for im in opened:
+            im.close()
     prompts = payload.get("prompts", [""] * len(images))
     metadata = payload.get("metadata", [{} for _ in images])
     return images, list(prompts), list(metadata)
@@ -133,21 +161,27 @@ class HttpScorer:
     """Batch scorer that POSTs to a reward server (see the module docstring for the wire format).
 
     `timeout_s` is a deadline for one whole attempt (connecting, sending and reading the complete response), so a
-    server that drips its answer byte by byte is cut off at `timeout_s` like a silent one. A call is bounded by
-    `(max_retries + 1) * timeout_s` plus the backoff sleeps. Each batch is retried on timeouts, connection errors, 408, 429 and 5xx with exponential backoff
+    server that drips its answer byte by byte is cut off at `timeout_s` like a silent one. `deadline_s` bounds a
+    batch's attempts and backoff sleeps together: no attempt runs past it, and none starts when a backoff would end
+    past it. Each batch is retried on timeouts, connection errors, 408, 429 and 5xx with exponential backoff
     (`min(max_backoff_s, backoff_s * 2**k)`, or the server's numeric `Retry-After` when smaller than `max_backoff_s`),
     for at most `max_retries` retries (`max_retries + 1` attempts). Other 4xx and malformed responses fail at once.
     A final failure raises `RewardHTTPError` (url, status, attempts). Batches of one call are sent concurrently.
 
+    Defaults: a reward model scores a batch in seconds, so an attempt gets 30 s, a batch at most 60 s (two attempts
+    of a hanging server, three of one that fails fast); the reward manager does not retry an `http` function on top
+    (its `max_retries` defaults to 0 for it), so a hanging server fails its rows after 60 s.
+
     Returns, per sample, `{"score": float, "attempts": n}` (the manager records `attempts` in `extra_info`).
     """
 
-    def __init__(self, url: str, timeout_s: float = 30.0, max_retries: int = 3, backoff_s: float = 0.5,
+    def __init__(self, url: str, timeout_s: float = 30.0, max_retries: int = 2, backoff_s: float = 0.5,
                  max_backoff_s: float = 8.0, batch_size: int = 32, encoding: str = "png",
-                 headers: Optional[dict] = None):
+                 headers: Optional[dict] = None, deadline_s: float = 60.0):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"HttpScorer.url must start with http:// or https://, got {url!r}")
         _check_range("timeout_s", timeout_s, 1e-3, 3600.0)
+        _check_range("deadline_s", deadline_s, 1e-3, 86400.0)
         _check_range("max_retries", max_retries, 0, 100, integer=True)
         _check_range("backoff_s", backoff_s, 0.0, 600.0)
         _check_range("max_backoff_s", max_backoff_s, 0.0, 3600.0)
@@ -159,6 +193,7 @@ class HttpScorer:
         except ImportError as e:
             raise ImportError("HttpScorer needs httpx: pip install 'omniroll[server]'") from e
         self.url, self.timeout_s, self.max_retries = url, float(timeout_s), int(max_retries)
+        self.deadline_s = float(deadline_s)
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.batch_size, self.encoding, self.headers = int(batch_size), encoding, dict(headers or {})
         self.requests_sent = 0  # HTTP attempts, all calls together
@@ -218,16 +253,20 @@ class HttpScorer:
         else:
             body, ctype = encode_safetensors_batch(batch), "application/octet-stream"
         client = self._client()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s
         attempts, status, detail = 0, None, ""
         for retry_index in range(self.max_retries + 1):
             attempts += 1
             self.requests_sent += 1
             response = None
-            try:  # timeout_s is a deadline for the whole attempt (connect, send, every read), not per read
+            limit = min(self.timeout_s, max(deadline - loop.time(), 0.0))
+            try:  # the attempt's deadline covers connect, send and every read, not one read
                 response = await asyncio.wait_for(
-                    client.post(self.url, content=body, headers={"content-type": ctype}), self.timeout_s)
+                    client.post(self.url, content=body, headers={"content-type": ctype}), limit)
             except (httpx.TimeoutException, asyncio.TimeoutError) as e:
-                status, detail = None, f"timeout after {self.timeout_s}s ({type(e).__name__})"
+                shown = self.timeout_s if limit == self.timeout_s else f"{limit:.3g}"  # cut short by deadline_s
+                status, detail = None, f"timeout after {shown}s ({type(e).__name__})"
             except httpx.TransportError as e:
                 status, detail = None, f"connection error ({type(e).__name__}: {e})"
             else:
@@ -238,7 +277,11 @@ class HttpScorer:
                 if not (status in RETRY_STATUSES or status >= 500):
                     raise RewardHTTPError(self.url, status, attempts, detail + " (not retried: client error)")
             if retry_index < self.max_retries:
-                await asyncio.sleep(self._delay(retry_index, response))
+                delay = self._delay(retry_index, response)
+                if loop.time() + delay >= deadline:
+                    raise RewardHTTPError(self.url, status, attempts,
+                                          detail + f" (deadline_s={self.deadline_s:g} reached: no time for a retry)")
+                await asyncio.sleep(delay)
         raise RewardHTTPError(self.url, status, attempts, detail + f" (max_retries={self.max_retries} exhausted)")
 
     def _parse(self, response: "httpx.Response", n: int, attempts: int) -> list[dict]:

@@ -48,7 +48,8 @@ class RewardFunctionConfig(BaseModel):
     weight: float = Field(1.0, ge=-1e6, le=1e6, allow_inf_nan=False, description="its weight in the summed reward")
     required: bool = Field(True, description="a row it cannot score fails (True) or is flagged with this "
                                              "component missing (False)")
-    max_retries: int = Field(2, ge=0, le=10, description="retries of the rows that failed")
+    max_retries: Optional[int] = Field(None, ge=0, le=10, description="retries of the rows that failed (None: 2, or "
+                                       "0 for `http`, which retries within its own deadline_s)")
     retry_backoff_s: float = Field(0.0, ge=0.0, le=60.0, description="sleep between retries (doubles each time)")
     timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0, description="deadline of each attempt (None: none)")
     per_sample: bool = Field(False, description="fn takes one RewardSample, not a list")
@@ -61,6 +62,12 @@ class RewardFunctionConfig(BaseModel):
         if isinstance(v, str) and not v.strip():
             raise ValueError("fn must be a non-empty string or a callable")
         return v
+
+    @model_validator(mode="after")
+    def _default_retries(self):
+        if self.max_retries is None:  # the http scorer retries itself; retrying it again would multiply its deadline
+            self.max_retries = 0 if self.fn == "http" else 2
+        return self
 
     @model_validator(mode="after")
     def _check_resolves(self):

@@ -86,9 +86,9 @@ class OcrScorer:
     """flow_grpo's OCR reward (see the module docstring). The engine is built once per scorer (so once per reward
     worker) and reads one image at a time (RapidOCR has no batch call); a video scores its frames' mean.
 
-    `engine`: any callable `engine(hwc_uint8_rgb, use_cls=...) -> (lines, elapsed)` with lines `[[box, text, confidence], ...]`
-    or None (RapidOCR's interface), for tests or another engine; default: RapidOCR. The image goes in as RGB HWC
-    uint8, the array flow_grpo hands PaddleOCR.
+    `engine`: any callable `engine(hwc_uint8_rgb, use_cls=...) -> (lines, elapsed)` with lines `[[box, text,
+    confidence], ...]` or None (RapidOCR's interface), for tests or another engine; default: RapidOCR. The image goes in
+    as RGB HWC uint8, the array flow_grpo hands PaddleOCR.
     """
 
     def __init__(self, engine: Any = None, use_cls: bool = False):

@@ -13,8 +13,8 @@ Samples that arrive within `max_wait_ms` of the first queued one, up to `max_bat
 one event loop (the actor's, or the caller's in-process), so no locks are needed.
 
 `RewardWorkerPool`: client-side least-loaded routing over reward workers (Ray actor handles or plain objects), with
-worker health: a dead worker leaves the pool and its samples are re-scored on a live one. `create_reward_workers`
-starts the workers as Ray actors.
+worker health: the samples of a lost worker are re-scored on a usable one (Ray restarts a worker whose node left; a
+worker gone for good leaves the pool). `create_reward_workers` starts the workers as restartable Ray actors.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 from omniroll.library_warnings import silence_library_warnings
+from omniroll.ray_nodes import RESTARTED, ActorHealth, actor_fault
 from omniroll.reward.manager import RewardConfig, RewardManager
 from omniroll.reward.scorers import RewardResult, RewardSample
 
@@ -160,36 +161,23 @@ def _is_actor(handle: Any) -> bool:
     return hasattr(getattr(handle, "compute_score", None), "remote")
 
 
-def _worker_fault(error: BaseException) -> Optional[str]:
-    """"dead" (the actor died: it leaves the pool), "unavailable" (unreachable for now: re-score elsewhere, keep it),
-    or None (not the worker's fault: the error reaches the caller as is)."""
-    try:
-        from ray.exceptions import ActorUnavailableError, RayActorError
-    except ImportError:  # in-process workers only
-        return None
-    if isinstance(error, RayActorError):
-        return "dead"
-    if isinstance(error, ActorUnavailableError):
-        return "unavailable"
-    return None
-
-
 class RewardWorkerPool:
-    """Send each sample to the live worker with the fewest in-flight requests *from this pool*.
+    """Send each sample to the usable worker with the fewest in-flight requests *from this pool*.
 
     The count is tracked client-side (no round trip per sample); ties go round-robin, starting after the worker
     picked last, so an idle pool spreads consecutive samples instead of always choosing the first. Works with Ray
     actor handles (`handle.compute_score.remote(sample)` is awaited) and with in-process `RewardLoopWorker`s. Use the
     pool from one event loop.
 
-    Health: a call that fails because its actor died (`RayActorError`) removes that worker from the pool for good,
-    and the sample (with every other sample that was in flight there) is re-scored on a live worker; an unavailable
-    actor (`ActorUnavailableError`) stays in the pool but the sample goes elsewhere. A sample is re-scored at most
-    `max_rescores` times; when no worker is left, `score` raises `RewardPoolError` saying so. Errors that are not the
-    worker's (a bad sample) are raised as they are, never retried.
+    Health (`omniroll.ray_nodes.ActorHealth`): a worker whose node left is restarted by Ray (`create_reward_workers`
+    starts them restartable); the samples it was scoring are re-scored on another usable worker, or on it once it
+    answers again (a sample waits for that at most `restart_timeout_s`). A worker killed for good, or not back within
+    `restart_timeout_s`, leaves the pool. A sample is re-scored at most `max_rescores` times; when no worker is left,
+    `score` raises `RewardPoolError` saying so. Errors that are not the worker's (a bad sample) are raised as they
+    are, never retried. A re-scored sample gets the same score (a reward is a function of the sample).
     """
 
-    def __init__(self, handles: Sequence[Any], max_rescores: int = 2):
+    def __init__(self, handles: Sequence[Any], max_rescores: int = 2, restart_timeout_s: float = 300.0):
         handles = list(handles)
         if not handles:
             raise ValueError("RewardWorkerPool needs at least one worker handle, got 0")
@@ -200,20 +188,20 @@ class RewardWorkerPool:
             raise ValueError(f"max_rescores must be an int in [0, 100], got {max_rescores!r}")
         self.handles = handles
         self.max_rescores = max_rescores
+        self.health = ActorHealth(handles, restart_timeout_s)
         self._in_flight = [0] * len(handles)
         self._sent = [0] * len(handles)
-        self._dead: dict[int, str] = {}  # worker index -> why it left the pool
         self._rescored = 0
         self._next = 0  # round-robin cursor for ties
 
     def __len__(self) -> int:
         return len(self.handles)
 
-    def _pick(self, sample_id: str, attempts: list[str]) -> int:
+    async def _pick(self, sample_id: str, attempts: list[str]) -> int:
         n = len(self.handles)
-        live = [i for i in range(n) if i not in self._dead]
+        live = await self.health.wait_usable()
         if not live:
-            why = "; ".join(f"worker {i}: {e}" for i, e in sorted(self._dead.items()))
+            why = "; ".join(f"worker {i}: {e}" for i, e in sorted(self.health.dead.items()))
             tried = f" (this sample: {'; '.join(attempts)})" if attempts else ""
             raise RewardPoolError(f"sample {sample_id!r} cannot be scored: every reward worker ({n} of {n}) left the "
                                   f"pool: {why}{tried}")
@@ -226,10 +214,10 @@ class RewardWorkerPool:
         raise AssertionError("unreachable")
 
     async def score(self, sample: RewardSample) -> RewardResult:
-        """Score one sample on the least-loaded live worker (re-scored elsewhere if that worker dies)."""
+        """Score one sample on the least-loaded usable worker (re-scored elsewhere if that worker is lost)."""
         attempts: list[str] = []
         for attempt in range(self.max_rescores + 1):
-            i = self._pick(sample.sample_id, attempts)
+            i = await self._pick(sample.sample_id, attempts)
             self._in_flight[i] += 1
             self._sent[i] += 1
             try:
@@ -238,13 +226,10 @@ class RewardWorkerPool:
                     return await handle.compute_score.remote(sample)
                 return await handle.compute_score(sample)
             except Exception as e:  # noqa: BLE001 - classified: the worker's fault is handled, the rest re-raised
-                fault = _worker_fault(e)
+                fault = actor_fault(e)
                 if fault is None:
                     raise
-                reason = f"{type(e).__name__}: {_first_line(e)}"
-                if fault == "dead":
-                    self._dead.setdefault(i, reason)
-                attempts.append(f"worker {i} {fault} ({reason})")
+                attempts.append(f"worker {i} {fault} ({self.health.lost(i, e)})")
                 if attempt < self.max_rescores:
                     self._rescored += 1
             finally:
@@ -264,20 +249,17 @@ class RewardWorkerPool:
         return list(self._sent)
 
     def stats(self) -> dict:
-        return {"in_flight": self.load(), "sent": self.sent(), "dead": sorted(self._dead),
-                "live": len(self.handles) - len(self._dead), "rescored": self._rescored}
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return lines[0][:200] if lines else repr(e)
+        return {"in_flight": self.load(), "sent": self.sent(), "dead": sorted(self.health.dead),
+                "restarting": self.health.restarting(), "live": len(self.health.usable()),
+                "rescored": self._rescored}
 
 
 def create_reward_workers(config: Union[dict, list, RewardConfig], num_workers: int = 1, *,
                           max_concurrency: int = 1000, num_cpus: float = 0.0,
                           runtime_env: Optional[dict] = None, placement: Optional[Callable[[int], dict]] = None,
                           **options) -> list[Any]:
-    """Start `num_workers` `RewardLoopWorker` Ray actors (async, `max_concurrency` concurrent calls each).
+    """Start `num_workers` `RewardLoopWorker` Ray actors (async, `max_concurrency` concurrent calls each), which Ray
+    restarts when their process or node is lost (`omniroll.ray_nodes.RESTARTED`; they hold no state).
     `placement(i)`: extra actor options for worker i (its placement-group bundle; see `omniroll.rollout.ray_cluster`);
     `options`: any other Ray actor option (e.g. `resources`).
 
@@ -290,7 +272,7 @@ def create_reward_workers(config: Union[dict, list, RewardConfig], num_workers: 
     if not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 100_000:
         raise ValueError(f"max_concurrency must be an int in [1, 100000], got {max_concurrency!r}")
     cfg = RewardConfig.from_any(config)
-    opts = dict(max_concurrency=max_concurrency, num_cpus=num_cpus, **options)
+    opts = {"max_concurrency": max_concurrency, "num_cpus": num_cpus, **RESTARTED, **options}
     if runtime_env is not None:
         opts["runtime_env"] = runtime_env
     remote_cls = ray.remote(RewardLoopWorker)

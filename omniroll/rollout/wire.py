@@ -68,7 +68,8 @@ def output_to_wire(out: DiffusionOutput) -> dict:
 def output_from_wire(wire: dict) -> DiffusionOutput:
     """A dict from `output_to_wire` -> DiffusionOutput with torch tensors where the original had them."""
     if not isinstance(wire, dict) or "diffusion_output" not in wire:
-        raise TypeError(f"not a wire-format DiffusionOutput (expected a dict with 'diffusion_output'), got {type(wire)}")
+        raise TypeError(f"not a wire-format DiffusionOutput (expected a dict with 'diffusion_output'), got "
+                        f"{type(wire)}")
     tensor_keys = set(wire.get("tensor_keys", ()))
     extra = {
         k: (numpy_to_tensor(v) if k in tensor_keys else v) for k, v in wire.get("extra_fields", {}).items()

@@ -11,7 +11,10 @@ torch-free at import: the functions that need torch import it when called.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 _MAX = 2**63 - 1
@@ -36,6 +39,12 @@ def derive_group_seed(base_seed: Optional[int], global_step: int, uid: str) -> i
     `derive_seed` without the index, in its own domain so it never equals a sample's seed by construction."""
     key = f"omniroll/v1/group|{0 if base_seed is None else int(base_seed)}|{int(global_step)}|{uid}"
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") & _MAX
+
+
+#: the trainer step a command's batch is seeded with: `omniroll generate` and `omniroll rollout` derive every sample's
+#: seed as `derive_seed(seed, CLI_GLOBAL_STEP, uid, index)`, the agent loop's own derivation, so the same prompt, seed
+#: and settings give the same image in both commands.
+CLI_GLOBAL_STEP = 0
 
 
 def batch_prompt_uid(i: int) -> str:

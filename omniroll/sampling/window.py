@@ -8,9 +8,12 @@ it when called.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from omniroll.sampling.seeds import window_seed
+
+if TYPE_CHECKING:
+    import torch
 
 
 def sde_window_bounds(num_steps: int, window_size: Optional[int],

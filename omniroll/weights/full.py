@@ -194,7 +194,8 @@ class FullWeightLoader:
             self._reject_bucket(bucket)
         if len({e.name for e in bucket.entries}) != len(bucket.entries):
             dup = sorted(n for n, c in Counter(e.name for e in bucket.entries).items() if c > 1)
-            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {name_list(dup)} (received twice)")
+            raise WeightSyncError(f"bucket {bucket.index} inconsistent with the manifest: {name_list(dup)} "
+                                  f"(received twice)")
         views = unpack_bucket(bucket)
         if self.stage and bucket.tensors is not None and self._same_devices(views):
             self._hold_bucket(bucket.index, views)
@@ -271,7 +272,8 @@ class FullWeightLoader:
         never = sorted(set(self._plan) - self._received)
         if never:
             self._plan, self._staged, self._held = None, {}, []
-            raise WeightSyncError(f"update incomplete: {len(never)} manifest name(s) never received: {name_list(never)}")
+            raise WeightSyncError(f"update incomplete: {len(never)} manifest name(s) never received: "
+                                  f"{name_list(never)}")
         return {"num_tensors": len(self._received), "num_bytes": self.bytes_loaded,
                 "max_bucket_bytes": self.max_bucket_bytes}
 

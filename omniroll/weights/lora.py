@@ -200,10 +200,6 @@ class LoRAManager:
     def lora_int_id(self) -> int | None:
         return self._request.lora_int_id if self._request else None
 
-    @property
-    def active_request(self) -> OmniTensorLoRARequest | None:
-        return self._request
-
     def _resolve(self, req: OmniTensorLoRARequest) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
         cfg, tensors = req.peft_config, req.lora_tensors
         if tensors is None:
@@ -248,7 +244,8 @@ class LoRAManager:
             if any(w is not None and w != s for w, s in zip(want, shape)):
                 bad.append(f"{sent}: {shape} does not fit {m.group('mod')} ({base.in_features} -> {base.out_features})")
             ranks.setdefault(m.group("mod"), set()).add(shape[0] if m.group("p") == "lora_A" else shape[1])
-        bad += [f"{mod}: lora_A and lora_B disagree on the rank ({sorted(r)})" for mod, r in ranks.items() if len(r) > 1]
+        bad += [f"{mod}: lora_A and lora_B disagree on the rank ({sorted(r)})"
+                for mod, r in ranks.items() if len(r) > 1]
         if bad:
             raise LoRABindError(f"LoRA adapter does not fit the module: {', '.join(sorted(bad)[:20])}",
                                 [b.split(':')[0] for b in bad])
@@ -314,7 +311,8 @@ class LoRAManager:
     def _lora_param(self, key: str, adapter: str) -> torch.nn.Parameter:
         m = _LORA_PARAM.match(key)  # normalised keys: the optional "adapter" group holds the suffix
         suffix = m.group("suffix") or m.group("adapter")
-        return self.module.get_parameter(f"{m.group('mod')}.{m.group('p')}.{adapter}" + (f".{suffix}" if suffix else ""))
+        name = f"{m.group('mod')}.{m.group('p')}.{adapter}" + (f".{suffix}" if suffix else "")
+        return self.module.get_parameter(name)
 
     def _compute_dtype(self, request: OmniTensorLoRARequest, tensors: dict[str, torch.Tensor]) -> torch.dtype:
         if self.adapter_dtype is not None:

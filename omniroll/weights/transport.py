@@ -13,7 +13,8 @@
   ready, ``[1]`` abort flag, ``[2 + 2k]`` buckets done by receiver ``k``, ``[3 + 2k]`` its
   error flag.  Only the sender creates and unlinks files (:meth:`ShmChannel.close`, always
   run from a ``finally``), so nothing is left in /dev/shm even when a receiver fails.
-  Receivers must run on the sender's node (the sender checks Ray node ids before any byte moves).
+  Receivers must run on the sender's node (the sender checks Ray node ids before any byte moves), and open only
+  files a sender created (`check_shm_stream`: the control file is mapped read-write).
 
 Ordering: a writer stores data, then the counter; a reader loads the counter, then data.  A
 ``threading.Lock`` acquire/release pair (an atomic read-modify-write in CPython) sits between
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import stat
 import threading
 import time
 import uuid
@@ -36,6 +39,8 @@ from .buckets import Bucket, BucketEntry, WeightSyncError, bucket_capacity
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "omniroll-ws-"
+#: the names a sender gives its files: SHM_PREFIX, its pid and a random tag, then "ctrl" or "slot<k>"
+_SHM_NAME = re.compile(rf"^{re.escape(SHM_PREFIX)}(\d+-[0-9a-f]{{12}})-(ctrl|slot\d+)$")
 _FENCE = threading.Lock()
 
 
@@ -87,7 +92,7 @@ class _Map:
 
     def __init__(self, path: str, size: int, create: bool, writable: bool):
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) if writable else os.O_RDONLY
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)  # never through a link
         try:
             if create:
                 os.ftruncate(fd, size)
@@ -204,12 +209,45 @@ class ShmChannel:
         self.paths = []
 
 
+def check_shm_stream(stream: ShmStream) -> None:
+    """A receiver opens only what a sender of this module created: regular files (not links) of this user directly in
+    /dev/shm, named as `ShmChannel` names them (one tag for all; the control file, then slot k at index k), large
+    enough for the layout the descriptor declares. Raises WeightSyncError naming the field, before anything is
+    opened (the control file is mapped read-write: a descriptor naming any other file would have it written)."""
+    if isinstance(stream.receiver, bool) or not isinstance(stream.receiver, int) or stream.receiver < 0:
+        raise WeightSyncError(f"ShmStream.receiver must be an int >= 0, got {stream.receiver!r}")
+    if not isinstance(stream.slots, list) or not stream.slots:
+        raise WeightSyncError("ShmStream.slots must be a non-empty list of /dev/shm paths")
+    sizes = {"ctrl": 8 * (2 + 2 * (stream.receiver + 1)), "slot": max([bucket_capacity(p) for p in stream.plan] + [1])}
+    tags = set()
+    for field, path, role in [("ctrl", stream.ctrl, "ctrl")] + [(f"slots[{k}]", p, f"slot{k}")
+                                                                 for k, p in enumerate(stream.slots)]:
+        m = _SHM_NAME.match(os.path.basename(path)) if isinstance(path, str) else None
+        if m is None or os.path.dirname(path) != SHM_DIR or m.group(2) != role:
+            raise WeightSyncError(f"ShmStream.{field}: {path!r} is not a file a weight sender creates (expected "
+                                  f"{SHM_DIR}/{SHM_PREFIX}<pid>-<tag>-{role}); nothing was opened")
+        tags.add(m.group(1))
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            raise WeightSyncError(f"ShmStream.{field}: {path!r}: {e.strerror}; nothing was opened") from None
+        need = sizes["ctrl" if role == "ctrl" else "slot"]
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < need:
+            raise WeightSyncError(f"ShmStream.{field}: {path!r} is not a regular file of this user of at least {need} "
+                                  f"bytes (a sender's own file); nothing was opened")
+    if len(tags) != 1:
+        raise WeightSyncError(f"ShmStream: ctrl and slots come from different senders ({sorted(tags)}); nothing was "
+                              f"opened")
+
+
 def iter_shm_buckets(stream: ShmStream) -> Iterator[Bucket]:
-    """Receiver side: yield each bucket as it becomes ready, acknowledge it on resume.
+    """Receiver side: yield each bucket as it becomes ready, acknowledge it on resume. The descriptor is checked first
+    (`check_shm_stream`).
 
     The yielded bucket's buffer is a read-only view of a slot that is reused once the bucket
     is acknowledged: copy out of it before asking for the next one.
     """
+    check_shm_stream(stream)
     ctrl = _Map(stream.ctrl, 0, create=False, writable=True)
     c = ctrl.array.view(np.int64)
     slots = [_Map(p, 0, create=False, writable=False) for p in stream.slots]
@@ -232,7 +270,7 @@ def iter_shm_buckets(stream: ShmStream) -> Iterator[Bucket]:
     finally:
         if not completed:
             c[err_idx] = 1
-        del c
+        c = None  # the view goes before its mapping closes
         for m in slots + [ctrl]:
             m.close()
 
@@ -276,6 +314,8 @@ def check_descriptor(buckets: Any, use_shm: bool) -> Any:
         buckets = buckets[0]
     if use_shm and not isinstance(buckets, ShmStream):
         raise WeightSyncError(f"use_shm=True but buckets is a {type(buckets).__name__}, not a ShmStream")
+    if isinstance(buckets, ShmStream):
+        check_shm_stream(buckets)
     return buckets
 
 

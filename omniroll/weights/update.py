@@ -121,7 +121,8 @@ class LoRAUpdate:
             raise WeightSyncError(f"LoRA update rejected, nothing applied: duplicate name(s) {name_list(dup)}")
         not_float = [f"{e.name} ({e.dtype})" for e in manifest.entries if not str_dtype(e.dtype).is_floating_point]
         if not_float:
-            raise WeightSyncError(f"LoRA update rejected, nothing applied: non-floating dtype for {name_list(not_float)}")
+            raise WeightSyncError(f"LoRA update rejected, nothing applied: non-floating dtype for "
+                                  f"{name_list(not_float)}")
         manager.check_update(peft_config, {e.name: tuple(e.shape) for e in manifest.entries})
         self.manager = manager
         self.manifest = {e.name: e for e in manifest.entries}

@@ -13,13 +13,13 @@ Seeds: VeRL-Omni's (`seeds.verl_omni_seed`: rollout seed, step, the row's global
 Reward extras: the fields a `compute_score` returns besides `score` (verl's `reward_extra_info`) become
 `non_tensor_batch` columns named in `meta_info["reward_extra_keys"]` (those every row has), as verl's agent loop does.
 
-Output contract, on top of omniroll's (`agent_loop.output_batch.assemble`): `__num_turns__` int32, per-row `global_steps` (the
-trainer's step of the weights that ran the sample's first step, also its `weight_version` here), `min_global_steps`
-/ `max_global_steps` (the trainer's steps of the oldest / newest weights that ran its recorded steps, also its
-`min_weight_version` / `max_weight_version` here; they differ when a `partial` weight update landed while it ran;
-`step_weight_versions` holds each recorded step's trainer step), and `meta_info` reduced
-to what verl's manager merges across chunks without conflicts: `metrics` (with `tool_calls` = 0) and, when every row
-was scored, `reward_extra_keys`.
+Output contract, on top of omniroll's (`agent_loop.output_batch.assemble`): `__num_turns__` int32, per-row
+`global_steps` (the trainer's step of the weights that ran the sample's first step, also its `weight_version` here),
+`min_global_steps` / `max_global_steps` (the trainer's steps of the oldest / newest weights that ran its recorded steps,
+also its `min_weight_version` / `max_weight_version` here; they differ when a `partial` weight update landed while it
+ran; `step_weight_versions` holds each recorded step's trainer step), and `meta_info` reduced to what verl's manager
+merges across chunks without conflicts: `metrics` (with `tool_calls` = 0) and, when every row was scored,
+`reward_extra_keys`.
 """
 
 from __future__ import annotations

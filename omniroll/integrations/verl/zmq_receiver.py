@@ -66,7 +66,8 @@ def check_socket_handle(zmq_handle: str) -> str:
     folder = os.path.dirname(os.path.realpath(zmq_handle[len("ipc://"):]))
     if folder != os.path.realpath(private_socket_dir()):
         raise WeightSyncError(f"ZMQ weight stream: {zmq_handle!r} is outside this user's private socket directory "
-                              f"{private_socket_dir()} (mode 0700); the stream is pickled, so no other path is accepted")
+                              f"{private_socket_dir()} (mode 0700); the stream is pickled, so no other path is "
+                              f"accepted")
     return zmq_handle
 
 

@@ -29,7 +29,7 @@ from omniroll.models.shapes.data import CaptionedScenes, to_unit_range
 from omniroll.models.shapes.dit import build_transformer, train_transformer
 from omniroll.models.shapes.recipe import ShapesRecipe
 from omniroll.models.shapes.text import TEXT_LENGTH, build_text_stack, joint_attention_dim, pooled_dim
-from omniroll.models.shapes.vae import build_vae, latent_stats, reconstruct, train_vae
+from omniroll.models.shapes.vae import build_vae, reconstruct, train_vae
 
 
 def _bar(total: int, desc: str, enabled: bool):

@@ -48,4 +48,5 @@ def build_tiny(family: str, path: str, seed: int = 0) -> str:
     return BUILDERS[family](path, seed=seed)
 
 
-__all__ = ["BUILDERS", "CLIP_MAX_LENGTH", "FAMILIES", "MARKER_FILE", "PRESETS", "build_tiny", "build_tiny_sd3", "resolve_config"]
+__all__ = ["BUILDERS", "CLIP_MAX_LENGTH", "FAMILIES", "MARKER_FILE", "PRESETS", "build_tiny", "build_tiny_sd3",
+           "resolve_config"]

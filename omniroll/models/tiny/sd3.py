@@ -87,7 +87,8 @@ def build_tiny_sd3(path: str, seed: int = 0, preset: str = "tiny", **overrides) 
 
 
 def _pipeline(seed: int, cfg: dict):
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tokenizer = train_clip_tokenizer()
@@ -98,7 +99,8 @@ def _pipeline(seed: int, cfg: dict):
         c = cfg["clip"]
         conf = CLIPTextConfig(
             vocab_size=len(tokenizer), max_position_embeddings=77, hidden_act="gelu",
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
             **c,
         )
         return seeded(seed, index, lambda: CLIPTextModelWithProjection(conf))

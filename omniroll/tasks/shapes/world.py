@@ -57,11 +57,6 @@ class World:
             raise ValueError(f"World sizes must satisfy 4 <= min_size <= max_size <= size / 2, got "
                              f"{self.min_size}, {self.max_size}, {self.size}")
 
-    @property
-    def max_objects(self) -> int:
-        """The most objects one prompt asks for (the largest count)."""
-        return max(max(self.counts), 2)
-
     def plural(self, shape: str) -> str:
         return shape + "s"
 

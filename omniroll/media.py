@@ -1,8 +1,8 @@
 """Writing generated samples to disk: PNG images, and video as MP4 (PyAV, when installed) or else animated WebP
 (Pillow), plus a PNG strip of the frames.
 
-`omniroll generate` and `omniroll rollout` use these; the format actually written is returned (and reported by
-the commands), never silently substituted.
+`omniroll generate` and `run_rollout` (`omniroll rollout`) use these; the format actually written is returned (and
+reported by the commands), never silently substituted. A leaf module: it imports no omniroll package but `errors`.
 """
 
 from __future__ import annotations
