@@ -49,6 +49,11 @@ class ReplicasSection(_Strict):
                                  "requests wait in the engine, not in Ray)")
     placement: Placement = Field("pack", description="pack: replicas together; spread: on distinct nodes when it can")
     resources: Resources = Field(default_factory=dict, description="custom Ray resources each replica needs")
+    colocate: bool = Field(False, description="training: the replicas share the trainer's device; the trainer puts "
+                           "them to sleep (sleep_level) before each update and wakes them for the weight sync")
+    sleep_level: Literal[1, 2] = Field(1, description="a colocated replica's sleep: 1 offloads its weights to host "
+                                       "memory; 2 drops the denoiser's weights (trainer.mode full only: the sync "
+                                       "sends them all back)")
 
 
 class EngineSection(_Strict):
