@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.train.policy import (batch_columns, conditioning_columns, one_execution, take_rows,
+from omniroll.train.policy import (batch_columns, conditioning_columns, one_execution, rows_to, take_rows,
                                    trajectory_velocity)
 
 
@@ -46,6 +46,10 @@ class CleanBatch:
 
     def rows(self, idx: Sequence[int] | torch.Tensor) -> "CleanBatch":
         return take_rows(self, idx)
+
+    def to(self, device: str | torch.device) -> "CleanBatch":
+        """The rows on `device` (`rows_to`)."""
+        return rows_to(self, device)
 
     @classmethod
     def from_batch(cls, batch: Any, adapter) -> "CleanBatch":

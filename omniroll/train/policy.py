@@ -62,6 +62,22 @@ def take_rows(batch, idx: Sequence[int] | torch.Tensor):
     return replace(batch, **out)
 
 
+#: per-row fields the trainer reads on the host (prompt-length groups, CFG scales, experts: Python numbers); they stay
+#: on the CPU when the rows move to the trainer's device
+HOST_FIELDS = ("lengths", "cfg_scale", "experts", "weight_version", "execution", "sde_type")
+
+
+def rows_to(batch, device: str | torch.device):
+    """The same rows with every tensor the model and the loss read on `device` (HOST_FIELDS stay where they are)."""
+    out = {}
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        if f.name in HOST_FIELDS or v is None:
+            continue
+        out[f.name] = {k: t.to(device) for k, t in v.items()} if isinstance(v, dict) else v.to(device)
+    return replace(batch, **out)
+
+
 def batch_columns(batch: Any, tensors: list[str], non_tensors: list[str], hint: str) -> tuple[Any, dict]:
     """(batch.batch, batch.non_tensor_batch) of a rollout batch with every named column and no failed row; ValueError
     naming what is missing (`hint`: how such a batch is made) otherwise."""
@@ -137,6 +153,10 @@ class TrajectoryBatch:
         """A sub-batch (row order as given)."""
         return take_rows(self, idx)
 
+    def to(self, device: str | torch.device) -> "TrajectoryBatch":
+        """The rows on `device` (`rows_to`)."""
+        return rows_to(self, device)
+
     def at_steps(self, steps: torch.Tensor) -> "TrajectoryBatch":
         """The same rows with one window step each (W = 1): row i's step `steps[i]` (DanceGRPO trains a different
         random step per row in one forward)."""
@@ -211,7 +231,7 @@ def one_execution(values: list) -> dict:
 # -------------------------------------------------------------------------------------------- the recompute
 def check_dtype(adapter: DiffusionAdapter, execution: dict) -> None:
     want = execution.get("dtype")
-    have = str(adapter.denoiser.dtype).removeprefix("torch.")
+    have = str(adapter.compute_dtype).removeprefix("torch.")
     if want is not None and want != have:
         raise ValueError(f"the policy computes in {have} but the rollout ran in {want}: load the trainer's model in "
                          f"{want} for exact ratios (or pass check_dtype=False to accept the mismatch)")
@@ -285,18 +305,21 @@ class Policy:
     on the base weights, is on-policy); mode "full": every denoiser weight is trained."""
 
     def __init__(self, model_path: str, mode: str = "lora", rank: int = 8, alpha: float = 16.0,
-                 target_modules: Optional[list[str]] = None, dtype: str = "float32", seed: int = 0):
+                 target_modules: Optional[list[str]] = None, dtype: str = "float32", seed: int = 0,
+                 device: str = "cpu"):
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
-        self.model_path, self.mode, self.dtype = model_path, mode, dtype
-        self.adapter: DiffusionAdapter = load_adapter(model_path, dtype=torch_dtype(dtype))
-        for m in self.adapter.modules().values():
-            m.requires_grad_(False)
-            m.eval()
+        self.model_path, self.mode, self.dtype, self.device = model_path, mode, dtype, torch.device(device)
+        # 1. The model in the compute dtype, frozen; only the denoiser on the device (the rows carry the conditioning:
+        #    the text encoders and the VAE are never run here).
+        self.adapter: DiffusionAdapter = load_frozen(model_path, dtype, self.device)
         self.denoiser = self.adapter.denoiser
         self._reference: Optional[DiffusionAdapter] = None
+        # 2. What is trained, in fp32: a LoRA on the frozen base, or every denoiser weight (fp32 master weights,
+        #    computed under autocast in the compute dtype).
         if mode == "lora":
             from peft import LoraConfig
+            from peft.tuners.tuners_utils import cast_adapter_dtype
 
             targets = list(target_modules or self.adapter.lora_target_modules)  # default: the family's choice
             self.lora_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
@@ -304,10 +327,12 @@ class Policy:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 self.denoiser.add_adapter(self.lora_config)
+            cast_adapter_dtype(self.denoiser, "default")  # a bf16 / fp16 base's adapter: fp32 (PEFT's rule)
             self.denoiser.eval()
         else:
             self.lora_config = None
-            self.denoiser.requires_grad_(True)
+            self.denoiser.float().requires_grad_(True)
+            self.adapter.autocast_dtype = None if dtype == "float32" else torch_dtype(dtype)
 
     # ------------------------------------------------------------------ what is trained and sent
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -331,9 +356,8 @@ class Policy:
                 self.denoiser.enable_adapters()
         else:
             if self._reference is None:
-                self._reference = load_adapter(self.model_path, dtype=torch_dtype(self.dtype))
-                for m in self._reference.modules().values():
-                    m.requires_grad_(False)
+                self._reference = load_frozen(self.model_path, self.dtype, self.device)
+                self._reference.autocast_dtype = self.adapter.autocast_dtype  # the policy's function at step 0
             yield self._reference
 
     # ------------------------------------------------------------------ checkpoints
@@ -387,6 +411,17 @@ class Policy:
             mod, _, suffix = k.rpartition(".")  # "<mod>.lora_A", "weight"
             out.append(named[f"{mod}.default.{suffix}"])
         return out
+
+
+def load_frozen(model_path: str, dtype: str, device: torch.device) -> DiffusionAdapter:
+    """The model at `model_path` in `dtype`, every module frozen and in eval mode, the denoiser on `device` (the other
+    modules stay on the CPU)."""
+    adapter = load_adapter(model_path, dtype=torch_dtype(dtype))
+    for m in adapter.modules().values():
+        m.requires_grad_(False)
+        m.eval()
+    adapter.denoiser.to(device)
+    return adapter
 
 
 def describe(policy: Policy) -> dict:

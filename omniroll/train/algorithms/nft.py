@@ -107,7 +107,7 @@ class NFT(ForwardProcessAlgorithm):
         d = old_decay(step, self.options.decay_type)
         with torch.no_grad():
             for o, p in zip(self.old, policy.parameters()):
-                o.copy_(o * d + p.detach() * (1 - d))
+                o.copy_(o * d + p.detach().to(o.device) * (1 - d))
         return {"old_decay": d}
 
     # ------------------------------------------------------------------ the loss
@@ -129,8 +129,8 @@ class NFT(ForwardProcessAlgorithm):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        return {"old": [t.clone() for t in self.old]} if self.old is not None else {}
+        return {"old": [t.cpu().clone() for t in self.old]} if self.old is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("old") is not None:
-            self.old = [t.clone() for t in state["old"]]
+            self.old = [t.to(self.adapter.device, copy=True) for t in state["old"]]  # on the policy's device
