@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.train.policy import (batch_columns, conditioning_columns, one_execution, rows_to, take_rows,
-                                   trajectory_velocity)
+from omniroll.train.policy import batch_columns, conditioning_columns, one_execution, trajectory_velocity
+from omniroll.train.rows import rows_to, take_rows
 
 
 @dataclass

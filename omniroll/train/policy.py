@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -36,6 +36,7 @@ from omniroll.engine.execution import execution_mode
 from omniroll.models import load_adapter
 from omniroll.models.base import NO_CFG, DiffusionAdapter, is_conditioning
 from omniroll.sampling import SDEStepOutput, sde_step
+from omniroll.train.rows import rows_to, take_rows
 
 
 # ------------------------------------------------------------------------------------------------ the rows
@@ -43,39 +44,6 @@ from omniroll.sampling import SDEStepOutput, sde_step
 _REQUIRED = {"all_latents": "latents", "all_timesteps": "timesteps", "sigmas": "sigmas", "sigmas_next": "sigmas_next",
              "noise_level": "noise_level", "sigma_max": "sigma_max", "guidance_scale": "guidance_scale",
              "cfg_scale": "cfg_scale"}
-
-
-def take_rows(batch, idx: Sequence[int] | torch.Tensor):
-    """Rows `idx` of a dataclass of per-row fields (tensors [B, ...], dicts of them, lists of B; `execution` is
-    shared), in the order given."""
-    idx = torch.as_tensor(idx, dtype=torch.long)
-    pick = idx.tolist()
-    out = {}
-    for f in fields(batch):
-        v = getattr(batch, f.name)
-        if isinstance(v, torch.Tensor):
-            out[f.name] = v[idx]
-        elif isinstance(v, dict) and f.name != "execution":
-            out[f.name] = {k: t[idx] for k, t in v.items()}
-        elif isinstance(v, list):
-            out[f.name] = [v[i] for i in pick]
-    return replace(batch, **out)
-
-
-#: per-row fields the trainer reads on the host (prompt-length groups, CFG scales, experts: Python numbers); they stay
-#: on the CPU when the rows move to the trainer's device
-HOST_FIELDS = ("lengths", "cfg_scale", "experts", "weight_version", "execution", "sde_type")
-
-
-def rows_to(batch, device: str | torch.device):
-    """The same rows with every tensor the model and the loss read on `device` (HOST_FIELDS stay where they are)."""
-    out = {}
-    for f in fields(batch):
-        v = getattr(batch, f.name)
-        if f.name in HOST_FIELDS or v is None:
-            continue
-        out[f.name] = {k: t.to(device) for k, t in v.items()} if isinstance(v, dict) else v.to(device)
-    return replace(batch, **out)
 
 
 def batch_columns(batch: Any, tensors: list[str], non_tensors: list[str], hint: str) -> tuple[Any, dict]:
@@ -315,6 +283,7 @@ class Policy:
         self.adapter: DiffusionAdapter = load_frozen(model_path, dtype, self.device)
         self.denoiser = self.adapter.denoiser
         self._reference: Optional[DiffusionAdapter] = None
+        self._pinned: Optional[list] = None  # `pin_parameters`
         # 2. What is trained, in fp32: a LoRA on the frozen base, or every denoiser weight (fp32 master weights,
         #    computed under autocast in the compute dtype).
         if mode == "lora":
@@ -336,10 +305,17 @@ class Policy:
 
     # ------------------------------------------------------------------ what is trained and sent
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.denoiser.parameters() if p.requires_grad]
+        return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if self._pinned is not None:
+            return list(self._pinned)
         return [(n, p) for n, p in self.denoiser.named_parameters() if p.requires_grad]
+
+    def pin_parameters(self) -> None:
+        """From now on the trained parameters are the denoiser's current ones: FSDP2 (train/fsdp.py) registers its
+        gathered copies on the module around forwards, and the trained ones are its sharded parameters."""
+        self._pinned = [(n, p) for n, p in self.denoiser.named_parameters() if p.requires_grad]
 
     def weights_to_send(self) -> torch.nn.Module:
         """What `WeightSender.send` takes: the denoiser (with LoRA layers it sends only the adapter and its config)."""
