@@ -274,7 +274,16 @@ def format_step(m: dict, total: int) -> str:
             f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  kl {m['approx_kl']:.1e}  "
             f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  {_move_part(m)}v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
-            f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s" + _async_part(m))
+            f"sync {m['sync_s']:.2f}s  {_device_part(m)}step {m['step_s']:.1f}s" + _async_part(m))
+
+
+def _device_part(m: dict) -> str:
+    """Colocated replicas' sleep and wake, and the peak memory per stage (absent when not colocated / not reported)."""
+    out = f"sleep {m['sleep_s']:.2f}s  wake {m['wake_s']:.2f}s  " if "sleep_s" in m else ""
+    peaks = [(s, m[f"peak_mem_{s}_gb"]) for s in ("rollout", "recompute", "update", "sync") if f"peak_mem_{s}_gb" in m]
+    if peaks:
+        out += "mem " + " ".join(f"{s} {gb:.1f}" for s, gb in peaks) + " GiB  "
+    return out
 
 
 def _move_part(m: dict) -> str:
