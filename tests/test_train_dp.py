@@ -257,6 +257,11 @@ def test_fsdp_trains_what_the_replicated_all_reduce_trains_and_resumes_bitwise(r
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["optimizer"] == {"sharded": "optimizer"} and (ckpt / "optimizer" / ".metadata").is_file()
     assert not (tmp_path / "fsdp" / "rank_state").exists()  # the ranks' per-step files go with the ranks
+    from omniroll.train.checkpoint import check_resumable
+
+    with pytest.raises(ValueError, match=r"trainer\.sharding: the checkpoint .* was trained with sharding 'fsdp', this "
+                                         r"run has 'replicated'"):
+        check_resumable(state, dp_config(tiny_sd3_path, 2, **kw).trainer, str(ckpt))
     with FlowGRPOTrainer(fsdp_cfg, str(tmp_path / "resumed"), log=lambda s: None, resume=str(ckpt)) as tr:
         again = tr.train()
     assert [m["step"] for m in again] == [2] and again[0]["ratio_max_abs_dev"] == 0.0

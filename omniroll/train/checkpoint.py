@@ -67,6 +67,18 @@ def find_checkpoint(path: str, flag: str = "--resume") -> str:
 
 
 TRAINER_STATE_KEYS = ("step", "version", "optimizer", "mode")
+#: trainer keys a checkpoint must have been trained with to resume (the default of an older checkpoint without it)
+RESUMED_AS_IS = {"mode": None, "algorithm": "flow_grpo", "sharding": "replicated"}
+
+
+def check_resumable(state: dict, trainer, path: str) -> None:
+    """`trainer.mode`, `trainer.algorithm` and `trainer.sharding` (the optimizer state's layout) of the run are the
+    checkpoint's; ValueError naming the key otherwise."""
+    for key, default in RESUMED_AS_IS.items():
+        was = state.get(key, default)
+        if was != getattr(trainer, key):
+            raise ValueError(f"trainer.{key}: the checkpoint {path} was trained with {key} {was!r}, this run has "
+                             f"{getattr(trainer, key)!r}")
 
 
 def read_trainer_state(ckpt: str, flag: str = "--resume") -> dict:

@@ -250,8 +250,7 @@ class FlowGRPOTrainer:
         rewards = out.batch["rm_scores"][:, 0].float()
         adv = self.algorithm.advantages(rewards, list(out.non_tensor_batch["uid"]))
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
-        if self.ranks is None:  # rows and advantages on the trainer's device (ranks move their own shard)
-            traj, advantages = traj.to(self.device), adv.advantages.to(self.device)
+        traj, advantages = traj.to(self.device), adv.advantages.to(self.device)  # (ranks: the driver's is the CPU)
         if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
             from omniroll.train.policy import enable_gradient_checkpointing
 
@@ -278,7 +277,7 @@ class FlowGRPOTrainer:
                 after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
                 self.memory.end("update")
             else:  # world_size > 1: the ranks' update (train/distributed.py); this process adopts rank 0's state
-                res = self.ranks.update(traj, adv.advantages, list(out.non_tensor_batch["uid"]), plan)
+                res = self.ranks.update(traj, advantages, list(out.non_tensor_batch["uid"]), plan)
                 adopt_rank0(res, self.policy, self.algorithm)  # the trained weights (the ranks keep the optimizer)
                 prepared, stats, after = res["prepared"], res["stats"], res["after"]
                 self.memory.add("update", res["peak_bytes"])
@@ -413,13 +412,7 @@ class FlowGRPOTrainer:
 
     def _load(self, path: str) -> None:
         state = checkpoint.read_trainer_state(path)  # weights_only: a resume directory cannot run code
-        if state["mode"] != self.tc.mode:
-            raise ValueError(f"trainer.mode: the checkpoint {path} was trained with mode {state['mode']!r}")
-        if state.get("algorithm", "flow_grpo") != self.tc.algorithm:
-            raise ValueError(f"trainer.algorithm: the checkpoint {path} was trained with {state.get('algorithm')!r}")
-        if state.get("sharding", "replicated") != self.tc.sharding:
-            raise ValueError(f"trainer.sharding: the checkpoint {path} holds {state.get('sharding', 'replicated')} "
-                             f"optimizer state; resume with that sharding")
+        checkpoint.check_resumable(state, self.tc, path)  # its mode, algorithm and sharding are this run's
         self.policy.load(path)
         self.algorithm.load_state_dict(state.get("algorithm_state") or {})
         if self.tc.sharding == "fsdp":  # the ranks load their shards themselves
