@@ -36,8 +36,9 @@ class Colocation:
         found = [m["device"] for m in ray.get([r.memory.remote() for r in replicas])]
         away = [f"replica {i}: {d}" for i, d in enumerate(found) if d != own]
         if away:
-            raise ColocationError(f"replicas.colocate: the trainer computes on {device} ({own}), but {'; '.join(away)}; "
-                                  f"place them on one device (engine.device, replicas.num_gpus, trainer.device)")
+            raise ColocationError(f"replicas.colocate: the trainer computes on {device} ({own}), but "
+                                  f"{'; '.join(away)}; place them on one device (engine.device, replicas.num_gpus, "
+                                  f"trainer.device)")
 
     def sleep(self, replicas: list) -> float:
         """Every replica asleep at `level`; returns the seconds it took."""

@@ -270,7 +270,9 @@ def enable_gradient_checkpointing(denoiser: torch.nn.Module, execution: dict) ->
 class Policy:
     """mode "lora": a LoRA (rank, alpha, target_modules; default: the family's `lora_target_modules`, its attention
     projections) on the denoiser, B initialised to zero (so the first rollout,
-    on the base weights, is on-policy); mode "full": every denoiser weight is trained."""
+    on the base weights, is on-policy); mode "full": every denoiser weight is trained. dtype: the compute dtype (the
+    frozen model is loaded in it; what is trained stays fp32); device: where the denoiser, what is trained and so the
+    optimizer's state live (docs/training/gpu.md)."""
 
     def __init__(self, model_path: str, mode: str = "lora", rank: int = 8, alpha: float = 16.0,
                  target_modules: Optional[list[str]] = None, dtype: str = "float32", seed: int = 0,

@@ -84,7 +84,7 @@ class FlowGRPOTrainer:
         self._last = self.tc.steps
         self.tracker: Optional[Tracker] = None
         self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
-        rep = self.config.replicas  # replicas sharing the trainer's device sleep during its update (train/colocation.py)
+        rep = self.config.replicas  # replicas on the trainer's device sleep during its update (train/colocation.py)
         self.colocation = Colocation(rep.sleep_level, self.tc.sync_timeout_s) if rep.colocate else None
         self.memory: Optional[StageMemory] = None  # peak memory per stage, where the device reports it
         self._sharded_optimizer: Optional[str] = None  # a resumed fsdp run's optimizer directory (the ranks load it)
