@@ -122,8 +122,8 @@ class RecordingTrainer(FlowGRPOTrainer):
         return out
 
 
-TIMINGS = {"rollout_s", "reward_wait_s", "rollout_wait_s", "train_s", "sync_s", "step_s", "policy_move_s",
-           "samples_per_s", "overlap_frac", "sleep_s", "wake_s"}
+TIMINGS = {"rollout_s", "reward_wait_s", "rollout_wait_s", "train_s", "recompute_s", "sync_s", "step_s",
+           "policy_move_s", "samples_per_s", "overlap_frac", "sleep_s", "wake_s"}
 
 
 def run_recorded(cfg, out):
