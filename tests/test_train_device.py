@@ -161,7 +161,7 @@ def test_peak_memory_per_stage_where_the_device_reports_it(monkeypatch):
     """The CPU reports no memory: no peak_mem_* keys. A (mocked) GPU: the peak of each stage, the replicas' rollout
     peak and a rank's update peak folded in, in GiB, and the step line shows them."""
     from omniroll.train.stage_memory import StageMemory
-    from omniroll.train.tracking import format_step
+    from omniroll.train.tracking import format_step, tracker_name
 
     cpu = StageMemory("cpu")
     cpu.begin()
@@ -185,6 +185,7 @@ def test_peak_memory_per_stage_where_the_device_reports_it(monkeypatch):
               "reward_wait_s": 0.0, "train_s": 1.0, "sync_s": 0.1, "step_s": 2.5, "sleep_s": 0.2, "wake_s": 0.3, **m}
     line = format_step(record, 10)
     assert "sleep 0.20s  wake 0.30s  mem rollout 7.0 recompute 3.0 update 5.0 sync 1.0 GiB" in line, line
+    assert tracker_name("peak_mem_update_gb") == "perf/peak_mem_update_gb" and tracker_name("wake_s") == "timing/wake_s"
 
 
 def test_out_of_memory_names_the_stage_and_what_to_change():

@@ -75,13 +75,16 @@ def check_loggers(names: list[str]) -> None:
 
 def tracker_name(key: str) -> str:
     """The tracker name of a step-line key: the table above; else kept if it already has a '/'; `*_s` under timing/;
-    staleness / off-policy / async keys under async/; `val_*` under val/; anything else under train/."""
+    `peak_mem_*` under perf/; staleness / off-policy / async keys under async/; `val_*` under val/; anything else
+    under train/."""
     if key in NAMES:
         return NAMES[key]
     if "/" in key:
         return key
     if key.endswith("_s"):
         return f"timing/{key}"
+    if key.startswith("peak_mem_"):  # peak device memory per stage (train/stage_memory.py)
+        return f"perf/{key}"
     if key.startswith(_ASYNC_PREFIXES):
         return f"async/{key}"
     if key.startswith("val_"):
