@@ -19,8 +19,9 @@ import re
 
 #: trainer.device values: the CPU, CUDA's current device, or CUDA device N
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
-#: the algorithms `trainer.sharding: fsdp` runs (nft keeps a second, unsharded copy of the trained weights)
-FSDP_ALGORITHMS = ("flow_grpo", "grpo_guard", "dance_grpo", "awm")
+#: the algorithms `trainer.sharding: fsdp` runs: the SDE-window ones (their rows are what its zero-weight micro-batch
+#: scores; nft would also keep a second, unsharded copy of the trained weights)
+FSDP_ALGORITHMS = ("flow_grpo", "grpo_guard", "dance_grpo")
 
 
 def trainer_device(config) -> str:

@@ -28,7 +28,7 @@ import shutil
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.train.policy import TrajectoryBatch, trajectory_velocity
+from omniroll.train.policy import trajectory_velocity
 
 
 def fsdp_modules(module: torch.nn.Module) -> list:
@@ -73,11 +73,8 @@ def sync_gradients(policy, row) -> None:
     for m in fsdp_modules(denoiser):
         m.set_requires_gradient_sync(True, recurse=False)
         m.set_reshard_after_backward(True, recurse=False)
-    if isinstance(row, TrajectoryBatch):
-        with execution_mode(row.execution):
-            v = trajectory_velocity(policy.adapter, row, row.latents[:, 0], row.timesteps[:, 0], 0)
-    else:  # a forward-process CleanBatch row, at its first sampling sigma
-        v = row.velocity(policy.adapter, row.x0, row.sigmas[:, 0])
+    with execution_mode(row.execution):  # a TrajectoryBatch row (the SDE-window algorithms: config/device.py)
+        v = trajectory_velocity(policy.adapter, row, row.latents[:, 0], row.timesteps[:, 0], 0)
     (v.sum() * 0.0).backward()
     begin_accumulation(denoiser)
 
