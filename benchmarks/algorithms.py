@@ -7,7 +7,8 @@ GenEval's partial credit as the reward), at its own number of steps or `--steps`
 before the first step and after the last (`trainer.evaluation`: first in the regime the algorithm trains, CFG off for
 NFT and AWM, then at the pipeline's CFG 4.5 beside it), so every after-evaluation is paired with the before one at
 the same prompts and seeds. For a CFG-free algorithm the table adds its CFG-free model after training against the
-guided base (at the prompts and seeds both drew: DiffusionNFT's claim that RL makes guidance unnecessary). |z| < 2 reads "no
+guided base (at the prompts and seeds both drew: DiffusionNFT's claim that RL makes guidance unnecessary).
+|z| < 2 reads "no
 detectable change", whatever the means say. Training minutes: the steps' wall time (startup and evaluations not
 counted). Prints a table per evaluation, writes the plot (`--plot`), and ends with one JSON line.
 
@@ -50,7 +51,8 @@ def run(name: str, args, seed: int, out_dir: str) -> dict:
     if args.steps:
         overrides.append(f"trainer.steps={args.steps}")
     if args.eval_seeds:
-        overrides += [f"trainer.evaluation.seeds={args.eval_seeds}", f"trainer.evaluation.beside_seeds={args.eval_seeds}"]
+        overrides += [f"trainer.evaluation.seeds={args.eval_seeds}",
+                      f"trainer.evaluation.beside_seeds={args.eval_seeds}"]
     cwd = os.getcwd()
     os.chdir(ROOT)  # the recipes name their prompt files relative to the repository
     try:

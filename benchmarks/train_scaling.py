@@ -78,7 +78,8 @@ def main() -> None:
         start_w = {k: p.detach().clone() for k, p in policy.named_parameters()}
         start_opt = trainer.optimizer.state_dict()
         # 2. The two ranks, from the same state.
-        ranks = RankGroup(config(args, model, 2), trainer.cluster.model, log=lambda s: None)
+        ranks = RankGroup(config(args, model, 2), trainer.cluster.model, os.path.join(trainer.out_dir, "rank_state"),
+                          log=lambda s: None)
         ranks.start(policy, trainer.optimizer, algo, trainer.store)
 
         def restore():

@@ -79,7 +79,8 @@ def test_signal_to_noise_arithmetic():
 
 @pytest.fixture(scope="module")
 def step_batch(tiny_sd3_path):
-    cfg = load_config({"engine": {"model": tiny_sd3_path}, "reward": {"functions": {"r": {"fn": "jpeg_compressibility"}}},
+    cfg = load_config({"engine": {"model": tiny_sd3_path},
+                       "reward": {"functions": {"r": {"fn": "jpeg_compressibility"}}},
                        "pipeline": {"height": 32, "width": 32, "num_inference_steps": 5, "max_sequence_length": 8},
                        "algo": {"noise_level": 0.8, "sde_type": "sde", "sde_window_size": 2,
                                 "sde_window_range": [0, 4]},

@@ -24,7 +24,7 @@ from omniroll.train.versions import stale_rows, staleness_stats, step_versions
 from test_train import lora_weights, train_config
 
 TIMING = {"rollout_s", "reward_wait_s", "rollout_wait_s", "train_s", "sync_s", "step_s", "overlap_frac",
-          "samples_per_s", "policy_move_s"}
+          "samples_per_s", "policy_move_s", "recompute_s"}
 
 
 def _batch(versions=None, weight_version=None):

@@ -226,3 +226,44 @@ def test_uneven_shards_with_accumulation_step_together(ray_cluster, tiny_sd3_pat
         ranks = tr.ranks.rank_weights()
     assert m["num_samples"] == 12 and m["optimizer_steps"] == 4 and m["ratio_max_abs_dev"] == 0.0
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+
+
+def test_fsdp_trains_what_the_replicated_all_reduce_trains_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path):
+    """trainer.sharding fsdp (FSDP2's fully_shard on gloo, full fine-tuning, N = 2) against the replicated all-reduce:
+    prompts of different token lengths (a micro-batch scores in one or two forwards) and uneven shards (4 and 8 rows,
+    an optimizer step every 2 micro-batches: rank 0 joins the second with only its zero-weight micro-batch). The same
+    samples, the same first gradient (rel 1e-6), ratio_max_abs_dev 0.0, weights within RTOL_OF_MOVE; the optimizer
+    state is the ranks' sharded checkpoint, and --resume from it continues bitwise (gradient checkpointing on)."""
+    from omniroll.train import FlowGRPOTrainer
+
+    prompts = ["a blue car", "a green bird on a branch", "a green car in the rain", "a blue bird"]
+    kw = {"mode": "full", "prompts": prompts, "prompts_per_step": 3, "micro_batches_per_update": 2, "steps": 1}
+    rep, _, w_rep = run(dp_config(tiny_sd3_path, 2, **kw), str(tmp_path / "replicated"))
+    fsdp_cfg = dp_config(tiny_sd3_path, 2, **{**kw, "sharding": "fsdp", "steps": 2, "gradient_checkpointing": True})
+    sharded, _, _ = run(fsdp_cfg, str(tmp_path / "fsdp"))
+    for k in ("reward_mean", "reward_std", "reward_max", "num_samples"):  # the same samples
+        assert rep[0][k] == sharded[0][k], k
+    assert sharded[0]["grad_norm"] == pytest.approx(rep[0]["grad_norm"], rel=1e-6, abs=0)
+    assert [m["ratio_max_abs_dev"] for m in sharded] == [0.0, 0.0] and sharded[0]["optimizer_steps"] == 2
+    a, b = step_weights(tmp_path / "replicated", 1, "full"), step_weights(tmp_path / "fsdp", 1, "full")
+    from safetensors.torch import load_file
+
+    init = load_file(os.path.join(tiny_sd3_path, "transformer", "diffusion_pytorch_model.safetensors"))
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    moved = max(float((a[k] - init[k]).abs().max()) for k in init)
+    assert moved > 0.01 and diff <= RTOL_OF_MOVE * moved, (diff, moved)
+    # the optimizer state: the ranks' torch.distributed.checkpoint directory, not a state dict through the driver
+    ckpt = tmp_path / "fsdp" / "checkpoints" / "step_000001"
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert state["optimizer"] == {"sharded": "optimizer"} and (ckpt / "optimizer" / ".metadata").is_file()
+    assert not (tmp_path / "fsdp" / "rank_state").exists()  # the ranks' per-step files go with the ranks
+    from omniroll.train.checkpoint import check_resumable
+
+    with pytest.raises(ValueError, match=r"trainer\.sharding: the checkpoint .* was trained with sharding 'fsdp', this "
+                                         r"run has 'replicated'"):
+        check_resumable(state, dp_config(tiny_sd3_path, 2, **kw).trainer, str(ckpt))
+    with FlowGRPOTrainer(fsdp_cfg, str(tmp_path / "resumed"), log=lambda s: None, resume=str(ckpt)) as tr:
+        again = tr.train()
+    assert [m["step"] for m in again] == [2] and again[0]["ratio_max_abs_dev"] == 0.0
+    x, y = step_weights(tmp_path / "fsdp", 2, "full"), step_weights(tmp_path / "resumed", 2, "full")
+    assert all(torch.equal(x[k], y[k]) for k in x)

@@ -17,7 +17,7 @@ from tests.reward_fns import colour_channels
 from tests.test_train import lora_weights, train_config
 
 TIMING = {"rollout_s", "reward_wait_s", "rollout_wait_s", "train_s", "sync_s", "step_s", "overlap_frac",
-          "samples_per_s", "policy_move_s"}
+          "samples_per_s", "policy_move_s", "recompute_s"}
 MOVE = {"policy_kl", "post_approx_kl", "post_clip_frac"}
 
 

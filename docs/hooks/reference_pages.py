@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
 import re
 import types
 import typing
@@ -146,7 +145,8 @@ def algorithm_table(name: str) -> str:
                      + ", ".join(f"`trainer.{k}: {v!r}`" for k, v in spec.defaults.items()) + ".")
     fields = spec.options.model_fields
     if fields:
-        lines += ["", "| `trainer.algorithm_options.*` | type | range | default | description |", "|---|---|---|---|---|"]
+        lines += ["", "| `trainer.algorithm_options.*` | type | range | default | description |",
+                  "|---|---|---|---|---|"]
         for key, field in fields.items():
             base, bounds, optional = _unwrap(field.annotation)
             lines.append(f"| `{key}` | {_cell(_type_name(base))} | {_range(bounds + list(field.metadata))} | "
@@ -165,7 +165,8 @@ def config_reference() -> str:
     missing: list[str] = []
     out = ["# Configuration reference", "",
            "Generated from the config schema (`omniroll/config/`) by `make docs-generate`; a test fails when this page "
-           "differs from the code. A YAML file (`--config`), `--override KEY=VALUE` and the flags of the last column all set these "
+           "differs from the code. A YAML file (`--config`), `--override KEY=VALUE` and the flags of the last column "
+           "all set these "
            "keys; a flag overrides `--config`, which overrides the defaults below. An unknown key or a value out of "
            "range is an error naming the dotted key, before anything starts.", ""]
     for name, field in OmniRollConfig.model_fields.items():
@@ -177,7 +178,8 @@ def config_reference() -> str:
         out += _rows(sub, name + ".", flags, missing)
         out.append("")
     top = {k: f for k, f in OmniRollConfig.model_fields.items() if _section_model(f.annotation)[0] is None}
-    out += ["## Top-level keys", "", "| key | type | range | default | description | flag |", "|---|---|---|---|---|---|"]
+    out += ["## Top-level keys", "", "| key | type | range | default | description | flag |",
+            "|---|---|---|---|---|---|"]
     out += [_row(name, field, flags, missing) for name, field in top.items()]
     out += ["", "## `trainer.algorithm_options`: each algorithm's own options", ""]
     for name in ALGORITHMS:
@@ -236,7 +238,7 @@ def cli_reference() -> str:
     return "\n".join(out) + "\n"
 
 
-# ---------------------------------------------------------------------- the engine reference: SamplingParams, EngineConfig
+# ------------------------------------------------------------ the engine reference: SamplingParams, EngineConfig
 def _docstring_fields(cls) -> dict[str, str]:
     """`name: text` entries of a class docstring (an entry's continuation lines are indented), by name."""
     entries: dict[str, str] = {}
@@ -315,7 +317,8 @@ def first_sentence(doc: str) -> str:
 def file_map() -> str:
     """A table per package: every module of `omniroll/` and the first sentence of its docstring."""
     package_root = ROOT / "omniroll"
-    modules = sorted(p for p in package_root.rglob("*.py") if "checkpoint" not in p.relative_to(package_root).parts[:-1])
+    modules = sorted(p for p in package_root.rglob("*.py")
+                     if "checkpoint" not in p.relative_to(package_root).parts[:-1])
     groups: dict[str, list[Path]] = {}
     for path in modules:
         rel = path.relative_to(package_root)

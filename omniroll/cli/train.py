@@ -65,7 +65,9 @@ def run(args) -> int:
 
     from omniroll.cli import CommandFailed
     from omniroll.train.distributed import TrainerRankError
+    from omniroll.train.colocation import ColocationError
     from omniroll.train.signal_check import NoLearningSignal
+    from omniroll.train.stage_memory import StageOutOfMemory
     from omniroll.train.trainer import FlowGRPOTrainer
 
     def log(line: str) -> None:
@@ -84,6 +86,8 @@ def run(args) -> int:
         ckpts = os.path.join(args.out, "checkpoints")
         raise CommandFailed([f"{e}; the checkpoint of step {trainer.step_done}, the last completed, is in {ckpts} "
                              f"(continue with --resume {args.out})"]) from None
+    except (StageOutOfMemory, ColocationError) as e:  # the device: one line naming the stage, or the replicas
+        raise CommandFailed([str(e)]) from None
     except NoLearningSignal as e:  # exit 1, one line per problem (omniroll.cli.main)
         raise CommandFailed(e.problems + [f"stopped after step {trainer.step_done}; its checkpoint is in "
                                           f"{os.path.join(args.out, 'checkpoints')}"]) from None

@@ -22,6 +22,7 @@ from typing import Optional, Union
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from omniroll.config.algorithms import ALGORITHMS, cfg_free_rollout, check_algorithm
+from omniroll.config.device import check_trainer_device
 from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
                                       Placement, ReplicasSection, Resources, RewardSection, ValKwargs, PartialAlgo,
                                       PartialPipeline, _Strict)
@@ -81,6 +82,7 @@ class OmniRollConfig(_Strict):
             raise ValueError("reward.functions: training needs at least one reward function and "
                              "reward.num_workers >= 1")
         check_algorithm(self.trainer, self.algo)  # the keys it reads, the rollout it needs
+        check_trainer_device(self)  # trainer.device / dtype / sharding, replicas.colocate
         log_probs = ALGORITHMS[self.trainer.algorithm].rollout == "sde_window"
         if log_probs and (self.algo.sde_type == "ode" or self.algo.noise_level <= 0):
             raise ValueError("algo.sde_type / algo.noise_level: training needs a stochastic step (sde, cps or "

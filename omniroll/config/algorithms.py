@@ -59,7 +59,8 @@ COMMON_KEYS = frozenset({
     "max_grad_norm", "mode", "lora", "gradient_checkpointing", "checkpoint_every", "val_every", "evaluation", "seed",
     "weight_transport", "sync_timeout_s", "num_threads", "max_staleness", "partial_rollout", "on_stale",
     "signal_check", "signal_every", "logger", "project_name", "experiment_name", "log_images_every",
-    "log_images_count", "algorithm", "algorithm_options", "world_size", "resources", "placement"})
+    "log_images_count", "algorithm", "algorithm_options", "world_size", "resources", "placement", "device", "dtype",
+    "sharding"})
 #: shared keys only the log-prob (SDE window) algorithms read
 LOG_PROB_KEYS = frozenset({"clip_range", "old_log_prob", "behaviour_weight_cap", "window_schedule",
                            "window_advance_every", "policy_move_rows"})

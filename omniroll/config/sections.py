@@ -50,6 +50,11 @@ class ReplicasSection(_Strict):
                                  "requests wait in the engine, not in Ray)")
     placement: Placement = Field("pack", description="pack: replicas together; spread: on distinct nodes when it can")
     resources: Resources = Field(default_factory=dict, description="custom Ray resources each replica needs")
+    colocate: bool = Field(False, description="training: the replicas share the trainer's device; the trainer puts "
+                           "them to sleep (sleep_level) before each update and wakes them for the weight sync")
+    sleep_level: Literal[1, 2] = Field(1, description="a colocated replica's sleep: 1 offloads its weights to host "
+                                       "memory; 2 drops the denoiser's weights (trainer.mode full only: the sync "
+                                       "sends them all back)")
 
 
 class EngineSection(_Strict):
@@ -65,8 +70,8 @@ class EngineSection(_Strict):
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
     max_waiting: int = Field(8192, ge=1, le=1_000_000, description="requests that may wait to start on one replica; "
                              "a call past it is refused (EngineOverloadedError), nothing queued")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="the other EngineConfig fields (decode_batch_size, "
-                                   "weight_update, prefix_sharing, ...: docs/reference/engine.md)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the other EngineConfig fields "
+                                   "(decode_batch_size, weight_update, prefix_sharing, ...: docs/reference/engine.md)")
 
     @field_validator("max_batch_size", mode="before")
     @classmethod

@@ -10,6 +10,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
 from omniroll.config.sections import Placement, Resources, _Strict
+from omniroll.engine.params import DtypeName
 
 
 class LoRASection(_Strict):
@@ -137,8 +138,10 @@ class TrainerSection(_Strict):
                              "progressive (MixGRPO's sliding window: starts at the range's start, advances by one "
                              "step every window_advance_every steps, rolls back at the range's end)")
     window_advance_every: int = Field(1, ge=1, description="MixGRPO's iters_per_group (25 in its reference)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (inside "
-                                         "the engine's execution mode: values stay bitwise)")
+    gradient_checkpointing: Optional[bool] = Field(None, description="recompute activations in the backward pass "
+                                                   "(inside the engine's execution mode: values stay bitwise); None: "
+                                                   "on when the trainer computes on a GPU (trainer.device), off on the "
+                                                   "CPU")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only the final one)")
     val_every: int = Field(0, ge=0, description="steps between validations (grids, and the task evaluation when "
                                                 "`evaluation` is set; 0: before and after only)")
@@ -171,6 +174,18 @@ class TrainerSection(_Strict):
                                      "(world_size > 1 only)")
     placement: Placement = Field("pack", description="pack: ranks together; spread: on distinct nodes when it can "
                                  "(world_size > 1 only)")
+    # the trainer's device (docs/training/gpu.md; omniroll/config/device.py)
+    device: Optional[str] = Field(None, description="where the policy, its gradients and its optimizer state live: "
+                                  "cpu, cuda or cuda:N; None: engine.device. With world_size > 1 every rank uses the "
+                                  "GPU Ray reserved for it (cuda, with resources.num_gpus: 1)")
+    dtype: Optional[DtypeName] = Field(None, description="the frozen base's dtype and the forward's compute dtype "
+                                       "(float32, bfloat16, float16); trainable weights and optimizer state stay "
+                                       "float32; None: engine.dtype, which it must equal (the recompute computes what "
+                                       "the rollout computed)")
+    sharding: Literal["replicated", "fsdp"] = Field("replicated", description="replicated: every rank holds the "
+                                                    "whole model, its gradients and its optimizer state; fsdp "
+                                                    "(mode full, world_size > 1): FSDP2's fully_shard shards the "
+                                                    "optimizer state and reduce-scatters the gradients")
     # what a step reports about itself (omniroll/train/policy_move.py, signal_check.py)
     policy_move_rows: int = Field(8, ge=0, le=100_000, description="rows (the step's first ones) whose transitions "
                                   "are recomputed before and after the update to measure policy_kl, post_approx_kl "

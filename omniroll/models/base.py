@@ -14,6 +14,7 @@ packs and unpacks inside `velocity`, a pure permutation). `decode` gives [B, 3, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -118,6 +119,9 @@ class DiffusionAdapter(ABC):
     guidance_kind: str = "cfg"
     #: how many denoisers the family switches between by timestep (Wan 2.2 A14B: 2).
     num_experts: int = 1
+    #: the dtype the denoiser's forward computes in under `torch.autocast` when its weights are kept wider (the
+    #: trainer's fp32 master weights of full fine-tuning); None: its weights' own dtype (the engine, a LoRA policy)
+    autocast_dtype: Optional[torch.dtype] = None
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
@@ -194,6 +198,17 @@ class DiffusionAdapter(ABC):
     def dtype(self) -> torch.dtype:
         return next(self.denoiser.parameters()).dtype
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the denoiser's forward computes in: `autocast_dtype`, else its weights' own."""
+        return self.autocast_dtype or self.dtype
+
+    def autocast(self):
+        """`torch.autocast` in `autocast_dtype` on the denoiser's device (nothing when it is None)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def check_num_frames(self, num_frames: int) -> None:
         """Image families take exactly one frame."""
         if num_frames != 1:
@@ -231,7 +246,9 @@ class DiffusionAdapter(ABC):
             cond = {k: torch.cat([cond[k], uncond[k]]) for k in cond}
             if guidance is not None:
                 guidance = torch.cat([guidance, guidance[cfg]])
-        v_all = self.velocity(latents, timesteps, cond, guidance=guidance, expert=expert).float()
+        with self.autocast():
+            v_all = self.velocity(latents, timesteps, cond, guidance=guidance, expert=expert)
+        v_all = v_all.float()
         v = list(v_all[:B].unbind(0))
         for j, i in enumerate(cfg):
             v[i] = self.mix_cfg(v[i], v_all[B + j], cfg_scale[i])

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from omniroll.engine.config import torch_dtype
 from omniroll.engine.errors import RequestError
+from omniroll.engine.memory import device_identity, peak_bytes
 from omniroll.engine.params import GenerationRequest
 from omniroll.errors import format_validation_error
 from omniroll.library_warnings import silence_library_warnings
@@ -105,6 +106,12 @@ class RolloutReplica:
             "node_address": self._node_address,
             "uptime_s": time.time() - self._started_at,
         }
+
+    def memory(self) -> dict:
+        """The engine's device (`device_identity`: the GPU's UUID) and the peak bytes this replica allocated on it
+        since the last call (None on the CPU); a new peak starts."""
+        device = self.engine.config.device
+        return {"device": device_identity(device), "peak_bytes": peak_bytes(device)}
 
     def node_id(self) -> Optional[str]:
         """The Ray node this replica lives on (None outside Ray): the weight sender picks its transport from it."""

@@ -1,34 +1,54 @@
 """A training run's checkpoints: `checkpoints/step_NNNNNN/` with the trained weights (`Policy.save`), the kept
 versions (`VersionStore.save`), and `trainer_state.pt` (step, version, optimizer, the algorithm's own state such as
 NFT's old weights, the config, the trackers' run ids), plus `checkpoints/latest`; finding one (`find_checkpoint`) and
-reading its state without unpickling code (`read_trainer_state`).
+reading its state without unpickling code (`read_trainer_state`). With `trainer.sharding: fsdp` the optimizer state
+is a torch.distributed.checkpoint directory `optimizer/` beside it (each rank's shard, written by the ranks), and
+trainer_state.pt's "optimizer" is {"sharded": "optimizer"}.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from typing import Optional
 
 import torch
 
 from omniroll.files import staged_directory
 
 
-def write_checkpoint(out_dir: str, step: int, *, policy, store, state: dict) -> str:
-    """Write step `step`'s checkpoint (`state`: the trainer_state.pt dict) and point `latest` at it. The checkpoint is
-    written into a temporary directory and renamed into place, replacing a directory of the same step whole (say, of
-    an earlier run in the same `--out`): a checkpoint never mixes files of two runs, and `latest` never names a
-    half-written one."""
+def write_checkpoint(out_dir: str, step: int, *, policy, store, state: dict, files: Optional[dict] = None) -> str:
+    """Write step `step`'s checkpoint (`state`: the trainer_state.pt dict; `files`: name -> a file or directory put
+    beside it, hard-linked where it can) and point `latest` at it. The checkpoint is written into a temporary
+    directory and renamed into place, replacing a directory of the same step whole (say, of an earlier run in the
+    same `--out`): a checkpoint never mixes files of two runs, and `latest` never names a half-written one."""
     root = os.path.join(out_dir, "checkpoints")
     path = os.path.join(root, f"step_{step:06d}")
     with staged_directory(path) as tmp:
         policy.save(tmp)
         store.save(tmp)
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        for name, src in (files or {}).items():
+            link_or_copy(src, os.path.join(tmp, name))
     latest = os.path.join(root, "latest")
     with open(latest + ".tmp", "w") as f:
         f.write(os.path.basename(path) + "\n")
     os.replace(latest + ".tmp", latest)
     return path
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """`src` (a file or a directory tree) at `dst`: hard links on one filesystem, copies otherwise."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if os.path.isdir(src):
+        shutil.copytree(src, dst, copy_function=link)
+    else:
+        link(src, dst)
 
 
 def find_checkpoint(path: str, flag: str = "--resume") -> str:
@@ -47,6 +67,18 @@ def find_checkpoint(path: str, flag: str = "--resume") -> str:
 
 
 TRAINER_STATE_KEYS = ("step", "version", "optimizer", "mode")
+#: trainer keys a checkpoint must have been trained with to resume (the default of an older checkpoint without it)
+RESUMED_AS_IS = {"mode": None, "algorithm": "flow_grpo", "sharding": "replicated"}
+
+
+def check_resumable(state: dict, trainer, path: str) -> None:
+    """`trainer.mode`, `trainer.algorithm` and `trainer.sharding` (the optimizer state's layout) of the run are the
+    checkpoint's; ValueError naming the key otherwise."""
+    for key, default in RESUMED_AS_IS.items():
+        was = state.get(key, default)
+        if was != getattr(trainer, key):
+            raise ValueError(f"trainer.{key}: the checkpoint {path} was trained with {key} {was!r}, this run has "
+                             f"{getattr(trainer, key)!r}")
 
 
 def read_trainer_state(ckpt: str, flag: str = "--resume") -> dict:

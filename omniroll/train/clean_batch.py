@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.train.policy import (batch_columns, conditioning_columns, one_execution, take_rows,
-                                   trajectory_velocity)
+from omniroll.train.policy import batch_columns, conditioning_columns, one_execution, trajectory_velocity
+from omniroll.train.rows import rows_to, take_rows
 
 
 @dataclass
@@ -46,6 +46,10 @@ class CleanBatch:
 
     def rows(self, idx: Sequence[int] | torch.Tensor) -> "CleanBatch":
         return take_rows(self, idx)
+
+    def to(self, device: str | torch.device) -> "CleanBatch":
+        """The rows on `device` (`rows_to`)."""
+        return rows_to(self, device)
 
     @classmethod
     def from_batch(cls, batch: Any, adapter) -> "CleanBatch":

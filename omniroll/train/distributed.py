@@ -4,15 +4,18 @@ placement-group bundle each, the replicas' rules), in one torch.distributed proc
 
 The driver (`FlowGRPOTrainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
 weight push. Each step `update` splits the batch by whole prompt groups (omniroll/train/shard.py), ships every rank
-its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights,
-optimizer state and algorithm state, which the driver adopts (it pushes the weights to the replicas, and so always
-holds the last completed step whole). A rank that dies or fails ends the step with `TrainerRankError`, one line
-naming the rank and its node; the other ranks are stopped, and the driver writes the last completed step's
-checkpoint.
+its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights
+and algorithm state, which the driver adopts (it pushes the weights to the replicas). The optimizer state stays with
+the ranks, which write it to `state_dir` every step (each its shard under FSDP2, or rank 0 the replicated one); the
+driver reads it only to write a checkpoint (`optimizer_state`). A rank that dies or fails ends the step with
+`TrainerRankError`, one line naming the rank and its node; the other ranks are stopped, and the driver writes the
+last completed step's checkpoint from its weights and the ranks' files of that step.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import replace
 from typing import Any, Callable, Optional
@@ -38,11 +41,10 @@ def adopt_weights(policy, weights: dict) -> None:
             p.copy_(weights[k])
 
 
-def adopt_rank0(result: dict, policy, optimizer, algorithm) -> None:
-    """Rank 0's weights, optimizer state and algorithm state after an update (`RankGroup.update`'s result) into the
-    driver's own: it then holds the completed step whole (what it pushes, logs and checkpoints)."""
+def adopt_rank0(result: dict, policy, algorithm) -> None:
+    """Rank 0's weights and algorithm state after an update (`RankGroup.update`'s result) into the driver's own: what it
+    pushes, logs and checkpoints (the optimizer state stays with the ranks: `RankGroup.optimizer_state`)."""
     adopt_weights(policy, result["weights"])
-    optimizer.load_state_dict(result["optimizer"])
     algorithm.load_state_dict(result["algorithm"])
 
 
@@ -59,10 +61,14 @@ def merge_metrics(records: list[dict]) -> dict:
 
 
 class RankGroup:
-    """config: the OmniRollConfig; model_path: the trainer's resolved model; log: one line per event."""
+    """config: the OmniRollConfig; model_path: the trainer's resolved model; state_dir: where the ranks write each
+    step's optimizer state (every rank's node must see it: a shared filesystem on a multi-node cluster); log: one line
+    per event."""
 
-    def __init__(self, config: Any, model_path: str, log: Callable[[str], None] = print):
+    def __init__(self, config: Any, model_path: str, state_dir: str, log: Callable[[str], None] = print):
         self.config, self.tc, self.model_path, self.log = config, config.trainer, model_path, log
+        self.state_dir = os.path.abspath(state_dir)
+        self.started_from: tuple[Optional[dict], Optional[str]] = (None, None)  # the optimizer state given at start
         self.world_size = self.tc.world_size
         self.actors: list = []
         self.nodes: list[Optional[str]] = []
@@ -70,9 +76,10 @@ class RankGroup:
         self.backend: Optional[str] = None
 
     # ------------------------------------------------------------------ start / stop
-    def start(self, policy, optimizer, algorithm, store) -> "RankGroup":
-        """Start the ranks and their process group; give them the trainer's weights, optimizer state, algorithm
-        state and kept versions (a fresh run's or a checkpoint's)."""
+    def start(self, policy, optimizer, algorithm, store, sharded_optimizer: Optional[str] = None) -> "RankGroup":
+        """Start the ranks and their process group; give them the trainer's weights, optimizer state (`optimizer`'s,
+        or the directory of a sharded one: `sharded_optimizer`), algorithm state and kept versions (a fresh run's or a
+        checkpoint's)."""
         import ray
 
         from omniroll.ray_nodes import actor_node_ids
@@ -86,30 +93,49 @@ class RankGroup:
         cls = ray.remote(num_cpus=rs.num_cpus, num_gpus=rs.num_gpus, resources=dict(rs.custom) or None,
                          max_restarts=0)(TrainerRank)
         # 2. The ranks, and where they landed.
-        self.actors = [cls.options(**self.placement.options(r)).remote(self.config, self.model_path, r, N)
-                       for r in range(N)]
+        self.actors = [cls.options(**self.placement.options(r)).remote(self.config, self.model_path, r, N,
+                                                                       self.state_dir) for r in range(N)]
         self.nodes = actor_node_ids(self.actors, timeout_s=tc.sync_timeout_s)
         # 3. The process group: rank 0's node and a free port there, every rank joining at once.
         address = self._gather([self.actors[0].rendezvous.remote()], "start", ranks=[0])[0]
         self.backend = self._gather([a.init_group.remote(address, tc.sync_timeout_s) for a in self.actors],
                                     "start")[0]
         # 4. The same state on every rank.
-        self.load(policy, optimizer, algorithm, store)
+        self.load(policy, optimizer, algorithm, store, sharded_optimizer)
         where = sorted({n for n in self.nodes if n})
         self.log(f"{N} trainer rank(s) ({self.backend}, {tc.placement}) on {len(where)} node(s): "
                  + ", ".join(f"{n[:8]} x{self.nodes.count(n)}" for n in where))
         return self
 
-    def load(self, policy, optimizer, algorithm, store) -> None:
-        """Give every rank `policy`'s trainable weights, the optimizer's and algorithm's state and the kept versions."""
+    def load(self, policy, optimizer, algorithm, store, sharded_optimizer: Optional[str] = None) -> None:
+        """Give every rank `policy`'s trainable weights, the optimizer's (or `sharded_optimizer`'s) and the
+        algorithm's state and the kept versions."""
         import ray
 
-        state = [ray.put({k: p.detach().cpu() for k, p in policy.named_parameters()}), ray.put(optimizer.state_dict()),
-                 ray.put(algorithm.state_dict()), ray.put(dict(store.snapshots)), store.current]
+        opt = None if sharded_optimizer is not None else optimizer.state_dict()
+        self.started_from = (opt, sharded_optimizer)
+        state = [ray.put({k: p.detach().cpu() for k, p in policy.named_parameters()}), ray.put(opt),
+                 ray.put(algorithm.state_dict()), ray.put(dict(store.snapshots)), store.current, sharded_optimizer]
         self._gather([a.load_state.remote(*state) for a in self.actors], "loading the trainer's state")
 
+    def optimizer_state(self, step: int) -> tuple[dict, Optional[dict]]:
+        """For the checkpoint of completed step `step`: (trainer_state.pt's "optimizer", the files to put beside it).
+        Replicated: rank 0's state dict (read from its file); fsdp: {"sharded": "optimizer"} and the ranks'
+        torch.distributed.checkpoint directory. Before the ranks' first step: the state they started from."""
+        from omniroll.train.rank import optimizer_state_path
+
+        path = optimizer_state_path(self.state_dir, step)
+        if self.tc.sharding == "fsdp":
+            src = os.path.join(path, "optimizer")
+            src = src if os.path.isdir(src) else self.started_from[1]
+            return {"sharded": "optimizer" if src else None}, ({"optimizer": src} if src else None)
+        f = os.path.join(path, "optimizer.pt")
+        return (torch.load(f, map_location="cpu", weights_only=True) if os.path.isfile(f)
+                else self.started_from[0]), None
+
     def close(self, graceful: bool = True) -> None:
-        """Leave the process group (graceful: each rank destroys it, 30 s at most) and end the ranks."""
+        """Leave the process group (graceful: each rank destroys it, 30 s at most, and the ranks' optimizer files go:
+        the driver has written its checkpoints) and end the ranks."""
         from omniroll.ray_nodes import kill_actors
 
         if self.actors:
@@ -122,6 +148,8 @@ class RankGroup:
                     pass
             kill_actors(self.actors)
             self.actors = []
+            if graceful:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
         if self.placement is not None:
             self.placement.remove()
             self.placement = None
@@ -129,8 +157,8 @@ class RankGroup:
     # ------------------------------------------------------------------ a step
     def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> dict:
         """Every rank's part of the step's update (`rows`: the whole batch; `uids`: its prompt groups). Returns
-        {"stats": merged UpdateStats, "prepared": ..., "after": ..., "weights": rank 0's, "optimizer" and
-        "algorithm": its states}."""
+        {"stats": merged UpdateStats, "prepared", "after", "move": merged metrics, "recompute_s" and "peak_bytes":
+        the largest rank's (peak_bytes None on the CPU), "weights": rank 0's, "algorithm": its state}."""
         import ray
 
         # 1. Whole prompt groups per rank; the rows of every global optimizer step.
@@ -147,10 +175,13 @@ class RankGroup:
             refs.append(a.update.remote(ray.put(rows.rows(idx)), advantages[idx], base, versions, per,
                                         halves[idx] if halves is not None else None))
         outs = self._gather(refs, f"step {plan.step}'s update")
+        peaks = [o["peak_bytes"] for o in outs if o["peak_bytes"] is not None]
         return {"stats": merge_stats([o["stats"] for o in outs]),
                 "prepared": merge_metrics([o["prepared"] for o in outs]),
-                "after": merge_metrics([o["after"] for o in outs]), "weights": outs[0]["weights"],
-                "optimizer": outs[0]["optimizer"], "algorithm": outs[0]["algorithm"]}
+                "after": merge_metrics([o["after"] for o in outs]), "move": merge_metrics([o["move"] for o in outs]),
+                "recompute_s": max(o["recompute_s"] for o in outs), "peak_bytes": max(peaks) if peaks else None,
+                "weights": outs[0]["weights"],
+                "algorithm": outs[0]["algorithm"]}
 
     def rank_weights(self) -> list[dict]:
         """Every rank's trainable weights (tests: they stay equal)."""

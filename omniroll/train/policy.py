@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -36,6 +36,7 @@ from omniroll.engine.execution import execution_mode
 from omniroll.models import load_adapter
 from omniroll.models.base import NO_CFG, DiffusionAdapter, is_conditioning
 from omniroll.sampling import SDEStepOutput, sde_step
+from omniroll.train.rows import rows_to, take_rows
 
 
 # ------------------------------------------------------------------------------------------------ the rows
@@ -43,23 +44,6 @@ from omniroll.sampling import SDEStepOutput, sde_step
 _REQUIRED = {"all_latents": "latents", "all_timesteps": "timesteps", "sigmas": "sigmas", "sigmas_next": "sigmas_next",
              "noise_level": "noise_level", "sigma_max": "sigma_max", "guidance_scale": "guidance_scale",
              "cfg_scale": "cfg_scale"}
-
-
-def take_rows(batch, idx: Sequence[int] | torch.Tensor):
-    """Rows `idx` of a dataclass of per-row fields (tensors [B, ...], dicts of them, lists of B; `execution` is
-    shared), in the order given."""
-    idx = torch.as_tensor(idx, dtype=torch.long)
-    pick = idx.tolist()
-    out = {}
-    for f in fields(batch):
-        v = getattr(batch, f.name)
-        if isinstance(v, torch.Tensor):
-            out[f.name] = v[idx]
-        elif isinstance(v, dict) and f.name != "execution":
-            out[f.name] = {k: t[idx] for k, t in v.items()}
-        elif isinstance(v, list):
-            out[f.name] = [v[i] for i in pick]
-    return replace(batch, **out)
 
 
 def batch_columns(batch: Any, tensors: list[str], non_tensors: list[str], hint: str) -> tuple[Any, dict]:
@@ -137,6 +121,10 @@ class TrajectoryBatch:
         """A sub-batch (row order as given)."""
         return take_rows(self, idx)
 
+    def to(self, device: str | torch.device) -> "TrajectoryBatch":
+        """The rows on `device` (`rows_to`)."""
+        return rows_to(self, device)
+
     def at_steps(self, steps: torch.Tensor) -> "TrajectoryBatch":
         """The same rows with one window step each (W = 1): row i's step `steps[i]` (DanceGRPO trains a different
         random step per row in one forward)."""
@@ -211,7 +199,7 @@ def one_execution(values: list) -> dict:
 # -------------------------------------------------------------------------------------------- the recompute
 def check_dtype(adapter: DiffusionAdapter, execution: dict) -> None:
     want = execution.get("dtype")
-    have = str(adapter.denoiser.dtype).removeprefix("torch.")
+    have = str(adapter.compute_dtype).removeprefix("torch.")
     if want is not None and want != have:
         raise ValueError(f"the policy computes in {have} but the rollout ran in {want}: load the trainer's model in "
                          f"{want} for exact ratios (or pass check_dtype=False to accept the mismatch)")
@@ -282,21 +270,27 @@ def enable_gradient_checkpointing(denoiser: torch.nn.Module, execution: dict) ->
 class Policy:
     """mode "lora": a LoRA (rank, alpha, target_modules; default: the family's `lora_target_modules`, its attention
     projections) on the denoiser, B initialised to zero (so the first rollout,
-    on the base weights, is on-policy); mode "full": every denoiser weight is trained."""
+    on the base weights, is on-policy); mode "full": every denoiser weight is trained. dtype: the compute dtype (the
+    frozen model is loaded in it; what is trained stays fp32); device: where the denoiser, what is trained and so the
+    optimizer's state live (docs/training/gpu.md)."""
 
     def __init__(self, model_path: str, mode: str = "lora", rank: int = 8, alpha: float = 16.0,
-                 target_modules: Optional[list[str]] = None, dtype: str = "float32", seed: int = 0):
+                 target_modules: Optional[list[str]] = None, dtype: str = "float32", seed: int = 0,
+                 device: str = "cpu"):
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
-        self.model_path, self.mode, self.dtype = model_path, mode, dtype
-        self.adapter: DiffusionAdapter = load_adapter(model_path, dtype=torch_dtype(dtype))
-        for m in self.adapter.modules().values():
-            m.requires_grad_(False)
-            m.eval()
+        self.model_path, self.mode, self.dtype, self.device = model_path, mode, dtype, torch.device(device)
+        # 1. The model in the compute dtype, frozen; only the denoiser on the device (the rows carry the conditioning:
+        #    the text encoders and the VAE are never run here).
+        self.adapter: DiffusionAdapter = load_frozen(model_path, dtype, self.device)
         self.denoiser = self.adapter.denoiser
         self._reference: Optional[DiffusionAdapter] = None
+        self._pinned: Optional[list] = None  # `pin_parameters`
+        # 2. What is trained, in fp32: a LoRA on the frozen base, or every denoiser weight (fp32 master weights,
+        #    computed under autocast in the compute dtype).
         if mode == "lora":
             from peft import LoraConfig
+            from peft.tuners.tuners_utils import cast_adapter_dtype
 
             targets = list(target_modules or self.adapter.lora_target_modules)  # default: the family's choice
             self.lora_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
@@ -304,17 +298,26 @@ class Policy:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 self.denoiser.add_adapter(self.lora_config)
+            cast_adapter_dtype(self.denoiser, "default")  # a bf16 / fp16 base's adapter: fp32 (PEFT's rule)
             self.denoiser.eval()
         else:
             self.lora_config = None
-            self.denoiser.requires_grad_(True)
+            self.denoiser.float().requires_grad_(True)
+            self.adapter.autocast_dtype = None if dtype == "float32" else torch_dtype(dtype)
 
     # ------------------------------------------------------------------ what is trained and sent
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.denoiser.parameters() if p.requires_grad]
+        return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if self._pinned is not None:
+            return list(self._pinned)
         return [(n, p) for n, p in self.denoiser.named_parameters() if p.requires_grad]
+
+    def pin_parameters(self) -> None:
+        """From now on the trained parameters are the denoiser's current ones: FSDP2 (train/fsdp.py) registers its
+        gathered copies on the module around forwards, and the trained ones are its sharded parameters."""
+        self._pinned = [(n, p) for n, p in self.denoiser.named_parameters() if p.requires_grad]
 
     def weights_to_send(self) -> torch.nn.Module:
         """What `WeightSender.send` takes: the denoiser (with LoRA layers it sends only the adapter and its config)."""
@@ -331,9 +334,8 @@ class Policy:
                 self.denoiser.enable_adapters()
         else:
             if self._reference is None:
-                self._reference = load_adapter(self.model_path, dtype=torch_dtype(self.dtype))
-                for m in self._reference.modules().values():
-                    m.requires_grad_(False)
+                self._reference = load_frozen(self.model_path, self.dtype, self.device)
+                self._reference.autocast_dtype = self.adapter.autocast_dtype  # the policy's function at step 0
             yield self._reference
 
     # ------------------------------------------------------------------ checkpoints
@@ -387,6 +389,17 @@ class Policy:
             mod, _, suffix = k.rpartition(".")  # "<mod>.lora_A", "weight"
             out.append(named[f"{mod}.default.{suffix}"])
         return out
+
+
+def load_frozen(model_path: str, dtype: str, device: torch.device) -> DiffusionAdapter:
+    """The model at `model_path` in `dtype`, every module frozen and in eval mode, the denoiser on `device` (the other
+    modules stay on the CPU)."""
+    adapter = load_adapter(model_path, dtype=torch_dtype(dtype))
+    for m in adapter.modules().values():
+        m.requires_grad_(False)
+        m.eval()
+    adapter.denoiser.to(device)
+    return adapter
 
 
 def describe(policy: Policy) -> dict:

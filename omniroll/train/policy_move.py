@@ -55,9 +55,9 @@ def snapshot(adapter, traj: TrajectoryBatch, rows: int, micro_batch_size: int) -
     mean = []
     for k in range(sub.num_steps):
         parts = [recompute_log_probs(adapter, sub.rows(chunk), k) for chunk in torch.arange(R).split(micro_batch_size)]
-        log_prob[:, k] = torch.cat([p.log_prob.float() for p in parts])
-        std[:, k] = torch.cat([p.std.float() for p in parts])
-        mean.append(torch.cat([p.mean.float() for p in parts]))
+        log_prob[:, k] = torch.cat([p.log_prob.float() for p in parts]).cpu()  # kept on the host
+        std[:, k] = torch.cat([p.std.float() for p in parts]).cpu()
+        mean.append(torch.cat([p.mean.float() for p in parts]).cpu())
     return Snapshot(log_prob=log_prob, mean=mean, std=std)
 
 

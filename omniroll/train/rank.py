@@ -1,27 +1,37 @@
 """`TrainerRank`: one rank of the data-parallel update (`trainer.world_size` > 1), a Ray actor holding its own policy,
-optimizer, algorithm and version store, in one torch.distributed process group with the other ranks (gloo for CPU
-parameters, nccl for CUDA ones). `omniroll/train/distributed.py` starts and drives the ranks.
+optimizer, algorithm and version store on its device (`trainer.device`: the GPU Ray reserved for it, or the CPU), in
+one torch.distributed process group with the other ranks (nccl on GPUs, gloo on the CPU).
+`omniroll/train/distributed.py` starts and drives the ranks.
 
 Each step it receives its shard of the batch (whole prompt groups, advantages of the whole batch), runs the
 algorithm's `prepare`, the generic update (`train_on_batch` with a `GradientShare`: the trainable gradients are
-summed over the ranks before every clip and optimizer step; not a `DistributedDataParallel` wrapper) and
-`after_update`. The ranks start from the same weights and optimizer state and step with the same all-reduced
-gradient, so their weights stay equal; rank 0 returns its weights, optimizer state and algorithm state to the driver,
-which adopts them (and pushes the weights to the replicas).
+summed over the ranks before every clip and optimizer step, by an explicit all-reduce, or with `trainer.sharding:
+fsdp` by FSDP2's reduce-scatter, train/fsdp.py) and `after_update`. The ranks start from the same weights and
+optimizer state and step with the same summed gradient, so their weights stay equal. Each writes its optimizer state
+(its shard, or rank 0 the replicated one) to disk every step, so the last completed step can be checkpointed whatever
+happens later; rank 0 returns the weights and the algorithm state to the driver, which adopts them (and pushes the
+weights to the replicas).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
 import socket
+import time
 from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
+from omniroll.config.device import check_device_here, gradient_checkpointing, rank_device, trainer_dtype
+from omniroll.engine.memory import peak_bytes
 from omniroll.sampling.seeds import rank_seed
+from omniroll.train import fsdp
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.policy import Policy
+from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.update import GradientShare, train_on_batch
 from omniroll.train.versions import VersionStore
 
@@ -85,20 +95,34 @@ def free_address() -> str:
     return f"tcp://{ip}:{port}"
 
 
-class TrainerRank:
-    """config: the OmniRollConfig; model_path: the trainer's (resolved) model; rank in [0, world_size)."""
+def to_cpu(tree: Any) -> Any:
+    """`tree` (dicts, lists, tuples of tensors and plain values) with every tensor on the CPU: what crosses Ray."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
 
-    def __init__(self, config: Any, model_path: str, rank: int, world_size: int):
+
+class TrainerRank:
+    """config: the OmniRollConfig; model_path: the trainer's (resolved) model; rank in [0, world_size); state_dir:
+    where the ranks write each step's optimizer state (a directory every rank and the driver can read)."""
+
+    def __init__(self, config: Any, model_path: str, rank: int, world_size: int, state_dir: str):
         tc = self.tc = config.trainer
         torch.set_num_threads(tc.num_threads or max(1, int(tc.resources.num_cpus)))
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.state_dir = rank, world_size, state_dir
+        self.device = rank_device(config)  # cuda: the GPU Ray reserved for this actor
+        check_device_here(self.device, trainer_dtype(config))
         self.policy = Policy(model_path, tc.mode, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules,
-                             dtype=config.engine.dtype, seed=tc.seed)
+                             dtype=trainer_dtype(config), seed=tc.seed, device=self.device)
         self.algorithm = make_algorithm(config, self.policy.adapter)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas),
-                                           weight_decay=tc.weight_decay)
+        self.optimizer: Optional[torch.optim.Optimizer] = None  # built with the process group (FSDP2 shards first)
         self.store = VersionStore(self.policy, tc.max_staleness)
-        self.checkpointing = False
+        self.sharded = tc.sharding == "fsdp"
+        self.checkpointing_due = gradient_checkpointing(config)  # turned on with the first rows
         self.group_started = False
 
     def node_id(self) -> Optional[str]:
@@ -110,61 +134,114 @@ class TrainerRank:
         return free_address()
 
     def init_group(self, init_method: str, timeout_s: float) -> str:
-        """Join the process group (every rank at once): nccl when the trainable parameters are on a GPU, gloo
-        otherwise (the trainer's policy computes on the CPU today, so gloo). Returns the backend."""
+        """Join the process group (every rank at once; nccl on a GPU, gloo on the CPU), shard the denoiser
+        (`trainer.sharding: fsdp`), build the optimizer. Returns the backend."""
         import torch.distributed as dist
 
-        backend = "nccl" if next(iter(self.policy.parameters())).is_cuda else "gloo"
+        backend = "nccl" if self.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.group_started = True
+        if self.sharded:
+            fsdp.shard_denoiser(self.policy.denoiser, self.device, self.world_size)
+            self.policy.pin_parameters()  # the sharded ones (FSDP2 swaps in the gathered ones around forwards)
+        tc = self.tc
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas),
+                                           weight_decay=tc.weight_decay)
         return backend
 
-    def load_state(self, weights: dict, optimizer: dict, algorithm: dict, snapshots: dict, current: int) -> None:
-        """The driver's trainable weights, optimizer state, algorithm state and kept versions (at start and resume)."""
-        own = dict(self.policy.named_parameters())
-        with torch.no_grad():
-            for k, v in weights.items():
-                own[k].copy_(v)
-        self.optimizer.load_state_dict(optimizer)
+    def load_state(self, weights: dict, optimizer: Optional[dict], algorithm: dict, snapshots: dict,
+                   current: int, sharded_optimizer: Optional[str] = None) -> None:
+        """The driver's trainable weights, optimizer state (a state dict, or the directory of a sharded one),
+        algorithm state and kept versions (at start and resume; no optimizer state: a fresh one)."""
+        if self.sharded:
+            fsdp.load_full_weights(self.policy, weights)
+        else:
+            own = dict(self.policy.named_parameters())
+            with torch.no_grad():
+                for k, v in weights.items():
+                    own[k].copy_(v)
+        if sharded_optimizer is not None:
+            fsdp.load_optimizer(self.policy.denoiser, self.optimizer, sharded_optimizer)
+        elif optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
         self.algorithm.load_state_dict(algorithm)
         self.store.adopt(snapshots, current)
 
     def update(self, rows, advantages: torch.Tensor, plan: UpdatePlan, versions: Optional[torch.Tensor],
                rows_per_update: list[int], halves: Optional[torch.Tensor] = None) -> dict:
-        """This rank's part of the step's update. Returns its stats and metrics; rank 0 adds its weights, optimizer
-        state and algorithm state (equal on every rank), which the driver keeps: it can checkpoint the last completed
-        step whatever happens to the ranks later."""
+        """This rank's part of the step's update. Returns its stats and metrics (its policy move, its peak device
+        memory); writes its optimizer state (`save_optimizer_state`); rank 0 adds the trained weights and the
+        algorithm state (equal on every rank), which the driver adopts and pushes. `halves`: this shard's rows' half
+        for the gradient-signal meter (None: no reading; always None under fsdp, whose gradients are sharded)."""
         tc = self.tc
-        # 1. The plan with this rank's seed (its own draws), versions and store.
-        plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store, halves=halves)
-        if tc.gradient_checkpointing and not self.checkpointing and len(rows):
+        # 1. The shard on this rank's device; the plan with this rank's seed (its own draws), versions, store, halves.
+        rows, advantages = rows.to(self.device), advantages.to(self.device)
+        plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store,
+                       halves=None if self.sharded else halves)
+        if self.checkpointing_due and len(rows):
             from omniroll.train.policy import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, rows.execution)
-            self.checkpointing = True
+            self.checkpointing_due = False
+        peak_bytes(self.device)  # this step's peak starts here
         # 2. The algorithm's anchors on the shard (none for a rank without rows: it only joins the all-reduces).
+        before = snapshot(self.policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size)
+        t0 = time.perf_counter()
         prepared = self.algorithm.prepare(self.policy, rows, plan) if len(rows) else {}
+        recompute_s = time.perf_counter() - t0
         # 3. The update, gradients summed over the ranks before every optimizer step; the algorithm's after-update.
-        share = GradientShare(rows_per_update=rows_per_update, all_reduce=all_reduce_gradients,
-                              all_reduce_tensors=all_reduce_tensors)
+        if self.sharded:  # the zero-weight micro-batch that ends each accumulation group (train/fsdp.py)
+            share = GradientShare(rows_per_update, all_reduce=lambda _: fsdp.sync_gradients(self.policy,
+                                                                                            rows.rows([0])))
+        else:
+            share = GradientShare(rows_per_update=rows_per_update, all_reduce=all_reduce_gradients,
+                                  all_reduce_tensors=all_reduce_tensors)
         stats = train_on_batch(self.policy, self.optimizer, self.algorithm, rows, advantages, plan,
                                num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm, share=share)
         after = self.algorithm.after_update(self.policy, plan.step)
+        move = policy_move(before, snapshot(self.policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size),
+                           tc.clip_range)
+        if self.sharded:
+            fsdp.reshard(self.policy.denoiser)
         self.store.record(plan.step)
-        out = {"stats": stats, "prepared": prepared, "after": after}
+        # 4. The step's optimizer state on disk (the driver reads it only for a checkpoint); the weights to push.
+        self.save_optimizer_state(plan.step)
+        out = {"stats": stats, "prepared": prepared, "after": after, "move": move, "recompute_s": recompute_s,
+               "peak_bytes": peak_bytes(self.device)}
+        weights = self.weights()  # a collective under FSDP2: every rank gathers
         if self.rank == 0:
-            out["weights"] = self.weights()
+            out["weights"] = weights
             out["algorithm"] = self.algorithm_state()
-            out["optimizer"] = self.optimizer.state_dict()
         return out
 
+    def save_optimizer_state(self, step: int) -> None:
+        """Step `step`'s optimizer state under `state_dir`/step_NNNNNN: each rank its shard (fsdp), or rank 0 the
+        replicated one (`optimizer.pt`); the step before it is kept (the last completed step's, should this one fail
+        before the driver completes it), older ones are removed."""
+        path = optimizer_state_path(self.state_dir, step)
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+        if self.sharded:
+            fsdp.save_optimizer(self.policy.denoiser, self.optimizer, os.path.join(path, "optimizer"))
+        elif self.rank == 0:
+            torch.save(to_cpu(self.optimizer.state_dict()), os.path.join(path, "optimizer.pt.tmp"))
+            os.replace(os.path.join(path, "optimizer.pt.tmp"), os.path.join(path, "optimizer.pt"))
+        if self.rank == 0:
+            for old in range(max(step - 2, 0), 0, -1):
+                old_path = optimizer_state_path(self.state_dir, old)
+                if not os.path.isdir(old_path):
+                    break
+                shutil.rmtree(old_path, ignore_errors=True)
+
     def weights(self) -> dict:
-        """This rank's trainable weights by name (tests compare the ranks with them)."""
+        """The trainable weights by name, whole, on the CPU (under FSDP2 every rank must call it: it gathers)."""
+        if self.sharded:
+            return fsdp.full_weights(self.policy)
         return {k: p.detach().cpu().clone() for k, p in self.policy.named_parameters()}
 
     def algorithm_state(self) -> dict:
-        return self.algorithm.state_dict()
+        return to_cpu(self.algorithm.state_dict())
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -172,3 +249,8 @@ class TrainerRank:
         if self.group_started:
             dist.destroy_process_group()
             self.group_started = False
+
+
+def optimizer_state_path(state_dir: str, step: int) -> str:
+    """Where the ranks write step `step`'s optimizer state."""
+    return os.path.join(state_dir, f"step_{step:06d}")

@@ -45,8 +45,8 @@ def rows_per_update(shard_sizes: Sequence[int], micro_batch_size: int, per_updat
 
 def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
     """One step's metrics from every rank's: maxima for the deviations, rank 0's gradient norm, optimizer steps and
-    gradient-signal reading (the same on every rank: they act on all-reduced gradients), the other fractions and means weighted by each
-    rank's scored (row, term) count."""
+    gradient-signal reading (the same on every rank: they act on all-reduced gradients), the other fractions and
+    means weighted by each rank's scored (row, term) count."""
     rows = [s.scored for s in stats]
     total = max(sum(rows), 1)
     out = {}

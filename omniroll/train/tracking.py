@@ -77,13 +77,16 @@ def check_loggers(names: list[str]) -> None:
 
 def tracker_name(key: str) -> str:
     """The tracker name of a step-line key: the table above; else kept if it already has a '/'; `*_s` under timing/;
-    staleness / off-policy / async keys under async/; `val_*` under val/; anything else under train/."""
+    `peak_mem_*` under perf/; staleness / off-policy / async keys under async/; `val_*` under val/; anything else
+    under train/."""
     if key in NAMES:
         return NAMES[key]
     if "/" in key:
         return key
     if key.endswith("_s"):
         return f"timing/{key}"
+    if key.startswith("peak_mem_"):  # peak device memory per stage (train/stage_memory.py)
+        return f"perf/{key}"
     if key.startswith(_ASYNC_PREFIXES):
         return f"async/{key}"
     if key.startswith("val_"):
@@ -277,7 +280,16 @@ def format_step(m: dict, total: int) -> str:
             f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  {_signal_part(m)}{_move_part(m)}"
             f"v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
-            f"sync {m['sync_s']:.2f}s  step {m['step_s']:.1f}s" + _async_part(m))
+            f"sync {m['sync_s']:.2f}s  {_device_part(m)}step {m['step_s']:.1f}s" + _async_part(m))
+
+
+def _device_part(m: dict) -> str:
+    """Colocated replicas' sleep and wake, and the peak memory per stage (absent when not colocated / not reported)."""
+    out = f"sleep {m['sleep_s']:.2f}s  wake {m['wake_s']:.2f}s  " if "sleep_s" in m else ""
+    peaks = [(s, m[f"peak_mem_{s}_gb"]) for s in ("rollout", "recompute", "update", "sync") if f"peak_mem_{s}_gb" in m]
+    if peaks:
+        out += "mem " + " ".join(f"{s} {gb:.1f}" for s, gb in peaks) + " GiB  "
+    return out
 
 
 def _signal_part(m: dict) -> str:

@@ -28,10 +28,12 @@ import torch
 
 from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
+from omniroll.config.device import check_device_here, gradient_checkpointing, trainer_device, trainer_dtype
 from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
 from omniroll.train import checkpoint, tracking
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
+from omniroll.train.colocation import Colocation
 from omniroll.train.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
@@ -40,6 +42,7 @@ from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.reward_curve import plot_rewards
 from omniroll.train.task_eval import TaskEvaluation
 from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
+from omniroll.train.stage_memory import StageMemory
 from omniroll.train.tracking import Tracker
 from omniroll.train.update import train_on_batch
 from omniroll.train.versions import VersionStore, off_policy_metrics, rows_ahead, stale_rows, step_versions
@@ -84,6 +87,10 @@ class FlowGRPOTrainer:
         self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
         self.task_eval = TaskEvaluation(self.config, out_dir) if self.tc.evaluation is not None else None
         self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window)  # the meter's last readings
+        rep = self.config.replicas  # replicas on the trainer's device sleep during its update (train/colocation.py)
+        self.colocation = Colocation(rep.sleep_level, self.tc.sync_timeout_s) if rep.colocate else None
+        self.memory: Optional[StageMemory] = None  # peak memory per stage, where the device reports it
+        self._sharded_optimizer: Optional[str] = None  # a resumed fsdp run's optimizer directory (the ranks load it)
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "FlowGRPOTrainer":
@@ -92,6 +99,8 @@ class FlowGRPOTrainer:
         from omniroll.agent_loop.cluster import RolloutCluster
 
         cfg = self.config
+        self.device = trainer_device(cfg) if self.tc.world_size == 1 else "cpu"  # ranks: their own (train/rank.py)
+        check_device_here(self.device, trainer_dtype(cfg))  # before anything loads
         if self.tc.num_threads is not None:  # restored by close()
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(self.tc.num_threads)
@@ -102,20 +111,24 @@ class FlowGRPOTrainer:
                     os.remove(os.path.join(self.out_dir, name))
         self.cluster = RolloutCluster(cfg, ray_address=self.ray_address, log=self.log)  # resolves the model
         self.policy = Policy(self.cluster.model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha,
-                             self.tc.lora.target_modules, dtype=cfg.engine.dtype, seed=self.tc.seed)
+                             self.tc.lora.target_modules, dtype=trainer_dtype(cfg), seed=self.tc.seed,
+                             device=self.device)
         self.algorithm = make_algorithm(cfg, self.policy.adapter)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
         self.store = VersionStore(self.policy, self.tc.max_staleness)
         self.store.record(0)
+        self.memory = StageMemory(self.device, cfg.engine.device)
         if self.resume_from:
             self._load(self.resume_from)
         self.tracker = Tracker(self.config, self.out_dir, self._tracking_state, log=self.log)
         self.cluster.start()  # Ray (joined or local), replicas, reward workers, agent-loop manager
         self._adopt_cluster()
-        if self.tc.world_size > 1:
-            self.ranks = RankGroup(cfg, self.cluster.model, self.log).start(self.policy, self.optimizer, self.algorithm,
-                                                                            self.store)
+        if self.colocation is not None:
+            self.colocation.check(self.replicas, self.device)
+        if self.tc.world_size > 1:  # the driver's optimizer carries only the state the ranks start from
+            self.ranks = RankGroup(cfg, self.cluster.model, os.path.join(self.out_dir, "rank_state"), self.log).start(
+                self.policy, self.optimizer, self.algorithm, self.store, self._sharded_optimizer)
         self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
@@ -192,7 +205,8 @@ class FlowGRPOTrainer:
             if self.step_done == 0 and not self.resume_from:
                 self.validate("before")
             while self.step_done < last:
-                m = self.step(self.step_done + 1)
+                with self.memory.naming_oom():  # which stage ran out of device memory, and what to change
+                    m = self.step(self.step_done + 1)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", dev=m["ratio_max_abs_dev"])
@@ -237,16 +251,21 @@ class FlowGRPOTrainer:
         finished = [m.get("generate_finished_at") or span[1] for m in out.meta_info.get("metrics", [])]
         last_gen = max(finished) if finished else span[1]
         out, versions, stale = self._fresh(step, out)
+        self.memory.add_replicas(self.replicas)  # the rollout's peak memory, in the replicas' processes
         rewards = out.batch["rm_scores"][:, 0].float()
         adv = self.algorithm.advantages(rewards, list(out.non_tensor_batch["uid"]))
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
-        if tc.gradient_checkpointing and not self._checkpointing:  # in the mode the rollout recorded
+        traj, advantages = traj.to(self.device), adv.advantages.to(self.device)  # (ranks: the driver's is the CPU)
+        if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
             from omniroll.train.policy import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
+        sleep_s = self.colocation.sleep(self.replicas) if self.colocation is not None else None
         t_move = time.time()
-        before = snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
+        self.memory.begin()  # the recompute stage: the trainer's passes before its first optimizer update
+        before = (snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
+                  if self.ranks is None else None)  # ranks measure it on their shards
         t1 = time.time()
         uids = list(out.non_tensor_batch["uid"])
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
@@ -255,23 +274,30 @@ class FlowGRPOTrainer:
                           signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0)
         if self.ranks is None:  # the update in this process
             prepared = self.algorithm.prepare(self.policy, traj, plan)  # its anchors (behaviour, proximal, timesteps)
+        t_prep = time.time()
+        self.memory.end("recompute")
         with self.interrupts.critical():
             if self.ranks is None:
-                stats = train_on_batch(self.policy, self.optimizer, self.algorithm, traj, adv.advantages, plan,
+                stats = train_on_batch(self.policy, self.optimizer, self.algorithm, traj, advantages, plan,
                                        num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
                 after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
+                self.memory.end("update")
             else:  # world_size > 1: the ranks' update (train/distributed.py); this process adopts rank 0's state
-                res = self.ranks.update(traj, adv.advantages, uids, plan)
-                adopt_rank0(res, self.policy, self.optimizer, self.algorithm)  # the completed step, whole
+                res = self.ranks.update(traj, advantages, uids, plan)
+                adopt_rank0(res, self.policy, self.algorithm)  # the trained weights (the ranks keep the optimizer)
                 prepared, stats, after = res["prepared"], res["stats"], res["after"]
+                self.memory.add("update", res["peak_bytes"])
             t2 = time.time()
+            wake_s = self.colocation.wake(self.replicas) if self.colocation is not None else None
             prox_version = self.version
             self.store.record(step)
             self._sync(step)
+            self.memory.end("sync")
             self.step_done = step
             t3 = time.time()
-            move = policy_move(before, snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size),
-                               tc.clip_range)
+            move = (policy_move(before, snapshot(self.policy.adapter, traj, tc.policy_move_rows,
+                                                 tc.micro_batch_size), tc.clip_range)
+                    if self.ranks is None else res["move"])
             t4 = time.time()
             wall = t4 - t0
             m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
@@ -290,6 +316,10 @@ class FlowGRPOTrainer:
                  "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
                  "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall,
                  "policy_move_s": (t1 - t_move) + (t4 - t3)}
+            if sleep_s is not None:  # colocated replicas (train/colocation.py): sync_s without the wake before it
+                m.update(sleep_s=sleep_s, wake_s=wake_s, sync_s=m["sync_s"] - wake_s)
+            m.update(recompute_s=t_prep - t1 if self.ranks is None else res["recompute_s"],  # the anchors (in train_s)
+                     **self.memory.metrics())  # peak_mem_<stage>_gb where the device reports memory
             self.pipeline.forget_before(t0)
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
             self.tracker.log_step(m, out, total=self._last)  # the step line, metrics.jsonl, trackers (trainer.logger)
@@ -379,23 +409,25 @@ class FlowGRPOTrainer:
         return rec
 
     def save_checkpoint(self) -> str:
+        optimizer, files = ((self.optimizer.state_dict(), None) if self.ranks is None  # or the ranks' (rank.py)
+                            else self.ranks.optimizer_state(self.step_done))
         return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store, state={
-            "step": self.step_done, "version": self.version,
-            "optimizer": self.optimizer.state_dict(),
+            "step": self.step_done, "version": self.version, "optimizer": optimizer, "sharding": self.tc.sharding,
             "discarded_samples": self.discarded_samples, "mode": self.tc.mode,
             "config": self.config.model_dump(mode="json"), "algorithm": self.tc.algorithm,
             "algorithm_state": self.algorithm.state_dict(),
-            "tracking": self.tracker.state(self.step_done) if self.tracker else None})
+            "tracking": self.tracker.state(self.step_done) if self.tracker else None}, files=files)
 
     def _load(self, path: str) -> None:
         state = checkpoint.read_trainer_state(path)  # weights_only: a resume directory cannot run code
-        if state["mode"] != self.tc.mode:
-            raise ValueError(f"trainer.mode: the checkpoint {path} was trained with mode {state['mode']!r}")
-        if state.get("algorithm", "flow_grpo") != self.tc.algorithm:
-            raise ValueError(f"trainer.algorithm: the checkpoint {path} was trained with {state.get('algorithm')!r}")
+        checkpoint.check_resumable(state, self.tc, path)  # its mode, algorithm and sharding are this run's
         self.policy.load(path)
         self.algorithm.load_state_dict(state.get("algorithm_state") or {})
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.tc.sharding == "fsdp":  # the ranks load their shards themselves
+            sharded = state["optimizer"]["sharded"]
+            self._sharded_optimizer = os.path.join(path, sharded) if sharded else None
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step_done = int(state["step"])
         self.store.load(path, self.step_done)
         self.discarded_samples = int(state.get("discarded_samples", 0))

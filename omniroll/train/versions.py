@@ -142,7 +142,7 @@ def log_probs_under_versions(store: VersionStore, traj: TrajectoryBatch, version
                 for chunk in rows.split(micro_batch_size) if len(rows) else ():
                     got = getattr(recompute_log_probs(store.policy.adapter, traj.rows(chunk), k), field).float()
                     if out is None:
-                        out = torch.empty((B, W) + tuple(got.shape[1:]), dtype=torch.float32)
+                        out = torch.empty((B, W) + tuple(got.shape[1:]), dtype=torch.float32, device=got.device)
                     out[chunk, k] = got
     return out if out is not None else torch.empty(B, W, dtype=torch.float32)
 

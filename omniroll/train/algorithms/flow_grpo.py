@@ -72,7 +72,7 @@ class FlowGRPO(Algorithm):
         """pi_prox of every row and step: rows seen after the first update, and the check rows (whose anchor is a
         true no-grad recompute, so ratio_max_abs_dev measures it), now; the others in the first pass (NaN here)."""
         B, W = len(rows), rows.num_steps
-        prox = torch.full((B, W), float("nan"))
+        prox = torch.full((B, W), float("nan"), device=rows.log_probs.device)
         first = rows_before_first_update(B, plan)
         need = sorted((set(range(B)) - first) | set(range(min(REPLAY_ROWS, B))))
         for chunk in torch.tensor(need, dtype=torch.long).split(plan.micro_batch_size) if need else ():

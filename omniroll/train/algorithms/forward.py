@@ -61,7 +61,8 @@ class ForwardProcessAlgorithm(Algorithm):
                chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(t [b], eps, x_t) of one loss term."""
         t = self.t_of[idx, term].float()
-        eps = torch.randn(mb.x0.shape, generator=term_generator(plan.seed, plan.step, epoch, chunk, term))
+        g = term_generator(plan.seed, plan.step, epoch, chunk, term)
+        eps = torch.randn(mb.x0.shape, generator=g).to(mb.x0.device)  # drawn on the CPU: the same on any device
         tv = t.view((-1,) + (1,) * (mb.x0.ndim - 1))
         return t, eps, (1 - tv) * mb.x0 + tv * eps
 

@@ -111,7 +111,7 @@ class NFT(ForwardProcessAlgorithm):
         d = old_decay(step, self.options.decay_type)
         with torch.no_grad():
             for o, p in zip(self.old, policy.parameters()):
-                o.copy_(o * d + p.detach() * (1 - d))
+                o.copy_(o * d + p.detach().to(o.device) * (1 - d))
         self.old_is_theta = d == 0.0  # o * 0 + p * 1 is p exactly
         return {"old_decay": d}
 
@@ -138,9 +138,10 @@ class NFT(ForwardProcessAlgorithm):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        return {"old": [t.clone() for t in self.old], "old_is_theta": self.old_is_theta} if self.old is not None else {}
+        return ({"old": [t.cpu().clone() for t in self.old], "old_is_theta": self.old_is_theta}
+                if self.old is not None else {})
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("old") is not None:
-            self.old = [t.clone() for t in state["old"]]
+            self.old = [t.to(self.adapter.device, copy=True) for t in state["old"]]  # on the policy's device
         self.old_is_theta = bool(state.get("old_is_theta", False))

@@ -69,7 +69,7 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
     for cps / dance_sde, s / sqrt(-dt) for sde (so, like flow_grpo, it omits |dt| for `sde`)."""
     B = mean.shape[0]
     sq = ((mean - ref_mean) ** 2).reshape(B, -1).mean(1)
-    is_sde = torch.tensor([t == "sde" for t in sde_type])
+    is_sde = torch.tensor([t == "sde" for t in sde_type], device=std.device)
     std_t = torch.where(is_sde, std / torch.sqrt(torch.clamp(-dt, min=1e-12)), std)
     return sq / (2 * torch.clamp(std_t, min=1e-12) ** 2)
 
@@ -104,6 +104,6 @@ def density_log_ratio_scale(std: torch.Tensor, sde_type: list[str], numel: int) 
     latent's `numel` elements, Flow-GRPO's convention, with the same std: it does not depend on the weights) to the log
     of their density ratio: numel for a Gaussian step (sde, dance_sde), numel / (2 std^2) for cps (whose recorded
     log-prob is minus the mean squared error)."""
-    cps = torch.tensor([t == "cps" for t in sde_type])
+    cps = torch.tensor([t == "cps" for t in sde_type], device=std.device)
     std = std.detach().double().reshape(-1)
     return torch.where(cps, numel / (2 * std.clamp(min=1e-12) ** 2), torch.full_like(std, float(numel)))
