@@ -68,7 +68,6 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     if advantages.shape != (B,):
         raise ValueError(f"advantages must be [{B}], got {tuple(advantages.shape)}")
     params = policy.parameters()
-    cap = getattr(algorithm.tc, "behaviour_weight_cap", float("inf"))
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
     b_sum, b_dev, capped, decoupled = 0.0, 0.0, 0, False
     updates = 0
@@ -115,7 +114,7 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                         decoupled = True
                         b_sum += float(terms.behaviour_ratio.double().sum())
                         b_dev = max(b_dev, float((terms.behaviour_ratio - 1.0).abs().max()))
-                        capped += int((terms.behaviour_ratio > cap).sum())
+                        capped += int(terms.behaviour_capped.sum())
                     total += len(idx)
                     approx.append(float(terms.approx_kl))
                     losses.append(float(terms.loss.detach()))

@@ -23,7 +23,7 @@ import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.forward import ForwardProcessAlgorithm
-from omniroll.train.algorithms.ppo import LossTerms
+from omniroll.train.algorithms.ppo import LossTerms, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -60,7 +60,6 @@ class AWM(ForwardProcessAlgorithm):
         policy_loss, ratio = awm_policy_loss(v, eps - mb.x0, t, adv / tc.adv_clip_max, o.weighting, o.huber_p,
                                              o.huber_eps)
         kl = self.kl_to_base(policy, mb, x_t, t, v)
-        kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
-        loss = policy_loss + tc.kl_beta * kl_term if kl is not None else policy_loss
+        loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio,
                          clipped=torch.zeros(len(mb), dtype=torch.bool), approx_kl=torch.zeros(()))

@@ -12,7 +12,8 @@ updates of positive advantages. GRPO-Guard adds the bias back and rescales by s:
 
 mu_old is the behaviour's transition mean, recomputed under the weight version that ran each window step (exactly the
 rollout's, by batch invariance). Rollout: Flow-SDE only (`algo.sde_type: sde`). Reference default clip_range 2e-6
-(verl-omni's recipe). With max_staleness >= 1 the behaviour is the anchor (no decoupled weight).
+(verl-omni's recipe). With max_staleness >= 1 the behaviour is the anchor (no decoupled weight), and
+`ratio_max_abs_dev` compares the behaviour's recompute with the recorded log-prob, as for every algorithm.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.flow_grpo import FlowGRPO
-from omniroll.train.algorithms.ppo import LossTerms
+from omniroll.train.algorithms.ppo import LossTerms, clipped_surrogate, with_kl
 from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
 from omniroll.train.versions import log_probs_under_versions
 
@@ -40,11 +41,8 @@ def guard_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: fl
                kl=None, kl_beta: float = 0.0) -> LossTerms:
     """The clipped surrogate on exp(log_ratio), divided by mean(sqrt_dt)^2 (the reference's step reweighting)."""
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.mean(torch.maximum(unclipped, clipped)) / sqrt_dt.mean() ** 2
-    kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
-    loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
+    policy_loss = torch.mean(clipped_surrogate(ratio, advantages, clip_range)) / sqrt_dt.mean() ** 2
+    loss, kl_term = with_kl(policy_loss, kl, kl_beta)
     d = log_ratio.detach()
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
                      clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
@@ -67,4 +65,9 @@ class GRPOGuard(FlowGRPO):
         old = view.log_probs[:, 0] if self.behaviour is None else self.behaviour[idx, steps]
         log_ratio = guard_log_ratio(out.log_prob, old, out.mean, self.old_mean[idx, steps], out.std)
         sqrt_dt = torch.sqrt(torch.clamp(view.sigmas[:, 0] - view.sigmas_next[:, 0], min=0.0))
-        return guard_loss(log_ratio, adv, self.tc.clip_range, sqrt_dt, self.kl(policy, view, out), self.tc.kl_beta)
+        terms = guard_loss(log_ratio, adv, self.tc.clip_range, sqrt_dt, self.kl(policy, view, out), self.tc.kl_beta)
+        if self.behaviour is not None:  # stale rows: the ratio's anchor is the behaviour, so the ratio also carries the
+            # policy's move since; ratio_max_abs_dev stays the exactness check every algorithm logs: the recompute
+            # under the behaviour's version against the recorded log-prob (0.0 on CPU)
+            terms.deviation = (torch.exp(old - view.log_probs[:, 0]) - 1.0).abs()
+        return terms

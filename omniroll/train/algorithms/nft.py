@@ -34,7 +34,7 @@ import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.forward import ForwardProcessAlgorithm
-from omniroll.train.algorithms.ppo import LossTerms
+from omniroll.train.algorithms.ppo import LossTerms, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -130,8 +130,7 @@ class NFT(ForwardProcessAlgorithm):
         policy_loss = nft_policy_loss(v, v_old, x_t, mb.x0, t, optimality_probability(adv, tc.adv_clip_max), o.beta,
                                       tc.adv_clip_max, o.adaptive_weight_min)
         kl = self.kl_to_base(policy, mb, x_t, t, v)
-        kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
-        loss = policy_loss + tc.kl_beta * kl_term if kl is not None else policy_loss
+        loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
         dev = (v.detach() - v_old).abs().reshape(len(mb), -1).amax(1)
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=None,
                          clipped=torch.zeros(len(mb), dtype=torch.bool), approx_kl=torch.zeros(()), deviation=dev)

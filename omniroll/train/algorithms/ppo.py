@@ -42,6 +42,7 @@ class LossTerms:
     clipped: torch.Tensor  # [B] bool: |ratio - 1| > clip_range
     approx_kl: torch.Tensor  # scalar: 0.5 mean((logp - old)^2)
     behaviour_ratio: torch.Tensor | None = None  # [B] pi_prox / pi_behaviour before truncation (decoupled PPO only)
+    behaviour_capped: torch.Tensor | None = None  # [B] bool: behaviour_ratio > behaviour_weight_cap (truncated)
     deviation: torch.Tensor | None = None  # [B]; None: |ratio - 1|
 
     def __post_init__(self):
@@ -49,15 +50,27 @@ class LossTerms:
             self.deviation = (self.ratio - 1.0).abs()
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """PPO-clip's surrogate per element, max(-A r, -A clip(r, 1 +- eps)): the one place every ratio loss takes it."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped)
+
+
+def with_kl(policy_loss: torch.Tensor, kl: Optional[torch.Tensor], kl_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL tail every algorithm shares: (loss, kl_term) with kl_term = mean(kl) (0 without one) and loss =
+    policy_loss + kl_beta * kl_term when there is a KL and kl_beta > 0, else policy_loss."""
+    kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
+    loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
+    return loss, kl_term
+
+
 def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float,
                   kl: torch.Tensor | None = None, kl_beta: float = 0.0) -> LossTerms:
     """flow_grpo's loss for one window step: mean(max(-A r, -A clip(r, 1 +- eps))) + beta * KL."""
     ratio = torch.exp(log_prob - old_log_prob)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.mean(torch.maximum(unclipped, clipped))
-    kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
-    loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
+    policy_loss = torch.mean(clipped_surrogate(ratio, advantages, clip_range))
+    loss, kl_term = with_kl(policy_loss, kl, kl_beta)
     d = (log_prob - old_log_prob).detach()
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
                      clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
@@ -88,15 +101,12 @@ def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, beha
     behaviour_ratio = torch.exp(log_w)
     w = behaviour_ratio.clamp(max=behaviour_weight_cap).to(log_prob.dtype)
     ratio = torch.exp(log_prob - prox_log_prob)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.mean(w * torch.maximum(unclipped, clipped))
-    kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
-    loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
+    policy_loss = torch.mean(w * clipped_surrogate(ratio, advantages, clip_range))
+    loss, kl_term = with_kl(policy_loss, kl, kl_beta)
     d = (log_prob - prox_log_prob).detach()
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
                      clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d),
-                     behaviour_ratio=behaviour_ratio)
+                     behaviour_ratio=behaviour_ratio, behaviour_capped=behaviour_ratio > behaviour_weight_cap)
 
 
 def density_log_ratio_scale(std: torch.Tensor, sde_type: list[str], numel: int) -> torch.Tensor:
