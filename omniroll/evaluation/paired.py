@@ -93,6 +93,6 @@ def paired_table(cmp: dict, base_report: Mapping, new_report: Mapping, title: st
 
 
 def verdict_line(overall: Mapping) -> str:
-    """"<verdict>: U pictures fail -> pass, D pass -> fail, McNemar z = .. (|z| < 2: no detectable change)"."""
+    """"<verdict>: U pictures fail -> pass, D pass -> fail, McNemar z = .. (detectable at |z| >= 2)"."""
     return (f"{overall['verdict']}: {overall['up']} picture(s) fail -> pass, {overall['down']} pass -> fail of "
-            f"{overall['n']}, McNemar z = {overall['z']:+.2f} (|z| < {DETECTABLE_Z:g}: no detectable change)")
+            f"{overall['n']}, McNemar z = {overall['z']:+.2f} (detectable at |z| >= {DETECTABLE_Z:g})")
