@@ -156,3 +156,19 @@ def test_the_checker_agrees_on_the_shipped_vaes_reconstructions():
     assert 10 * np.log10(255.0 ** 2 / np.mean((rec.astype(np.float64) - pics) ** 2)) > 30  # PSNR, dB
     report = Report.from_rows(score_pictures(caps, list(rec)))
     assert report.overall["strict"] >= 0.97 and min(c["strict"] for c in report.categories.values()) >= 0.9
+
+
+def test_eval_of_a_checkpoint_trained_on_another_model_names_that_model(tmp_path, tiny_sd3_path, capsys):
+    """A LoRA checkpoint of the tiny model evaluated on the shapes model: one line naming the model it was trained on
+    (it was "internal error: LoRABindError")."""
+    from omniroll.cli import main
+    from tests.test_export import write_run
+
+    run = write_run(tmp_path / "run", tiny_sd3_path, "lora")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a circle\n")
+    rc = main(["eval", "--model", "shapes", "--checkpoint", run, "--prompts", str(prompts), "--seeds", "1",
+               "--baseline", "none", "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "internal error" not in err
+    assert "does not fit this model" in err and f"--model {tiny_sd3_path}" in err

@@ -124,9 +124,8 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     write the files; returns the report's dict with `table`, `seconds`, `files` and `evaluation` (the pictures).
     With `baseline` (another call's result at the same prompts and seeds): also `paired` and `paired_table`, the
     flipped pictures framed in the grid and drawn in `flips.png`."""
-    import torch
 
-    from omniroll.engine.config import EngineConfig
+    from omniroll.engine.config import EngineConfig, torch_dtype
     from omniroll.engine.engine import DiffusionEngine
     from omniroll.evaluation.checkpoints import add_lora_checkpoint, checkpoint_kind, load_full_weights
     from omniroll.evaluation.paired import flips, paired, paired_table
@@ -134,7 +133,7 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     from omniroll.models import load_adapter
 
     kwargs = cfg.engine.engine_kwargs()
-    kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    kwargs["dtype"] = torch_dtype(kwargs["dtype"])
     adapter = load_adapter(model, device=kwargs["device"], dtype=kwargs["dtype"])
     kind = checkpoint_kind(checkpoint) if checkpoint is not None else None
     if kind == "full":
