@@ -61,6 +61,7 @@ LAYER_NOTES = {"sampling": "fp32 SDE / CPS / ODE steps, windows, seeds", "tasks"
                "agent_loop": "the specification's agent loop", "trajectory_file": "the batch on disk",
                "evaluation": "GenEval on the shapes world", "run_rollout": "a rollout batch from Python",
                "train": "the trainer, one file per algorithm",
+               "export": "a checkpoint as files diffusers loads",
                "integrations": "verl / VeRL-Omni", "cli": "one module per command", "http": "omniroll serve"}
 
 
