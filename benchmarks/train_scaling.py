@@ -51,7 +51,7 @@ def main() -> None:
     from omniroll.sampling.seeds import batch_prompt_uid
     from omniroll.train import FlowGRPOTrainer
     from omniroll.train.algorithms import UpdatePlan
-    from omniroll.train.distributed import RankGroup, adopt_weights
+    from omniroll.train.parallel.distributed import RankGroup, adopt_weights
     from omniroll.train.update import train_on_batch
     from omniroll.train.versions import step_versions
 

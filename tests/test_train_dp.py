@@ -50,7 +50,7 @@ def run(cfg, out, **kw):
 
 
 def test_shards_are_whole_prompt_groups_and_global_steps_count_every_rank():
-    from omniroll.train.shard import rows_per_update, shard_by_groups
+    from omniroll.train.parallel.shard import rows_per_update, shard_by_groups
 
     uids = [0, 0, 3, 3, 3, 1, 1, 2, 2]  # groups in order of first appearance: 0, 3, 1, 2
     assert shard_by_groups(uids, 2) == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
@@ -167,7 +167,7 @@ def test_ranks_on_two_nodes_a_killed_rank_ends_the_run_in_one_line_naming_it(two
     import ray
 
     from omniroll.train import FlowGRPOTrainer
-    from omniroll.train.distributed import TrainerRankError
+    from omniroll.train.parallel.distributed import TrainerRankError
 
     cfg = dp_config(tiny_sd3_path, 2, placement="spread", resources={"num_cpus": 0, "custom": {"rank_slot": 1}},
                     checkpoint_every=0)

@@ -64,7 +64,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from omniroll.cli import CommandFailed
-    from omniroll.train.distributed import TrainerRankError
+    from omniroll.train.parallel.distributed import TrainerRankError
     from omniroll.train.colocation import ColocationError
     from omniroll.train.signal_check import NoLearningSignal
     from omniroll.train.stage_memory import StageOutOfMemory

@@ -166,7 +166,7 @@ class TrainerSection(_Strict):
                                "under the weight version that ran each window step")
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=1e6, description="truncation of the importance weight "
                                         "pi_prox / pi_behaviour per window step (>= 1, so K = 0 is exact)")
-    # the data-parallel update (docs/training/data_parallel.md; omniroll/train/distributed.py)
+    # the data-parallel update (docs/training/data_parallel.md; omniroll/train/parallel/distributed.py)
     world_size: int = Field(1, ge=1, le=1024, description="trainer ranks that run each step's update, in [1, 1024] "
                             "and <= prompts_per_step (a rank trains whole prompt groups); 1: the update runs in the "
                             "trainer's own process, as always; N > 1: N Ray actors in one torch.distributed group")

@@ -315,8 +315,9 @@ class Policy:
         return [(n, p) for n, p in self.denoiser.named_parameters() if p.requires_grad]
 
     def pin_parameters(self) -> None:
-        """From now on the trained parameters are the denoiser's current ones: FSDP2 (train/fsdp.py) registers its
-        gathered copies on the module around forwards, and the trained ones are its sharded parameters."""
+        """From now on the trained parameters are the denoiser's current ones: FSDP2 (train/parallel/fsdp.py)
+        registers its gathered copies on the module around forwards, and the trained ones are its sharded
+        parameters."""
         self._pinned = [(n, p) for n, p in self.denoiser.named_parameters() if p.requires_grad]
 
     def weights_to_send(self) -> torch.nn.Module:

@@ -5,7 +5,7 @@ One step (`step`, top to bottom): (1) roll out `prompts_per_step` prompts x `n` 
 `AgentLoopManager` with the algorithm's sampling overrides (replicas are Ray actors; rewards stream while generation
 runs); (2) the algorithm's advantages per prompt group; (3) its anchors (`prepare`), then inner epochs over shuffled
 micro-batches and its loss terms (`train/update.py`; with `trainer.world_size` N > 1 on N ranks, each a shard of whole
-prompt groups: `train/distributed.py`); (4) push the weights the replicas sample with to every replica through
+prompt groups: `train/parallel/distributed.py`); (4) push the weights the replicas sample with to every replica through
 `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
 
 A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
@@ -34,9 +34,9 @@ from omniroll.train import checkpoint, tracking
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
 from omniroll.train.colocation import Colocation
-from omniroll.train.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
+from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.policy import Policy
 from omniroll.train.policy_move import policy_move, snapshot
 from omniroll.train.reward_curve import plot_rewards
@@ -99,7 +99,8 @@ class FlowGRPOTrainer:
         from omniroll.agent_loop.cluster import RolloutCluster
 
         cfg = self.config
-        self.device = trainer_device(cfg) if self.tc.world_size == 1 else "cpu"  # ranks: their own (train/rank.py)
+        # the ranks compute on their own device (train/parallel/rank.py)
+        self.device = trainer_device(cfg) if self.tc.world_size == 1 else "cpu"
         check_device_here(self.device, trainer_dtype(cfg))  # before anything loads
         if self.tc.num_threads is not None:  # restored by close()
             self._threads_before = torch.get_num_threads()
@@ -282,7 +283,7 @@ class FlowGRPOTrainer:
                                        num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
                 after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
                 self.memory.end("update")
-            else:  # world_size > 1: the ranks' update (train/distributed.py); this process adopts rank 0's state
+            else:  # world_size > 1: the ranks' update (parallel/distributed.py); this process adopts rank 0's state
                 res = self.ranks.update(traj, advantages, uids, plan)
                 adopt_rank0(res, self.policy, self.algorithm)  # the trained weights (the ranks keep the optimizer)
                 prepared, stats, after = res["prepared"], res["stats"], res["after"]
@@ -409,7 +410,7 @@ class FlowGRPOTrainer:
         return rec
 
     def save_checkpoint(self) -> str:
-        optimizer, files = ((self.optimizer.state_dict(), None) if self.ranks is None  # or the ranks' (rank.py)
+        optimizer, files = ((self.optimizer.state_dict(), None) if self.ranks is None  # or the ranks' (parallel/)
                             else self.ranks.optimizer_state(self.step_done))
         return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store, state={
             "step": self.step_done, "version": self.version, "optimizer": optimizer, "sharding": self.tc.sharding,
