@@ -44,7 +44,7 @@ def run(name: str, args, seed: int, out_dir: str) -> dict:
     from omniroll.config import load_config
     from omniroll.evaluation.paired import common_pictures, paired
     from omniroll.train import FlowGRPOTrainer
-    from omniroll.train.tracking import read_jsonl
+    from omniroll.train.report.tracking import read_jsonl
 
     overrides = [f"seed={seed}", f"trainer.seed={seed}", "trainer.checkpoint_every=0", "trainer.val_every=0",
                  "trainer.log_images_every=0", "trainer.logger=[jsonl]"]

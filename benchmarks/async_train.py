@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                 f"{d['mean']:+.4f} +- {d['std']:.4f}" if d else ""]
         per = " ".join(f"{v:+.4f}" for v in (d or rec["after"])["per_seed"].values())
         print(f"{m:<14} {cols[0]:>18} {cols[1]:>20} {cols[2]:>20}   {per}")
-    from omniroll.train.reward_curve import plot_reward_curves
+    from omniroll.train.report.reward_curve import plot_reward_curves
 
     labels = {"synchronous": "synchronous", "async": "max_staleness 1", "async_partial": "max_staleness 1 + partial",
               "sync_reseed": f"synchronous, trainer.seed + {RESEED}"}

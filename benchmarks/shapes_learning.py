@@ -49,7 +49,7 @@ def run(mode: str, args, seed: int, out_dir: str) -> dict:
     """One run: its step records, its evaluation records (each with the training seconds and samples before it)."""
     from omniroll.config import load_config
     from omniroll.train import FlowGRPOTrainer
-    from omniroll.train.tracking import read_jsonl
+    from omniroll.train.report.tracking import read_jsonl
 
     overrides = [f"seed={seed}", f"trainer.seed={seed}", "trainer.checkpoint_every=0"]
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]

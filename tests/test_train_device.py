@@ -160,8 +160,8 @@ def test_colocated_replicas_sleep_around_every_update_and_change_nothing(ray_clu
 def test_peak_memory_per_stage_where_the_device_reports_it(monkeypatch):
     """The CPU reports no memory: no peak_mem_* keys. A (mocked) GPU: the peak of each stage, the replicas' rollout
     peak and a rank's update peak folded in, in GiB, and the step line shows them."""
-    from omniroll.train.stage_memory import StageMemory
-    from omniroll.train.tracking import format_step, tracker_name
+    from omniroll.train.report.stage_memory import StageMemory
+    from omniroll.train.report.tracking import format_step, tracker_name
 
     cpu = StageMemory("cpu")
     cpu.begin()
@@ -190,7 +190,7 @@ def test_peak_memory_per_stage_where_the_device_reports_it(monkeypatch):
 
 def test_out_of_memory_names_the_stage_and_what_to_change():
     """A device out of memory in the trainer's process: one error naming the stage in progress and its keys."""
-    from omniroll.train.stage_memory import StageMemory, StageOutOfMemory
+    from omniroll.train.report.stage_memory import StageMemory, StageOutOfMemory
 
     mem = StageMemory("cpu")
     mem.begin()

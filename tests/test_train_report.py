@@ -97,7 +97,7 @@ def test_steps_and_validations_report_every_reward_function_and_extra_and_the_gr
 
     # the grid: 2 prompts x val_kwargs.n 2 pictures of 32 px, upscaled to 64, each over a caption band of dark text
     grid = np.asarray(Image.open(os.path.join(out, "val_before.png")).convert("L"))
-    from omniroll.train.val_grid import MIN_CELL
+    from omniroll.train.report.val_grid import MIN_CELL
 
     cell_h = grid.shape[0] // 2
     assert grid.shape[1] == 2 * MIN_CELL and cell_h > 64

@@ -5,7 +5,7 @@ Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns),
 forward-process rollout), `recompute_log_probs` (the rollout's log-prob under the current weights, with autograd,
 bitwise equal with the rollout's weights), `group_advantages`, `ppo_clip_loss`, `decoupled_ppo_loss` (the
 asynchronous trainer's off-policy loss), `kl_to_reference`, `Policy`, and `FlowGRPOTrainer` for the whole loop. `NoLearningSignal`: what `FlowGRPOTrainer.train` raises when every GRPO group
-has been tied for `trainer.signal_check.stop_after_tied_steps` steps (`LearningSignalCheck`, signal_check.py).
+has been tied for `trainer.signal_check.stop_after_tied_steps` steps (`LearningSignalCheck`, report/signal_check.py).
 """
 
 from omniroll.train.policy import (Policy, TrajectoryBatch, enable_gradient_checkpointing, execution_mode,
@@ -13,7 +13,7 @@ from omniroll.train.policy import (Policy, TrajectoryBatch, enable_gradient_chec
 from omniroll.train.advantages import Advantages, group_advantages
 from omniroll.train.algorithms.ppo import LossTerms, decoupled_ppo_loss, kl_to_reference, ppo_clip_loss
 from omniroll.train.clean_batch import CleanBatch
-from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
+from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
 
 __all__ = [
     "Advantages", "LossTerms", "group_advantages", "kl_to_reference", "ppo_clip_loss", "decoupled_ppo_loss",

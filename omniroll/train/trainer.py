@@ -30,7 +30,7 @@ from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.config.device import check_device_here, gradient_checkpointing, trainer_device, trainer_dtype
 from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
-from omniroll.train import checkpoint, tracking
+from omniroll.train import checkpoint
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
 from omniroll.train.colocation import Colocation
@@ -38,15 +38,16 @@ from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metri
 from omniroll.train.interrupts import DeferredInterrupt
 from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.policy import Policy
-from omniroll.train.policy_move import policy_move, snapshot
-from omniroll.train.reward_curve import plot_rewards
-from omniroll.train.task_eval import TaskEvaluation
-from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
-from omniroll.train.stage_memory import StageMemory
-from omniroll.train.tracking import Tracker
+from omniroll.train.report import tracking
+from omniroll.train.report.policy_move import policy_move, snapshot
+from omniroll.train.report.reward_curve import plot_rewards
+from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
+from omniroll.train.report.stage_memory import StageMemory
+from omniroll.train.report.task_eval import TaskEvaluation
+from omniroll.train.report.tracking import Tracker
+from omniroll.train.report.validation import run_validation
 from omniroll.train.update import train_on_batch
 from omniroll.train.versions import VersionStore, off_policy_metrics, rows_ahead, stale_rows, step_versions
-from omniroll.train.validation import run_validation
 
 
 class WeightVersionError(RuntimeError):
@@ -265,7 +266,7 @@ class FlowGRPOTrainer:
         sleep_s = self.colocation.sleep(self.replicas) if self.colocation is not None else None
         t_move = time.time()
         self.memory.begin()  # the recompute stage: the trainer's passes before its first optimizer update
-        before = (snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
+        before = (snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # report/policy_move.py
                   if self.ranks is None else None)  # ranks measure it on their shards
         t1 = time.time()
         uids = list(out.non_tensor_batch["uid"])
@@ -401,8 +402,8 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
-        """The validation grid, validation.jsonl, the trackers and one line (`train/validation.py`); with
-        `trainer.evaluation`, the task evaluation too (`train/task_eval.py`)."""
+        """The validation grid, validation.jsonl, the trackers and one line (`train/report/validation.py`); with
+        `trainer.evaluation`, the task evaluation too (`train/report/task_eval.py`)."""
         rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
                              self.step_done, self.tracker, self.log)
         if self.task_eval is not None:

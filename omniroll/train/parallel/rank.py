@@ -31,7 +31,7 @@ from omniroll.sampling.seeds import rank_seed
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.parallel import fsdp
 from omniroll.train.policy import Policy
-from omniroll.train.policy_move import policy_move, snapshot
+from omniroll.train.report.policy_move import policy_move, snapshot
 from omniroll.train.update import GradientShare, train_on_batch
 from omniroll.train.versions import VersionStore
 
