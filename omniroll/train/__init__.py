@@ -8,8 +8,10 @@ asynchronous trainer's off-policy loss), `kl_to_reference`, `Policy`, and `FlowG
 has been tied for `trainer.signal_check.stop_after_tied_steps` steps (`LearningSignalCheck`, report/signal_check.py).
 """
 
-from omniroll.train.policy import (Policy, TrajectoryBatch, enable_gradient_checkpointing, execution_mode,
-                                   recompute_log_probs, trajectory_velocity)
+from omniroll.engine.execution import execution_mode
+from omniroll.train.policy import Policy
+from omniroll.train.recompute import enable_gradient_checkpointing, recompute_log_probs, trajectory_velocity
+from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.advantages import Advantages, group_advantages
 from omniroll.train.algorithms.ppo import LossTerms, decoupled_ppo_loss, kl_to_reference, ppo_clip_loss
 from omniroll.train.clean_batch import CleanBatch

@@ -259,7 +259,7 @@ class FlowGRPOTrainer:
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
         traj, advantages = traj.to(self.device), adv.advantages.to(self.device)  # (ranks: the driver's is the CPU)
         if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
-            from omniroll.train.policy import enable_gradient_checkpointing
+            from omniroll.train.recompute import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True

@@ -180,7 +180,7 @@ class TrainerRank:
         plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store,
                        halves=None if self.sharded else halves)
         if self.checkpointing_due and len(rows):
-            from omniroll.train.policy import enable_gradient_checkpointing
+            from omniroll.train.recompute import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, rows.execution)
             self.checkpointing_due = False
