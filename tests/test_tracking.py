@@ -138,7 +138,7 @@ def test_resume_never_unpickles_code_and_old_states_fail_clearly(tmp_path, monke
     from omniroll.cli import main
     from omniroll.train import trainer
 
-    monkeypatch.setattr(trainer.FlowGRPOTrainer, "start", lambda self: pytest.fail("started despite a bad --resume"))
+    monkeypatch.setattr(trainer.Trainer, "start", lambda self: pytest.fail("started despite a bad --resume"))
     cfg_file = tmp_path / "train.yaml"
     cfg_file.write_text(yaml.safe_dump(train_config(tiny_sd3_path).model_dump(mode="json")))
     ckpt = tmp_path / "ckpt"
@@ -164,7 +164,7 @@ def test_a_tracker_that_is_not_installed_fails_before_anything_with_its_pip_comm
     from omniroll.cli import main
     from omniroll.train import trainer
 
-    monkeypatch.setattr(trainer.FlowGRPOTrainer, "start", lambda self: pytest.fail("started without wandb"))
+    monkeypatch.setattr(trainer.Trainer, "start", lambda self: pytest.fail("started without wandb"))
     monkeypatch.setitem(sys.modules, "wandb", None)  # how Python marks a module that cannot be imported
     cfg_file = tmp_path / "train.yaml"
     cfg_file.write_text(yaml.safe_dump(train_config(tiny_sd3_path, logger=["console", "wandb"]).model_dump(

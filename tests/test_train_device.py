@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omniroll.config import ConfigError, load_config
-from omniroll.train import FlowGRPOTrainer
+from omniroll.train import Trainer
 
 PROMPTS = ["a blue car", "a green bird", "a green car", "a blue bird"]
 
@@ -61,7 +61,7 @@ def test_cuda_where_there_is_none_is_refused_before_anything_starts(tiny_sd3_pat
     was = ray.is_initialized()
     cfg = train_config(tiny_sd3_path, device="cuda")  # valid as a config: the machine decides
     with pytest.raises(ValueError, match=r"trainer\.device: cuda asked, but torch sees no CUDA device here"):
-        FlowGRPOTrainer(cfg, str(tmp_path / "run"), log=lambda s: None).start()
+        Trainer(cfg, str(tmp_path / "run"), log=lambda s: None).start()
     assert ray.is_initialized() == was and not (tmp_path / "run").exists()
 
 
@@ -109,7 +109,7 @@ def test_bf16_policy_keeps_fp32_weights_optimizer_state_and_log_probs(tiny_sd3_p
     assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
-class RecordingTrainer(FlowGRPOTrainer):
+class RecordingTrainer(Trainer):
     """A trainer that keeps every rollout it trains on."""
 
     def __init__(self, *args, **kw):

@@ -1,5 +1,5 @@
 """`omniroll train --config CFG --out DIR [--steps N] [--resume DIR]`: `trainer.algorithm` (Flow-GRPO by default;
-GRPO-Guard, DanceGRPO, DiffusionNFT, AWM) on local Ray (`FlowGRPOTrainer`).
+GRPO-Guard, DanceGRPO, DiffusionNFT, AWM) on local Ray (`Trainer`).
 
 The config (with its `trainer` section) is validated before Ray starts: a bad key fails at once, named. One line per
 step above a progress bar over steps (the bar only on a terminal: in a log file, one clean line per step). Trackers:
@@ -68,13 +68,13 @@ def run(args) -> int:
     from omniroll.train.colocation import ColocationError
     from omniroll.train.report.signal_check import NoLearningSignal
     from omniroll.train.report.stage_memory import StageOutOfMemory
-    from omniroll.train.trainer import FlowGRPOTrainer
+    from omniroll.train.trainer import Trainer
 
     def log(line: str) -> None:
         tqdm.write(line, file=sys.stdout)
         sys.stdout.flush()
 
-    trainer = FlowGRPOTrainer(cfg, args.out, resume=args.resume, log=log)
+    trainer = Trainer(cfg, args.out, resume=args.resume, log=log)
     try:
         with trainer:
             trainer.train(args.steps, progress=bar)

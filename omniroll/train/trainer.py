@@ -1,4 +1,4 @@
-"""`FlowGRPOTrainer`: the training loop, end to end on omniroll's public pieces, for every algorithm of
+"""`Trainer`: the training loop, end to end on omniroll's public pieces, for every algorithm of
 `trainer.algorithm` (omniroll/train/algorithms/: Flow-GRPO by default; the loop never branches on the name).
 
 One step (`step`, top to bottom): (1) roll out `prompts_per_step` prompts x `n` samples through the
@@ -54,7 +54,7 @@ class WeightVersionError(RuntimeError):
     """A sample was generated with weights the trainer never pushed, or a weight sync failed."""
 
 
-class FlowGRPOTrainer:
+class Trainer:
     """config: an OmniRollConfig (or a path / dict) with a `trainer` section. out_dir: metrics.jsonl, reward_curve.png,
     validation grids, checkpoints. resume: a run directory or one of its checkpoint directories."""
 
@@ -94,7 +94,7 @@ class FlowGRPOTrainer:
         self._sharded_optimizer: Optional[str] = None  # a resumed fsdp run's optimizer directory (the ranks load it)
 
     # ------------------------------------------------------------------ setup / teardown
-    def start(self) -> "FlowGRPOTrainer":
+    def start(self) -> "Trainer":
         import ray
 
         from omniroll.agent_loop.cluster import RolloutCluster
@@ -180,7 +180,7 @@ class FlowGRPOTrainer:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
 
-    def __enter__(self) -> "FlowGRPOTrainer":
+    def __enter__(self) -> "Trainer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -439,3 +439,7 @@ class FlowGRPOTrainer:
     def history_all(self) -> list[dict]:
         """Every step's metrics in this out_dir (a resumed run appends to them)."""
         return tracking.step_records(self.out_dir)
+
+
+#: the trainer's name from when it ran Flow-GRPO only, kept so that existing code keeps working
+FlowGRPOTrainer = Trainer

@@ -2,7 +2,7 @@
 `TrainerRank` Ray actors (omniroll/train/parallel/rank.py), placed by `trainer.placement` / `trainer.resources` (one
 placement-group bundle each, the replicas' rules), in one torch.distributed process group.
 
-The driver (`FlowGRPOTrainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
+The driver (`Trainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
 weight push. Each step `update` splits the batch by whole prompt groups (omniroll/train/parallel/shard.py), ships every
 rank its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights
 and algorithm state, which the driver adopts (it pushes the weights to the replicas). The optimizer state stays with the
