@@ -43,8 +43,8 @@ def run(name: str, args, seed: int, out_dir: str) -> dict:
     categories, paired), training seconds and samples."""
     from omniroll.config import load_config
     from omniroll.evaluation.paired import common_pictures, paired
-    from omniroll.train import FlowGRPOTrainer
-    from omniroll.train.tracking import read_jsonl
+    from omniroll.train import Trainer
+    from omniroll.train.report.tracking import read_jsonl
 
     overrides = [f"seed={seed}", f"trainer.seed={seed}", "trainer.checkpoint_every=0", "trainer.val_every=0",
                  "trainer.log_images_every=0", "trainer.logger=[jsonl]"]
@@ -57,7 +57,7 @@ def run(name: str, args, seed: int, out_dir: str) -> dict:
     os.chdir(ROOT)  # the recipes name their prompt files relative to the repository
     try:
         cfg = load_config(recipe(name), overrides=overrides)
-        with FlowGRPOTrainer(cfg, out_dir, log=print if args.verbose else (lambda s: None)) as tr:
+        with Trainer(cfg, out_dir, log=print if args.verbose else (lambda s: None)) as tr:
             tr.train()
         guidances = cfg.evaluation_guidances()
     finally:

@@ -46,7 +46,7 @@ def run(mode: str, args, seed: int, out_dir: str) -> tuple[list[dict], dict[str,
     """One run: its step metrics and its validation reward before and after training ({"before", "after"}: the
     mean reward of `--val-n` ODE images per validation prompt at fixed seeds, the same for every mode)."""
     from omniroll.config import load_config
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     trainer_seed = seed + RESEED if mode == "sync_reseed" else seed
     overrides = [f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", "trainer.val_every=0",
@@ -54,7 +54,7 @@ def run(mode: str, args, seed: int, out_dir: str) -> tuple[list[dict], dict[str,
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
     cfg = load_config(args.config, overrides=overrides)
     log = print if args.verbose else (lambda s: None)
-    with FlowGRPOTrainer(cfg, out_dir, log=log) as tr:
+    with Trainer(cfg, out_dir, log=log) as tr:
         hist = tr.train(args.steps)
     with open(os.path.join(out_dir, "validation.jsonl")) as f:
         val = {rec["tag"]: rec["val_reward_mean"] for rec in map(json.loads, f)}
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                 f"{d['mean']:+.4f} +- {d['std']:.4f}" if d else ""]
         per = " ".join(f"{v:+.4f}" for v in (d or rec["after"])["per_seed"].values())
         print(f"{m:<14} {cols[0]:>18} {cols[1]:>20} {cols[2]:>20}   {per}")
-    from omniroll.train.reward_curve import plot_reward_curves
+    from omniroll.train.report.reward_curve import plot_reward_curves
 
     labels = {"synchronous": "synchronous", "async": "max_staleness 1", "async_partial": "max_staleness 1 + partial",
               "sync_reseed": f"synchronous, trainer.seed + {RESEED}"}

@@ -15,7 +15,7 @@ Phases (only the last two are counted):
 - sample: one rollout batch of 1 prompt x n=2 as `omniroll rollout` runs it (`examples/rollout.yaml`, one replica):
   `AgentLoopManager.generate_sequences_async` -> agent-loop worker -> routing client -> replica -> engine (caller
   thread and loop thread) -> model adapter and sampling -> reward worker -> the assembled batch.
-- step: `FlowGRPOTrainer.step(2)` (`examples/train.yaml`, 1 prompt per step, n=2): its rollout (as above), GRPO
+- step: `Trainer.step(2)` (`examples/train.yaml`, 1 prompt per step, n=2): its rollout (as above), GRPO
   advantages, recompute and update, the weight sync to the replica, the step line and metrics.jsonl.
 
 Counted like the house review (reference/house_review.md, appendix): entering a file means calling one of its
@@ -117,11 +117,11 @@ def run_sample(out_dir: str, n: int) -> None:
 
 def run_train_step(out_dir: str, n: int) -> None:
     from omniroll.config import load_config
-    from omniroll.train.trainer import FlowGRPOTrainer
+    from omniroll.train.trainer import Trainer
 
     cfg = load_config(os.path.join(REPO, "examples", "train.yaml"),
                       [f"n={n}", "trainer.prompts_per_step=1", "trainer.steps=2"])
-    trainer = FlowGRPOTrainer(cfg, os.path.join(out_dir, "train"), log=lambda msg: None)
+    trainer = Trainer(cfg, os.path.join(out_dir, "train"), log=lambda msg: None)
     try:
         trainer.start()
         trainer.step(1)  # warm-up: the optimizer's state, the replica's first LoRA update

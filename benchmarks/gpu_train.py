@@ -72,11 +72,11 @@ def mode_config(args, mode: str, model: str, gpus: int):
 
 def run_mode(args, mode: str, model: str, gpus: int) -> list[dict]:
     """One mode's steps: the figures of each (module doc)."""
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     out = os.path.join(args.out, mode)
     rows = []
-    with FlowGRPOTrainer(mode_config(args, mode, model, gpus), out, log=lambda s: None) as tr:
+    with Trainer(mode_config(args, mode, model, gpus), out, log=lambda s: None) as tr:
         for m in tr.train():
             rows.append({"mode": mode, "step": m["step"], "images_per_s": m["num_samples"] / max(m["rollout_s"], 1e-9),
                          "recompute_s": m["recompute_s"], "update_s": m["train_s"] - m["recompute_s"],

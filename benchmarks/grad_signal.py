@@ -46,7 +46,7 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
     from omniroll.agent_loop.batch import prompt_batch
     from omniroll.config import load_config
     from omniroll.sampling.seeds import batch_prompt_uid
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
     from omniroll.train.algorithms import UpdatePlan
     from omniroll.train.grad_signal import fit_snr, group_gradients, samples_for_cos
     from omniroll.train.versions import step_versions
@@ -55,7 +55,7 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
     t0 = time.time()
     log = print if verbose else (lambda s: None)
     grads = []
-    with tempfile.TemporaryDirectory() as tmp, FlowGRPOTrainer(cfg, tmp, log=log) as tr:
+    with tempfile.TemporaryDirectory() as tmp, Trainer(cfg, tmp, log=log) as tr:
         prompts = tr.prompts
         for b, step in enumerate(BATCH_STEPS):
             meta = {"global_steps": step, "rollout_seed": cfg.seed or 0}

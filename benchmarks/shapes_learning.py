@@ -2,7 +2,7 @@
 after training, per category, on the training prompts and on the held-out ones, over several seeds, for the
 synchronous trainer and the asynchronous one (`max_staleness: 1`, with and without `partial_rollout`).
 
-Every run is a fresh `FlowGRPOTrainer` on `--config` (default examples/shapes_flow_grpo.yaml, the full recipe) whose
+Every run is a fresh `Trainer` on `--config` (default examples/shapes_flow_grpo.yaml, the full recipe) whose
 `trainer.evaluation` evaluates both splits before the first step, every `trainer.val_every` steps and after the last
 (the ODE at fixed seeds: the same pictures for every mode and seed, so differences are the weights'). A seed sets the
 samples' noise (`seed`) and the trainer (`trainer.seed`); every mode runs every seed. Training time is the sum of the
@@ -48,8 +48,8 @@ def parse_seeds(text: str) -> list[int]:
 def run(mode: str, args, seed: int, out_dir: str) -> dict:
     """One run: its step records, its evaluation records (each with the training seconds and samples before it)."""
     from omniroll.config import load_config
-    from omniroll.train import FlowGRPOTrainer
-    from omniroll.train.tracking import read_jsonl
+    from omniroll.train import Trainer
+    from omniroll.train.report.tracking import read_jsonl
 
     overrides = [f"seed={seed}", f"trainer.seed={seed}", "trainer.checkpoint_every=0"]
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
@@ -59,7 +59,7 @@ def run(mode: str, args, seed: int, out_dir: str) -> dict:
     if cfg.trainer.evaluation is None:
         raise SystemExit(f"{args.config}: trainer.evaluation must be set (the benchmark reads its accuracies)")
     log = print if args.verbose else (lambda s: None)
-    with FlowGRPOTrainer(cfg, out_dir, log=log) as tr:
+    with Trainer(cfg, out_dir, log=log) as tr:
         tr.train()
     recs = read_jsonl(os.path.join(out_dir, "metrics.jsonl"))
     steps = [r for r in recs if "reward_mean" in r]

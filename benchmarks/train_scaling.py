@@ -49,16 +49,16 @@ def main() -> None:
     from _common import build_model
     from omniroll.agent_loop.batch import prompt_batch
     from omniroll.sampling.seeds import batch_prompt_uid
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
     from omniroll.train.algorithms import UpdatePlan
-    from omniroll.train.distributed import RankGroup, adopt_weights
+    from omniroll.train.parallel.distributed import RankGroup, adopt_weights
     from omniroll.train.update import train_on_batch
     from omniroll.train.versions import step_versions
 
     info = machine_info(args.threads)
     model = build_model(args.cache_dir, "tiny")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    trainer = FlowGRPOTrainer(config(args, model, 1), os.path.join(args.cache_dir, "bench-train-scaling"),
+    trainer = Trainer(config(args, model, 1), os.path.join(args.cache_dir, "bench-train-scaling"),
                               log=lambda s: None).start()
     ranks = None
     times: dict[int, list[float]] = {1: [], 2: []}

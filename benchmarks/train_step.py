@@ -1,4 +1,4 @@
-"""One Flow-GRPO training step: omniroll's `FlowGRPOTrainer` vs a flow_grpo-style sequential step.
+"""One Flow-GRPO training step: omniroll's `Trainer` vs a flow_grpo-style sequential step.
 
 (a) omniroll: rollout on a Ray replica through the AgentLoopManager with rewards streaming while generation runs, GRPO
     advantages, `train_on_batch` (recompute under the engine's batch-invariant mode), LoRA sync to the replica through
@@ -110,7 +110,7 @@ def main() -> None:
     import ray
 
     from _common import build_model
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     info = machine_info(args.threads)
     model = build_model(args.cache_dir, "tiny")
@@ -118,7 +118,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     runs = {"omniroll": [], "sequential": []}
     out_dir = os.path.join(args.cache_dir, "bench-train-step")
-    trainer = FlowGRPOTrainer(cfg, out_dir, log=lambda s: None).start()
+    trainer = Trainer(cfg, out_dir, log=lambda s: None).start()
     seq = Sequential(cfg, model)
     try:
         trainer.step(1)  # warm-up (first LoRA install, first Ray calls)

@@ -44,11 +44,11 @@ def state(ckpt):
 
 @pytest.mark.parametrize("algorithm", list(ALGOS))
 def test_each_algorithm_trains_exactly_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path, algorithm):
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     cfg = config(tiny_sd3_path, algorithm)
     straight = str(tmp_path / "straight")
-    with FlowGRPOTrainer(cfg, straight, log=lambda s: None) as tr:
+    with Trainer(cfg, straight, log=lambda s: None) as tr:
         hist = tr.train()
         batch = asyncio.run(tr._rollout(4))  # what its rollout returns (the replicas hold step 3's sampling weights)
         check_rollout_contract(tr, algorithm, batch)
@@ -71,7 +71,7 @@ def test_each_algorithm_trains_exactly_and_resumes_bitwise(ray_cluster, tiny_sd3
     shutil.rmtree(os.path.join(resumed, "checkpoints", "step_000003"))
     with open(os.path.join(resumed, "checkpoints", "latest"), "w") as f:
         f.write("step_000002\n")
-    with FlowGRPOTrainer(cfg, resumed, resume=resumed, log=lambda s: None) as tr:
+    with Trainer(cfg, resumed, resume=resumed, log=lambda s: None) as tr:
         tr.train()
     a, b = (os.path.join(d, "checkpoints", "step_000003") for d in (straight, resumed))
     wa, wb = weights(a), weights(b)

@@ -56,8 +56,8 @@ def test_lora_export_loads_with_load_lora_weights_and_matches_the_engine_bitwise
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from omniroll.train.export import export_source
-    from omniroll.train.export_check import check_export
+    from omniroll.export.write import export_source
+    from omniroll.export.check import check_export
 
     to = tmp_path / "lora"
     rc, out, err = export(capsys, lora_run, "--to", to, "--check")  # a run directory: its latest checkpoint
@@ -156,7 +156,7 @@ def test_other_families_export_a_lora_and_a_merge_their_pipeline_loads(family, t
 
     from omniroll.models import build_tiny
     from omniroll.models.base import load_pipeline
-    from omniroll.train.export import export_source, read_lora
+    from omniroll.export.write import export_source, read_lora
 
     model = build_tiny(family, str(tmp_path / family), seed=0)
     run = write_run(tmp_path / "run", model, "lora")

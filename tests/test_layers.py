@@ -11,7 +11,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "omniroll")
 LAYER = {"errors": 0, "files": 0, "library_warnings": 0, "media": 0, "ray_nodes": 0,
          "sampling": 1, "tasks": 1, "models": 2, "weights": 3, "engine": 4, "rollout": 5, "reward": 6,
          "config": 6.5, "agent_loop": 7, "trajectory_file": 7, "evaluation": 7.5, "run_rollout": 7.5, "train": 8,
-         "integrations": 9, "cli": 9, "http": 9}
+         "export": 8.5, "integrations": 9, "cli": 9, "http": 9}
 
 
 def imports_of(path: str):

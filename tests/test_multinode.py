@@ -211,7 +211,7 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_
     """The removed node holds a replica, the only reward worker and the only agent-loop worker (the case the issue 38
     run hit: with a second worker of each role on another node, as this test had, a node loss never needed more
     than the survivors). Ray restarts the two workers on other nodes; every sample comes back bitwise."""
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
     from omniroll.weights import WeightSender, WeightSyncError
 
     cluster, workers, ids = nodes
@@ -231,7 +231,7 @@ def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_
     cfg["agent"]["num_workers"] = cfg["reward"]["num_workers"] = 1
     cfg["trainer"] = {"prompts": prompts, "prompts_per_step": 3, "steps": 1, "micro_batch_size": 6, "num_threads": 1}
     lines = []
-    with FlowGRPOTrainer(load_config(cfg), str(tmp_path / "out"), log=lines.append) as tr:
+    with Trainer(load_config(cfg), str(tmp_path / "out"), log=lines.append) as tr:
         c = tr.cluster
         on_victim = [i for i, n in enumerate(c.replica_nodes) if n == victim.node_id]
         assert len(on_victim) == 1 and len(set(c.replica_nodes)) == 3

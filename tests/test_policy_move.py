@@ -1,6 +1,6 @@
-"""How far an update moved the policy (`omniroll.train.policy_move`), on real rollouts of the tiny SD3 for every SDE
-type: the snapshot is the rollout's own log-prob bitwise (its execution mode), unchanged weights move exactly 0.0, and
-`policy_kl` is the exact KL of the transition Gaussians (torch.distributions), which `kl_to_reference` gives for
+"""How far an update moved the policy (`omniroll.train.report.policy_move`), on real rollouts of the tiny SD3 for every
+SDE type: the snapshot is the rollout's own log-prob bitwise (its execution mode), unchanged weights move exactly 0.0,
+and `policy_kl` is the exact KL of the transition Gaussians (torch.distributions), which `kl_to_reference` gives for
 cps / dance_sde and times |dt| for sde. In the trainer (sync and async, LoRA and full; training unchanged):
 tests/test_train_report.py, tests/test_train.py."""
 
@@ -11,7 +11,7 @@ from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
 from omniroll.config import ConfigError, load_config
 from omniroll.train import TrajectoryBatch, kl_to_reference
 from omniroll.train.policy import Policy
-from omniroll.train.policy_move import policy_move, snapshot
+from omniroll.train.report.policy_move import policy_move, snapshot
 
 
 @pytest.fixture(scope="module")

@@ -30,14 +30,14 @@ def shapes_config(prompts_file, algo=SDE, **trainer):
 
 def test_training_evaluates_both_ends_and_omniroll_eval_reproduces_the_last(ray_cluster, tmp_path, capsys):
     from omniroll.cli import main
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a circle\nthree squares\na red circle\na circle left of a square\n")
     cfg = shapes_config(prompts)
     out = str(tmp_path / "run")
     lines = []
-    with FlowGRPOTrainer(cfg, out, log=lines.append) as tr:
+    with Trainer(cfg, out, log=lines.append) as tr:
         hist = tr.train()
     assert [m["ratio_max_abs_dev"] for m in hist] == [0.0, 0.0]
     steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"eval"' not in x]
@@ -73,7 +73,7 @@ def test_training_evaluates_both_ends_and_omniroll_eval_reproduces_the_last(ray_
 
 def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_numbers_beside(ray_cluster, tmp_path, capsys):
     from omniroll.cli import main
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a circle\nthree squares\n")
@@ -82,7 +82,7 @@ def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_number
     assert cfg.evaluation_guidances() == [1.0, 4.5]
     out = str(tmp_path / "run")
     lines = []
-    with FlowGRPOTrainer(cfg, out, log=lines.append) as tr:
+    with Trainer(cfg, out, log=lines.append) as tr:
         tr.train()
     after = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"eval"' in x][-1]
     assert {"eval/prompts_cfg1/strict", "eval/prompts_cfg4.5/strict", "eval/prompts_cfg1/paired_z",

@@ -1,7 +1,7 @@
-"""The learning-signal check (`omniroll.train.signal_check`) on step metrics: the tied-groups and reward-drop warnings
-come once per episode, the drop is measured in the reward's own spread (any sign, any scale), every group tied for N
-steps stops with `NoLearningSignal` naming the metrics, the causes and what to change; the config keys are validated.
-The trainer and CLI side (checkpoint, exit 1, one line per problem): tests/test_train_report.py."""
+"""The learning-signal check (`omniroll.train.report.signal_check`) on step metrics: the tied-groups and reward-drop
+warnings come once per episode, the drop is measured in the reward's own spread (any sign, any scale), every group tied
+for N steps stops with `NoLearningSignal` naming the metrics, the causes and what to change; the config keys are
+validated. The trainer and CLI side (checkpoint, exit 1, one line per problem): tests/test_train_report.py."""
 
 import pytest
 

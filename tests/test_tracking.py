@@ -138,7 +138,7 @@ def test_resume_never_unpickles_code_and_old_states_fail_clearly(tmp_path, monke
     from omniroll.cli import main
     from omniroll.train import trainer
 
-    monkeypatch.setattr(trainer.FlowGRPOTrainer, "start", lambda self: pytest.fail("started despite a bad --resume"))
+    monkeypatch.setattr(trainer.Trainer, "start", lambda self: pytest.fail("started despite a bad --resume"))
     cfg_file = tmp_path / "train.yaml"
     cfg_file.write_text(yaml.safe_dump(train_config(tiny_sd3_path).model_dump(mode="json")))
     ckpt = tmp_path / "ckpt"
@@ -164,7 +164,7 @@ def test_a_tracker_that_is_not_installed_fails_before_anything_with_its_pip_comm
     from omniroll.cli import main
     from omniroll.train import trainer
 
-    monkeypatch.setattr(trainer.FlowGRPOTrainer, "start", lambda self: pytest.fail("started without wandb"))
+    monkeypatch.setattr(trainer.Trainer, "start", lambda self: pytest.fail("started without wandb"))
     monkeypatch.setitem(sys.modules, "wandb", None)  # how Python marks a module that cannot be imported
     cfg_file = tmp_path / "train.yaml"
     cfg_file.write_text(yaml.safe_dump(train_config(tiny_sd3_path, logger=["console", "wandb"]).model_dump(
@@ -177,7 +177,7 @@ def test_a_tracker_that_is_not_installed_fails_before_anything_with_its_pip_comm
 
 
 def test_tracker_names_keep_unknown_keys_under_a_prefix():
-    from omniroll.train.tracking import scalars, tracker_name
+    from omniroll.train.report.tracking import scalars, tracker_name
 
     m = {"step": 3, "reward_mean": 0.5, "clip_frac": 0.25, "tied_groups": 1, "num_groups": 4, "num_samples": 8,
          "step_s": 2.0, "rollout_s": 1.0, "staleness_mean": 0.5, "queue_wait_s": 0.1, "something_new": 7,
@@ -198,8 +198,8 @@ STEP = {"step": 1, "reward_mean": 0.1, "reward_std": 0.01, "ratio_max_abs_dev": 
 
 
 def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_model(tmp_path, tiny_sd3_path):
-    from omniroll.train.reward_curve import curve_title
-    from omniroll.train.tracking import Tracker, model_name
+    from omniroll.train.report.reward_curve import curve_title
+    from omniroll.train.report.tracking import Tracker, model_name
 
     lines = []
     tracker = Tracker(train_config(tiny_sd3_path, steps=60, logger=["console"]), str(tmp_path), log=lines.append)
@@ -225,7 +225,7 @@ def test_swanlab_offline_run_holds_the_scalars_and_a_captioned_image(tmp_path, m
     from swanlab.sdk.internal.core_python.store import DataStoreReader
 
     from omniroll.agent_loop.batch import DataBatch
-    from omniroll.train.tracking import Tracker
+    from omniroll.train.report.tracking import Tracker
 
     monkeypatch.setenv("SWANLAB_MODE", "offline")
     cfg = train_config(tiny_sd3_path, logger=["swanlab"], log_images_every=1, experiment_name="sw")
@@ -256,7 +256,7 @@ def test_a_video_batch_goes_to_tensorboard_as_an_animated_gif(tmp_path, tiny_sd3
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from omniroll.agent_loop.batch import DataBatch
-    from omniroll.train.tracking import Tracker
+    from omniroll.train.report.tracking import Tracker
 
     cfg = train_config(tiny_sd3_path, logger=["tensorboard"], log_images_every=2, experiment_name="video")
     g = torch.Generator().manual_seed(0)
@@ -278,7 +278,7 @@ def test_a_video_batch_goes_to_tensorboard_as_an_animated_gif(tmp_path, tiny_sd3
 
 def test_a_tracker_that_cannot_start_its_run_is_one_line_naming_it(tmp_path, monkeypatch, tiny_sd3_path):
     wandb = pytest.importorskip("wandb")
-    from omniroll.train.tracking import Tracker
+    from omniroll.train.report.tracking import Tracker
 
     wandb.teardown()  # wandb keeps the settings of an earlier run in this process (offline mode) until torn down
     for var in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_CONFIG_DIR", "NETRC"):
@@ -291,7 +291,7 @@ def test_a_tracker_that_cannot_start_its_run_is_one_line_naming_it(tmp_path, mon
 
 
 def test_the_step_line_shows_how_far_the_update_moved_the_policy():
-    from omniroll.train.tracking import format_step, tracker_name
+    from omniroll.train.report.tracking import format_step, tracker_name
 
     assert "policy_kl" not in format_step(STEP, 3)  # not measured (policy_move_rows 0): not shown
     line = format_step({**STEP, "policy_kl": 2.5e-5, "post_approx_kl": 1e-4, "post_clip_frac": 0.25}, 3)

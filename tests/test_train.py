@@ -36,11 +36,11 @@ def lora_weights(ckpt):
 
 
 def test_lora_training_is_exact_every_step_ctrl_c_checkpoints_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path):
-    from omniroll.train import FlowGRPOTrainer, WeightVersionError
+    from omniroll.train import Trainer, WeightVersionError
 
     cfg = train_config(tiny_sd3_path, checkpoint_every=2, window_schedule="random")
     straight = str(tmp_path / "straight")
-    with FlowGRPOTrainer(cfg, straight, log=lambda s: None) as tr:
+    with Trainer(cfg, straight, log=lambda s: None) as tr:
         hist = tr.train()
         # a replica that serves other weights than the pushed version makes the trainer raise
         tr.sender.send(tr.policy.weights_to_send(), version=tr.version + 5)
@@ -118,13 +118,13 @@ def rise_t_value(rewards):
 def test_full_finetuning_learns_exactly_with_kl_epochs_and_accumulation(ray_cluster, tiny_sd3_path, tmp_path, seed):
     """The prompt_colour reward rises: the slope of the per-step mean reward exceeds 3 standard errors of the slope,
     measured from the run's own step-to-step noise; every step's ratio is exact."""
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     cfg = train_config(tiny_sd3_path, mode="full", kl_beta=0.001, num_inner_epochs=2, micro_batch_size=8,
                        micro_batches_per_update=2, steps=LEARNING_STEPS, lr=0.006, seed=seed, prompts_per_step=4,
                        prompts=["a blue car", "a green car", "a blue bird", "a green bird"])
     cfg = load_config(cfg, overrides=[f"seed={seed}", "n=6"])
-    with FlowGRPOTrainer(cfg, str(tmp_path / "full"), log=lambda s: None) as tr:
+    with Trainer(cfg, str(tmp_path / "full"), log=lambda s: None) as tr:
         hist = tr.train()
     assert [m["ratio_max_abs_dev"] for m in hist] == [0.0] * LEARNING_STEPS
     assert [m["optimizer_steps"] for m in hist] == [4] * LEARNING_STEPS  # 24 samples / 8 per micro-batch: 2 x 2 epochs
@@ -179,7 +179,7 @@ def test_bad_trainer_config_fails_before_anything_starts(tmp_path, monkeypatch, 
     from omniroll.cli import main
     from omniroll.train import trainer
 
-    monkeypatch.setattr(trainer.FlowGRPOTrainer, "start", lambda self: pytest.fail("started despite a bad config"))
+    monkeypatch.setattr(trainer.Trainer, "start", lambda self: pytest.fail("started despite a bad config"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("reward: {functions: {c: {fn: prompt_colour}}}\nn: 4\ntrainer: {prompts: [a red car], "
                    "prompts_per_step: 1, lr: -1}\n")
@@ -189,6 +189,12 @@ def test_bad_trainer_config_fails_before_anything_starts(tmp_path, monkeypatch, 
     assert main(["train", "--config", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "reward.functions" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_flow_grpo_trainer_is_the_trainer_under_its_former_name():
+    from omniroll.train import FlowGRPOTrainer, Trainer
+
+    assert FlowGRPOTrainer is Trainer
 
 
 def test_prompt_colour_reward():

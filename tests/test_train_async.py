@@ -117,9 +117,9 @@ def test_async_options_are_validated():
 
 
 def test_stale_samples_are_dropped_and_counted_and_unknown_versions_refused(tiny_sd3_path, tmp_path):
-    from omniroll.train import FlowGRPOTrainer, WeightVersionError
+    from omniroll.train import Trainer, WeightVersionError
 
-    tr = FlowGRPOTrainer(train_config(tiny_sd3_path, max_staleness=1), str(tmp_path / "o"), log=lambda s: None)
+    tr = Trainer(train_config(tiny_sd3_path, max_staleness=1), str(tmp_path / "o"), log=lambda s: None)
     tr.version = 5
     batch = DataBatch.from_dict(tensors={"rollout_log_probs": torch.zeros(4, 2)}, non_tensors={
         "request_id": ["r0", "r1", "r2", "r3"], "weight_version": [4, 3, 5, 4],
@@ -133,9 +133,9 @@ def test_stale_samples_are_dropped_and_counted_and_unknown_versions_refused(tiny
 
 
 def _run(cfg, out, steps, on_step=None, after=None):
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
-    with FlowGRPOTrainer(cfg, out, log=lambda s: None) as tr:
+    with Trainer(cfg, out, log=lambda s: None) as tr:
         try:
             tr.train(steps, on_step=on_step)
         except KeyboardInterrupt:
@@ -195,9 +195,9 @@ def test_staleness_1_overlaps_is_exact_and_a_ctrl_c_resume_equals_the_straight_r
 
     discarded = _run(cfg, resumed, 4, on_step=interrupt)
     assert discarded == 8  # batch 3 (2 prompts x 4) was in flight
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
-    with FlowGRPOTrainer(cfg, resumed, resume=resumed, log=lambda s: None) as tr:
+    with Trainer(cfg, resumed, resume=resumed, log=lambda s: None) as tr:
         tr.train(4)
     a = lora_weights(os.path.join(straight, "checkpoints", "step_000004"))
     b = lora_weights(os.path.join(resumed, "checkpoints", "step_000004"))
@@ -276,14 +276,14 @@ def test_a_replica_killed_during_an_async_rollout_reruns_its_samples_with_their_
     import ray
 
     from omniroll.config import load_config
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     raw = train_config(tiny_sd3_path, steps=3, max_staleness=1).model_dump(mode="json")
     raw["replicas"].update(count=2, num_cpus=0.5)
     raw["n"] = 2  # the 2 prompts of train_config, 2 samples each: every batch holds both prompt groups
     cfg = load_config(raw)
 
-    class Recording(FlowGRPOTrainer):  # keeps every generated batch
+    class Recording(Trainer):  # keeps every generated batch
         async def _rollout(self, step):
             out = await super()._rollout(step)
             self.batches[step] = out

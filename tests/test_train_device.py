@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omniroll.config import ConfigError, load_config
-from omniroll.train import FlowGRPOTrainer
+from omniroll.train import Trainer
 
 PROMPTS = ["a blue car", "a green bird", "a green car", "a blue bird"]
 
@@ -61,7 +61,7 @@ def test_cuda_where_there_is_none_is_refused_before_anything_starts(tiny_sd3_pat
     was = ray.is_initialized()
     cfg = train_config(tiny_sd3_path, device="cuda")  # valid as a config: the machine decides
     with pytest.raises(ValueError, match=r"trainer\.device: cuda asked, but torch sees no CUDA device here"):
-        FlowGRPOTrainer(cfg, str(tmp_path / "run"), log=lambda s: None).start()
+        Trainer(cfg, str(tmp_path / "run"), log=lambda s: None).start()
     assert ray.is_initialized() == was and not (tmp_path / "run").exists()
 
 
@@ -109,7 +109,7 @@ def test_bf16_policy_keeps_fp32_weights_optimizer_state_and_log_probs(tiny_sd3_p
     assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
-class RecordingTrainer(FlowGRPOTrainer):
+class RecordingTrainer(Trainer):
     """A trainer that keeps every rollout it trains on."""
 
     def __init__(self, *args, **kw):
@@ -160,8 +160,8 @@ def test_colocated_replicas_sleep_around_every_update_and_change_nothing(ray_clu
 def test_peak_memory_per_stage_where_the_device_reports_it(monkeypatch):
     """The CPU reports no memory: no peak_mem_* keys. A (mocked) GPU: the peak of each stage, the replicas' rollout
     peak and a rank's update peak folded in, in GiB, and the step line shows them."""
-    from omniroll.train.stage_memory import StageMemory
-    from omniroll.train.tracking import format_step, tracker_name
+    from omniroll.train.report.stage_memory import StageMemory
+    from omniroll.train.report.tracking import format_step, tracker_name
 
     cpu = StageMemory("cpu")
     cpu.begin()
@@ -190,7 +190,7 @@ def test_peak_memory_per_stage_where_the_device_reports_it(monkeypatch):
 
 def test_out_of_memory_names_the_stage_and_what_to_change():
     """A device out of memory in the trainer's process: one error naming the stage in progress and its keys."""
-    from omniroll.train.stage_memory import StageMemory, StageOutOfMemory
+    from omniroll.train.report.stage_memory import StageMemory, StageOutOfMemory
 
     mem = StageMemory("cpu")
     mem.begin()

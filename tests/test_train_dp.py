@@ -40,9 +40,9 @@ def dp_config(model, world_size=1, algorithm="flow_grpo", **trainer):
 
 
 def run(cfg, out, **kw):
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
-    with FlowGRPOTrainer(cfg, out, log=lambda s: None) as tr:
+    with Trainer(cfg, out, log=lambda s: None) as tr:
         hist = tr.train(**kw)
         ranks = tr.ranks.rank_weights() if tr.ranks is not None else []
         final = {k: p.detach().clone() for k, p in tr.policy.named_parameters()}
@@ -50,7 +50,7 @@ def run(cfg, out, **kw):
 
 
 def test_shards_are_whole_prompt_groups_and_global_steps_count_every_rank():
-    from omniroll.train.shard import rows_per_update, shard_by_groups
+    from omniroll.train.parallel.shard import rows_per_update, shard_by_groups
 
     uids = [0, 0, 3, 3, 3, 1, 1, 2, 2]  # groups in order of first appearance: 0, 3, 1, 2
     assert shard_by_groups(uids, 2) == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
@@ -108,10 +108,10 @@ def test_two_ranks_train_what_one_process_trains(ray_cluster, tiny_sd3_path, tmp
     assert sorted(os.listdir(tmp_path / "n2" / "checkpoints")) == ["latest", "step_000001", "step_000002",
                                                                    "step_000003"]
     if mode == "lora" and max_staleness == 0:  # --resume at the same N: bitwise the straight run
-        from omniroll.train import FlowGRPOTrainer
+        from omniroll.train import Trainer
 
         resumed = str(tmp_path / "resumed")
-        with FlowGRPOTrainer(dp_config(tiny_sd3_path, 2, **kw), resumed, log=lambda s: None,
+        with Trainer(dp_config(tiny_sd3_path, 2, **kw), resumed, log=lambda s: None,
                              resume=str(tmp_path / "n2" / "checkpoints" / "step_000002")) as tr:
             again = tr.train()
         assert [m["step"] for m in again] == [3] and again[0]["ratio_max_abs_dev"] == 0.0
@@ -166,13 +166,13 @@ def test_ranks_on_two_nodes_a_killed_rank_ends_the_run_in_one_line_naming_it(two
     with rank 0's optimizer state."""
     import ray
 
-    from omniroll.train import FlowGRPOTrainer
-    from omniroll.train.distributed import TrainerRankError
+    from omniroll.train import Trainer
+    from omniroll.train.parallel.distributed import TrainerRankError
 
     cfg = dp_config(tiny_sd3_path, 2, placement="spread", resources={"num_cpus": 0, "custom": {"rank_slot": 1}},
                     checkpoint_every=0)
     out = tmp_path / "killed"
-    with FlowGRPOTrainer(cfg, str(out), log=lambda s: None) as tr:
+    with Trainer(cfg, str(out), log=lambda s: None) as tr:
         assert set(tr.ranks.nodes) == two_nodes  # one rank on each worker node
         files = ray.get([a.__ray_call__.remote(lambda self: __import__("omniroll").__file__) for a in tr.ranks.actors])
         assert all(f == __import__("omniroll").__file__ for f in files)  # the ranks run this checkout's omniroll
@@ -200,10 +200,10 @@ def test_a_forward_process_algorithm_trains_on_two_ranks_with_its_state_kept_equ
                                                                                     tmp_path):
     """NFT at N = 2: its own state (the old weights, decayed after every step on every rank) stays equal on the ranks
     and the driver (which samples with it), the first step is exact, the weights move."""
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     cfg = dp_config(tiny_sd3_path, 2, "nft", steps=2)
-    with FlowGRPOTrainer(cfg, str(tmp_path / "nft"), log=lambda s: None) as tr:
+    with Trainer(cfg, str(tmp_path / "nft"), log=lambda s: None) as tr:
         hist = tr.train()
         ranks = tr.ranks.rank_weights()
         olds = [r["old"] for r in tr.ranks.algorithm_states()]
@@ -218,10 +218,10 @@ def test_uneven_shards_with_accumulation_step_together(ray_cluster, tiny_sd3_pat
     """3 prompt groups on 2 ranks (4 and 8 rows), an optimizer step per micro-batch of 2: rank 0 has 2 accumulation
     groups, rank 1 has 4; rank 0 joins the last 2 global steps with a zero gradient, so both step 4 times, stay
     equal, and nothing waits for a collective that never comes."""
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     cfg = dp_config(tiny_sd3_path, 2, steps=1, prompts_per_step=3, micro_batches_per_update=1)
-    with FlowGRPOTrainer(cfg, str(tmp_path / "uneven"), log=lambda s: None) as tr:
+    with Trainer(cfg, str(tmp_path / "uneven"), log=lambda s: None) as tr:
         (m,) = tr.train()
         ranks = tr.ranks.rank_weights()
     assert m["num_samples"] == 12 and m["optimizer_steps"] == 4 and m["ratio_max_abs_dev"] == 0.0
@@ -234,7 +234,7 @@ def test_fsdp_trains_what_the_replicated_all_reduce_trains_and_resumes_bitwise(r
     an optimizer step every 2 micro-batches: rank 0 joins the second with only its zero-weight micro-batch). The same
     samples, the same first gradient (rel 1e-6), ratio_max_abs_dev 0.0, weights within RTOL_OF_MOVE; the optimizer
     state is the ranks' sharded checkpoint, and --resume from it continues bitwise (gradient checkpointing on)."""
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     prompts = ["a blue car", "a green bird on a branch", "a green car in the rain", "a blue bird"]
     kw = {"mode": "full", "prompts": prompts, "prompts_per_step": 3, "micro_batches_per_update": 2, "steps": 1}
@@ -262,7 +262,7 @@ def test_fsdp_trains_what_the_replicated_all_reduce_trains_and_resumes_bitwise(r
     with pytest.raises(ValueError, match=r"trainer\.sharding: the checkpoint .* was trained with sharding 'fsdp', this "
                                          r"run has 'replicated'"):
         check_resumable(state, dp_config(tiny_sd3_path, 2, **kw).trainer, str(ckpt))
-    with FlowGRPOTrainer(fsdp_cfg, str(tmp_path / "resumed"), log=lambda s: None, resume=str(ckpt)) as tr:
+    with Trainer(fsdp_cfg, str(tmp_path / "resumed"), log=lambda s: None, resume=str(ckpt)) as tr:
         again = tr.train()
     assert [m["step"] for m in again] == [2] and again[0]["ratio_max_abs_dev"] == 0.0
     x, y = step_weights(tmp_path / "fsdp", 2, "full"), step_weights(tmp_path / "resumed", 2, "full")

@@ -107,9 +107,9 @@ def test_rollout_and_recompute_run_one_guided_velocity_in_one_mode(engine_and_po
     `engine.execution.execution_mode` and reach the model only through `DiffusionAdapter.guided_velocity`."""
     from omniroll.engine import execution
     from omniroll.models.base import DiffusionAdapter
-    from omniroll.train import policy as train_policy
+    from omniroll.train import recompute
 
-    assert train_policy.execution_mode is execution.execution_mode  # the recompute lives in train/policy.py
+    assert recompute.execution_mode is execution.execution_mode  # the recompute lives in train/recompute.py
     engine, policy = engine_and_policy
     calls = []
     for name, adapter in (("rollout", engine.adapter), ("recompute", policy)):

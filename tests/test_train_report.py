@@ -30,12 +30,12 @@ def test_the_policy_move_is_measured_after_the_update_and_changes_nothing_of_the
     """max_staleness 1 (the decoupled objective), LoRA, lr 0.01: 3 steps measuring the move (8 rows) and 3 with
     policy_move_rows 0 train to the same weights bitwise, with the same metrics. The move is > 0 at every step, where
     approx_kl and clip_frac, measured before the step's only update, are 0."""
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     runs = {}
     for rows in (8, 0):
         out = str(tmp_path / f"rows{rows}")
-        with FlowGRPOTrainer(train_config(tiny_sd3_path, steps=3, max_staleness=1, policy_move_rows=rows), out,
+        with Trainer(train_config(tiny_sd3_path, steps=3, max_staleness=1, policy_move_rows=rows), out,
                              log=lambda s: None) as tr:
             tr.train()
         runs[rows] = (_jsonl(os.path.join(out, "metrics.jsonl")), lora_weights(os.path.join(out, "checkpoints",
@@ -54,13 +54,13 @@ def test_steps_and_validations_report_every_reward_function_and_extra_and_the_gr
         ray_cluster, tiny_sd3_path, tmp_path):
     """colour (weight 1) beside strict (weight 0), a scorer returning dicts (a strict pass + each channel's mean)."""
     from omniroll.reward import RewardSample
-    from omniroll.train import FlowGRPOTrainer
+    from omniroll.train import Trainer
 
     cfg = load_config(train_config(tiny_sd3_path, steps=5),
                       overrides=["reward.functions.strict.fn=tests.reward_fns:colour_channels",
                                  "reward.functions.strict.weight=0"])
 
-    class Recording(FlowGRPOTrainer):  # keeps every training batch
+    class Recording(Trainer):  # keeps every training batch
         async def _rollout(self, step):
             out = await super()._rollout(step)
             self.batches[step] = out
@@ -97,7 +97,7 @@ def test_steps_and_validations_report_every_reward_function_and_extra_and_the_gr
 
     # the grid: 2 prompts x val_kwargs.n 2 pictures of 32 px, upscaled to 64, each over a caption band of dark text
     grid = np.asarray(Image.open(os.path.join(out, "val_before.png")).convert("L"))
-    from omniroll.train.val_grid import MIN_CELL
+    from omniroll.train.report.val_grid import MIN_CELL
 
     cell_h = grid.shape[0] // 2
     assert grid.shape[1] == 2 * MIN_CELL and cell_h > 64

@@ -61,6 +61,7 @@ LAYER_NOTES = {"sampling": "fp32 SDE / CPS / ODE steps, windows, seeds", "tasks"
                "agent_loop": "the specification's agent loop", "trajectory_file": "the batch on disk",
                "evaluation": "GenEval on the shapes world", "run_rollout": "a rollout batch from Python",
                "train": "the trainer, one file per algorithm",
+               "export": "a checkpoint as files diffusers loads",
                "integrations": "verl / VeRL-Omni", "cli": "one module per command", "http": "omniroll serve"}
 
 
@@ -134,7 +135,7 @@ def training_step_picture() -> bytes:
     top.text(0.05, 5.45, "One training step: who runs where (each box is a process; Ray actors can sit on any node)",
              fontsize=10.5, weight="bold", va="top")
     _box(top, 0.2, 0.2, 2.9, 4.75, "trainer (the driver)",
-         ["FlowGRPOTrainer: omniroll train", "", "1. asks for prompts x n samples", "4. advantages per prompt group",
+         ["Trainer: omniroll train", "", "1. asks for prompts x n samples", "4. advantages per prompt group",
           "5. the algorithm's update: the", "    recorded steps recomputed with", "    the rollout's own function",
           "    (ratio exactly 1 before it)", "6. pushes the weights, version t", "", "metrics.jsonl, trackers,",
           "checkpoints, evaluations", "", "trainer.world_size > 1: the update", "on N Ray actors, gradients",

@@ -16,7 +16,7 @@ trainer's: a restart could not serve the current version): their requests re-run
 client), and `prune()` drops them (the trainer calls it before each weight sync). Its reward and agent-loop workers
 hold no state: Ray restarts them on a node with room for them (`omniroll.ray_nodes.RESTARTED`), and their samples
 are re-scored and their chunks re-run (`RewardWorkerPool`, `AgentLoopManager`). Used by `omniroll rollout`,
-`omniroll train` (`FlowGRPOTrainer.start` / `close`), `omniroll serve --config` and the benchmarks.
+`omniroll train` (`Trainer.start` / `close`), `omniroll serve --config` and the benchmarks.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""`omniroll export`: a checkpoint `omniroll train` wrote, as files diffusers loads (omniroll/train/export.py).
+"""`omniroll export`: a checkpoint `omniroll train` wrote, as files diffusers loads (omniroll/export/write.py).
 
 Without `--merge`, a LoRA checkpoint becomes `DIR/pytorch_lora_weights.safetensors` (`pipe.load_lora_weights(DIR)`
 on the base model's pipeline); with `--merge`, a LoRA or full-weight checkpoint becomes a whole pipeline directory
 (`DiffusionPipeline.from_pretrained(DIR)`). `--check` then generates one picture from the export with diffusers and
 one with omniroll's engine and the checkpoint, at the same seed and ODE sampler, prints the largest differences and
-exits 1 when they exceed the export's tolerance (omniroll/train/export_check.py). docs/export.md has the details.
+exits 1 when they exceed the export's tolerance (omniroll/export/check.py). docs/export.md has the details.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from omniroll.cli import CommandFailed, UserError
     from omniroll.cli.common import quiet_libraries
-    from omniroll.train.export import check_target, export_checkpoint, export_source
+    from omniroll.export.write import check_target, export_checkpoint, export_source
 
     try:
         check_target(args.to)  # before any model loads
         source = export_source(args.checkpoint, args.model)
         if args.check:
-            from omniroll.train.export_check import require_checkable
+            from omniroll.export.check import require_checkable
 
             require_checkable(source, args.dtype)
     except (FileNotFoundError, ValueError) as e:
@@ -60,7 +60,7 @@ def run(args) -> int:
     print(json.dumps({"export": what, "checkpoint": source.checkpoint, "model": source.model_dir,
                       "to": os.path.abspath(args.to), "files": len(files)}))
     if args.check:
-        from omniroll.train.export_check import check_export
+        from omniroll.export.check import check_export
 
         result = check_export(source, args.to, merged=args.merge)
         print(result.line())

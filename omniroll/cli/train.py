@@ -1,9 +1,9 @@
 """`omniroll train --config CFG --out DIR [--steps N] [--resume DIR]`: `trainer.algorithm` (Flow-GRPO by default;
-GRPO-Guard, DanceGRPO, DiffusionNFT, AWM) on local Ray (`FlowGRPOTrainer`).
+GRPO-Guard, DanceGRPO, DiffusionNFT, AWM) on local Ray (`Trainer`).
 
 The config (with its `trainer` section) is validated before Ray starts: a bad key fails at once, named. One line per
 step above a progress bar over steps (the bar only on a terminal: in a log file, one clean line per step). Trackers:
-`trainer.logger` (omniroll.train.tracking). Ctrl-C writes the checkpoint of the last completed step and exits 130
+`trainer.logger` (omniroll.train.report.tracking). Ctrl-C writes the checkpoint of the last completed step and exits 130
 (an update and its weight sync are never cut in half). A run whose every GRPO group has been tied for
 `trainer.signal_check.stop_after_tied_steps` steps stops: the checkpoint of its last step, then exit 1 with what was
 measured, the likely cause and what to change, one line each (`NoLearningSignal`). Writes to DIR: metrics.jsonl,
@@ -53,7 +53,7 @@ def run(args) -> int:
     preflight(cfg, cfg.trainer.all_prompts())  # the model (the config checked its limits and the rewards)
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
-    from omniroll.train.tracking import check_loggers
+    from omniroll.train.report.tracking import check_loggers
 
     check_loggers(cfg.trainer.logger)  # a named tracker that is not installed: its pip command, before Ray starts
     if args.resume:
@@ -64,17 +64,17 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from omniroll.cli import CommandFailed
-    from omniroll.train.distributed import TrainerRankError
+    from omniroll.train.parallel.distributed import TrainerRankError
     from omniroll.train.colocation import ColocationError
-    from omniroll.train.signal_check import NoLearningSignal
-    from omniroll.train.stage_memory import StageOutOfMemory
-    from omniroll.train.trainer import FlowGRPOTrainer
+    from omniroll.train.report.signal_check import NoLearningSignal
+    from omniroll.train.report.stage_memory import StageOutOfMemory
+    from omniroll.train.trainer import Trainer
 
     def log(line: str) -> None:
         tqdm.write(line, file=sys.stdout)
         sys.stdout.flush()
 
-    trainer = FlowGRPOTrainer(cfg, args.out, resume=args.resume, log=log)
+    trainer = Trainer(cfg, args.out, resume=args.resume, log=log)
     try:
         with trainer:
             trainer.train(args.steps, progress=bar)

@@ -22,7 +22,7 @@ class LoRASection(_Strict):
 
 class EvaluationSection(_Strict):
     """`trainer.evaluation`: a task evaluation before the first step, every `val_every` steps and after the last
-    (`omniroll.train.task_eval`), beside the validation grids."""
+    (`omniroll.train.report.task_eval`), beside the validation grids."""
 
     task: Literal["shapes"] = Field("shapes", description="shapes: GenEval's strict accuracy per category on the "
                                                           "shapes world (omniroll eval)")
@@ -67,8 +67,9 @@ class EvaluationSection(_Strict):
 
 
 class SignalCheckSection(_Strict):
-    """`trainer.signal_check`: whether the batches still carry a GRPO learning signal (omniroll.train.signal_check).
-    A group is tied when all its rewards are equal: its advantages are 0 and it teaches nothing."""
+    """`trainer.signal_check`: whether the batches still carry a GRPO learning signal
+    (omniroll.train.report.signal_check). A group is tied when all its rewards are equal: its advantages are 0 and it
+    teaches nothing."""
 
     tied_warn_frac: float = Field(0.75, gt=0, le=1, description="warn (once, until it falls back below) when at "
                                   "least this share of a step's prompt groups is tied, in (0, 1]")
@@ -98,7 +99,7 @@ class RankResources(_Strict):
                               "{a100_node: 1} (each > 0)")
 
 
-#: `trainer.logger` backends (omniroll.train.tracking; the last four are optional extras)
+#: `trainer.logger` backends (omniroll.train.report.tracking; the last four are optional extras)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")
 
 
@@ -166,7 +167,7 @@ class TrainerSection(_Strict):
                                "under the weight version that ran each window step")
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=1e6, description="truncation of the importance weight "
                                         "pi_prox / pi_behaviour per window step (>= 1, so K = 0 is exact)")
-    # the data-parallel update (docs/training/data_parallel.md; omniroll/train/distributed.py)
+    # the data-parallel update (docs/training/data_parallel.md; omniroll/train/parallel/distributed.py)
     world_size: int = Field(1, ge=1, le=1024, description="trainer ranks that run each step's update, in [1, 1024] "
                             "and <= prompts_per_step (a rank trains whole prompt groups); 1: the update runs in the "
                             "trainer's own process, as always; N > 1: N Ray actors in one torch.distributed group")
@@ -186,7 +187,7 @@ class TrainerSection(_Strict):
                                                     "whole model, its gradients and its optimizer state; fsdp "
                                                     "(mode full, world_size > 1): FSDP2's fully_shard shards the "
                                                     "optimizer state and reduce-scatters the gradients")
-    # what a step reports about itself (omniroll/train/policy_move.py, signal_check.py)
+    # what a step reports about itself (omniroll/train/report/policy_move.py, signal_check.py)
     policy_move_rows: int = Field(8, ge=0, le=100_000, description="rows (the step's first ones) whose transitions "
                                   "are recomputed before and after the update to measure policy_kl, post_approx_kl "
                                   "and post_clip_frac; 0: not measured")
@@ -196,7 +197,7 @@ class TrainerSection(_Strict):
                               "(grad_cos: the cosine between the gradients of two halves of the step's prompt "
                               "groups; one extra copy of the trainable gradients; omniroll/train/grad_signal.py); "
                               "0: never")
-    # experiment tracking (verl's key names; omniroll.train.tracking)
+    # experiment tracking (verl's key names; omniroll.train.report.tracking)
     logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
                               "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")
     project_name: str = Field("omniroll", min_length=1, description="wandb / swanlab project, mlflow experiment")

@@ -1,6 +1,6 @@
 """A device as a process sees it: which physical device it is (`device_identity`) and the most memory this process
 allocated on it since the last reading (`peak_bytes`). The replicas report both for the rollout, the trainer for its
-own stages (omniroll/train/stage_memory.py); only CUDA reports memory, the CPU reports none (None)."""
+own stages (omniroll/train/report/stage_memory.py); only CUDA reports memory, the CPU reports none (None)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.train.policy import batch_columns, conditioning_columns, one_execution, trajectory_velocity
+from omniroll.train.recompute import trajectory_velocity
+from omniroll.train.trajectory_batch import batch_columns, conditioning_columns, one_execution
 from omniroll.train.rows import rows_to, take_rows
 
 

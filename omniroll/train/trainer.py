@@ -1,11 +1,11 @@
-"""`FlowGRPOTrainer`: the training loop, end to end on omniroll's public pieces, for every algorithm of
+"""`Trainer`: the training loop, end to end on omniroll's public pieces, for every algorithm of
 `trainer.algorithm` (omniroll/train/algorithms/: Flow-GRPO by default; the loop never branches on the name).
 
 One step (`step`, top to bottom): (1) roll out `prompts_per_step` prompts x `n` samples through the
 `AgentLoopManager` with the algorithm's sampling overrides (replicas are Ray actors; rewards stream while generation
 runs); (2) the algorithm's advantages per prompt group; (3) its anchors (`prepare`), then inner epochs over shuffled
 micro-batches and its loss terms (`train/update.py`; with `trainer.world_size` N > 1 on N ranks, each a shard of whole
-prompt groups: `train/distributed.py`); (4) push the weights the replicas sample with to every replica through
+prompt groups: `train/parallel/distributed.py`); (4) push the weights the replicas sample with to every replica through
 `WeightSender` (version = the step) and wait for every ack; (5) log and checkpoint.
 
 A version the trainer never pushed raises `WeightVersionError`; `ratio_max_abs_dev` (max |ratio - 1| before the
@@ -30,30 +30,31 @@ from omniroll.agent_loop.batch import DataBatch, prompt_batch
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.config.device import check_device_here, gradient_checkpointing, trainer_device, trainer_dtype
 from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
-from omniroll.train import checkpoint, tracking
+from omniroll.train import checkpoint
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
 from omniroll.train.colocation import Colocation
-from omniroll.train.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
+from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.policy import Policy
-from omniroll.train.policy_move import policy_move, snapshot
-from omniroll.train.reward_curve import plot_rewards
-from omniroll.train.task_eval import TaskEvaluation
-from omniroll.train.signal_check import LearningSignalCheck, NoLearningSignal
-from omniroll.train.stage_memory import StageMemory
-from omniroll.train.tracking import Tracker
+from omniroll.train.report import tracking
+from omniroll.train.report.policy_move import policy_move, snapshot
+from omniroll.train.report.reward_curve import plot_rewards
+from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
+from omniroll.train.report.stage_memory import StageMemory
+from omniroll.train.report.task_eval import TaskEvaluation
+from omniroll.train.report.tracking import Tracker
+from omniroll.train.report.validation import run_validation
 from omniroll.train.update import train_on_batch
 from omniroll.train.versions import VersionStore, off_policy_metrics, rows_ahead, stale_rows, step_versions
-from omniroll.train.validation import run_validation
 
 
 class WeightVersionError(RuntimeError):
     """A sample was generated with weights the trainer never pushed, or a weight sync failed."""
 
 
-class FlowGRPOTrainer:
+class Trainer:
     """config: an OmniRollConfig (or a path / dict) with a `trainer` section. out_dir: metrics.jsonl, reward_curve.png,
     validation grids, checkpoints. resume: a run directory or one of its checkpoint directories."""
 
@@ -93,13 +94,14 @@ class FlowGRPOTrainer:
         self._sharded_optimizer: Optional[str] = None  # a resumed fsdp run's optimizer directory (the ranks load it)
 
     # ------------------------------------------------------------------ setup / teardown
-    def start(self) -> "FlowGRPOTrainer":
+    def start(self) -> "Trainer":
         import ray
 
         from omniroll.agent_loop.cluster import RolloutCluster
 
         cfg = self.config
-        self.device = trainer_device(cfg) if self.tc.world_size == 1 else "cpu"  # ranks: their own (train/rank.py)
+        # the ranks compute on their own device (train/parallel/rank.py)
+        self.device = trainer_device(cfg) if self.tc.world_size == 1 else "cpu"
         check_device_here(self.device, trainer_dtype(cfg))  # before anything loads
         if self.tc.num_threads is not None:  # restored by close()
             self._threads_before = torch.get_num_threads()
@@ -178,7 +180,7 @@ class FlowGRPOTrainer:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
 
-    def __enter__(self) -> "FlowGRPOTrainer":
+    def __enter__(self) -> "Trainer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -257,14 +259,14 @@ class FlowGRPOTrainer:
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
         traj, advantages = traj.to(self.device), adv.advantages.to(self.device)  # (ranks: the driver's is the CPU)
         if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
-            from omniroll.train.policy import enable_gradient_checkpointing
+            from omniroll.train.recompute import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
         sleep_s = self.colocation.sleep(self.replicas) if self.colocation is not None else None
         t_move = time.time()
         self.memory.begin()  # the recompute stage: the trainer's passes before its first optimizer update
-        before = (snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # policy_move.py
+        before = (snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # report/policy_move.py
                   if self.ranks is None else None)  # ranks measure it on their shards
         t1 = time.time()
         uids = list(out.non_tensor_batch["uid"])
@@ -282,7 +284,7 @@ class FlowGRPOTrainer:
                                        num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
                 after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
                 self.memory.end("update")
-            else:  # world_size > 1: the ranks' update (train/distributed.py); this process adopts rank 0's state
+            else:  # world_size > 1: the ranks' update (parallel/distributed.py); this process adopts rank 0's state
                 res = self.ranks.update(traj, advantages, uids, plan)
                 adopt_rank0(res, self.policy, self.algorithm)  # the trained weights (the ranks keep the optimizer)
                 prepared, stats, after = res["prepared"], res["stats"], res["after"]
@@ -400,8 +402,8 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:
-        """The validation grid, validation.jsonl, the trackers and one line (`train/validation.py`); with
-        `trainer.evaluation`, the task evaluation too (`train/task_eval.py`)."""
+        """The validation grid, validation.jsonl, the trackers and one line (`train/report/validation.py`); with
+        `trainer.evaluation`, the task evaluation too (`train/report/task_eval.py`)."""
         rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
                              self.step_done, self.tracker, self.log)
         if self.task_eval is not None:
@@ -409,7 +411,7 @@ class FlowGRPOTrainer:
         return rec
 
     def save_checkpoint(self) -> str:
-        optimizer, files = ((self.optimizer.state_dict(), None) if self.ranks is None  # or the ranks' (rank.py)
+        optimizer, files = ((self.optimizer.state_dict(), None) if self.ranks is None  # or the ranks' (parallel/)
                             else self.ranks.optimizer_state(self.step_done))
         return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store, state={
             "step": self.step_done, "version": self.version, "optimizer": optimizer, "sharding": self.tc.sharding,
@@ -437,3 +439,7 @@ class FlowGRPOTrainer:
     def history_all(self) -> list[dict]:
         """Every step's metrics in this out_dir (a resumed run appends to them)."""
         return tracking.step_records(self.out_dir)
+
+
+#: the trainer's name from when it ran Flow-GRPO only, kept so that existing code keeps working
+FlowGRPOTrainer = Trainer

@@ -9,11 +9,11 @@ Each micro-batch's loss (a mean over its rows) is scaled by its rows' share of i
 rows x terms)), so every optimizer step follows the mean over its rows however the micro-batches were cut
 (omniroll/train/micro_batches.py: half by half of the prompt groups, for the gradient-signal meter).
 
-Data-parallel (`GradientShare`, one per rank; omniroll/train/distributed.py): the rank's rows are a shard of the
-step's batch; the step's rows are all ranks' rows in that global optimizer step (`rows_per_update`), the gradients
-are summed over the ranks (`all_reduce`) before the clip, and every rank steps its optimizer the same number of
-times, with zero gradient for an accumulation group it has no rows in. The update is then the one of the whole
-batch's row mean on every rank.
+Data-parallel (`GradientShare`, one per rank; omniroll/train/parallel/distributed.py): the rank's rows are a shard of
+the step's batch; the step's rows are all ranks' rows in that global optimizer step (`rows_per_update`), the gradients
+are summed over the ranks (`all_reduce`) before the clip, and every rank steps its optimizer the same number of times,
+with zero gradient for an accumulation group it has no rows in. The update is then the one of the whole batch's row mean
+on every rank.
 """
 
 from __future__ import annotations

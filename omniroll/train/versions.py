@@ -12,7 +12,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from omniroll.train.policy import Policy, TrajectoryBatch, recompute_log_probs
+from omniroll.train.policy import Policy
+from omniroll.train.recompute import recompute_log_probs
+from omniroll.train.trajectory_batch import TrajectoryBatch
 
 
 class VersionStore:

@@ -19,7 +19,7 @@ import torch
 from omniroll.sampling.seeds import trained_steps_seed
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.flow_grpo import FlowGRPO
-from omniroll.train.policy import TrajectoryBatch
+from omniroll.train.trajectory_batch import TrajectoryBatch
 
 
 def trained_steps(num_rows: int, num_steps: int, fraction: float, seed: int, step: int) -> torch.Tensor:

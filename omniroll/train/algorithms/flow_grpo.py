@@ -19,7 +19,8 @@ from omniroll.sampling.window import window_for_step
 from omniroll.train.algorithms.base import Algorithm, UpdatePlan
 from omniroll.train.algorithms.ppo import (LossTerms, decoupled_ppo_loss, density_log_ratio_scale, kl_to_reference,
                                            ppo_clip_loss)
-from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
+from omniroll.train.recompute import recompute_log_probs
+from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.versions import behaviour_and_replay
 
 #: the fixed subset (first rows) whose recorded log-probs are replayed every step

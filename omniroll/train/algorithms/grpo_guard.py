@@ -23,7 +23,8 @@ import torch
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.flow_grpo import FlowGRPO
 from omniroll.train.algorithms.ppo import LossTerms, clipped_surrogate, with_kl
-from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
+from omniroll.train.recompute import recompute_log_probs
+from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.versions import log_probs_under_versions
 
 

@@ -1,15 +1,15 @@
 """`RankGroup`: the trainer's data-parallel update (`trainer.world_size` N > 1; docs/training/data_parallel.md): N
-`TrainerRank` Ray actors (omniroll/train/rank.py), placed by `trainer.placement` / `trainer.resources` (one
+`TrainerRank` Ray actors (omniroll/train/parallel/rank.py), placed by `trainer.placement` / `trainer.resources` (one
 placement-group bundle each, the replicas' rules), in one torch.distributed process group.
 
-The driver (`FlowGRPOTrainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
-weight push. Each step `update` splits the batch by whole prompt groups (omniroll/train/shard.py), ships every rank
-its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights
-and algorithm state, which the driver adopts (it pushes the weights to the replicas). The optimizer state stays with
-the ranks, which write it to `state_dir` every step (each its shard under FSDP2, or rank 0 the replicated one); the
-driver reads it only to write a checkpoint (`optimizer_state`). A rank that dies or fails ends the step with
-`TrainerRankError`, one line naming the rank and its node; the other ranks are stopped, and the driver writes the
-last completed step's checkpoint from its weights and the ranks' files of that step.
+The driver (`Trainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
+weight push. Each step `update` splits the batch by whole prompt groups (omniroll/train/parallel/shard.py), ships every
+rank its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights
+and algorithm state, which the driver adopts (it pushes the weights to the replicas). The optimizer state stays with the
+ranks, which write it to `state_dir` every step (each its shard under FSDP2, or rank 0 the replicated one); the driver
+reads it only to write a checkpoint (`optimizer_state`). A rank that dies or fails ends the step with
+`TrainerRankError`, one line naming the rank and its node; the other ranks are stopped, and the driver writes the last
+completed step's checkpoint from its weights and the ranks' files of that step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from omniroll.train.algorithms import UpdatePlan
-from omniroll.train.shard import merge_stats, rows_per_update, shard_by_groups
+from omniroll.train.parallel.shard import merge_stats, rows_per_update, shard_by_groups
 
 
 class TrainerRankError(RuntimeError):
@@ -84,7 +84,7 @@ class RankGroup:
 
         from omniroll.ray_nodes import actor_node_ids
         from omniroll.rollout.ray_cluster import ActorPlacement, bundle_for
-        from omniroll.train.rank import TrainerRank
+        from omniroll.train.parallel.rank import TrainerRank
 
         tc, rs, N = self.tc, self.tc.resources, self.world_size
         # 1. Placement: one bundle per rank (pack / spread), as the replicas are placed.
@@ -122,7 +122,7 @@ class RankGroup:
         """For the checkpoint of completed step `step`: (trainer_state.pt's "optimizer", the files to put beside it).
         Replicated: rank 0's state dict (read from its file); fsdp: {"sharded": "optimizer"} and the ranks'
         torch.distributed.checkpoint directory. Before the ranks' first step: the state they started from."""
-        from omniroll.train.rank import optimizer_state_path
+        from omniroll.train.parallel.rank import optimizer_state_path
 
         path = optimizer_state_path(self.state_dir, step)
         if self.tc.sharding == "fsdp":

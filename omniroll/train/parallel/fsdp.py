@@ -28,7 +28,7 @@ import shutil
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.train.policy import trajectory_velocity
+from omniroll.train.recompute import trajectory_velocity
 
 
 def fsdp_modules(module: torch.nn.Module) -> list:

@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from omniroll.train.policy import TrajectoryBatch, recompute_log_probs
+from omniroll.train.recompute import recompute_log_probs
+from omniroll.train.trajectory_batch import TrajectoryBatch
 
 
 @dataclass

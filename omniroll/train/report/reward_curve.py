@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from omniroll.train.tracking import mode_label, read_jsonl
+from omniroll.train.report.tracking import mode_label, read_jsonl
 
 
 def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model") -> None:

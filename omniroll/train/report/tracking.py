@@ -1,7 +1,7 @@
 """What a training run writes and reads: experiment tracking for `omniroll train` (verl's `trainer.logger` list over
 console, jsonl, tensorboard, wandb, swanlab and mlflow), and its files: metrics.jsonl and the step line (below
-`Tracker`); checkpoints are `checkpoint.py`'s. reward_curve.png is drawn by `reward_curve.py`, the validation grids by
-`val_grid.py`.
+`Tracker`); checkpoints are `train/checkpoint.py`'s. reward_curve.png is drawn by `reward_curve.py`, the validation
+grids by `val_grid.py`.
 
     trainer:
       logger: [console, jsonl, tensorboard, wandb]   # any subset; default [console, jsonl]
@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from omniroll.train.reward_breakdown import reward_breakdown
+from omniroll.train.report.reward_breakdown import reward_breakdown
 
 
 #: the backends are listed once, as `omniroll.config.LOGGERS` (config/trainer.py); these four are optional extras:
@@ -85,7 +85,7 @@ def tracker_name(key: str) -> str:
         return key
     if key.endswith("_s"):
         return f"timing/{key}"
-    if key.startswith("peak_mem_"):  # peak device memory per stage (train/stage_memory.py)
+    if key.startswith("peak_mem_"):  # peak device memory per stage (train/report/stage_memory.py)
         return f"perf/{key}"
     if key.startswith(_ASYNC_PREFIXES):
         return f"async/{key}"
@@ -165,7 +165,7 @@ class Tracker:
         self.experiment = tc.experiment_name or state.get("experiment_name") or default_experiment_name(config)
         self.backends: dict[str, Any] = {}
         if any(n in _REQUIRES for n in self.names):
-            from omniroll.train import tracking_backends as tb
+            from omniroll.train.report import tracking_backends as tb
 
             info = tb.RunInfo(project=self.project, experiment=self.experiment, out_dir=out_dir,
                               config=config.model_dump(mode="json"), resume_step=int(state.get("step", 0)))
@@ -228,7 +228,7 @@ class Tracker:
                 b.log_media("val/grid", grid, step, self.fps)
 
     def log_eval(self, tag: str, step: int, metrics: dict[str, float], lines: list[str]) -> None:
-        """A task evaluation (`omniroll.train.task_eval`): its summary lines (console), one metrics.jsonl record
+        """A task evaluation (`omniroll.train.report.task_eval`): its summary lines (console), one metrics.jsonl record
         `{"step", "eval": tag, "eval/<split>/...": ...}` (training steps' records hold `reward_mean`; these do not)
         and the scalars to every backend."""
         if "console" in self.names:

@@ -1,12 +1,12 @@
 """`TrainerRank`: one rank of the data-parallel update (`trainer.world_size` > 1), a Ray actor holding its own policy,
 optimizer, algorithm and version store on its device (`trainer.device`: the GPU Ray reserved for it, or the CPU), in
 one torch.distributed process group with the other ranks (nccl on GPUs, gloo on the CPU).
-`omniroll/train/distributed.py` starts and drives the ranks.
+`omniroll/train/parallel/distributed.py` starts and drives the ranks.
 
 Each step it receives its shard of the batch (whole prompt groups, advantages of the whole batch), runs the
 algorithm's `prepare`, the generic update (`train_on_batch` with a `GradientShare`: the trainable gradients are
 summed over the ranks before every clip and optimizer step, by an explicit all-reduce, or with `trainer.sharding:
-fsdp` by FSDP2's reduce-scatter, train/fsdp.py) and `after_update`. The ranks start from the same weights and
+fsdp` by FSDP2's reduce-scatter, train/parallel/fsdp.py) and `after_update`. The ranks start from the same weights and
 optimizer state and step with the same summed gradient, so their weights stay equal. Each writes its optimizer state
 (its shard, or rank 0 the replicated one) to disk every step, so the last completed step can be checkpointed whatever
 happens later; rank 0 returns the weights and the algorithm state to the driver, which adopts them (and pushes the
@@ -28,10 +28,10 @@ import torch
 from omniroll.config.device import check_device_here, gradient_checkpointing, rank_device, trainer_dtype
 from omniroll.engine.memory import peak_bytes
 from omniroll.sampling.seeds import rank_seed
-from omniroll.train import fsdp
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
+from omniroll.train.parallel import fsdp
 from omniroll.train.policy import Policy
-from omniroll.train.policy_move import policy_move, snapshot
+from omniroll.train.report.policy_move import policy_move, snapshot
 from omniroll.train.update import GradientShare, train_on_batch
 from omniroll.train.versions import VersionStore
 
@@ -180,7 +180,7 @@ class TrainerRank:
         plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store,
                        halves=None if self.sharded else halves)
         if self.checkpointing_due and len(rows):
-            from omniroll.train.policy import enable_gradient_checkpointing
+            from omniroll.train.recompute import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, rows.execution)
             self.checkpointing_due = False
@@ -191,7 +191,7 @@ class TrainerRank:
         prepared = self.algorithm.prepare(self.policy, rows, plan) if len(rows) else {}
         recompute_s = time.perf_counter() - t0
         # 3. The update, gradients summed over the ranks before every optimizer step; the algorithm's after-update.
-        if self.sharded:  # the zero-weight micro-batch that ends each accumulation group (train/fsdp.py)
+        if self.sharded:  # the zero-weight micro-batch that ends each accumulation group (train/parallel/fsdp.py)
             share = GradientShare(rows_per_update, all_reduce=lambda _: fsdp.sync_gradients(self.policy,
                                                                                             rows.rows([0])))
         else:

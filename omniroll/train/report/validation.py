@@ -16,9 +16,9 @@ import os
 from typing import Any, Callable
 
 from omniroll.agent_loop.batch import prompt_batch
-from omniroll.train.reward_breakdown import reward_breakdown, row_components
-from omniroll.train.tracking import append_jsonl
-from omniroll.train.val_grid import caption_lines, save_val_grid
+from omniroll.train.report.reward_breakdown import reward_breakdown, row_components
+from omniroll.train.report.tracking import append_jsonl
+from omniroll.train.report.val_grid import caption_lines, save_val_grid
 
 
 def breakdown_text(parts: dict[str, float]) -> str:

@@ -1,4 +1,4 @@
-"""The tracker backends of `omniroll.train.tracking`, one class each, each importing its library only when built.
+"""The tracker backends of `omniroll.train.report.tracking`, one class each, each importing its library only when built.
 
 Every backend has `run_id`, `log_scalars(values, step)`, `log_histogram(key, values, step)`,
 `log_media(key, items, step, fps)` (items: (uint8 HWC image or THWC video, caption)) and `close()`.

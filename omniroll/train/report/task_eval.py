@@ -183,7 +183,7 @@ def plot_eval_curve(out_dir: str) -> None:
     import matplotlib.pyplot as plt
 
     from omniroll.tasks.shapes.grammar import TAGS
-    from omniroll.train.tracking import read_jsonl
+    from omniroll.train.report.tracking import read_jsonl
 
     recs = [r for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "eval" in r]
     names = sorted({k.split("/")[1] for r in recs for k in r if k.startswith("eval/")})
