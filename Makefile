@@ -71,8 +71,8 @@ docs-screenshots: docs
 	done; kill $$(cat .shot-server.pid); rm -f .shot-server.pid
 
 # The generation demo with the shipped shapes model, then DiffusionNFT on the shapes world (examples/shapes_demo.yaml,
-# ~14 min on 2 cores): the GenEval-style table before and after with the paired verdict, one line per step; out/train/ gets metrics.jsonl, eval_curve.png,
-# reward_curve.png, val_before.png / val_after.png (captioned), eval/ (tables, grids, before_after_<split>.png),
+# ~14 min on 2 cores): the GenEval-style table before and after with the paired verdict, one line per step;
+# out/train/ gets metrics.jsonl, eval_curve.png, reward_curve.png, val_before.png / val_after.png (captioned), eval/ (tables, grids, before_after_<split>.png),
 # checkpoints/, eval/flips_<split>.png.
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo

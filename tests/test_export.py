@@ -115,7 +115,8 @@ def test_full_checkpoint_exports_merged_only(tmp_path, capsys, tiny_sd3_path):
     assert not os.path.exists(tmp_path / "nomerge") and not leftovers(tmp_path)
     other = build_tiny_sd3(str(tmp_path / "other-model"), seed=1, attention_head_dim=16)
     rc, _, err = export(capsys, run, "--to", tmp_path / "wrong", "--merge", "--model", other)
-    assert rc == 2 and "CKPT " in err and "(trained on another model?); pass --model" in err, err
+    assert rc == 2 and "CKPT " in err, err  # the model it was trained on, named (its trainer_state.pt says)
+    assert f"(trained on {tiny_sd3_path!r}: --model {tiny_sd3_path}); pass --model" in err, err
     assert not os.path.exists(tmp_path / "wrong") and not leftovers(tmp_path)
     rc, out, err = export(capsys, run, "--to", tmp_path / "merged", "--merge", "--check")
     assert rc == 0, err

@@ -39,8 +39,7 @@ def trained_on(path: str) -> str | None:
 def another_model(path: str) -> str:
     """The end of a does-not-fit message: the model the checkpoint was trained on, when it says."""
     model = trained_on(path)
-    return (f"it was trained on {model!r}: evaluate it with --model {model} (or the config that trained it)"
-            if model else "trained on another model?")
+    return f"(trained on {model!r}: --model {model})" if model else "(trained on another model?)"
 
 
 def load_full_weights(adapter, path: str) -> None:
@@ -53,12 +52,12 @@ def load_full_weights(adapter, path: str) -> None:
     missing = sorted(set(own) - set(state))
     if missing:
         raise ValueError(f"{path}: the full checkpoint lacks {len(missing)} of the model's weights, e.g. "
-                         f"{missing[:3]}; {another_model(path)}")
+                         f"{missing[:3]} {another_model(path)}")
     with torch.no_grad():
         for name, p in own.items():
             if tuple(state[name].shape) != tuple(p.shape):
                 raise ValueError(f"{path}: weight {name} has shape {tuple(state[name].shape)}, the model's is "
-                                 f"{tuple(p.shape)}; {another_model(path)}")
+                                 f"{tuple(p.shape)} {another_model(path)}")
             p.copy_(state[name])
 
 
@@ -71,5 +70,5 @@ def add_lora_checkpoint(engine, path: str) -> None:
         engine.add_lora(OmniTensorLoRARequest(lora_name=os.path.basename(os.path.normpath(path)), lora_int_id=1,
                                               lora_path=path), version=1)
     except LoRABindError as e:
-        raise ValueError(f"{path}: its LoRA does not fit this model ({str(e).splitlines()[0][:200]}); "
-                         f"{another_model(path)}") from None
+        raise ValueError(f"{path}: its LoRA does not fit this model {another_model(path)}: "
+                         f"{str(e).splitlines()[0][:200]}") from None
