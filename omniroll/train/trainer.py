@@ -36,17 +36,16 @@ from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regen
 from omniroll.train.colocation import Colocation
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
+from omniroll.train.local_update import LocalUpdate
 from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.policy import Policy
 from omniroll.train.report import tracking
-from omniroll.train.report.policy_move import policy_move, snapshot
 from omniroll.train.report.reward_curve import plot_rewards
 from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.report.stage_memory import StageMemory
 from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
 from omniroll.train.report.validation import run_validation
-from omniroll.train.update import train_on_batch
 from omniroll.train.versions import VersionStore, off_policy_metrics, rows_ahead, stale_rows, step_versions
 
 
@@ -76,6 +75,7 @@ class Trainer:
         self.manager = None
         self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started
         self.ranks: Optional[RankGroup] = None  # the data-parallel update's ranks (trainer.world_size > 1)
+        self.updater: Optional[LocalUpdate | RankGroup] = None  # who runs the step's update: this process or the ranks
         self.ray_address = ray_address  # a cluster to join (default: RAY_ADDRESS, else a local Ray)
         self.history: list[dict] = []
         self.interrupts = DeferredInterrupt()
@@ -131,6 +131,8 @@ class Trainer:
         if self.tc.world_size > 1:  # the driver's optimizer carries only the state the ranks start from
             self.ranks = RankGroup(cfg, self.cluster.model, os.path.join(self.out_dir, "rank_state"), self.log).start(
                 self.policy, self.optimizer, self.algorithm, self.store, self._sharded_optimizer)
+        self.updater = (self.ranks if self.ranks is not None
+                        else LocalUpdate(self.policy, self.optimizer, self.algorithm, self.tc, self.memory))
         self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
@@ -169,6 +171,7 @@ class Trainer:
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
+        self.updater = None
         if self.cluster is not None:
             self.cluster.close()  # the manager, reward workers, replicas, placement groups, Ray: in reverse
             self.cluster = None
@@ -264,31 +267,20 @@ class Trainer:
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
         sleep_s = self.colocation.sleep(self.replicas) if self.colocation is not None else None
-        t_move = time.time()
         self.memory.begin()  # the recompute stage: the trainer's passes before its first optimizer update
-        before = (snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # report/policy_move.py
-                  if self.ranks is None else None)  # ranks measure it on their shards
         t1 = time.time()
         uids = list(out.non_tensor_batch["uid"])
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
                           decoupled=K > 0 or tc.old_log_prob == "recompute", halves=signal_halves(uids, tc.seed, step),
                           signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0)
-        if self.ranks is None:  # the update in this process
-            prepared = self.algorithm.prepare(self.policy, traj, plan)  # its anchors (behaviour, proximal, timesteps)
-        t_prep = time.time()
-        self.memory.end("recompute")
         with self.interrupts.critical():
-            if self.ranks is None:
-                stats = train_on_batch(self.policy, self.optimizer, self.algorithm, traj, advantages, plan,
-                                       num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
-                after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
-                self.memory.end("update")
-            else:  # world_size > 1: the ranks' update (parallel/distributed.py); this process adopts rank 0's state
-                res = self.ranks.update(traj, advantages, uids, plan)
-                adopt_rank0(res, self.policy, self.algorithm)  # the trained weights (the ranks keep the optimizer)
-                prepared, stats, after = res["prepared"], res["stats"], res["after"]
-                self.memory.add("update", res["peak_bytes"])
+            # the update: in this process (local_update.py) or on the data-parallel ranks (parallel/distributed.py)
+            res = self.updater.update(traj, advantages, uids, plan)
+            if "weights" in res:  # the ranks trained: this process adopts rank 0's weights and algorithm state
+                adopt_rank0(res, self.policy, self.algorithm)  # (the ranks keep the optimizer state)
+            prepared, stats, after, move = res["prepared"], res["stats"], res["after"], res["move"]
+            self.memory.add("update", res["peak_bytes"])
             t2 = time.time()
             wake_s = self.colocation.wake(self.replicas) if self.colocation is not None else None
             prox_version = self.version
@@ -297,11 +289,7 @@ class Trainer:
             self.memory.end("sync")
             self.step_done = step
             t3 = time.time()
-            move = (policy_move(before, snapshot(self.policy.adapter, traj, tc.policy_move_rows,
-                                                 tc.micro_batch_size), tc.clip_range)
-                    if self.ranks is None else res["move"])
-            t4 = time.time()
-            wall = t4 - t0
+            wall = t3 - t0
             m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
                  "reward_max": float(rewards.max()), "tied_groups": adv.tied_groups, "tied_rewards": adv.tied_rewards,
                  "num_groups": adv.num_groups, "num_samples": len(traj),
@@ -313,14 +301,14 @@ class Trainer:
                  "weight_version": int(versions.min()), "synced_version": self.version,
                  "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale, **prepared, **after,
                  **off_policy_metrics(stats, versions, prox_version),
-                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t4), [(t1, t2)]) / max(wall, 1e-9),
+                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t3), [(t1, t2)]) / max(wall, 1e-9),
                  "samples_per_s": len(traj) / max(wall, 1e-9),
                  "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
-                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall,
-                 "policy_move_s": (t1 - t_move) + (t4 - t3)}
+                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1 - res["move_s"], "sync_s": t3 - t2,
+                 "step_s": wall, "policy_move_s": res["move_s"]}
             if sleep_s is not None:  # colocated replicas (train/colocation.py): sync_s without the wake before it
                 m.update(sleep_s=sleep_s, wake_s=wake_s, sync_s=m["sync_s"] - wake_s)
-            m.update(recompute_s=t_prep - t1 if self.ranks is None else res["recompute_s"],  # the anchors (in train_s)
+            m.update(recompute_s=res["recompute_s"],  # the anchors (in train_s)
                      **self.memory.metrics())  # peak_mem_<stage>_gb where the device reports memory
             self.pipeline.forget_before(t0)
             self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
