@@ -32,22 +32,22 @@ from omniroll.config.device import check_device_here, gradient_checkpointing, tr
 from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
 from omniroll.train import checkpoint
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
-from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds, regenerate_in_flight
+from omniroll.train.async_rollout import RolloutPipeline, regenerate_in_flight
 from omniroll.train.colocation import Colocation
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
+from omniroll.train.local_update import LocalUpdate
 from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.policy import Policy
 from omniroll.train.report import tracking
-from omniroll.train.report.policy_move import policy_move, snapshot
 from omniroll.train.report.reward_curve import plot_rewards
+from omniroll.train.report.step_record import StepClock, step_record
 from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
 from omniroll.train.report.stage_memory import StageMemory
 from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
 from omniroll.train.report.validation import run_validation
-from omniroll.train.update import train_on_batch
-from omniroll.train.versions import VersionStore, off_policy_metrics, rows_ahead, stale_rows, step_versions
+from omniroll.train.versions import VersionStore, rows_ahead, stale_rows, step_versions
 
 
 class WeightVersionError(RuntimeError):
@@ -76,6 +76,7 @@ class Trainer:
         self.manager = None
         self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started
         self.ranks: Optional[RankGroup] = None  # the data-parallel update's ranks (trainer.world_size > 1)
+        self.updater: Optional[LocalUpdate | RankGroup] = None  # who runs the step's update: this process or the ranks
         self.ray_address = ray_address  # a cluster to join (default: RAY_ADDRESS, else a local Ray)
         self.history: list[dict] = []
         self.interrupts = DeferredInterrupt()
@@ -91,6 +92,13 @@ class Trainer:
         rep = self.config.replicas  # replicas on the trainer's device sleep during its update (train/colocation.py)
         self.colocation = Colocation(rep.sleep_level, self.tc.sync_timeout_s) if rep.colocate else None
         self.memory: Optional[StageMemory] = None  # peak memory per stage, where the device reports it
+        # set by start(): the trained model, its algorithm and optimizer, the kept weight versions, the weight sender
+        self.device = "cpu"  # trainer.device (the driver's CPU when ranks train)
+        self.policy: Optional[Policy] = None
+        self.algorithm = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.store: Optional[VersionStore] = None
+        self.sender = None
         self._sharded_optimizer: Optional[str] = None  # a resumed fsdp run's optimizer directory (the ranks load it)
 
     # ------------------------------------------------------------------ setup / teardown
@@ -131,6 +139,8 @@ class Trainer:
         if self.tc.world_size > 1:  # the driver's optimizer carries only the state the ranks start from
             self.ranks = RankGroup(cfg, self.cluster.model, os.path.join(self.out_dir, "rank_state"), self.log).start(
                 self.policy, self.optimizer, self.algorithm, self.store, self._sharded_optimizer)
+        self.updater = (self.ranks if self.ranks is not None
+                        else LocalUpdate(self.policy, self.optimizer, self.algorithm, self.tc, self.memory))
         self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
@@ -169,6 +179,7 @@ class Trainer:
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
+        self.updater = None
         if self.cluster is not None:
             self.cluster.close()  # the manager, reward workers, replicas, placement groups, Ray: in reverse
             self.cluster = None
@@ -242,54 +253,47 @@ class Trainer:
         return self.history
 
     def step(self, step: int) -> dict:
+        """One training step, top to bottom: rollout, versions, update, sync, report. Returns its record."""
         tc, K = self.tc, self.tc.max_staleness
+        # 1. Rollout: this step's batch (the next ones the staleness budget allows start now, behind it).
         t0 = time.time()
         self.pipeline.submit(step)
-        for b in range(step + 1, min(step + K, self._last) + 1):  # the rollouts the staleness budget allows now
+        for b in range(step + 1, min(step + K, self._last) + 1):
             self.pipeline.submit(b)
         out = self.pipeline.take(step)
         t_back = time.time()
         span = self.pipeline.span(step) or (t0, t_back)
         finished = [m.get("generate_finished_at") or span[1] for m in out.meta_info.get("metrics", [])]
-        last_gen = max(finished) if finished else span[1]
+        # 2. Versions: the samples that may train (none ahead of the trainer, none staler than K), as the algorithm's
+        #    rows and advantages on the trainer's device (the driver's is the CPU when ranks train).
         out, versions, stale = self._fresh(step, out)
         self.memory.add_replicas(self.replicas)  # the rollout's peak memory, in the replicas' processes
         rewards = out.batch["rm_scores"][:, 0].float()
-        adv = self.algorithm.advantages(rewards, list(out.non_tensor_batch["uid"]))
+        uids = list(out.non_tensor_batch["uid"])
+        adv = self.algorithm.advantages(rewards, uids)
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
-        traj, advantages = traj.to(self.device), adv.advantages.to(self.device)  # (ranks: the driver's is the CPU)
+        traj, advantages = traj.to(self.device), adv.advantages.to(self.device)
         if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
             from omniroll.train.recompute import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.policy.denoiser, traj.execution)
             self._checkpointing = True
+        # 3. Update: in this process (local_update.py) or on the ranks (parallel/distributed.py); colocated replicas
+        #    sleep through it.
         sleep_s = self.colocation.sleep(self.replicas) if self.colocation is not None else None
-        t_move = time.time()
         self.memory.begin()  # the recompute stage: the trainer's passes before its first optimizer update
-        before = (snapshot(self.policy.adapter, traj, tc.policy_move_rows, tc.micro_batch_size)  # report/policy_move.py
-                  if self.ranks is None else None)  # ranks measure it on their shards
         t1 = time.time()
-        uids = list(out.non_tensor_batch["uid"])
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
                           decoupled=K > 0 or tc.old_log_prob == "recompute", halves=signal_halves(uids, tc.seed, step),
                           signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0)
-        if self.ranks is None:  # the update in this process
-            prepared = self.algorithm.prepare(self.policy, traj, plan)  # its anchors (behaviour, proximal, timesteps)
-        t_prep = time.time()
-        self.memory.end("recompute")
-        with self.interrupts.critical():
-            if self.ranks is None:
-                stats = train_on_batch(self.policy, self.optimizer, self.algorithm, traj, advantages, plan,
-                                       num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
-                after = self.algorithm.after_update(self.policy, step)  # e.g. NFT's old weights
-                self.memory.end("update")
-            else:  # world_size > 1: the ranks' update (parallel/distributed.py); this process adopts rank 0's state
-                res = self.ranks.update(traj, advantages, uids, plan)
-                adopt_rank0(res, self.policy, self.algorithm)  # the trained weights (the ranks keep the optimizer)
-                prepared, stats, after = res["prepared"], res["stats"], res["after"]
-                self.memory.add("update", res["peak_bytes"])
+        with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
+            res = self.updater.update(traj, advantages, uids, plan)
+            if "weights" in res:  # the ranks trained: this process adopts rank 0's weights and algorithm state
+                adopt_rank0(res, self.policy, self.algorithm)  # (the ranks keep the optimizer state)
+            self.memory.add("update", res["peak_bytes"])
             t2 = time.time()
+            # 4. Sync: the new weights to the replicas (woken first when colocated).
             wake_s = self.colocation.wake(self.replicas) if self.colocation is not None else None
             prox_version = self.version
             self.store.record(step)
@@ -297,34 +301,18 @@ class Trainer:
             self.memory.end("sync")
             self.step_done = step
             t3 = time.time()
-            move = (policy_move(before, snapshot(self.policy.adapter, traj, tc.policy_move_rows,
-                                                 tc.micro_batch_size), tc.clip_range)
-                    if self.ranks is None else res["move"])
-            t4 = time.time()
-            wall = t4 - t0
-            m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-                 "reward_max": float(rewards.max()), "tied_groups": adv.tied_groups, "tied_rewards": adv.tied_rewards,
-                 "num_groups": adv.num_groups, "num_samples": len(traj),
-                 "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
-                 "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
-                 "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps,
-                 **self.signal_window.metrics(signal_metrics(stats.grad_cos, stats.signal_rows_a,
-                                                             stats.signal_rows_b)), **move,
-                 "weight_version": int(versions.min()), "synced_version": self.version,
-                 "max_staleness": K, "partial_rollout": tc.partial_rollout, **stale, **prepared, **after,
-                 **off_policy_metrics(stats, versions, prox_version),
-                 "overlap_frac": overlap_seconds(self.pipeline.busy(t0, t4), [(t1, t2)]) / max(wall, 1e-9),
-                 "samples_per_s": len(traj) / max(wall, 1e-9),
-                 "rollout_s": max(span[1] - span[0], 0.0), "reward_wait_s": max(span[1] - last_gen, 0.0),
-                 "rollout_wait_s": t_back - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": wall,
-                 "policy_move_s": (t1 - t_move) + (t4 - t3)}
-            if sleep_s is not None:  # colocated replicas (train/colocation.py): sync_s without the wake before it
-                m.update(sleep_s=sleep_s, wake_s=wake_s, sync_s=m["sync_s"] - wake_s)
-            m.update(recompute_s=t_prep - t1 if self.ranks is None else res["recompute_s"],  # the anchors (in train_s)
-                     **self.memory.metrics())  # peak_mem_<stage>_gb where the device reports memory
+            # 5. Report: the step's record (report/step_record.py), the step line, metrics.jsonl, the trackers.
+            stats = res["stats"]
+            signal = self.signal_window.metrics(signal_metrics(stats.grad_cos, stats.signal_rows_a,
+                                                               stats.signal_rows_b))
+            clock = StepClock(t0=t0, back=t_back, rollout=span, last_generated=max(finished) if finished else span[1],
+                              t1=t1, t2=t2, t3=t3, busy=self.pipeline.busy(t0, t3))
+            m = step_record(step, rewards, adv, res, signal, versions, synced_version=self.version,
+                            prox_version=prox_version, max_staleness=K, partial_rollout=tc.partial_rollout,
+                            stale=stale, clock=clock, sleep_s=sleep_s, wake_s=wake_s, memory=self.memory.metrics())
             self.pipeline.forget_before(t0)
-            self.history.append(m)  # a Ctrl-C during the update lands after this step is logged
-            self.tracker.log_step(m, out, total=self._last)  # the step line, metrics.jsonl, trackers (trainer.logger)
+            self.history.append(m)
+            self.tracker.log_step(m, out, total=self._last)  # trainer.logger
         return m
 
     def _fresh(self, step: int, out: DataBatch) -> tuple[DataBatch, torch.Tensor, dict]:

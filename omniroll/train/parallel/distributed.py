@@ -157,8 +157,9 @@ class RankGroup:
     # ------------------------------------------------------------------ a step
     def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> dict:
         """Every rank's part of the step's update (`rows`: the whole batch; `uids`: its prompt groups). Returns
-        {"stats": merged UpdateStats, "prepared", "after", "move": merged metrics, "recompute_s" and "peak_bytes":
-        the largest rank's (peak_bytes None on the CPU), "weights": rank 0's, "algorithm": its state}."""
+        {"stats": merged UpdateStats, "prepared", "after", "move": merged metrics, "recompute_s", "move_s" and
+        "peak_bytes": the largest rank's (peak_bytes None on the CPU), "weights": rank 0's, "algorithm": its state}:
+        the result `omniroll.train.local_update.LocalUpdate.update` gives in one process, plus what to adopt."""
         import ray
 
         # 1. Whole prompt groups per rank; the rows of every global optimizer step.
@@ -179,7 +180,8 @@ class RankGroup:
         return {"stats": merge_stats([o["stats"] for o in outs]),
                 "prepared": merge_metrics([o["prepared"] for o in outs]),
                 "after": merge_metrics([o["after"] for o in outs]), "move": merge_metrics([o["move"] for o in outs]),
-                "recompute_s": max(o["recompute_s"] for o in outs), "peak_bytes": max(peaks) if peaks else None,
+                "recompute_s": max(o["recompute_s"] for o in outs), "move_s": max(o["move_s"] for o in outs),
+                "peak_bytes": max(peaks) if peaks else None,
                 "weights": outs[0]["weights"],
                 "algorithm": outs[0]["algorithm"]}
 

@@ -186,6 +186,7 @@ class TrainerRank:
             self.checkpointing_due = False
         peak_bytes(self.device)  # this step's peak starts here
         # 2. The algorithm's anchors on the shard (none for a rank without rows: it only joins the all-reduces).
+        t_move = time.perf_counter()
         before = snapshot(self.policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size)
         t0 = time.perf_counter()
         prepared = self.algorithm.prepare(self.policy, rows, plan) if len(rows) else {}
@@ -200,15 +201,17 @@ class TrainerRank:
         stats = train_on_batch(self.policy, self.optimizer, self.algorithm, rows, advantages, plan,
                                num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm, share=share)
         after = self.algorithm.after_update(self.policy, plan.step)
+        t1 = time.perf_counter()
         move = policy_move(before, snapshot(self.policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size),
                            tc.clip_range)
+        move_s = (t0 - t_move) + (time.perf_counter() - t1)
         if self.sharded:
             fsdp.reshard(self.policy.denoiser)
         self.store.record(plan.step)
         # 4. The step's optimizer state on disk (the driver reads it only for a checkpoint); the weights to push.
         self.save_optimizer_state(plan.step)
         out = {"stats": stats, "prepared": prepared, "after": after, "move": move, "recompute_s": recompute_s,
-               "peak_bytes": peak_bytes(self.device)}
+               "move_s": move_s, "peak_bytes": peak_bytes(self.device)}
         weights = self.weights()  # a collective under FSDP2: every rank gathers
         if self.rank == 0:
             out["weights"] = weights

@@ -1,0 +1,58 @@
+"""`LocalUpdate`: the step's update in the trainer's own process (`trainer.world_size: 1`), with the data-parallel
+`RankGroup`'s `update()` signature and result (omniroll/train/parallel/distributed.py), so the trainer's step calls one
+or the other and never branches on which it holds.
+
+    result = updater.update(rows, advantages, uids, plan)
+    result = {"stats": UpdateStats, "prepared": the algorithm's anchors' metrics, "after": its after-update metrics,
+              "move": how far the update moved the policy, "recompute_s": the anchors' seconds,
+              "move_s": the policy-move snapshots' seconds, "peak_bytes": None (this process's peaks are the
+              trainer's own `StageMemory`'s), and, from ranks only, "weights" / "algorithm" to adopt}
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from omniroll.train.algorithms import UpdatePlan
+from omniroll.train.report.policy_move import policy_move, snapshot
+from omniroll.train.report.stage_memory import StageMemory
+from omniroll.train.update import train_on_batch
+
+
+class LocalUpdate:
+    """policy, optimizer, algorithm: the trainer's own; tc: the `trainer` config section; memory: the trainer's
+    `StageMemory` (this update ends its recompute and update stages)."""
+
+    def __init__(self, policy, optimizer: torch.optim.Optimizer, algorithm, tc, memory: StageMemory):
+        self.policy = policy
+        self.optimizer = optimizer
+        self.algorithm = algorithm
+        self.tc = tc
+        self.memory = memory
+
+    def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> dict:
+        """The step's update on `rows` (`uids`, its prompt groups, are the ranks' split: unused here)."""
+        tc, policy = self.tc, self.policy
+        # 1. The rows' outputs before the update, to measure how far it moves the policy (report/policy_move.py).
+        t0 = time.perf_counter()
+        before = snapshot(policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size)
+        move_s = time.perf_counter() - t0
+        # 2. The algorithm's anchors (behaviour, proximal, timesteps): the recompute stage.
+        t1 = time.perf_counter()
+        prepared = self.algorithm.prepare(policy, rows, plan)
+        recompute_s = time.perf_counter() - t1
+        self.memory.end("recompute")
+        # 3. The inner epochs, then the algorithm's after-update (e.g. NFT's old weights).
+        stats = train_on_batch(policy, self.optimizer, self.algorithm, rows, advantages, plan,
+                               num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
+        after = self.algorithm.after_update(policy, plan.step)
+        self.memory.end("update")
+        # 4. How far it moved.
+        t2 = time.perf_counter()
+        move = policy_move(before, snapshot(policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size),
+                           tc.clip_range)
+        move_s += time.perf_counter() - t2
+        return {"stats": stats, "prepared": prepared, "after": after, "move": move, "recompute_s": recompute_s,
+                "move_s": move_s, "peak_bytes": None}
