@@ -72,8 +72,8 @@ docs-screenshots: docs
 
 # The generation demo with the shipped shapes model, then DiffusionNFT on the shapes world (examples/shapes_demo.yaml,
 # ~14 min on 2 cores): the GenEval-style table before and after with the paired verdict, one line per step;
-# out/train/ gets metrics.jsonl, eval_curve.png, reward_curve.png, val_before.png / val_after.png (captioned), eval/ (tables, grids, before_after_<split>.png),
-# checkpoints/, eval/flips_<split>.png.
+# out/train/ gets metrics.jsonl, eval_curve.png, reward_curve.png, val_before.png / val_after.png (captioned),
+# eval/ (tables, grids, before_after_<split>.png, flips_<split>.png), checkpoints/.
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
 	$(VENV)/bin/omniroll train --config examples/shapes_demo.yaml --out out/train
