@@ -12,13 +12,44 @@ or the other and never branches on which it holds.
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 import torch
 
 from omniroll.train.algorithms import UpdatePlan
 from omniroll.train.report.policy_move import policy_move, snapshot
 from omniroll.train.report.stage_memory import StageMemory
-from omniroll.train.update import train_on_batch
+from omniroll.train.update import GradientShare, train_on_batch
+
+
+def update_and_measure(policy, optimizer: torch.optim.Optimizer, algorithm, tc, rows, advantages: torch.Tensor,
+                       plan: UpdatePlan, share: Optional[GradientShare] = None,
+                       stage_done: Callable[[str], None] = lambda stage: None) -> dict:
+    """The update every trainer process runs (this process, or one data-parallel rank with its `share`): the rows'
+    outputs before it, the algorithm's anchors, the inner epochs, its after-update, and how far the policy moved.
+    `stage_done("recompute")` / `("update")` mark the ends of those stages (peak memory). Returns the module doc's
+    result without "peak_bytes"."""
+    # 1. The rows' outputs before the update, to measure how far it moves the policy (report/policy_move.py).
+    t0 = time.perf_counter()
+    before = snapshot(policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size)
+    move_s = time.perf_counter() - t0
+    # 2. The algorithm's anchors (behaviour, proximal, timesteps): the recompute stage (none for a rank without rows:
+    #    it only joins the all-reduces).
+    t1 = time.perf_counter()
+    prepared = algorithm.prepare(policy, rows, plan) if len(rows) else {}
+    recompute_s = time.perf_counter() - t1
+    stage_done("recompute")
+    # 3. The inner epochs, then the algorithm's after-update (e.g. NFT's old weights).
+    stats = train_on_batch(policy, optimizer, algorithm, rows, advantages, plan,
+                           num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm, share=share)
+    after = algorithm.after_update(policy, plan.step)
+    stage_done("update")
+    # 4. How far it moved.
+    t2 = time.perf_counter()
+    move = policy_move(before, snapshot(policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size), tc.clip_range)
+    move_s += time.perf_counter() - t2
+    return {"stats": stats, "prepared": prepared, "after": after, "move": move, "recompute_s": recompute_s,
+            "move_s": move_s}
 
 
 class LocalUpdate:
@@ -34,25 +65,5 @@ class LocalUpdate:
 
     def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> dict:
         """The step's update on `rows` (`uids`, its prompt groups, are the ranks' split: unused here)."""
-        tc, policy = self.tc, self.policy
-        # 1. The rows' outputs before the update, to measure how far it moves the policy (report/policy_move.py).
-        t0 = time.perf_counter()
-        before = snapshot(policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size)
-        move_s = time.perf_counter() - t0
-        # 2. The algorithm's anchors (behaviour, proximal, timesteps): the recompute stage.
-        t1 = time.perf_counter()
-        prepared = self.algorithm.prepare(policy, rows, plan)
-        recompute_s = time.perf_counter() - t1
-        self.memory.end("recompute")
-        # 3. The inner epochs, then the algorithm's after-update (e.g. NFT's old weights).
-        stats = train_on_batch(policy, self.optimizer, self.algorithm, rows, advantages, plan,
-                               num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm)
-        after = self.algorithm.after_update(policy, plan.step)
-        self.memory.end("update")
-        # 4. How far it moved.
-        t2 = time.perf_counter()
-        move = policy_move(before, snapshot(policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size),
-                           tc.clip_range)
-        move_s += time.perf_counter() - t2
-        return {"stats": stats, "prepared": prepared, "after": after, "move": move, "recompute_s": recompute_s,
-                "move_s": move_s, "peak_bytes": None}
+        return {**update_and_measure(self.policy, self.optimizer, self.algorithm, self.tc, rows, advantages, plan,
+                                     stage_done=self.memory.end), "peak_bytes": None}

@@ -19,7 +19,6 @@ import datetime
 import os
 import shutil
 import socket
-import time
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -31,8 +30,8 @@ from omniroll.sampling.seeds import rank_seed
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.parallel import fsdp
 from omniroll.train.policy import Policy
-from omniroll.train.report.policy_move import policy_move, snapshot
-from omniroll.train.update import GradientShare, train_on_batch
+from omniroll.train.local_update import update_and_measure
+from omniroll.train.update import GradientShare
 from omniroll.train.versions import VersionStore
 
 #: elements per all-reduce of the gradients (the trainable parameters are reduced in buckets of about this size)
@@ -185,33 +184,21 @@ class TrainerRank:
             enable_gradient_checkpointing(self.policy.denoiser, rows.execution)
             self.checkpointing_due = False
         peak_bytes(self.device)  # this step's peak starts here
-        # 2. The algorithm's anchors on the shard (none for a rank without rows: it only joins the all-reduces).
-        t_move = time.perf_counter()
-        before = snapshot(self.policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size)
-        t0 = time.perf_counter()
-        prepared = self.algorithm.prepare(self.policy, rows, plan) if len(rows) else {}
-        recompute_s = time.perf_counter() - t0
-        # 3. The update, gradients summed over the ranks before every optimizer step; the algorithm's after-update.
+        # 2. The update on the shard (omniroll/train/local_update.py), gradients summed over the ranks before every
+        #    optimizer step.
         if self.sharded:  # the zero-weight micro-batch that ends each accumulation group (train/parallel/fsdp.py)
             share = GradientShare(rows_per_update, all_reduce=lambda _: fsdp.sync_gradients(self.policy,
                                                                                             rows.rows([0])))
         else:
             share = GradientShare(rows_per_update=rows_per_update, all_reduce=all_reduce_gradients,
                                   all_reduce_tensors=all_reduce_tensors)
-        stats = train_on_batch(self.policy, self.optimizer, self.algorithm, rows, advantages, plan,
-                               num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm, share=share)
-        after = self.algorithm.after_update(self.policy, plan.step)
-        t1 = time.perf_counter()
-        move = policy_move(before, snapshot(self.policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size),
-                           tc.clip_range)
-        move_s = (t0 - t_move) + (time.perf_counter() - t1)
+        out = update_and_measure(self.policy, self.optimizer, self.algorithm, tc, rows, advantages, plan, share=share)
         if self.sharded:
             fsdp.reshard(self.policy.denoiser)
         self.store.record(plan.step)
-        # 4. The step's optimizer state on disk (the driver reads it only for a checkpoint); the weights to push.
+        # 3. The step's optimizer state on disk (the driver reads it only for a checkpoint); the weights to push.
         self.save_optimizer_state(plan.step)
-        out = {"stats": stats, "prepared": prepared, "after": after, "move": move, "recompute_s": recompute_s,
-               "move_s": move_s, "peak_bytes": peak_bytes(self.device)}
+        out["peak_bytes"] = peak_bytes(self.device)
         weights = self.weights()  # a collective under FSDP2: every rank gathers
         if self.rank == 0:
             out["weights"] = weights
