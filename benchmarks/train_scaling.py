@@ -91,8 +91,8 @@ def main() -> None:
                 if N == 1:
                     restore()
                     t0 = time.perf_counter()
-                    algo.prepare(policy, traj, plan)
-                    stats = train_on_batch(policy, trainer.optimizer, algo, traj, adv.advantages, plan,
+                    anchors = algo.prepare(policy, traj, plan)
+                    stats = train_on_batch(policy, trainer.optimizer, algo, traj, adv.advantages, anchors, plan,
                                            num_inner_epochs=1, max_grad_norm=tc.max_grad_norm)
                     times[1].append(time.perf_counter() - t0)
                     w1 = {k: p.detach().clone() for k, p in policy.named_parameters()}

@@ -79,8 +79,8 @@ class Sequential:
         store.record(self.version)
         plan = UpdatePlan(step=step, seed=0, micro_batch_size=mbs, per_update=-(-len(traj) // mbs), store=store,
                           versions=torch.full((len(traj), traj.num_steps), self.version))
-        algo.prepare(self.policy, traj, plan)
-        stats = train_on_batch(self.policy, self.opt, algo, traj, adv.advantages, plan, num_inner_epochs=1,
+        anchors = algo.prepare(self.policy, traj, plan)
+        stats = train_on_batch(self.policy, self.opt, algo, traj, adv.advantages, anchors, plan, num_inner_epochs=1,
                                max_grad_norm=1.0)
         t3 = time.perf_counter()
         self.version += 1

@@ -83,9 +83,11 @@ def test_each_algorithm_trains_exactly_and_resumes_bitwise(ray_cluster, tiny_sd3
     assert (old_a is None) == (algorithm != "nft") and (old_a is None or all(map(torch.equal, old_a, old_b)))
 
 
-def test_grpo_guard_with_stale_rows_logs_the_exactness_check_not_the_policy_move(ray_cluster, tiny_sd3_path, tmp_path):
+def test_grpo_guard_with_stale_rows_logs_the_exactness_check_and_the_move_under_its_own_name(ray_cluster, tiny_sd3_path,
+                                                                                             tmp_path):
     """GRPO-Guard anchors its ratio at the behaviour, so with stale rows its ratio also carries the policy's move since;
-    ratio_max_abs_dev stays what it is for every algorithm: the behaviour's recompute against the recorded log-prob."""
+    ratio_max_abs_dev stays what it is for every algorithm: the behaviour's recompute against the recorded log-prob;
+    the move is logged as behaviour_ratio_max_abs_dev (decoupled PPO's name for pi_prox / pi_behaviour)."""
     from omniroll.train import FlowGRPOTrainer
 
     cfg = config(tiny_sd3_path, "grpo_guard", max_staleness=1, checkpoint_every=0)
@@ -93,6 +95,9 @@ def test_grpo_guard_with_stale_rows_logs_the_exactness_check_not_the_policy_move
         hist = tr.train()
     assert max(m["staleness_max"] for m in hist) >= 1  # the rows of a later step were sampled by older weights
     assert [m["ratio_max_abs_dev"] for m in hist] == [0.0] * 3
+    moved = [m["behaviour_ratio_max_abs_dev"] for m in hist if m["staleness_max"] >= 1]
+    assert moved and all(x > 0 for x in moved)  # older weights sampled those rows: the policy moved since
+    assert all(m["behaviour_ratio_max_abs_dev"] == 0.0 for m in hist if m["staleness_max"] == 0)
 
 
 def check_rollout_contract(tr, algorithm, batch):

@@ -125,8 +125,9 @@ def test_the_meter_reads_the_cosine_of_the_two_halves_gradients_and_changes_noth
         plan = UpdatePlan(step=1, seed=0, micro_batch_size=4, versions=torch.ones(len(traj), traj.num_steps,
                                                                                    dtype=torch.long),
                           store=store, halves=halves, signal=signal)
-        algorithm.prepare(policy, traj, plan)
-        stats = train_on_batch(policy, opt, algorithm, traj, adv, plan, num_inner_epochs=1, max_grad_norm=1.0)
+        anchors = algorithm.prepare(policy, traj, plan)
+        stats = train_on_batch(policy, opt, algorithm, traj, adv, anchors, plan, num_inner_epochs=1,
+                               max_grad_norm=1.0)
         results[signal] = (stats, [p.detach().clone() for p in policy.parameters()])
     stats, weights = results[True]
     assert stats.ratio_max_abs_dev == 0.0 and results[False][0].grad_cos is None

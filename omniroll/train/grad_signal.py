@@ -138,7 +138,7 @@ def group_gradients(policy, algorithm, rows, advantages: torch.Tensor, uids: Seq
     what the trainer's update accumulates for those rows. `algorithm.prepare` runs first on all `rows`; each group is
     one micro-batch (its index the `chunk` a forward-process algorithm seeds its noise with). For measurements before
     training (benchmarks/grad_signal.py): nothing is stepped."""
-    algorithm.prepare(policy, rows, plan)
+    anchors = algorithm.prepare(policy, rows, plan)
     params = policy.parameters()
     out = {}
     for c, u in enumerate(dict.fromkeys(uids)):
@@ -146,9 +146,10 @@ def group_gradients(policy, algorithm, rows, advantages: torch.Tensor, uids: Seq
         for p in params:
             p.grad = None
         mb = rows.rows(idx)
-        T = algorithm.num_terms(mb)
+        T = algorithm.num_terms(mb, anchors)
         for k in range(T):
-            terms = algorithm.loss(policy, mb, idx, advantages[idx], k, plan, epoch=0, chunk=c, first_update=True)
+            terms = algorithm.loss(policy, mb, idx, advantages[idx], k, anchors, plan, epoch=0, chunk=c,
+                                   first_update=True)
             (terms.loss * (len(idx) / T)).backward()
         out[u] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
                             for p in params])

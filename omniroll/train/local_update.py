@@ -36,11 +36,11 @@ def update_and_measure(policy, optimizer: torch.optim.Optimizer, algorithm, tc, 
     # 2. The algorithm's anchors (behaviour, proximal, timesteps): the recompute stage (none for a rank without rows:
     #    it only joins the all-reduces).
     t1 = time.perf_counter()
-    prepared = algorithm.prepare(policy, rows, plan) if len(rows) else {}
+    anchors = algorithm.prepare(policy, rows, plan) if len(rows) else None
     recompute_s = time.perf_counter() - t1
     stage_done("recompute")
     # 3. The inner epochs, then the algorithm's after-update (e.g. NFT's old weights).
-    stats = train_on_batch(policy, optimizer, algorithm, rows, advantages, plan,
+    stats = train_on_batch(policy, optimizer, algorithm, rows, advantages, anchors, plan,
                            num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm, share=share)
     after = algorithm.after_update(policy, plan.step)
     stage_done("update")
@@ -48,6 +48,7 @@ def update_and_measure(policy, optimizer: torch.optim.Optimizer, algorithm, tc, 
     t2 = time.perf_counter()
     move = policy_move(before, snapshot(policy.adapter, rows, tc.policy_move_rows, tc.micro_batch_size), tc.clip_range)
     move_s += time.perf_counter() - t2
+    prepared = anchors.metrics if anchors is not None else {}
     return {"stats": stats, "prepared": prepared, "after": after, "move": move, "recompute_s": recompute_s,
             "move_s": move_s}
 

@@ -37,6 +37,7 @@ from omniroll.train.colocation import Colocation
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
 from omniroll.train.local_update import LocalUpdate
+from omniroll.train.micro_batches import group_index
 from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.policy import Policy
 from omniroll.train.report import tracking
@@ -47,11 +48,8 @@ from omniroll.train.report.stage_memory import StageMemory
 from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
 from omniroll.train.report.validation import run_validation
-from omniroll.train.versions import VersionStore, rows_ahead, stale_rows, step_versions
-
-
-class WeightVersionError(RuntimeError):
-    """A sample was generated with weights the trainer never pushed, or a weight sync failed."""
+from omniroll.train.versions import VersionStore, WeightVersionError, trainable_rows
+from omniroll.train.weight_push import WeightPush, WeightPushError
 
 
 class Trainer:
@@ -71,10 +69,8 @@ class Trainer:
         self.val_prompts = list(self.tc.val_prompts) or self.prompts[:4]
         self.step_done = 0  # last completed training step
         self.version = 0  # weights version on every replica
-        self.replicas: list = []
-        self.reward_handles: list = []
-        self.manager = None
-        self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started
+        self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started (its replicas, manager)
+        self.push: Optional[WeightPush] = None  # the weights to the cluster's replicas (train/weight_push.py)
         self.ranks: Optional[RankGroup] = None  # the data-parallel update's ranks (trainer.world_size > 1)
         self.updater: Optional[LocalUpdate | RankGroup] = None  # who runs the step's update: this process or the ranks
         self.ray_address = ray_address  # a cluster to join (default: RAY_ADDRESS, else a local Ray)
@@ -98,7 +94,6 @@ class Trainer:
         self.algorithm = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.store: Optional[VersionStore] = None
-        self.sender = None
         self._sharded_optimizer: Optional[str] = None  # a resumed fsdp run's optimizer directory (the ranks load it)
 
     # ------------------------------------------------------------------ setup / teardown
@@ -133,7 +128,8 @@ class Trainer:
             self._load(self.resume_from)
         self.tracker = Tracker(self.config, self.out_dir, self._tracking_state, log=self.log)
         self.cluster.start()  # Ray (joined or local), replicas, reward workers, agent-loop manager
-        self._adopt_cluster()
+        self.push = WeightPush(self.cluster, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s,
+                               log=self.log)
         if self.colocation is not None:
             self.colocation.check(self.replicas, self.device)
         if self.tc.world_size > 1:  # the driver's optimizer carries only the state the ranks start from
@@ -153,24 +149,20 @@ class Trainer:
         self.version = self.step_done
         return self
 
-    def _adopt_cluster(self) -> None:
-        """The cluster's replicas, reward workers and manager (again after `prune`), and a sender to the replicas."""
-        from omniroll.weights import WeightSender
+    @property
+    def replicas(self) -> list:
+        """The cluster's rollout replicas (Ray actor handles; [] before start and after close)."""
+        return self.cluster.replicas if self.cluster is not None else []
 
-        self.replicas = self.cluster.replicas
-        self.reward_handles = self.cluster.reward_workers
-        self.manager = self.cluster.manager
-        self.sender = WeightSender(self.replicas, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
+    @property
+    def manager(self):
+        """The cluster's `AgentLoopManager` (None before start and after close)."""
+        return self.cluster.manager if self.cluster is not None else None
 
-    def _continue_without_lost_replicas(self) -> bool:
-        """Drop replicas whose node left the cluster; says so in one line. Returns whether any was lost."""
-        lost = self.cluster.prune()
-        if lost:
-            nodes = sorted({str(x["node_id"]) for x in lost})
-            self.log(f"lost {len(lost)} replica(s) (node(s) {', '.join(nodes)} left the cluster): continuing with "
-                     f"{len(self.cluster.replicas)} replica(s)")
-            self._adopt_cluster()
-        return bool(lost)
+    @property
+    def sender(self):
+        """The `WeightSender` to the replicas (None before start)."""
+        return self.push.sender if self.push is not None else None
 
     def close(self) -> None:
         if self.pipeline is not None:
@@ -183,7 +175,7 @@ class Trainer:
         if self.cluster is not None:
             self.cluster.close()  # the manager, reward workers, replicas, placement groups, Ray: in reverse
             self.cluster = None
-        self.manager, self.reward_handles, self.replicas = None, [], []
+        self.push = None
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
@@ -286,7 +278,7 @@ class Trainer:
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
                           decoupled=K > 0 or tc.old_log_prob == "recompute", halves=signal_halves(uids, tc.seed, step),
-                          signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0)
+                          signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0, groups=group_index(uids))
         with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
             res = self.updater.update(traj, advantages, uids, plan)
             if "weights" in res:  # the ranks trained: this process adopts rank 0's weights and algorithm state
@@ -316,24 +308,9 @@ class Trainer:
         return m
 
     def _fresh(self, step: int, out: DataBatch) -> tuple[DataBatch, torch.Tensor, dict]:
-        """The batch's samples that may train: every window step ran with a version the trainer pushed, and none older
-        than current - K (`on_stale`: drop them, or regenerate the batch with the current weights and wait)."""
-        W = int(out.batch["rollout_log_probs"].shape[1]) if "rollout_log_probs" in out.batch.keys() else 0
-        versions = step_versions(out, W)
-        ahead = [(out.non_tensor_batch["request_id"][i], int(versions[i].max())) for i in rows_ahead(versions,
-                                                                                                      self.version)]
-        if ahead:
-            raise WeightVersionError(f"step {step}: {len(ahead)} sample(s) were generated with weights the trainer "
-                                     f"never pushed (trainer at version {self.version}): {ahead[:8]}")
-        stale = stale_rows(versions, self.version, self.tc.max_staleness)
-        if stale and self.tc.on_stale == "wait":  # the same rows and seeds, generated with the current weights
-            self.log(f"step {step}: {len(stale)} sample(s) older than max_staleness: regenerating the batch")
-            n, (out, versions, again) = len(out), self._fresh(step, asyncio.run(self._rollout(step)))
-            return out, versions, {**again, "stale_regenerated": n + again["stale_regenerated"]}
-        keep = [i for i in range(len(out)) if i not in set(stale)]
-        if stale:
-            out, versions = out[keep], versions[keep]
-        return out, versions, {"stale_dropped": len(stale), "stale_regenerated": 0}
+        """The batch's samples that may train (`versions.trainable_rows`; `on_stale: wait` regenerates the batch)."""
+        return trainable_rows(step, out, self.version, self.tc.max_staleness, self.tc.on_stale,
+                              lambda: asyncio.run(self._rollout(step)), self.log)
 
     async def _rollout(self, step: int) -> DataBatch:
         n, P = self.config.n, self.tc.prompts_per_step
@@ -348,45 +325,21 @@ class Trainer:
         return await self.manager.generate_sequences_async(batch)
 
     def _sync(self, version: int) -> None:
-        """Push `version`'s weights (the store's copy) to every replica. THE place where the in-flight policy is
-        chosen: partial_rollout true lands the update between two denoise steps of in-flight samples (they continue
-        with it); false holds the pipeline and waits for in-flight samples, so no sample spans two versions. Replicas
-        whose node left the cluster are dropped first (one line); a sync that fails because a receiver disappeared
-        meanwhile is completed on the survivors; any other failure names the version."""
-        from omniroll.weights import WeightSyncError
-
+        """Push `version`'s weights (the store's copy) to every replica (train/weight_push.py). THE place where the
+        in-flight policy is chosen: partial_rollout true lands the update between two denoise steps of in-flight
+        samples (they continue with it); false holds the pipeline and waits for in-flight samples, so no sample spans
+        two versions. Any failure names the version."""
         partial = self.tc.partial_rollout
         policy = {"partial": True} if partial else {"wait_for_inflight": True}
         hold = contextlib.nullcontext() if partial else self.pipeline.held()
         try:
             with hold, self.store.weights(version), self.algorithm.sampling_weights(self.policy):
-                self._continue_without_lost_replicas()
-                try:
-                    acks = self.sender.send(self.policy.weights_to_send(), version=version, **policy)
-                except WeightSyncError:
-                    if not self._continue_without_lost_replicas():
-                        raise
-                    acks = self._sync_survivors(version, policy)
+                self.push.send(self.policy.weights_to_send(), version=version, **policy)
+        except WeightPushError as e:
+            raise WeightVersionError(str(e)) from e
         except Exception as e:
             raise WeightVersionError(f"weight sync to version {version} failed: {type(e).__name__}: {e}") from e
-        bad = [a for a in acks if int(a.get("version", -1)) != version]
-        if len(acks) != len(self.replicas) or bad:
-            raise WeightVersionError(f"weight sync to version {version}: acks {acks}")
         self.version = version
-
-    def _sync_survivors(self, version: int, policy: dict) -> list[dict]:
-        """After a sync that lost a receiver: send `version` to the survivors that do not have it yet."""
-        import ray
-
-        from omniroll.weights import WeightSender
-
-        have = [int(h["weight_version"]) for h in ray.get([r.health.remote() for r in self.replicas])]
-        behind = [r for r, v in zip(self.replicas, have) if v < version]
-        acks = [{"version": v} for v in have if v >= version]
-        if behind:
-            sender = WeightSender(behind, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s)
-            acks += sender.send(self.policy.weights_to_send(), version=version, **policy)
-        return acks
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self, tag: str) -> dict:

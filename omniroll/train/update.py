@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from omniroll.train.algorithms.base import Algorithm, UpdatePlan
+from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan
 from omniroll.train.grad_signal import HalfGradient
 
 
@@ -37,7 +37,9 @@ class UpdateStats:
     kl: float
     grad_norm: float
     optimizer_steps: int
-    behaviour_ratio_mean: float = 1.0  # pi_prox / pi_behaviour over every (row, window step, epoch); 1.0 when plain
+    # pi_prox / pi_behaviour, the policy's move since the behaviour, over the terms that report it (decoupled PPO: every
+    # (row, window step, epoch); GRPO-Guard's stale rows: its ratio before the first update); 1.0 when none does
+    behaviour_ratio_mean: float = 1.0
     behaviour_ratio_max_abs_dev: float = 0.0  # max |pi_prox / pi_behaviour - 1|
     behaviour_weight_capped_frac: float = 0.0  # share of (row, window step) terms truncated at behaviour_weight_cap
     scored: int = 0  # (row, term) pairs scored: the weight of this rank's fractions when ranks' stats are merged
@@ -58,18 +60,19 @@ class GradientShare:
 
 
 def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorithm, rows, advantages: torch.Tensor,
-                   plan: UpdatePlan, *, num_inner_epochs: int, max_grad_norm: float,
+                   anchors: Optional[Anchors], plan: UpdatePlan, *, num_inner_epochs: int, max_grad_norm: float,
                    share: Optional[GradientShare] = None) -> UpdateStats:
-    """Run the step's update on `rows` (TrajectoryBatch or CleanBatch) after `algorithm.prepare`; with `share`, this
-    rank's part of a data-parallel update (module doc). With `plan.halves` the micro-batches are cut half by half of
-    the prompt groups (omniroll/train/micro_batches.py), and with `plan.signal` the gradient-signal meter reads the
+    """Run the step's update on `rows` (TrajectoryBatch or CleanBatch) with the `anchors` `algorithm.prepare` returned
+    (None only for a rank without rows); with `share`, this rank's part of a data-parallel update (module doc). The
+    micro-batches are the algorithm's (`Algorithm.micro_batches`; by default cut half by half of the prompt groups
+    with `plan.halves`, omniroll/train/micro_batches.py), and with `plan.signal` the gradient-signal meter reads the
     two halves' gradients at the first optimizer step (omniroll/train/grad_signal.py)."""
     B = len(rows)
     if advantages.shape != (B,):
         raise ValueError(f"advantages must be [{B}], got {tuple(advantages.shape)}")
     params = policy.parameters()
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
-    b_sum, b_dev, capped, decoupled = 0.0, 0.0, 0, False
+    b_sum, b_dev, capped, b_total = 0.0, 0.0, 0, 0
     updates = 0
     meter = None
     if plan.signal and plan.halves is not None:
@@ -88,7 +91,7 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
         optimizer.zero_grad(set_to_none=True)
 
     for epoch in range(num_inner_epochs):
-        ep = plan.epoch(B, epoch)
+        ep = algorithm.micro_batches(rows, plan, epoch)
         group_rows = share.rows_per_update if share is not None else ep.group_rows()
         for u, group in enumerate(ep.groups):
             for c in group:
@@ -102,16 +105,16 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                     meter.count(len(idx), bool(ep.half_a[c]))
                 # 2. The algorithm's loss terms (window steps, training timesteps), each backpropagated at once,
                 #    weighted by the micro-batch's share of its accumulation group's rows (all ranks').
-                T = algorithm.num_terms(mb)
+                T = algorithm.num_terms(mb, anchors)
                 for k in range(T):
-                    terms = algorithm.loss(policy, mb, idx, adv, k, plan, epoch=epoch, chunk=c,
+                    terms = algorithm.loss(policy, mb, idx, adv, k, anchors, plan, epoch=epoch, chunk=c,
                                            first_update=updates == 0)
                     (terms.loss * (len(idx) / (group_rows[u] * T))).backward()
                     if updates == 0:
                         dev = max(dev, float(terms.deviation.max()))
                     clipped += int(terms.clipped.sum())
                     if terms.behaviour_ratio is not None:
-                        decoupled = True
+                        b_total += len(idx)
                         b_sum += float(terms.behaviour_ratio.double().sum())
                         b_dev = max(b_dev, float((terms.behaviour_ratio - 1.0).abs().max()))
                         capped += int(terms.behaviour_capped.sum())
@@ -134,8 +137,8 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     return UpdateStats(ratio_max_abs_dev=dev, clip_frac=clipped / max(total, 1), approx_kl=mean(approx),
                        loss=mean(losses), policy_loss=mean(plosses), kl=mean(kls), grad_norm=mean(norms),
                        optimizer_steps=updates,
-                       behaviour_ratio_mean=b_sum / max(total, 1) if decoupled else 1.0,
-                       behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(total, 1),
+                       behaviour_ratio_mean=b_sum / b_total if b_total else 1.0,
+                       behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(b_total, 1),
                        scored=total, grad_cos=cos,
                        signal_rows_a=meter.rows_a if meter is not None else 0,
                        signal_rows_b=meter.rows_b if meter is not None else 0)

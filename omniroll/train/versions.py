@@ -1,20 +1,24 @@
 """The weight versions of the asynchronous trainer: the trainable weights of the last versions (`VersionStore`), the
 version that ran each window step of a batch (`step_versions`; a forward-process row: the oldest version it saw), its
-staleness and the rows too old (`stale_rows`) or too new (`rows_ahead`) to train, and the behaviour log-probs
-recomputed under those versions (`behaviour_and_replay`).
+staleness and the rows too old (`stale_rows`) or too new (`rows_ahead`) to train, the batch's rows that may train
+(`trainable_rows`), and the behaviour log-probs recomputed under those versions (`behaviour_and_replay`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from omniroll.train.policy import Policy
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
+
+
+class WeightVersionError(RuntimeError):
+    """A sample was generated with weights the trainer never pushed, or a weight sync failed."""
 
 
 class VersionStore:
@@ -126,6 +130,30 @@ def stale_rows(versions, current: int, max_staleness: int) -> list[int]:
     """Rows with a window step that ran with a version older than current - max_staleness."""
     low = versions.min(1).values
     return [i for i in range(len(low)) if int(low[i]) < current - max_staleness]
+
+
+def trainable_rows(step: int, batch, current: int, max_staleness: int, on_stale: str, regenerate: Callable[[], object],
+                   log: Callable[[str], None]) -> tuple[object, torch.Tensor, dict]:
+    """The batch's samples that may train at trainer version `current`: every window step ran with a version the
+    trainer pushed (else `WeightVersionError`), none older than current - max_staleness (`on_stale`: "drop" them, or
+    "wait": `regenerate()` the batch with the same rows and seeds under the current weights). Returns (the rows, their
+    [B, W] versions, {"stale_dropped", "stale_regenerated"})."""
+    W = int(batch.batch["rollout_log_probs"].shape[1]) if "rollout_log_probs" in batch.batch.keys() else 0
+    versions = step_versions(batch, W)
+    ahead = [(batch.non_tensor_batch["request_id"][i], int(versions[i].max())) for i in rows_ahead(versions, current)]
+    if ahead:
+        raise WeightVersionError(f"step {step}: {len(ahead)} sample(s) were generated with weights the trainer never "
+                                 f"pushed (trainer at version {current}): {ahead[:8]}")
+    stale = stale_rows(versions, current, max_staleness)
+    if stale and on_stale == "wait":
+        log(f"step {step}: {len(stale)} sample(s) older than max_staleness: regenerating the batch")
+        again = trainable_rows(step, regenerate(), current, max_staleness, on_stale, regenerate, log)
+        return again[0], again[1], {**again[2], "stale_regenerated": len(batch) + again[2]["stale_regenerated"]}
+    if stale:
+        drop = set(stale)
+        keep = [i for i in range(len(batch)) if i not in drop]
+        batch, versions = batch[keep], versions[keep]
+    return batch, versions, {"stale_dropped": len(stale), "stale_regenerated": 0}
 
 
 

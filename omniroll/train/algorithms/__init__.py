@@ -15,8 +15,15 @@ REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, GRPO
 
 
 def make_algorithm(config, adapter) -> Algorithm:
-    """The algorithm `config.trainer.algorithm` names, for the trainer's model `adapter`."""
-    return REGISTRY[config.trainer.algorithm](config, adapter)
+    """The algorithm `config.trainer.algorithm` names, for the trainer's model `adapter`. An algorithm that cuts its
+    own micro-batches (`Algorithm.micro_batches`) trains in one process only: the data-parallel driver plans every
+    rank's optimizer steps from the default cut (omniroll/train/parallel/shard.py `rows_per_update`)."""
+    cls = REGISTRY[config.trainer.algorithm]
+    if config.trainer.world_size > 1 and cls.micro_batches is not Algorithm.micro_batches:
+        raise ValueError(f"trainer.world_size: {config.trainer.algorithm} cuts its own micro-batches "
+                         f"(Algorithm.micro_batches), which the data-parallel trainer does not plan yet: world_size "
+                         f"must be 1 for it, got {config.trainer.world_size}")
+    return cls(config, adapter)
 
 
 __all__ = ["AWM", "Algorithm", "DanceGRPO", "FlowGRPO", "GRPOGuard", "NFT", "REGISTRY", "UpdatePlan",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
-from omniroll.train.algorithms.forward import ForwardProcessAlgorithm
+from omniroll.train.algorithms.forward import ForwardProcessAlgorithm, TimestepAnchors
 from omniroll.train.algorithms.ppo import LossTerms, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
@@ -52,10 +52,10 @@ class AWM(ForwardProcessAlgorithm):
     def timesteps_per_row(self, rows: CleanBatch) -> int:
         return self.options.train_timesteps
 
-    def loss(self, policy, mb: CleanBatch, idx, adv, term, plan: UpdatePlan, *, epoch, chunk,
-             first_update) -> LossTerms:
+    def loss(self, policy, mb: CleanBatch, idx, adv, term, anchors: TimestepAnchors, plan: UpdatePlan, *, epoch,
+             chunk, first_update) -> LossTerms:
         o, tc = self.options, self.tc
-        t, eps, x_t = self.noised(mb, idx, term, plan, epoch, chunk)
+        t, eps, x_t = self.noised(mb, idx, term, anchors, plan, epoch, chunk)
         v = mb.velocity(policy.adapter, x_t, t)
         policy_loss, ratio = awm_policy_loss(v, eps - mb.x0, t, adv / tc.adv_clip_max, o.weighting, o.huber_p,
                                              o.huber_eps)

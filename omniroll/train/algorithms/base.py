@@ -6,11 +6,17 @@ A step, as the loop drives it:
     overrides = algo.sampling_overrides(step)           # what its rollout asks the engine for
     rows      = algo.rows(batch, policy.adapter)          # TrajectoryBatch (SDE window) or CleanBatch (clean x0)
     adv       = algo.advantages(rewards, groups)
-    metrics   = algo.prepare(policy, rows, plan)          # anchors computed before the inner epochs
-    for each micro-batch, for term in range(algo.num_terms(mb)):
-        algo.loss(policy, mb, idx, adv[idx], term, plan).loss.backward()   (omniroll/train/update.py)
-    metrics  |= algo.after_update(policy, step)           # e.g. NFT's old-adapter decay
+    anchors   = algo.prepare(policy, rows, plan)          # its declared `Anchors`, computed before the inner epochs
+    for each epoch, for each micro-batch of algo.micro_batches(rows, plan, epoch),
+        for term in range(algo.num_terms(mb, anchors)):
+            algo.loss(policy, mb, idx, adv[idx], term, anchors, plan).loss.backward()   (omniroll/train/update.py)
+    metrics   = anchors.metrics | algo.after_update(policy, step)   # e.g. NFT's old-adapter decay
     with algo.sampling_weights(policy): sync              # the weights the replicas sample with
+
+`prepare` hands what it computes to `loss` only through the `Anchors` it returns (each algorithm declares its own
+subclass: Flow-GRPO's window steps and behaviour / proximal log-probs, the forward-process algorithms' training
+timesteps), never through attributes set on the algorithm; what an algorithm keeps across steps (NFT's old weights)
+is its state (`state_dict`).
 
 Its configuration (options with the reference defaults, which shared `trainer.*` keys it reads, the rollout it
 needs) is declared in omniroll/config/algorithms.py.
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Optional
 
 import torch
@@ -28,6 +34,7 @@ import torch
 from omniroll.sampling.seeds import noise_term_seed, shuffle_seed
 from omniroll.train.advantages import Advantages, group_advantages
 from omniroll.train.algorithms.ppo import LossTerms
+from omniroll.train.micro_batches import EpochPlan, epoch_micro_batches
 
 
 @dataclass
@@ -36,7 +43,9 @@ class UpdatePlan:
     micro-batches per optimizer step (None: one step per inner epoch); versions: [B, W] the weight version behind
     each row's window steps (forward-process rows: [B, 1]); store: the `VersionStore` of the kept versions; halves:
     bool [B], the gradient-signal meter's half A (omniroll/train/grad_signal.py: micro-batches are cut half by half),
-    None for no split; signal: whether the meter reads the halves' gradients this step."""
+    None for no split; signal: whether the meter reads the halves' gradients this step; groups: long [B], each row's
+    prompt group (`micro_batches.group_index`: the order of first appearance), for an algorithm that keeps a group in
+    one micro-batch (None: not known)."""
 
     step: int
     seed: int
@@ -47,13 +56,21 @@ class UpdatePlan:
     decoupled: bool = False
     halves: Optional[torch.Tensor] = None
     signal: bool = False
+    groups: Optional[torch.Tensor] = None
 
-    def epoch(self, B: int, epoch: int):
-        """The micro-batches of inner epoch `epoch` over B rows (`omniroll.train.micro_batches.EpochPlan`)."""
-        from omniroll.train.micro_batches import epoch_micro_batches
-
+    def epoch(self, B: int, epoch: int) -> EpochPlan:
+        """The default micro-batches of inner epoch `epoch` over B rows: shuffled one by one, cut half by half of the
+        meter's split (`omniroll.train.micro_batches.epoch_micro_batches`)."""
         return epoch_micro_batches(B, self.halves, self.micro_batch_size, self.per_update,
                                    shuffle_generator(self.seed, self.step, epoch))
+
+
+@dataclass
+class Anchors:
+    """What `prepare` computes before the inner epochs and `loss` reads: each algorithm declares a subclass with its
+    fields (per-row tensors, indexed by the step's row indices); `metrics`: its entries for the step's record."""
+
+    metrics: dict = field(default_factory=dict)
 
 
 def shuffle_generator(seed: int, step: int, epoch: int) -> torch.Generator:
@@ -93,18 +110,26 @@ class Algorithm(ABC):
         return group_advantages(rewards, groups, self.tc.global_std, self.tc.adv_clip_max)
 
     # ------------------------------------------------------------------ the update
-    def prepare(self, policy, rows, plan: UpdatePlan) -> dict:
-        """Before the inner epochs (anchors, per-row draws). Returns metrics for the step's record."""
-        return {}
+    def prepare(self, policy, rows, plan: UpdatePlan) -> Anchors:
+        """Before the inner epochs: the anchors `loss` reads (behaviour, proximal log-probs, per-row draws) and the
+        metrics they add to the step's record."""
+        return Anchors()
+
+    def micro_batches(self, rows, plan: UpdatePlan, epoch: int) -> EpochPlan:
+        """The micro-batches of inner epoch `epoch` over `rows`, and the optimizer steps they form (default: the rows
+        shuffled one by one, `plan.epoch`). A pairwise or group objective (online DPO, DGPO) overrides this to keep a
+        pair or a group in one micro-batch: `micro_batches.whole_group_micro_batches(plan.groups, ...)`."""
+        return plan.epoch(len(rows), epoch)
 
     @abstractmethod
-    def num_terms(self, mb) -> int:
+    def num_terms(self, mb, anchors: Anchors) -> int:
         """Loss terms per micro-batch (window steps, training timesteps)."""
 
     @abstractmethod
-    def loss(self, policy, mb, idx: torch.Tensor, adv: torch.Tensor, term: int, plan: UpdatePlan, *,
-             epoch: int, chunk: int, first_update: bool) -> LossTerms:
-        """One loss term of micro-batch `mb` (rows `idx` of the step's batch, advantages `adv`)."""
+    def loss(self, policy, mb, idx: torch.Tensor, adv: torch.Tensor, term: int, anchors: Anchors, plan: UpdatePlan,
+             *, epoch: int, chunk: int, first_update: bool) -> LossTerms:
+        """One loss term of micro-batch `mb` (rows `idx` of the step's batch, advantages `adv`, the step's
+        `anchors`)."""
 
     def after_update(self, policy, step: int) -> dict:
         """After the step's last optimizer update, before the sync. Returns metrics."""

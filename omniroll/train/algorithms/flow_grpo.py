@@ -13,10 +13,13 @@ DanceGRPO and GRPO-Guard reuse this rollout and its anchors (dance_grpo.py, grpo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from omniroll.sampling.window import window_for_step
-from omniroll.train.algorithms.base import Algorithm, UpdatePlan
+from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan
 from omniroll.train.algorithms.ppo import (LossTerms, decoupled_ppo_loss, density_log_ratio_scale, kl_to_reference,
                                            ppo_clip_loss)
 from omniroll.train.recompute import recompute_log_probs
@@ -27,10 +30,16 @@ from omniroll.train.versions import behaviour_and_replay
 REPLAY_ROWS = 2
 
 
-def rows_before_first_update(B: int, plan: UpdatePlan) -> set:
-    """The rows of epoch 0 scored before its first optimizer update (its first accumulation group)."""
-    ep = plan.epoch(B, 0)
-    return {int(i) for c in ep.groups[0] for i in ep.chunks[c]} if ep.groups else set()
+@dataclass
+class WindowAnchors(Anchors):
+    """Flow-GRPO's anchors (and DanceGRPO's). steps_of [B, terms]: the window step each loss term of a row trains;
+    behaviour [B, W]: the behaviour log-probs recomputed under the versions that ran them (None: the recorded ones
+    are the anchor); prox [B, W]: the decoupled loss's proximal log-probs (None: not decoupled; NaN where the step's
+    first pass fills them in)."""
+
+    steps_of: Optional[torch.Tensor] = None
+    behaviour: Optional[torch.Tensor] = None
+    prox: Optional[torch.Tensor] = None
 
 
 class FlowGRPO(Algorithm):
@@ -51,18 +60,23 @@ class FlowGRPO(Algorithm):
         return TrajectoryBatch.from_batch(batch)
 
     # ------------------------------------------------------------------ the anchors
-    def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> dict:
+    def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> WindowAnchors:
         """The behaviour log-probs (recorded, or recomputed under the versions that ran them), the decoupled loss's
         proximal anchors for rows scored after the first update, and which window step each term trains."""
         tc = self.tc
-        self.behaviour, replay_dev = behaviour_and_replay(
+        behaviour, replay_dev = behaviour_and_replay(
             plan.store, rows, plan.versions, old_log_prob=tc.old_log_prob, decoupled=plan.decoupled,
             micro_batch_size=plan.micro_batch_size, replay_rows=REPLAY_ROWS)
-        self.prox = None
-        if self.behaviour is not None and self.uses_decoupled_loss:
-            self.prox = self._prox_anchors(policy, rows, plan)
-        self.steps_of = self.train_steps(rows, plan)
-        return {"behaviour_replay_max_abs_dev": replay_dev}
+        prox = None
+        if behaviour is not None and self.uses_decoupled_loss:
+            prox = self._prox_anchors(policy, rows, plan)
+        return WindowAnchors(metrics={"behaviour_replay_max_abs_dev": replay_dev},
+                             steps_of=self.train_steps(rows, plan), behaviour=behaviour, prox=prox)
+
+    def rows_before_first_update(self, rows, plan: UpdatePlan) -> set:
+        """The rows of epoch 0 scored before its first optimizer update (its first accumulation group)."""
+        ep = self.micro_batches(rows, plan, 0)
+        return {int(i) for c in ep.groups[0] for i in ep.chunks[c]} if ep.groups else set()
 
     def train_steps(self, rows: TrajectoryBatch, plan: UpdatePlan) -> torch.Tensor:
         """[B, terms]: the window step each loss term of a row trains (Flow-GRPO: every recorded step, in order)."""
@@ -74,7 +88,7 @@ class FlowGRPO(Algorithm):
         true no-grad recompute, so ratio_max_abs_dev measures it), now; the others in the first pass (NaN here)."""
         B, W = len(rows), rows.num_steps
         prox = torch.full((B, W), float("nan"), device=rows.log_probs.device)
-        first = rows_before_first_update(B, plan)
+        first = self.rows_before_first_update(rows, plan)
         need = sorted((set(range(B)) - first) | set(range(min(REPLAY_ROWS, B))))
         for chunk in torch.tensor(need, dtype=torch.long).split(plan.micro_batch_size) if need else ():
             for k in range(W):
@@ -82,8 +96,8 @@ class FlowGRPO(Algorithm):
         return prox
 
     # ------------------------------------------------------------------ the loss
-    def num_terms(self, mb) -> int:
-        return int(self.steps_of.shape[1])
+    def num_terms(self, mb, anchors: WindowAnchors) -> int:
+        return int(anchors.steps_of.shape[1])
 
     def kl(self, policy, view: TrajectoryBatch, out):
         """flow_grpo's KL to the base model for the view's step (None when kl_beta is 0)."""
@@ -94,19 +108,20 @@ class FlowGRPO(Algorithm):
         return kl_to_reference(out.mean, ref_out.mean, out.std, view.sigmas_next[:, 0] - view.sigmas[:, 0],
                                view.sde_type)
 
-    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, plan, *, epoch, chunk, first_update) -> LossTerms:
-        steps = self.steps_of[idx, term]
+    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, anchors: WindowAnchors, plan, *, epoch, chunk,
+             first_update) -> LossTerms:
+        steps = anchors.steps_of[idx, term]
         view = mb.at_steps(steps)
         out = recompute_log_probs(policy.adapter, view, 0)
         kl = self.kl(policy, view, out)
         tc = self.tc
-        if self.prox is None:
-            old = view.log_probs[:, 0] if self.behaviour is None else self.behaviour[idx, steps]
+        if anchors.prox is None:
+            old = view.log_probs[:, 0] if anchors.behaviour is None else anchors.behaviour[idx, steps]
             return ppo_clip_loss(out.log_prob, old, adv, tc.clip_range, kl, tc.kl_beta)
-        p = self.prox[idx, steps]
+        p = anchors.prox[idx, steps]
         if first_update:  # before the first update: unset rows take this very pass's value
             p = torch.where(torch.isnan(p), out.log_prob.detach().float(), p)
-            self.prox[idx, steps] = p
-        return decoupled_ppo_loss(out.log_prob, p, self.behaviour[idx, steps], adv, tc.clip_range,
+            anchors.prox[idx, steps] = p
+        return decoupled_ppo_loss(out.log_prob, p, anchors.behaviour[idx, steps], adv, tc.clip_range,
                                   tc.behaviour_weight_cap, kl, tc.kl_beta,
                                   density_log_ratio_scale(out.std, view.sde_type, view.latents[0, 0].numel()))

@@ -9,11 +9,14 @@ only (`term_generator`), so a resumed run is bitwise a straight one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from omniroll.config.algorithms import cfg_free_rollout
 from omniroll.sampling.seeds import training_timesteps_seed
-from omniroll.train.algorithms.base import Algorithm, UpdatePlan, term_generator
+from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan, term_generator
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -28,14 +31,17 @@ def draw_timesteps(sigmas: torch.Tensor, count: int, seed: int, step: int, skip_
     return torch.stack([sigmas[i, p] for i, p in enumerate(picks)]) if B else torch.empty(0, count)
 
 
+@dataclass
+class TimestepAnchors(Anchors):
+    """t_of [B, terms]: the sigma each loss term of a row trains at."""
+
+    t_of: Optional[torch.Tensor] = None
+
+
 class ForwardProcessAlgorithm(Algorithm):
-    """NFT and AWM: a clean-latent rollout, and per-row training timesteps drawn in `prepare` (`self.t_of`)."""
+    """NFT and AWM: a clean-latent rollout, and per-row training timesteps drawn in `prepare` (`TimestepAnchors`)."""
 
     skip_first_timestep = False  # AWM trains after the first sampling timestep (its `discrete_wo_init`)
-
-    def __init__(self, config, adapter):
-        super().__init__(config, adapter)
-        self.t_of = None
 
     def sampling_overrides(self, step: int) -> dict:
         over = {"noise_level": 0.0, "logprobs": False, "output_type": "both"}
@@ -49,18 +55,17 @@ class ForwardProcessAlgorithm(Algorithm):
     def timesteps_per_row(self, rows: CleanBatch) -> int:
         raise NotImplementedError
 
-    def prepare(self, policy, rows: CleanBatch, plan: UpdatePlan) -> dict:
-        self.t_of = draw_timesteps(rows.sigmas, self.timesteps_per_row(rows), plan.seed, plan.step,
-                                   self.skip_first_timestep)
-        return {}
+    def prepare(self, policy, rows: CleanBatch, plan: UpdatePlan) -> TimestepAnchors:
+        return TimestepAnchors(t_of=draw_timesteps(rows.sigmas, self.timesteps_per_row(rows), plan.seed, plan.step,
+                                                   self.skip_first_timestep))
 
-    def num_terms(self, mb) -> int:
-        return int(self.t_of.shape[1])
+    def num_terms(self, mb, anchors: TimestepAnchors) -> int:
+        return int(anchors.t_of.shape[1])
 
-    def noised(self, mb: CleanBatch, idx: torch.Tensor, term: int, plan: UpdatePlan, epoch: int,
-               chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def noised(self, mb: CleanBatch, idx: torch.Tensor, term: int, anchors: TimestepAnchors, plan: UpdatePlan,
+               epoch: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(t [b], eps, x_t) of one loss term."""
-        t = self.t_of[idx, term].float()
+        t = anchors.t_of[idx, term].float()
         g = term_generator(plan.seed, plan.step, epoch, chunk, term)
         eps = torch.randn(mb.x0.shape, generator=g).to(mb.x0.device)  # drawn on the CPU: the same on any device
         tv = t.view((-1,) + (1,) * (mb.x0.ndim - 1))

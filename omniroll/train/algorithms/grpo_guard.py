@@ -18,10 +18,13 @@ rollout's, by batch invariance). Rollout: Flow-SDE only (`algo.sde_type: sde`). 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
-from omniroll.train.algorithms.flow_grpo import FlowGRPO
+from omniroll.train.algorithms.flow_grpo import FlowGRPO, WindowAnchors
 from omniroll.train.algorithms.ppo import LossTerms, clipped_surrogate, with_kl
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
@@ -49,26 +52,41 @@ def guard_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: fl
                      clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
 
 
+@dataclass
+class GuardAnchors(WindowAnchors):
+    """Flow-GRPO's anchors and old_mean [B, W, ...]: the behaviour's transition mean of every window step, under the
+    version that ran it."""
+
+    old_mean: Optional[torch.Tensor] = None
+
+
 class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
     uses_decoupled_loss = False
 
-    def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> dict:
-        metrics = super().prepare(policy, rows, plan)
-        # the behaviour's transition mean of every window step, under the version that ran it
-        self.old_mean = log_probs_under_versions(plan.store, rows, plan.versions, plan.micro_batch_size, "mean")
-        return metrics
+    def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> GuardAnchors:
+        window = super().prepare(policy, rows, plan)
+        old_mean = log_probs_under_versions(plan.store, rows, plan.versions, plan.micro_batch_size, "mean")
+        return GuardAnchors(metrics=window.metrics, steps_of=window.steps_of, behaviour=window.behaviour,
+                            prox=window.prox, old_mean=old_mean)
 
-    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, plan, *, epoch, chunk, first_update) -> LossTerms:
-        steps = self.steps_of[idx, term]
+    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, anchors: GuardAnchors, plan, *, epoch, chunk,
+             first_update) -> LossTerms:
+        steps = anchors.steps_of[idx, term]
         view = mb.at_steps(steps)
         out = recompute_log_probs(policy.adapter, view, 0)
-        old = view.log_probs[:, 0] if self.behaviour is None else self.behaviour[idx, steps]
-        log_ratio = guard_log_ratio(out.log_prob, old, out.mean, self.old_mean[idx, steps], out.std)
+        old = view.log_probs[:, 0] if anchors.behaviour is None else anchors.behaviour[idx, steps]
+        log_ratio = guard_log_ratio(out.log_prob, old, out.mean, anchors.old_mean[idx, steps], out.std)
         sqrt_dt = torch.sqrt(torch.clamp(view.sigmas[:, 0] - view.sigmas_next[:, 0], min=0.0))
         terms = guard_loss(log_ratio, adv, self.tc.clip_range, sqrt_dt, self.kl(policy, view, out), self.tc.kl_beta)
-        if self.behaviour is not None:  # stale rows: the ratio's anchor is the behaviour, so the ratio also carries the
-            # policy's move since; ratio_max_abs_dev stays the exactness check every algorithm logs: the recompute
-            # under the behaviour's version against the recorded log-prob (0.0 on CPU)
+        if anchors.behaviour is not None:
+            # Stale rows: the ratio's anchor is the behaviour, so before the first update (theta = the step's proximal
+            # weights) the ratio is the policy's move since the behaviour: logged under its own name,
+            # behaviour_ratio_max_abs_dev (never truncated: no decoupled weight). ratio_max_abs_dev stays the
+            # exactness check every algorithm logs: the recompute under the behaviour's version against the recorded
+            # log-prob (0.0 on CPU).
+            if first_update:
+                terms.behaviour_ratio = terms.ratio
+                terms.behaviour_capped = torch.zeros_like(terms.clipped)
             terms.deviation = (torch.exp(old - view.log_probs[:, 0]) - 1.0).abs()
         return terms

@@ -33,7 +33,7 @@ from typing import Iterator
 import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
-from omniroll.train.algorithms.forward import ForwardProcessAlgorithm
+from omniroll.train.algorithms.forward import ForwardProcessAlgorithm, TimestepAnchors
 from omniroll.train.algorithms.ppo import LossTerms, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
@@ -81,7 +81,7 @@ class NFT(ForwardProcessAlgorithm):
     def timesteps_per_row(self, rows: CleanBatch) -> int:
         return int(rows.num_steps * self.options.timestep_fraction)
 
-    def prepare(self, policy, rows: CleanBatch, plan: UpdatePlan) -> dict:
+    def prepare(self, policy, rows: CleanBatch, plan: UpdatePlan) -> TimestepAnchors:
         self._ensure_old(policy)  # old starts as a copy of the weights the first rollout sampled with
         return super().prepare(policy, rows, plan)
 
@@ -116,10 +116,10 @@ class NFT(ForwardProcessAlgorithm):
         return {"old_decay": d}
 
     # ------------------------------------------------------------------ the loss
-    def loss(self, policy, mb: CleanBatch, idx, adv, term, plan: UpdatePlan, *, epoch, chunk,
-             first_update) -> LossTerms:
+    def loss(self, policy, mb: CleanBatch, idx, adv, term, anchors: TimestepAnchors, plan: UpdatePlan, *, epoch,
+             chunk, first_update) -> LossTerms:
         o, tc = self.options, self.tc
-        t, eps, x_t = self.noised(mb, idx, term, plan, epoch, chunk)
+        t, eps, x_t = self.noised(mb, idx, term, anchors, plan, epoch, chunk)
         if self.old_is_theta and first_update and (chunk, term) != (0, 0):
             v = mb.velocity(policy.adapter, x_t, t)
             v_old = v.detach()  # old == theta and no optimizer step yet: the same forward, bitwise (the first term

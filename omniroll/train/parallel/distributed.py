@@ -167,7 +167,7 @@ class RankGroup:
         halves = plan.halves
         rows_a = [int(halves[torch.tensor(s, dtype=torch.long)].sum()) for s in shards] if halves is not None else None
         per = rows_per_update([len(s) for s in shards], plan.micro_batch_size, plan.per_update, rows_a)
-        base = replace(plan, versions=None, store=None, halves=None)
+        base = replace(plan, versions=None, store=None, halves=None, groups=None)  # per row: the shard's, below
         # 2. Each rank its shard (object store), all at once; wait for all, stop every rank if one fails.
         refs = []
         for a, s in zip(self.actors, shards):
