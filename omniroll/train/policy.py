@@ -154,10 +154,3 @@ def load_frozen(model_path: str, dtype: str, device: torch.device) -> DiffusionA
     adapter.denoiser.to(device)
     return adapter
 
-
-def describe(policy: Policy) -> dict:
-    from omniroll.weights import peft_config_to_dict
-
-    n = sum(p.numel() for p in policy.parameters())
-    return {"mode": policy.mode, "trainable_parameters": n,
-            "lora": peft_config_to_dict(policy.lora_config) if policy.lora_config is not None else None}
