@@ -24,7 +24,8 @@ Notation: x = latents at sigma, v = velocity (after CFG), dt = sigma_next - sigm
     s     = eta * sqrt(sigma - sigma_next);   x' = mean + s * eps
     log p = -(x' - mean)^2 / (2 s^2) - log s - log sqrt(2 pi)               (per element)
 
-`ode`, or eta == 0: the Euler step x' = x + dt * v, identical to diffusers' FlowMatchEulerDiscreteScheduler.step.
+`ode`, or eta == 0: the Euler step x' = x + dt * v, identical to diffusers' FlowMatchEulerDiscreteScheduler.step
+(the `euler` solver of sampling/solvers.py; the engine takes the deterministic steps of another solver there).
 Deterministic rows (s == 0: ode, eta == 0, or the last CPS step where sigma_next == 0) move to their mean. Their log p
 is 0 at the mean; a `cps` row scored away from its mean (trainer recompute with other weights) reports
 -(x' - mean)^2 like every other CPS step (what flow_grpo and VeRL-Omni return), never a constant 0. Gaussian rows
