@@ -79,7 +79,7 @@ class ModelRunner:
 
         # 4. Each solver's rows: its step, and the history it carries to their next step (a deterministic step's
         #    log-prob is 0, as `sde_step` reports it).
-        for name, rows in by_solver.items():
+        for rows in by_solver.values():
             solver_in = [states[i].solver_inputs() for i in rows]  # (sigma, coefficients)
             new, history = states[rows[0]].solver.step(
                 _pick(latents, rows), _pick(v, rows), torch.stack([x[0] for x in solver_in]),
