@@ -56,14 +56,16 @@ def test_bad_sources():
 
 def test_each_sampling_field_is_declared_once():
     """The YAML sections take each sampling field's type and bounds from `omniroll.engine.params`, and the SDE types
-    are the sampling layer's own list."""
+    and solvers are the sampling layer's own lists."""
     from typing import get_args
 
     from omniroll.config import AlgoSection, PipelineSection
-    from omniroll.engine.params import SamplingParams, SdeType
+    from omniroll.engine.params import SamplingParams, SdeType, SolverName
     from omniroll.sampling.sde import SDE_TYPES
+    from omniroll.sampling.solvers import SOLVER_NAMES
 
     assert get_args(SdeType) == SDE_TYPES
+    assert get_args(SolverName) == SOLVER_NAMES
     for section in (PipelineSection, AlgoSection):
         for name, field in section.model_fields.items():
             if name in SamplingParams.model_fields:

@@ -56,6 +56,8 @@ FLAGS = [
     Flag("--frames", "pipeline.num_frames", int, "video frames (Wan: 4k + 1); 1 for images"),
     Flag("--fps", "pipeline.fps", int, "frames per second of written videos"),
     Flag("--steps", "pipeline.num_inference_steps", int, "denoising steps"),
+    Flag("--solver", "pipeline.solver", str, "the deterministic steps' solver (every step at noise level 0; outside "
+         "the SDE window otherwise)", choices=True),
     Flag("--guidance", "pipeline.guidance_scale", float, "CFG scale (<= 1 turns CFG off); FLUX.1: the distilled "
          "guidance given to the model"),
     Flag("--true-cfg", "pipeline.true_cfg_scale", float, "FLUX.1 only: real CFG on top of the distilled guidance"),

@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from omniroll.config.agent_loops import SINGLE_TURN, check_agent_loop
 from omniroll.engine.params import (DtypeName, Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
-                                    SequenceLength, Steps, TrueCfgScale, WindowRange, WindowSize)
+                                    SequenceLength, SolverName, Steps, TrueCfgScale, WindowRange, WindowSize)
 from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
 from omniroll.reward.manager import RewardFunctionConfig
 
@@ -119,13 +119,16 @@ class EngineSection(_Strict):
 
 # The sampling sections: each field's type and bounds are `omniroll.engine.params`'s (one declaration per field).
 class PipelineSection(_Strict):
-    """`pipeline`: what a sample looks like (size, frames, steps, guidance, text length, output)."""
+    """`pipeline`: what a sample looks like (size, frames, steps, solver, guidance, text length, output)."""
 
     height: Pixels = Field(512, description="image height in pixels (a multiple of the model's spatial factor)")
     width: Pixels = Field(512, description="image width in pixels")
     num_frames: NumFrames = Field(1, description="1 for images; video models: their rule (Wan: 4k + 1)")
     fps: Fps = Field(16, description="frames per second of written videos")
     num_inference_steps: Steps = Field(10, description="denoising steps")
+    solver: SolverName = Field("euler", description="the deterministic steps' solver (every step of an ODE rollout, "
+                               "the steps outside the SDE window otherwise): euler, or dpmpp_2m (DPM-Solver++ 2M); "
+                               "the window's steps are always the SDE's")
     guidance_scale: GuidanceScale = Field(4.5, description="CFG scale (<= 1: no CFG); FLUX.1: the distilled guidance "
                                                         "given to the model")
     true_cfg_scale: TrueCfgScale = Field(1.0, description="guidance-distilled models (FLUX.1) only")

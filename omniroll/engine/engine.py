@@ -9,8 +9,8 @@ No call hangs: every control call has a finite default timeout and raises Timeou
 control calls fail with it. An engine never shut down is shut down at interpreter exit (an atexit hook).
 Requests and control calls reach the loop through the `Inbox` (`engine/inbox.py`); the weights and memory state
 is `lifecycle` (`engine/lifecycle.py`), changed by `engine/control.py` through public methods (`pause_admission`,
-`wait_idle`, `abort_running`, `resume_admission`); finished samples wait in `engine/decode_queue.py`;
-`engine/admission.py` checks requests; `engine/request.py` turns a finished one into its output.
+`wait_idle`, `abort_running`, `resume_admission`); `engine/admission.py` checks requests; every way a request leaves
+(delivered, decoded in blocks; aborted; failed) is `engine/completion.py`'s.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import torch
 from omniroll.engine import exit_hook
 from omniroll.engine.admission import PromptCache, admit, attach_encodings, check_queue
 from omniroll.engine.calibrate import RowCalibrator
+from omniroll.engine.completion import Completion, failed
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.control import ControlCalls, check_seconds
 from omniroll.engine.inbox import Inbox
-from omniroll.engine.decode_queue import DecodeQueue
 from omniroll.engine.errors import EngineError, EngineShutdownError
 from omniroll.engine.lifecycle import Lifecycle
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest
-from omniroll.engine.request import RequestState, aborted_output, build_output
+from omniroll.engine.request import RequestState
 from omniroll.engine.runner import ModelRunner
 from omniroll.engine.scheduler import Scheduler
 from omniroll.engine.step_pause import StepPause
@@ -42,9 +42,6 @@ from omniroll.models.base import DiffusionAdapter
 
 
 __all__ = ["DiffusionEngine", "EngineError", "EngineShutdownError"]
-
-def _failed(error: BaseException) -> Callable[[RequestState], BaseException]:
-    return lambda s: EngineError(f"request {s.request_id} failed: {error!r}")
 
 
 class DiffusionEngine:
@@ -72,11 +69,12 @@ class DiffusionEngine:
         self.scheduler = Scheduler(rows, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
         self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update)
-        self.served = 0
         self.steps_run = 0
         self.rows_run = 0
         self.inbox = Inbox()  # submitted requests and control calls, on their way to the loop thread
-        self._to_decode = DecodeQueue(self.config.decode_batch_size)  # finished, waiting for a full decode block
+        # delivered, aborted or failed: how each request leaves (engine/completion.py)
+        self.completion = Completion(self.runner, self.scheduler, self.inbox, self.config.decode_batch_size,
+                                     lambda: self.lifecycle.version)
         self._thread: Optional[threading.Thread] = None
         self._thread_lock = threading.Lock()
         self._submit_lock = threading.Lock()
@@ -169,6 +167,11 @@ class DiffusionEngine:
         """0 when awake, else the level of the last `sleep`."""
         return self.lifecycle.asleep_level
 
+    @property
+    def served(self) -> int:
+        """Samples delivered with their output."""
+        return self.completion.served
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -249,19 +252,15 @@ class DiffusionEngine:
     def abort(self, request_id: str, timeout_s: float = 60.0) -> bool:
         """Abort a waiting or running request; it completes with stop_reason="aborted". Returns whether it existed.
         Blocks until the request has stopped (the abort is acknowledged, never fire-and-forget)."""
-        return self.call_between_steps(lambda: self._abort_now(request_id), timeout_s, op="abort")
+        return self.call_between_steps(lambda: self.completion.abort_request(request_id), timeout_s, op="abort")
 
     def abort_all(self, timeout_s: float = 60.0) -> list[str]:
         """Abort every request in the engine (acknowledged). Returns their ids."""
-        return self.call_between_steps(
-            lambda: self._settle(self.inbox.take_requests() + self.scheduler.drain_all(), self._aborted),
-            timeout_s, op="abort_all")
+        return self.call_between_steps(self.completion.abort_all, timeout_s, op="abort_all")
 
     def abort_running(self) -> list[str]:
         """Between steps: abort every running request (acknowledged); returns their ids."""
-        states = list(self.scheduler.running)
-        self.scheduler.finish(states)
-        return self._settle(states, self._aborted)
+        return self.completion.abort_running()
 
     def pause_admission(self, timeout_s: float = 60.0, op: str = "pause_admission") -> None:
         """Admit no new request from the next step on (running ones go on); returns at that step boundary."""
@@ -278,8 +277,7 @@ class DiffusionEngine:
 
     def fail_waiting(self, error: BaseException) -> None:
         """Between steps: fail every queued and running request with (a copy per request of) `error`."""
-        self._settle(self.scheduler.drain_all() + self.inbox.take_requests(),
-                     lambda s: type(error)(f"request {s.request_id}: {error}"))
+        self.completion.fail_waiting(error)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop after its current step; pending requests and control calls fail with EngineShutdownError,
@@ -289,35 +287,8 @@ class DiffusionEngine:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=timeout_s)
         if thread is None or not thread.is_alive():
-            self._fail_pending()
+            self.completion.fail_pending()
         exit_hook.forget(self)
-
-    def _fail_pending(self) -> None:
-        """Fail every queued control call and every request with EngineShutdownError (loop stopped)."""
-        arrivals = self.inbox.drain()
-        closed = self.inbox.closed
-        undecoded = self._to_decode.drain()
-        self._settle(self.scheduler.drain_all() + arrivals + undecoded,
-                     lambda s: EngineShutdownError(f"request {s.request_id}: the engine is {closed}"))
-
-    def _settle(self, states: list[RequestState],
-                outcome: Callable[[RequestState], DiffusionOutput | BaseException]) -> list[str]:
-        """Complete these requests (already out of the scheduler and the inbox), each with `outcome(state)`: its
-        output or its error. Returns their ids."""
-        for s in states:
-            result = outcome(s)
-            s.on_done(None, result) if isinstance(result, BaseException) else s.on_done(result, None)
-        return [s.request_id for s in states]
-
-    def _aborted(self, state: RequestState) -> DiffusionOutput:
-        return aborted_output(state, self.weight_version)
-
-    def _abort_now(self, request_id: str) -> bool:
-        state = self.inbox.remove(request_id) or self.scheduler.remove(request_id)
-        if state is None:
-            return False
-        self._settle([state], self._aborted)
-        return True
 
     # ------------------------------------------------------------------ submission (caller threads)
     def _submit_futures(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
@@ -351,7 +322,7 @@ class DiffusionEngine:
             self.inbox.close(f"shut down (its loop died: {e!r})")
             raise
         finally:
-            self._fail_pending()
+            self.completion.fail_pending()
 
     def _run_loop(self) -> None:
         while True:
@@ -361,14 +332,14 @@ class DiffusionEngine:
             arrivals, controls = taken
             for state in arrivals:
                 self.scheduler.add(state)
-            if controls and self._to_decode:
-                self._finish([], flush=True)  # a control call never sees a finished sample waiting for its decode
+            if controls and self.completion.decode_queue:  # a control call never sees a sample waiting for its decode
+                self.completion.deliver([], self.steps_run, flush=True)
             for control in controls:
                 Inbox.run(control)
             if self._runnable():
                 self._step_safely()
-            if self._to_decode and not self._runnable():
-                self._finish([], flush=True)
+            if self.completion.decode_queue and not self._runnable():
+                self.completion.deliver([], self.steps_run, flush=True)
             if not self.scheduler.running:
                 self.inbox.step_done()
 
@@ -385,12 +356,7 @@ class DiffusionEngine:
         try:
             self.step()
         except Exception as e:  # noqa: BLE001 - a bug outside the per-batch guards: fail loudly, lose nothing
-            self._settle(self.scheduler.drain_all(), _failed(e))
-
-    def _fail(self, states: list[RequestState], error: BaseException) -> None:
-        """Fail these requests (and only these) with `error`."""
-        self.scheduler.finish(states)
-        self._settle(states, _failed(error))
+            self.completion.settle(self.scheduler.drain_all(), failed(e))
 
     def step(self) -> list[DiffusionOutput]:
         """Admit, run one denoising step for one batch, finish what completed. Returns finished outputs."""
@@ -404,7 +370,7 @@ class DiffusionEngine:
                         s.start()  # its latent and generator exist from admission on, not while it waits
                     self._encode(admitted)
                 except Exception as e:  # noqa: BLE001 - a bug: fails the requests being admitted, not the running
-                    self._fail(admitted, e)
+                    self.completion.fail(admitted, e)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -413,7 +379,7 @@ class DiffusionEngine:
         try:
             self.runner.step(batch)
         except Exception as e:  # noqa: BLE001 - fails the rows of this forward only
-            self._fail(batch, e)
+            self.completion.fail(batch, e)
             return []
         self.steps_run += 1
         self.step_pause.count_step()
@@ -421,37 +387,10 @@ class DiffusionEngine:
         finished = [s for s in batch if s.done]
         if finished:
             self.scheduler.finish(finished)
-        return self._finish(finished)
+        return self.completion.deliver(finished, self.steps_run)
 
     def _encode(self, states: list[RequestState]) -> None:
         """Attach prompt encodings (see engine/admission.py); a request whose prompt fails to encode fails alone."""
-        failed = dict(attach_encodings(self.prompt_cache, states))  # state -> its error
-        self.scheduler.finish(list(failed))
-        self._settle(list(failed), failed.__getitem__)
-
-    def _finish(self, states: list[RequestState], flush: bool = False) -> list[DiffusionOutput]:
-        """Deliver finished requests: latents at once, pixels in the decode blocks `DecodeQueue` releases (`flush`:
-        every waiting sample now). A failed decode fails its block's requests only."""
-        outputs = [self._deliver(s, None) for s in states if s.params.output_type == "latent"]
-        self._to_decode.add([s for s in states if s.params.output_type != "latent"], self.steps_run)
-        for block in self._to_decode.take_blocks(self.steps_run, bool(self.scheduler.running), flush):
-            outputs += self._decode_block(block)
-        return [o for o in outputs if o is not None]
-
-    def _decode_block(self, states: list[RequestState]) -> list[Optional[DiffusionOutput]]:
-        try:
-            decoded = self.runner.decode(torch.stack([s.latents for s in states]))
-        except Exception as e:  # noqa: BLE001 - fails this block's requests, not the engine
-            self._settle(states, _failed(e))
-            return []
-        return [self._deliver(s, decoded[i]) for i, s in enumerate(states)]
-
-    def _deliver(self, s: RequestState, pixels: Optional[torch.Tensor]) -> Optional[DiffusionOutput]:
-        try:
-            out = build_output(s, pixels, self.runner.execution_info())
-        except Exception as e:  # noqa: BLE001 - e.g. NaN pixels: this request fails loudly, the others go on
-            s.on_done(None, e)
-            return None
-        self.served += 1
-        s.on_done(out, None)
-        return out
+        errors = dict(attach_encodings(self.prompt_cache, states))  # state -> its error
+        self.scheduler.finish(list(errors))
+        self.completion.settle(list(errors), errors.__getitem__)

@@ -22,6 +22,7 @@ TrueCfgScale = Annotated[float, Field(ge=1.0, le=100.0)]
 SequenceLength = Annotated[int, Field(ge=1, le=512)]
 NoiseLevel = Annotated[float, Field(ge=0.0, le=10.0)]
 SdeType = Literal["sde", "cps", "dance_sde", "ode"]  # = omniroll.sampling.sde.SDE_TYPES (tested; sde.py needs torch)
+SolverName = Literal["euler", "dpmpp_2m"]  # = omniroll.sampling.solvers.SOLVER_NAMES (tested; solvers.py needs torch)
 WindowSize = Annotated[int, Field(ge=1, le=1000)]
 WindowRange = tuple[int, int]
 OutputType = Literal["pixel", "latent", "both"]
@@ -34,7 +35,8 @@ class SamplingParams(BaseModel):
     """Per-request sampling parameters. Every field is validated; errors name the field and its allowed range.
 
     SDE window: steps in `[start, start + sde_window_size)` inject noise and (with `logprobs`) record latents and
-    log-probs; the others are plain ODE (Euler) steps and record nothing. Without `logprobs` nothing is recorded: a
+    log-probs; the others are deterministic steps of `solver` (Euler by default; sampling/solvers.py) and record
+    nothing. Without `logprobs` nothing is recorded: a
     forward-process trainer (NFT, AWM) asks for the final latent only (`output_type` "both" or "latent").
     `sde_window_size=None` means every step but the last (Flow-GRPO's default: the last step's Gaussian is too sharp).
     With a size, `start` is drawn uniformly from `[lo, hi - size]` using the request's own generator, where `(lo, hi) =
@@ -61,6 +63,8 @@ class SamplingParams(BaseModel):
     max_sequence_length: SequenceLength = Field(128, description="T5 tokens")
     noise_level: NoiseLevel = Field(0.7, description="eta; 0 gives the ODE")
     sde_type: SdeType = "sde"
+    solver: SolverName = Field("euler", description="the deterministic steps' solver (outside the SDE window, and "
+                                                    "every step at noise level 0): euler or dpmpp_2m")
     sde_window_size: Optional[WindowSize] = None
     sde_window_range: Optional[WindowRange] = None
     logprobs: bool = Field(True, description="record the window steps' latents and log-probs (False: nothing is "

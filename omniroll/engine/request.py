@@ -34,6 +34,7 @@ from omniroll.engine.params import GenerationRequest
 from omniroll.models.base import NO_CFG, Conditioning
 from omniroll.sampling import draw_sde_window, make_generator
 from omniroll.sampling.sde import SDE_CODES
+from omniroll.sampling.solvers import SOLVERS, SolverPlan, SolverState
 
 
 #: callback(output, exception): exactly one of the two is set.
@@ -45,7 +46,8 @@ class RequestState:
     order: initial latent, window start, then one noise draw per SDE step, so the sample never depends on its batch
     mates. With `latent_seed` the initial latent and the window start come from a generator of that seed instead
     (shared by a group), the window's noise still from the request's own. `cfg_scale` (`NO_CFG`: no unconditional row)
-    and `experts` (the denoiser of each step) come from the adapter.
+    and `experts` (the denoiser of each step) come from the adapter. A step inside the SDE window is `sde_step`'s; the
+    others are its solver's (sampling/solvers.py), whose history between steps is `solver_state`.
 
     A queued request holds only what admission and scheduling read (its request, schedule, latent shape, rows);
     `start()`, at admission, builds the rest (generator, initial latent, window, device copies), so a long queue costs
@@ -71,6 +73,9 @@ class RequestState:
         self.latents: Optional[torch.Tensor] = None
         self.window: Optional[tuple[int, int]] = None
         self.step_index = 0
+        self.solver = SOLVERS[p.solver]  # takes the steps outside the SDE window (sampling/solvers.py)
+        self.solver_plan: Optional[SolverPlan] = None  # its coefficients per step, set at start (not for euler)
+        self.solver_state = SolverState()  # what a multistep solver carries to the next step (a fork copies it)
         self.num_preempted = 0
         self.cond: Optional[Conditioning] = None
         self.uncond: Optional[Conditioning] = None
@@ -105,6 +110,9 @@ class RequestState:
         self.dev_sde_code = torch.tensor(SDE_CODES[p.sde_type if p.stochastic else "ode"]).to(self.device)
         self.dev_sigma_max = self.sigma_max.to(self.device)
         self.dev_guidance = torch.tensor(float(p.guidance_scale), dtype=torch.float32).to(self.device)
+        if self.solver.plan is not None:
+            self.solver_plan = self.solver.plan(self.sigmas, [not s for s in stochastic])
+            self.dev_solver_coefficients = self.solver_plan.coefficients.to(self.device)
         self.started = True
 
     @property
@@ -144,18 +152,36 @@ class RequestState:
         return (self.dev_timesteps[k], self.dev_sigmas[k], self.dev_sigmas[k + 1], self.dev_noise_level[k],
                 self.dev_sde_code)
 
+    @property
+    def takes_solver_step(self) -> bool:
+        """The current step is a deterministic step of a solver other than euler (`solver_inputs`); every other step
+        (in the SDE window, or an Euler step: noise level 0) is `sde_step`'s (`step_inputs`)."""
+        return self.solver.step is not None and not self._stochastic[self.step_index]
+
+    def solver_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device tensors of the current solver step: (sigma, its coefficients from the plan). RuntimeError when the
+        step needs the previous step's history and the state has none (a fork that lost it)."""
+        k = self.step_index
+        if self.solver_plan.uses_history[k] and self.solver_state.prev_x0 is None:
+            raise RuntimeError(f"request {self.request_id}: step {k} of solver {self.params.solver!r} needs the "
+                               f"previous step's history and its solver_state has none")
+        return self.dev_sigmas[k], self.dev_solver_coefficients[k]
+
     def draw_step_noise(self) -> torch.Tensor:
         """This step's noise on the device, drawn from the request's generator (advancing it) inside the SDE window;
-        outside it (or for an ODE request) zeros, and nothing is drawn. Call exactly once per step, in step order:
-        the draws are what make the sample reproducible."""
+        outside it (or for an ODE request) zeros, and nothing is drawn. Call exactly once per `sde_step` step, in step
+        order: the draws are what make the sample reproducible."""
         if not self._stochastic[self.step_index]:
             return torch.zeros_like(self.latents)
         return torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32, device=self.device)
 
-    def advance(self, new_latents: torch.Tensor, log_prob: torch.Tensor) -> None:
-        """Apply one step's result (and the weight version that ran it); record it when the step is in the window
-        and the request asked for log-probs (a request without them keeps no trajectory: only its final latent)."""
+    def advance(self, new_latents: torch.Tensor, log_prob: torch.Tensor,
+                solver_state: SolverState = SolverState()) -> None:
+        """Apply one step's result (and the weight version that ran it, and the solver's new history: none after an
+        `sde_step` step); record it when the step is in the window and the request asked for log-probs (a request
+        without them keeps no trajectory: only its final latent)."""
         self.step_versions.append(int(self.running_version or 0))
+        self.solver_state = solver_state
         if self.in_window and self.params.logprobs:
             if not self.rec_latents:
                 self.rec_latents.append(self.latents)

@@ -1,10 +1,10 @@
 """The engine's model calls: one denoising step for a batch of rows (`ModelRunner.step`: a single batched forward,
-CFG rows included, then the SDE step) and the decode of finished samples, each inside the execution mode of
-engine/execution.py (batch-invariant kernels), which the trainer's recompute enters too.
+CFG rows included, then each row's step: the SDE step, or its solver's) and the decode of finished samples, each
+inside the execution mode of engine/execution.py (batch-invariant kernels), which the trainer's recompute enters too.
 
-Everything stays on the engine's device: the rows' latents, timesteps, sigmas, noise levels and noise are device
-tensors held by their RequestStates, the CFG mix and the SDE step run where the velocity is, and nothing is read
-back to the host, so a step queues its kernels without waiting for the previous step to finish.
+Everything stays on the engine's device: the rows' latents, timesteps, sigmas, noise levels, solver coefficients and
+noise are device tensors held by their RequestStates, the CFG mix and the steps run where the velocity is, and nothing
+is read back to the host, so a step queues its kernels without waiting for the previous step to finish.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:
-        """Advance every state by one step. Each row keeps its own sigma, guidance, noise level, SDE type, window.
-        All rows share a batch key, hence a latent shape and a denoiser (`expert`)."""
+        """Advance every state by one step. Each row keeps its own sigma, guidance, noise level, SDE type, window and
+        solver. All rows share a batch key, hence a latent shape and a denoiser (`expert`)."""
+        # 1. The velocity of every row: one forward for the batch, CFG rows included.
         inputs = [s.step_inputs() for s in states]  # (timestep, sigma, sigma_next, noise_level, sde_code)
         cfg = [s for s in states if s.cfg_scale != NO_CFG]
         latents = torch.stack([s.latents for s in states])
@@ -52,16 +53,43 @@ class ModelRunner:
                 guidance=guidance, expert=states[0].expert,
             )
 
-        out = sde_step(
-            latents, v,
-            torch.stack([x[1] for x in inputs]), torch.stack([x[2] for x in inputs]),
-            noise_level=torch.stack([x[3] for x in inputs]),
-            sde_type=torch.stack([x[4] for x in inputs]),
-            noise=torch.stack([s.draw_step_noise() for s in states]),
-            sigma_max=torch.stack([s.dev_sigma_max for s in states]),
-        )
+        # 2. Which rows take a solver's step (a deterministic step of a solver other than euler, sampling/solvers.py);
+        #    every other row takes `sde_step`: its SDE window's step, or at noise level 0 the Euler step.
+        by_solver: dict[str, list[int]] = {}
         for i, s in enumerate(states):
-            s.advance(out.prev_sample[i].clone(), out.log_prob[i].clone())
+            if s.takes_solver_step:
+                by_solver.setdefault(s.params.solver, []).append(i)
+        solved = {i for rows in by_solver.values() for i in rows}
+        sde_rows = [i for i in range(len(states)) if i not in solved]
+        results: dict[int, tuple] = {}  # row -> (new latents, log-prob, solver state): `advance`'s arguments
+
+        # 3. The `sde_step` rows (all of them, in one call, when no row takes a solver's step).
+        if sde_rows:
+            rows_in = [inputs[i] for i in sde_rows]
+            out = sde_step(
+                _pick(latents, sde_rows), _pick(v, sde_rows),
+                torch.stack([x[1] for x in rows_in]), torch.stack([x[2] for x in rows_in]),
+                noise_level=torch.stack([x[3] for x in rows_in]),
+                sde_type=torch.stack([x[4] for x in rows_in]),
+                noise=torch.stack([states[i].draw_step_noise() for i in sde_rows]),
+                sigma_max=torch.stack([states[i].dev_sigma_max for i in sde_rows]),
+            )
+            for j, i in enumerate(sde_rows):
+                results[i] = (out.prev_sample[j].clone(), out.log_prob[j].clone())
+
+        # 4. Each solver's rows: its step, and the history it carries to their next step (a deterministic step's
+        #    log-prob is 0, as `sde_step` reports it).
+        for rows in by_solver.values():
+            solver_in = [states[i].solver_inputs() for i in rows]  # (sigma, coefficients)
+            new, history = states[rows[0]].solver.step(
+                _pick(latents, rows), _pick(v, rows), torch.stack([x[0] for x in solver_in]),
+                torch.stack([x[1] for x in solver_in]), [states[i].solver_state for i in rows])
+            for j, i in enumerate(rows):
+                results[i] = (new[j].clone(), new.new_zeros(()), history[j])
+
+        # 5. Apply the results.
+        for i, s in enumerate(states):
+            s.advance(*results[i])
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -78,3 +106,11 @@ class ModelRunner:
                 chunk = torch.cat([chunk, chunk.new_zeros((block - n,) + tuple(chunk.shape[1:]))])
             outs.append(self.adapter.decode(chunk.to(self.device)).float().cpu()[:n])
         return torch.cat(outs)
+
+
+def _pick(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The rows `rows` of `t` ([B, ...]): `t` itself when they are all of them (in order), else a stacked copy
+    (indexed one by one: a device index tensor would copy `rows` to the device every step)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return torch.stack([t[i] for i in rows])

@@ -8,15 +8,16 @@ every step before `k` is the same deterministic ODE step for all of them (no noi
 member, the leader, runs those steps; the others (followers) run no forward until the leader reaches step `k`, then
 each takes a copy of the leader's latent and goes on alone from step `k`, drawing its own window noise. The steps are
 the same computation on the same inputs, so in batch-invariant mode every output is bitwise identical to running the
-sample alone (tested); the trainer needs nothing new.
+sample alone (tested); the trainer needs nothing new. A fork copies the leader's solver history (`solver_state`) with
+its latent: a multistep solver's next step reads it.
 
 - A member admitted later joins the running leader, or forks at once from the latent the group recorded at step
   `k` (kept while any member of the group is running; a member admitted after a weight update has another key, so
   it never forks from a latent older weights made).
 - A follower's steps before `k` are its leader's, and so are their weight versions (`step_versions`): a weight update
   with `partial=True` may land while the leader runs the prefix, and the follower records what really made its latent.
-- A leader that leaves before step `k` (aborted, failed) hands its latent and step to its first follower, which
-  leads on: no follower loses a step, and no follower waits for a leader that is gone.
+- A leader that leaves before step `k` (aborted, failed) hands its latent, solver history and step to its first
+  follower, which leads on: no follower loses a step, and no follower waits for a leader that is gone.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from omniroll.engine.request import RequestState
+from omniroll.sampling.solvers import SolverState
 
 
 class Scheduler:
@@ -165,6 +167,7 @@ class _Group:
         self.followers: list[RequestState] = []
         self.members: set[int] = {id(leader)}
         self.fork_latents: Optional[torch.Tensor] = None  # the leader's latent at fork_step, once it got there
+        self.fork_solver_state = SolverState()  # and its solver history then
         self.fork_versions: list[int] = []  # the weight versions of the leader's steps before fork_step
 
 
@@ -188,6 +191,7 @@ class PrefixSharing:
         for g in self._groups.values():
             if g.fork_latents is None and g.leader is not None and g.leader.step_index >= g.fork_step:
                 g.fork_latents = g.leader.latents.clone()
+                g.fork_solver_state = g.leader.solver_state.copy()
                 g.fork_versions = list(g.leader.step_versions[:g.fork_step])
                 for f in g.followers:
                     self._fork(f, g)
@@ -211,6 +215,7 @@ class PrefixSharing:
 
     def _fork(self, s: RequestState, g: _Group) -> None:
         s.latents = g.fork_latents.clone()
+        s.solver_state = g.fork_solver_state.copy()
         s.step_index = g.fork_step
         s.step_versions = list(g.fork_versions)
         self._following.discard(id(s))
@@ -233,6 +238,7 @@ class PrefixSharing:
                     heir = g.followers.pop(0)
                     self._following.discard(id(heir))
                     heir.latents = s.latents.clone()
+                    heir.solver_state = s.solver_state.copy()
                     heir.step_index = s.step_index
                     heir.step_versions = list(s.step_versions)
                     self.steps_saved += s.step_index

@@ -24,11 +24,15 @@ Notation: x = latents at sigma, v = velocity (after CFG), dt = sigma_next - sigm
     s     = eta * sqrt(sigma - sigma_next);   x' = mean + s * eps
     log p = -(x' - mean)^2 / (2 s^2) - log s - log sqrt(2 pi)               (per element)
 
-`ode`, or eta == 0: the Euler step x' = x + dt * v, identical to diffusers' FlowMatchEulerDiscreteScheduler.step.
+`ode`, or eta == 0: the Euler step x' = x + dt * v, identical to diffusers' FlowMatchEulerDiscreteScheduler.step
+(the `euler` solver of sampling/solvers.py; the engine takes the deterministic steps of another solver there).
 Deterministic rows (s == 0: ode, eta == 0, or the last CPS step where sigma_next == 0) move to their mean. Their log p
 is 0 at the mean; a `cps` row scored away from its mean (trainer recompute with other weights) reports
 -(x' - mean)^2 like every other CPS step (what flow_grpo and VeRL-Omni return), never a constant 0. Gaussian rows
 (`sde`, `dance_sde`) have no density at s == 0 and report 0.
+
+The kinds are a table, `SDE_KINDS`: each kind's moments (mean, std) and how its log-prob is scored; every row starts
+from the Euler step and a stochastic kind's rows take their own moments.
 
 Reduction: per row over all non-batch dims, `mean` (Flow-GRPO's convention, the default) or `sum`, each row reduced
 on its own so its log-prob is bitwise the same in any batch.
@@ -38,14 +42,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
 
 ScalarOrRows = Union[float, torch.Tensor]
-#: sde_type name -> the integer code `sde_step` also accepts (a tensor of codes keeps a device caller sync-free).
-SDE_CODES = {"sde": 1, "cps": 2, "dance_sde": 3, "ode": 0}
-SDE_TYPES = tuple(SDE_CODES)
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -55,6 +56,86 @@ class SDEStepOutput:
     log_prob: torch.Tensor  # [B] fp32
     mean: torch.Tensor  # [B, ...] fp32
     std: torch.Tensor  # [B] fp32, std of the transition (s above)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """What a kind's moments read: latents x and velocities v [B, ...], and per-row fp32 [B] sigma (`s_t`),
+    sigma_next (`s_n`), dt = s_n - s_t, eta, and sigma_max (None when the caller gave none); `view` broadcasts a [B]
+    tensor over a row's elements."""
+
+    x: torch.Tensor
+    v: torch.Tensor
+    s_t: torch.Tensor
+    s_n: torch.Tensor
+    dt: torch.Tensor
+    eta: torch.Tensor
+    sigma_max: Optional[ScalarOrRows]
+    view: tuple[int, ...]
+
+
+#: (rows, is_kind [B] bool) -> (mean [B, ...], std [B]); only the rows where is_kind holds are read
+Moments = Callable[[StepRows, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _flow_sde_moments(r: StepRows, is_sde: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flow-GRPO's `sde` (module docstring); sigma_max stands in for sigma == 1 (required there)."""
+    B, view = r.x.shape[0], r.view
+    if r.sigma_max is not None:
+        denom_sigma = torch.where(r.s_t >= 1.0, _rows(r.sigma_max, B, "sigma_max").to(r.x.device), r.s_t)
+    elif bool(((r.s_t >= 1.0) & is_sde).any()):
+        raise ValueError("sigma_max (the schedule's second sigma) is required for 'sde' rows at sigma == 1")
+    else:
+        denom_sigma = r.s_t
+    safe_s = torch.where(is_sde, r.s_t, torch.ones_like(r.s_t))
+    std_t = torch.where(is_sde, r.eta * torch.sqrt(safe_s / (1 - torch.where(is_sde, denom_sigma, 0.5 * r.s_t))), 0.0)
+    a = (1 + std_t**2 * r.dt / (2 * safe_s)).view(view)
+    b = ((1 + std_t**2 * (1 - r.s_t) / (2 * safe_s)) * r.dt).view(view)
+    return r.x * a + r.v * b, std_t * torch.sqrt(torch.clamp(-r.dt, min=0.0))
+
+
+def _cps_moments(r: StepRows, is_cps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coefficients-preserving sampling (`cps`, module docstring)."""
+    view = r.view
+    s_cps = r.s_n * torch.sin(r.eta * math.pi / 2)
+    x0 = r.x - r.s_t.view(view) * r.v
+    x1 = r.x + (1 - r.s_t).view(view) * r.v
+    mean = (1 - r.s_n).view(view) * x0 + torch.sqrt(torch.clamp(r.s_n**2 - s_cps**2, min=0.0)).view(view) * x1
+    return mean, s_cps
+
+
+def _dance_sde_moments(r: StepRows, is_dance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DanceGRPO's `dance_sde` (module docstring)."""
+    view = r.view
+    safe_s = torch.where(is_dance, r.s_t, torch.ones_like(r.s_t)).view(view)
+    x0 = r.x - safe_s * r.v
+    score = -(r.x - (1 - safe_s) * x0) / safe_s**2
+    mean = r.x + r.dt.view(view) * r.v - 0.5 * (r.eta**2).view(view) * score * r.dt.view(view)
+    return mean, r.eta * torch.sqrt(torch.clamp(-r.dt, min=0.0))
+
+
+@dataclass(frozen=True)
+class SDEKind:
+    """One `sde_type`: its integer code (what `sde_step` also accepts), its step's moments (None: the Euler step,
+    which every row starts from), and how its log-prob is scored: "gaussian" (the density, 0 where std == 0) or
+    "squared_error" (-(x' - mean)^2, also where std == 0)."""
+
+    code: int
+    moments: Optional[Moments]
+    log_prob: Literal["gaussian", "squared_error"]
+
+
+#: sde_type name -> its kind. A new kind is a moments function and a row here (and its name in engine.params.SdeType).
+SDE_KINDS: dict[str, SDEKind] = {
+    "sde": SDEKind(1, _flow_sde_moments, "gaussian"),
+    "cps": SDEKind(2, _cps_moments, "squared_error"),
+    "dance_sde": SDEKind(3, _dance_sde_moments, "gaussian"),
+    "ode": SDEKind(0, None, "gaussian"),
+}
+#: sde_type name -> the integer code `sde_step` also accepts (a tensor of codes keeps a device caller sync-free).
+SDE_CODES = {name: kind.code for name, kind in SDE_KINDS.items()}
+SDE_TYPES = tuple(SDE_CODES)
+_SQUARED_ERROR_CODES = tuple(kind.code for kind in SDE_KINDS.values() if kind.log_prob == "squared_error")
 
 
 def _rows(value: ScalarOrRows, batch: int, name: str) -> torch.Tensor:
@@ -128,49 +209,27 @@ def sde_step(
     on_host = device.type == "cpu"
     if on_host and (eta < 0).any():
         raise ValueError("noise_level must be >= 0")
-    cps_rows = code == 2  # scored as CPS even where deterministic (see the module docstring)
+    # scored by their kind's squared error even where deterministic (see the module docstring)
+    squared_error_rows = torch.zeros_like(code, dtype=torch.bool)
+    for squared_error_code in _SQUARED_ERROR_CODES:
+        squared_error_rows |= code == squared_error_code
     code = torch.where(eta == 0, torch.zeros_like(code), code)
     dt = s_n - s_t
 
-    # 2. The ODE (Euler) step for every row; the stochastic rows overwrite their mean and std below.
-    is_sde, is_cps, is_dance = code == 1, code == 2, code == 3
+    # 2. The ODE (Euler) step for every row; each stochastic kind's rows overwrite their mean and std (`SDE_KINDS`).
+    rows = StepRows(x=x, v=v, s_t=s_t, s_n=s_n, dt=dt, eta=eta, sigma_max=sigma_max, view=view)
     mean = x + dt.view(view) * v
     std = torch.zeros(B, dtype=torch.float32, device=device)
+    for kind in SDE_KINDS.values():
+        if kind.moments is None:
+            continue
+        is_kind = code == kind.code
+        if not on_host or is_kind.any():
+            kind_mean, kind_std = kind.moments(rows, is_kind)
+            mean = torch.where(is_kind.view(view), kind_mean, mean)
+            std = torch.where(is_kind, kind_std, std)
 
-    # 3. Flow-GRPO's SDE rows (`sde`).
-    if not on_host or is_sde.any():
-        if sigma_max is not None:
-            denom_sigma = torch.where(s_t >= 1.0, _rows(sigma_max, B, "sigma_max").to(device), s_t)
-        elif bool(((s_t >= 1.0) & is_sde).any()):
-            raise ValueError("sigma_max (the schedule's second sigma) is required for 'sde' rows at sigma == 1")
-        else:
-            denom_sigma = s_t
-        safe_s = torch.where(is_sde, s_t, torch.ones_like(s_t))
-        std_t = torch.where(is_sde, eta * torch.sqrt(safe_s / (1 - torch.where(is_sde, denom_sigma, 0.5 * s_t))), 0.0)
-        a = (1 + std_t**2 * dt / (2 * safe_s)).view(view)
-        b = ((1 + std_t**2 * (1 - s_t) / (2 * safe_s)) * dt).view(view)
-        mean = torch.where(is_sde.view(view), x * a + v * b, mean)
-        std = torch.where(is_sde, std_t * torch.sqrt(torch.clamp(-dt, min=0.0)), std)
-
-    # 4. Coefficients-preserving rows (`cps`).
-    if not on_host or is_cps.any():
-        s_cps = s_n * torch.sin(eta * math.pi / 2)
-        x0 = x - s_t.view(view) * v
-        x1 = x + (1 - s_t).view(view) * v
-        cps_mean = (1 - s_n).view(view) * x0 + torch.sqrt(torch.clamp(s_n**2 - s_cps**2, min=0.0)).view(view) * x1
-        mean = torch.where(is_cps.view(view), cps_mean, mean)
-        std = torch.where(is_cps, s_cps, std)
-
-    # 5. DanceGRPO's rows (`dance_sde`).
-    if not on_host or is_dance.any():
-        safe_s = torch.where(is_dance, s_t, torch.ones_like(s_t)).view(view)
-        x0 = x - safe_s * v
-        score = -(x - (1 - safe_s) * x0) / safe_s**2
-        dance_mean = x + dt.view(view) * v - 0.5 * (eta**2).view(view) * score * dt.view(view)
-        mean = torch.where(is_dance.view(view), dance_mean, mean)
-        std = torch.where(is_dance, eta * torch.sqrt(torch.clamp(-dt, min=0.0)), std)
-
-    # 6. The sample: drawn from the Gaussian (rollout), or the one given (the trainer's recompute).
+    # 3. The sample: drawn from the Gaussian (rollout), or the one given (the trainer's recompute).
     if prev_sample is None:
         if noise is None:
             noise = _draw_noise(tuple(x.shape), generator, device)
@@ -182,13 +241,13 @@ def sde_step(
             raise ValueError(f"prev_sample {tuple(prev_sample.shape)} must match latents {tuple(x.shape)}")
         prev = prev_sample.float()
 
-    # 7. Its log-prob under this step's Gaussian (CPS: minus the squared error), one reduction per row.
+    # 4. Its log-prob under this step's Gaussian (CPS: minus the squared error), one reduction per row.
     stochastic = std > 0
     safe_std = torch.where(stochastic, std, torch.ones_like(std)).view(view)
     sq = (prev.detach() - mean) ** 2
     gauss = -sq / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
     per_elem = torch.where(stochastic.view(view), gauss, torch.zeros_like(gauss))
-    per_elem = torch.where(cps_rows.view(view), -sq, per_elem)
+    per_elem = torch.where(squared_error_rows.view(view), -sq, per_elem)
     # One reduction per row: a reduction over [B, ...] changes its summation order with B (measured: ~1e-9 on a
     # mean), which would make a row's log-prob depend on its batch mates and break bitwise recompute.
     rows = per_elem.reshape(B, -1).unbind(0)
