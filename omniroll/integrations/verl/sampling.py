@@ -4,7 +4,7 @@
 - same name: `height`, `width`, `num_frames`, `num_inference_steps`, `max_sequence_length`, `true_cfg_scale`,
   `noise_level`, `sde_type`, `sde_window_size`, `sde_window_range`, `logprobs` (the model checks what it supports, e.g.
   `num_frames` > 1 for video models only); a window size without a range gets VeRL-Omni's SD3 default range (0, 5),
-  capped at T - 1;
+  capped at T - 1; `solver` (omniroll's `pipeline.solver`: euler or dpmpp_2m, the deterministic steps' solver);
 - translated: `frame_rate` -> `fps` (rounded); `guidance_scale: null` -> 0.0 (no CFG); `output_type: image` -> `pixel`;
 - `seed` -> the request's seed; absent (VeRL-Omni with `rollout.seed: null`): a fresh random seed;
 - dropped: `global_steps` (a sample carries the weight version it was generated with), `video_flow_shift` and
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SAME_NAME = ("height", "width", "num_frames", "num_inference_steps", "max_sequence_length", "guidance_scale",
              "true_cfg_scale", "output_type", "noise_level", "sde_type", "sde_window_size", "sde_window_range",
-             "logprobs", "fps", "latent_seed")
+             "logprobs", "fps", "latent_seed", "solver")
 DROPPED = ("global_steps", "video_flow_shift", "aspect_ratio",
            "sde_contiguous", "sample_strategy", "iters_per_group", "sde_window_seed",
            "temperature", "top_k", "top_p", "n", "do_sample")
