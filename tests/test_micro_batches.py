@@ -7,6 +7,7 @@ import torch
 
 from omniroll.config import load_config
 from omniroll.train.algorithms import REGISTRY, FlowGRPO, UpdatePlan, make_algorithm
+from omniroll.train.algorithms.base import shuffle_generator
 from omniroll.train.micro_batches import group_index, whole_group_micro_batches
 from omniroll.train.update import train_on_batch
 from tests.test_grad_signal import fresh, step_batch  # noqa: F401 - step_batch is a fixture
@@ -42,7 +43,7 @@ class WholeGroups(FlowGRPO):
 
     def micro_batches(self, rows, plan, epoch):
         return whole_group_micro_batches(plan.groups, plan.halves, plan.micro_batch_size, plan.per_update,
-                                         torch.Generator().manual_seed(epoch))
+                                         shuffle_generator(plan.seed, plan.step, epoch))  # a resume shuffles the same
 
     def loss(self, policy, mb, idx, adv, term, anchors, plan, **kw):
         self.seen.append(idx.tolist())
