@@ -61,6 +61,22 @@ def test_shards_are_whole_prompt_groups_and_global_steps_count_every_rank():
     assert rows_per_update([5, 0], 2, 100) == [5]
 
 
+def test_merged_behaviour_means_weigh_only_the_terms_that_reported_a_behaviour_ratio():
+    from omniroll.train.parallel.shard import merge_stats
+    from omniroll.train.update import UpdateStats
+
+    def rank(mean, capped, scored, behaviour_scored):
+        return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1, behaviour_ratio_mean=mean,
+                           behaviour_weight_capped_frac=capped, scored=scored, behaviour_scored=behaviour_scored)
+
+    # decoupled PPO: every term reports one, so the weights are the scored counts
+    m = merge_stats([rank(1.2, 0.5, 10, 10), rank(1.0, 0.0, 30, 30)])
+    assert (m.behaviour_ratio_mean, m.behaviour_weight_capped_frac, m.behaviour_scored) == (1.05, 0.125, 40)
+    # GRPO-Guard's stale rows report it before the first update only: a rank without such terms does not dilute it
+    assert merge_stats([rank(1.1, 0.0, 40, 8), rank(1.0, 0.0, 40, 0)]).behaviour_ratio_mean == 1.1
+    assert merge_stats([rank(1.0, 0.0, 5, 0), rank(1.0, 0.0, 5, 0)]).behaviour_ratio_mean == 1.0  # none: plain
+
+
 def step_weights(run_dir, step: int, mode: str) -> dict:
     from safetensors.torch import load_file
 

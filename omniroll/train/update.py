@@ -43,6 +43,7 @@ class UpdateStats:
     behaviour_ratio_max_abs_dev: float = 0.0  # max |pi_prox / pi_behaviour - 1|
     behaviour_weight_capped_frac: float = 0.0  # share of (row, window step) terms truncated at behaviour_weight_cap
     scored: int = 0  # (row, term) pairs scored: the weight of this rank's fractions when ranks' stats are merged
+    behaviour_scored: int = 0  # of those, the pairs that reported a behaviour ratio: the weight of the behaviour means
     grad_cos: Optional[float] = None  # the gradient-signal meter's reading (omniroll/train/grad_signal.py), or None
     signal_rows_a: int = 0  # the rows of each half the reading compares (all ranks)
     signal_rows_b: int = 0
@@ -139,6 +140,6 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                        optimizer_steps=updates,
                        behaviour_ratio_mean=b_sum / b_total if b_total else 1.0,
                        behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(b_total, 1),
-                       scored=total, grad_cos=cos,
+                       scored=total, behaviour_scored=b_total, grad_cos=cos,
                        signal_rows_a=meter.rows_a if meter is not None else 0,
                        signal_rows_b=meter.rows_b if meter is not None else 0)

@@ -45,8 +45,9 @@ def rows_per_update(shard_sizes: Sequence[int], micro_batch_size: int, per_updat
 
 def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
     """One step's metrics from every rank's: maxima for the deviations, rank 0's gradient norm, optimizer steps and
-    gradient-signal reading (the same on every rank: they act on all-reduced gradients), the other fractions and
-    means weighted by each rank's scored (row, term) count."""
+    gradient-signal reading (the same on every rank: they act on all-reduced gradients), the behaviour ratio's mean
+    and capped share weighted by each rank's (row, term) pairs that reported it, the other fractions and means by
+    each rank's scored (row, term) count."""
     rows = [s.scored for s in stats]
     total = max(sum(rows), 1)
     out = {}
@@ -56,8 +57,11 @@ def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
             out[f.name] = max(vals)
         elif f.name in ("grad_norm", "optimizer_steps", "grad_cos", "signal_rows_a", "signal_rows_b"):
             out[f.name] = vals[0]
-        elif f.name == "scored":
+        elif f.name in ("scored", "behaviour_scored"):
             out[f.name] = sum(vals)
+        elif f.name in ("behaviour_ratio_mean", "behaviour_weight_capped_frac"):  # over the terms that reported one
+            b = [s.behaviour_scored for s in stats]
+            out[f.name] = sum(v * n for v, n in zip(vals, b)) / sum(b) if sum(b) else vals[0]
         else:
             out[f.name] = sum(v * n for v, n in zip(vals, rows)) / total
     return UpdateStats(**out)
