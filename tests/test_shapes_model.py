@@ -132,11 +132,14 @@ def test_the_shapes_rewards_stream_per_category_extras_and_fail_outside_the_gram
     samples.append(RewardSample(sample_id="wrong", prompt="three circles", image=samples[0].image))
     samples.append(RewardSample(sample_id="bad", prompt="a dog", image=samples[0].image))
     mgr = RewardManager({"geneval": {"fn": "shapes", "max_retries": 0},
-                         "strict": {"fn": "shapes_strict", "weight": 0.0, "max_retries": 0}})
+                         "strict": {"fn": "shapes_strict", "weight": 0.0, "max_retries": 0},
+                         "graded": {"fn": "shapes_continuous", "weight": 0.0, "max_retries": 0}})
     res = asyncio.run(mgr.score(samples))
     assert [r.score for r in res[:4]] == [1.0, 1.0, 1.0, 0.0]
     assert res[0].extra_info["geneval/counting"] == 1.0 and "geneval/colors" not in res[0].extra_info
     assert res[3].extra_info["strict/strict"] == 0.0 and res[3].components["strict"] == 0.0
+    assert [r.components["graded"] for r in res[:3]] == [1.0, 1.0, 1.0]  # the renderer's pictures: full credit
+    assert res[3].components["graded"] == res[3].extra_info["graded/continuous"] == 0.0  # three squares, no circle
     assert res[4].status == "failed" and res[4].score is None and "nearest valid prompt" in res[4].error
 
 

@@ -119,7 +119,7 @@ def test_the_checker_passes_the_renderers_own_pictures_and_fails_contradicting_p
         spec = parse_prompt(prompts[i % len(prompts)])
         dets = detect(render(sample_scene(spec, rng)))
         passed.append(judge(spec, dets).strict)
-        assert judge(spec, dets).partial == 1.0
+        assert judge(spec, dets).partial == 1.0 and judge(spec, dets).continuous == 1.0
         others = [q for q in prompts if parse_prompt(q).key != spec.key]
         wrong.append(judge(parse_prompt(others[int(rng.integers(len(others)))]), dets).strict)
     assert np.mean(passed) >= 0.99 and np.mean(wrong) <= 0.01
@@ -137,6 +137,7 @@ def test_counting_is_exact_and_partial_credit_counts_the_shortfall():
     j2, j4 = judge(three, detect(two)), judge(three, detect(four))
     assert not j2.strict and j2.partial == pytest.approx(2 / 3)
     assert not j4.strict and j4.partial == pytest.approx(2 / 3)  # one too many costs as much as one too few
+    assert j2.continuous == pytest.approx(2 / 3) and j4.continuous == pytest.approx(2 / 3)  # squares fit exactly
     assert judge(parse_prompt("four squares"), detect(four)).strict
 
 
@@ -152,10 +153,43 @@ def test_colour_attribution_and_position_need_the_right_binding():
     assert judge(parse_prompt("a square"), detect(pic)).strict  # GenEval: at least one
 
 
+def test_continuous_credit_grades_a_position_and_a_colour_that_partial_credit_scores_in_thirds():
+    prompt = parse_prompt("a circle left of a square")
+    cont, part = [], []
+    for cx in (58, 46, 34, 22, 8):  # the circle above the square, moving from its right to its left
+        j = judge(prompt, detect(_picture(("circle", "red", cx, 20, 14), ("square", "blue", 32, 44, 14))))
+        cont.append(j.continuous)
+        part.append(j.partial)
+    assert part[:4] == [pytest.approx(2 / 3)] * 4 and part[-1] == 1.0  # a pass at the last place only
+    assert all(a < b for a, b in zip(cont, cont[1:]))  # every step towards the relation earns more
+    assert cont[0] > 0.0 and cont[-1] == 1.0
+
+    blue = parse_prompt("a blue circle")
+    pic = _picture(("circle", "red", 32, 32, 24))
+    mask = (pic != pic[0, 0]).any(-1)
+    rows = np.nonzero(mask.any(1))[0]
+    shares, cont = [], []
+    for k in (0, 3, 6, 8):  # repaint the circle's top k rows blue: still one blob, red while it holds >= 0.6
+        p = pic.copy()
+        top = mask.copy()
+        top[rows[0] + k:] = False
+        p[top] = (40, 80, 215)
+        d = detect(p)
+        assert len(d) == 1 and d[0].colour == "red"
+        shares.append(d[0].share_of("blue"))
+        j = judge(blue, d)
+        assert not j.strict and j.partial == 0.5  # the circle is there, its colour is wrong
+        cont.append(j.continuous)
+    assert shares[0] == 0.0 and all(a < b for a, b in zip(shares, shares[1:]))
+    assert all(a < b for a, b in zip(cont, cont[1:])) and cont[0] == 0.5
+
+
 def test_an_empty_canvas_and_specks_earn_nothing():
     blank = render(Scene(()))
     assert detect(blank) == []
     assert judge(parse_prompt("a circle"), []).partial == 0.0
+    assert judge(parse_prompt("a circle left of a square"), []).continuous == 0.0
+    assert judge(parse_prompt("a red circle and a blue square"), []).continuous == 0.0
     specks = blank.copy()
     specks[10:13, 10:13] = (215, 35, 35)  # 9 red pixels: below min_area
     assert detect(specks) == []

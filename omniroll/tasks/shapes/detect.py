@@ -28,7 +28,8 @@ from omniroll.tasks.shapes.world import DEFAULT_WORLD, World
 @dataclass(frozen=True)
 class Detection:
     """One blob: shape and colour (None when unrecognised), box (x0, y0, x1, y1) in pixels (x1, y1 exclusive),
-    area in pixels, the best outline's intersection over union, and the share of its pixels of its colour."""
+    area in pixels, the best outline's intersection over union, the share of its pixels of its colour, and the share
+    of its pixels nearest each of the world's colours ((name, share) pairs, in the world's order)."""
 
     shape: Optional[str]
     colour: Optional[str]
@@ -36,6 +37,11 @@ class Detection:
     area: int
     iou: float
     purity: float
+    colour_shares: tuple[tuple[str, float], ...] = ()
+
+    def share_of(self, colour: str) -> float:
+        """The share of the blob's pixels nearest `colour` (0.0 for a colour it has none of)."""
+        return dict(self.colour_shares).get(colour, 0.0)
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,7 @@ def detect(image: np.ndarray, world: World = DEFAULT_WORLD,
         purity = float(counts[top] / area)
         colour = names[top] if purity >= settings.min_purity else None
         shape, iou = classify_shape(blobs[y0:y1, x0:x1] == k, world, settings)
-        found.append(Detection(shape, colour, (x0, y0, x1, y1), area, iou, purity))
+        shares = tuple((name, float(c / area)) for name, c in zip(names, counts.tolist()))
+        found.append(Detection(shape, colour, (x0, y0, x1, y1), area, iou, purity, shares))
     found.sort(key=lambda d: (-d.area, d.box))
     return found

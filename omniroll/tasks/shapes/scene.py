@@ -41,28 +41,44 @@ class SceneError(RuntimeError):
     """No placement satisfying the prompt was found (the world's canvas is too small for its objects)."""
 
 
-def relations(box_a, box_b, threshold: float = 0.1) -> set[str]:
-    """GenEval's position of box A relative to box B ((x0, y0, x1, y1) each): the centre offset, shrunk on each axis
-    by `threshold` x (A's + B's extent on that axis), then named by its direction ("left of" when the shrunk x offset
-    is below -0.5 of the offset's length; likewise right of, above, below). An empty set: too close to say."""
+def _direction(box_a, box_b, threshold: float):
+    """GenEval's shrunk centre offset of box A from box B over the offset's length: (dx, dy) in [-1, 1] each, or None
+    when the shrunk offset is too small to say (see `relations`)."""
     ax0, ay0, ax1, ay1 = box_a
     bx0, by0, bx1, by1 = box_b
     off = np.array([(ax0 + ax1 - bx0 - bx1) / 2, (ay0 + ay1 - by0 - by1) / 2], dtype=np.float64)
     dims = np.array([(ax1 - ax0) + (bx1 - bx0), (ay1 - ay0) + (by1 - by0)], dtype=np.float64)
     revised = np.maximum(np.abs(off) - threshold * dims, 0) * np.sign(off)
     if np.all(np.abs(revised) < 1e-3):
-        return set()
+        return None
     dx, dy = revised / np.linalg.norm(off)
-    out = set()
-    if dx < -0.5:
-        out.add("left of")
-    if dx > 0.5:
-        out.add("right of")
-    if dy < -0.5:
-        out.add("above")
-    if dy > 0.5:
-        out.add("below")
-    return out
+    return float(dx), float(dy)
+
+
+#: each relation's axis component of `_direction` and its sign: the relation holds when sign x component > 0.5
+RELATION_AXES = {"left of": (0, -1.0), "right of": (0, 1.0), "above": (1, -1.0), "below": (1, 1.0)}
+
+
+def relations(box_a, box_b, threshold: float = 0.1) -> set[str]:
+    """GenEval's position of box A relative to box B ((x0, y0, x1, y1) each): the centre offset, shrunk on each axis
+    by `threshold` x (A's + B's extent on that axis), then named by its direction ("left of" when the shrunk x offset
+    is below -0.5 of the offset's length; likewise right of, above, below). An empty set: too close to say."""
+    d = _direction(box_a, box_b, threshold)
+    if d is None:
+        return set()
+    return {rel for rel, (axis, sign) in RELATION_AXES.items() if sign * d[axis] > 0.5}
+
+
+def relation_margin(box_a, box_b, relation: str, threshold: float = 0.1) -> float:
+    """How far box A stands in `relation` to box B, in [-1, 1]: the component of `relations`' direction along the
+    relation (GenEval names the relation above 0.5; -1 is the opposite side; 0 when too close to say)."""
+    if relation not in RELATION_AXES:
+        raise ValueError(f"relation must be one of {sorted(RELATION_AXES)}, got {relation!r}")
+    d = _direction(box_a, box_b, threshold)
+    if d is None:
+        return 0.0
+    axis, sign = RELATION_AXES[relation]
+    return sign * d[axis]
 
 
 def _apart(a: SceneObject, b: SceneObject, gap: float) -> bool:
