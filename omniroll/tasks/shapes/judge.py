@@ -19,8 +19,8 @@ sample in thirds):
   object costs 1 / count, as above; floored at 0;
 - colour: the mean over the `count` largest detections of the share of their pixels nearest the colour,
   min(1, share / FULL_SHARE) (a missing object earns 0);
-- position: the margin m in [-1, 1] of `scene.relation_margin` (GenEval names the relation above 0.5), graded
-  linearly from 0 at m = -1 (the opposite side) to 1 at m = 0.5.
+- position: the margin m in [-1, 1] of `scene.relation_margin` (GenEval names the relation above NAMED_MARGIN, 0.5),
+  graded linearly from 0 at m = -1 (the opposite side) to 1 at m = NAMED_MARGIN.
 FULL_IOU and FULL_SHARE sit below the renderer's own worst (IoU 0.84, share 0.77 over 300 scenes), so a correct
 picture earns 1.0 under every rule.
 """
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from omniroll.tasks.shapes.detect import Detection
 from omniroll.tasks.shapes.grammar import PromptSpec
-from omniroll.tasks.shapes.scene import relation_margin, relations
+from omniroll.tasks.shapes.scene import NAMED_MARGIN, relation_margin, relations
 
 #: GenEval's POSITION_THRESHOLD
 POSITION_THRESHOLD = 0.1
@@ -84,12 +84,10 @@ def judge(spec: PromptSpec, detections: list[Detection]) -> Judgement:
             rel, target = req.position
             targets = groups[target] if target < len(groups) else None
             top, target_top = all_of[:1], objects.get(spec.include[target].shape, [])[:1]
-            ok_partial = bool(top) and bool(target_top) and \
-                rel in relations(top[0].box, target_top[0].box, POSITION_THRESHOLD)
-            terms.append(1.0 if ok_partial else 0.0)
             margin = relation_margin(top[0].box, target_top[0].box, rel, POSITION_THRESHOLD) \
                 if top and target_top else -1.0
-            graded.append(min(1.0, max(0.0, (margin + 1.0) / 1.5)))
+            terms.append(1.0 if margin > NAMED_MARGIN else 0.0)  # where `relations` names it
+            graded.append(min(1.0, max(0.0, (margin + 1.0) / (1.0 + NAMED_MARGIN))))
             if matched:
                 if targets is None:
                     matched = False

@@ -55,8 +55,10 @@ def _direction(box_a, box_b, threshold: float):
     return float(dx), float(dy)
 
 
-#: each relation's axis component of `_direction` and its sign: the relation holds when sign x component > 0.5
+#: each relation's axis component of `_direction` and its sign: the relation holds when sign x component (its
+#: margin) exceeds NAMED_MARGIN
 RELATION_AXES = {"left of": (0, -1.0), "right of": (0, 1.0), "above": (1, -1.0), "below": (1, 1.0)}
+NAMED_MARGIN = 0.5
 
 
 def relations(box_a, box_b, threshold: float = 0.1) -> set[str]:
@@ -66,12 +68,13 @@ def relations(box_a, box_b, threshold: float = 0.1) -> set[str]:
     d = _direction(box_a, box_b, threshold)
     if d is None:
         return set()
-    return {rel for rel, (axis, sign) in RELATION_AXES.items() if sign * d[axis] > 0.5}
+    return {rel for rel, (axis, sign) in RELATION_AXES.items() if sign * d[axis] > NAMED_MARGIN}
 
 
 def relation_margin(box_a, box_b, relation: str, threshold: float = 0.1) -> float:
     """How far box A stands in `relation` to box B, in [-1, 1]: the component of `relations`' direction along the
-    relation (GenEval names the relation above 0.5; -1 is the opposite side; 0 when too close to say)."""
+    relation (GenEval names the relation above NAMED_MARGIN, 0.5; -1 is the opposite side; 0 when too close to
+    say)."""
     if relation not in RELATION_AXES:
         raise ValueError(f"relation must be one of {sorted(RELATION_AXES)}, got {relation!r}")
     d = _direction(box_a, box_b, threshold)
