@@ -50,6 +50,8 @@ def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
     each rank's scored (row, term) count."""
     rows = [s.scored for s in stats]
     total = max(sum(rows), 1)
+    behaviour = [s.behaviour_scored for s in stats]
+    behaviour_total = sum(behaviour)
     out = {}
     for f in fields(UpdateStats):
         vals = [getattr(s, f.name) for s in stats]
@@ -60,8 +62,8 @@ def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
         elif f.name in ("scored", "behaviour_scored"):
             out[f.name] = sum(vals)
         elif f.name in ("behaviour_ratio_mean", "behaviour_weight_capped_frac"):  # over the terms that reported one
-            b = [s.behaviour_scored for s in stats]
-            out[f.name] = sum(v * n for v, n in zip(vals, b)) / sum(b) if sum(b) else vals[0]
+            out[f.name] = (sum(v * n for v, n in zip(vals, behaviour)) / behaviour_total if behaviour_total
+                           else vals[0])
         else:
             out[f.name] = sum(v * n for v, n in zip(vals, rows)) / total
     return UpdateStats(**out)
