@@ -35,7 +35,8 @@ def lora_weights(ckpt):
     return load_file(os.path.join(ckpt, "adapter_model.safetensors"))
 
 
-def test_lora_training_is_exact_every_step_ctrl_c_checkpoints_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path):
+def test_lora_training_is_exact_every_step_ctrl_c_checkpoints_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path,
+                                                                                  monkeypatch, capsys):
     from omniroll.train import Trainer, WeightVersionError
 
     cfg = train_config(tiny_sd3_path, checkpoint_every=2, window_schedule="random")
@@ -85,7 +86,12 @@ def test_lora_training_is_exact_every_step_ctrl_c_checkpoints_and_resumes_bitwis
     with open(os.path.join(resumed, "checkpoints", "latest")) as f:
         stopped_at = int(f.read().strip().removeprefix("step_"))
     assert 1 <= stopped_at < 4
-    assert main(["train", "--config", str(cfg_file), "--out", resumed, "--resume", resumed, "--quiet"]) == 0
+    # $OMNIROLL_OVERRIDES applies last, over every flag: its trainer.steps wins over --steps (train until step 4)
+    monkeypatch.setenv("OMNIROLL_OVERRIDES", "trainer.steps=4")
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg_file), "--out", resumed, "--resume", resumed, "--steps", "9",
+                 "--quiet"]) == 0
+    assert "--steps 9 yields to $OMNIROLL_OVERRIDES's trainer.steps=4" in capsys.readouterr().err
     hist2 = [json.loads(x) for x in open(os.path.join(resumed, "metrics.jsonl"))]
     assert [m["step"] for m in hist2] == [1, 2, 3, 4] and all(m["ratio_max_abs_dev"] == 0.0 for m in hist2)
     a = lora_weights(os.path.join(straight, "checkpoints", "step_000004"))

@@ -133,6 +133,13 @@ def env_overrides() -> list[str]:
     return shlex.split(os.environ.get(ENV_OVERRIDES, ""))
 
 
+def env_override(key: str) -> Optional[str]:
+    """The last `key=value` of `$OMNIROLL_OVERRIDES` that sets `key` (None when it sets none): a flag that stands for
+    that key yields to it (the order of precedence above)."""
+    found = [o for o in env_overrides() if o.split("=", 1)[0] == key]
+    return found[-1] if found else None
+
+
 def build_config(args, base: Optional[dict] = None):
     """The validated config: schema defaults < `base` < --config < --override < flags. UserError, one line per bad
     key, naming the flag where a flag set it."""

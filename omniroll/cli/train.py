@@ -23,7 +23,8 @@ HELP = ("train with trainer.algorithm (Flow-GRPO, GRPO-Guard, DanceGRPO, Diffusi
 def add_arguments(p) -> None:
     p.add_argument("--config", required=True, help="YAML with a trainer section (see examples/train.yaml)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--steps", type=int, default=None, help="train until this step (default: trainer.steps)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="train until this step (default: trainer.steps; a trainer.steps in $OMNIROLL_OVERRIDES wins)")
     p.add_argument("--resume", default=None, help="a run directory (its latest checkpoint) or a checkpoint directory "
                                                   "(default: none, a fresh run)")
     p.add_argument("--override", action="append",
@@ -34,7 +35,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from omniroll.cli import UserError
-    from omniroll.cli.common import env_overrides, preflight
+    from omniroll.cli.common import ENV_OVERRIDES, env_override, env_overrides, preflight
     from omniroll.config import load_config
 
     # the bar only when both streams are a terminal: in a log file (CI, nohup) one clean line per step
@@ -53,6 +54,11 @@ def run(args) -> int:
     preflight(cfg, cfg.trainer.all_prompts())  # the model (the config checked its limits and the rewards)
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
+    steps = args.steps
+    if steps is not None and env_override("trainer.steps"):  # --steps is trainer.steps' flag: the variable wins
+        print(f"omniroll train: --steps {steps} yields to ${ENV_OVERRIDES}'s {env_override('trainer.steps')}",
+              file=sys.stderr)
+        steps = None
     from omniroll.train.report.tracking import check_loggers
 
     check_loggers(cfg.trainer.logger)  # a named tracker that is not installed: its pip command, before Ray starts
@@ -77,7 +83,7 @@ def run(args) -> int:
     trainer = Trainer(cfg, args.out, resume=args.resume, log=log)
     try:
         with trainer:
-            trainer.train(args.steps, progress=bar)
+            trainer.train(steps, progress=bar)
     except KeyboardInterrupt:
         print(f"\nomniroll train: interrupted; checkpoint of step {trainer.step_done} in "
               f"{os.path.join(args.out, 'checkpoints')} (continue with --resume {args.out})", file=sys.stderr)
