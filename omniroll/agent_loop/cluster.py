@@ -63,6 +63,7 @@ class RolloutCluster:
                 self._start_reward_workers()
             if self.with_manager:
                 self._start_manager()
+            self._await_replicas()  # the workers' processes start while the replicas load their model
         except BaseException:
             self.close()
             raise
@@ -105,7 +106,6 @@ class RolloutCluster:
     def _start_replicas(self) -> None:
         from omniroll.rollout.ray_cluster import bundle_for
         from omniroll.rollout.replica import create_replicas
-        from omniroll.ray_nodes import actor_node_ids
 
         rc = self.config.replicas
         self.log(f"starting {rc.count} replica(s) of {self.model} ({rc.placement})")
@@ -114,7 +114,16 @@ class RolloutCluster:
         self.replicas = create_replicas(rc.count, self.model, self.config.engine.engine_kwargs(),
                                         num_cpus=rc.num_cpus, num_gpus=rc.num_gpus,
                                         max_concurrency=rc.max_concurrency, resources=rc.resources,
-                                        placement=where.options)
+                                        placement=where.options, wait_ready=False)
+
+    def _await_replicas(self) -> None:
+        """Block until every replica's engine is loaded (a bad model path or OOM raises here, and `start` tears
+        everything down), then learn their nodes."""
+        import ray
+
+        from omniroll.ray_nodes import actor_node_ids
+
+        ray.get([h.health.remote() for h in self.replicas])
         self.replica_nodes = actor_node_ids(self.replicas, timeout_s=30.0)
         nodes = sorted({n for n in self.replica_nodes if n})
         self.log(f"{len(self.replicas)} replica(s) on {len(nodes)} node(s): "
