@@ -54,10 +54,9 @@ def run(args) -> int:
     preflight(cfg, cfg.trainer.all_prompts())  # the model (the config checked its limits and the rewards)
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
-    steps = args.steps
-    if steps is not None and env_override("trainer.steps"):  # --steps is trainer.steps' flag: the variable wins
-        print(f"omniroll train: --steps {steps} yields to ${ENV_OVERRIDES}'s {env_override('trainer.steps')}",
-              file=sys.stderr)
+    steps, env_steps = args.steps, env_override("trainer.steps")
+    if steps is not None and env_steps:  # --steps is trainer.steps' flag: the variable wins
+        print(f"omniroll train: --steps {steps} yields to ${ENV_OVERRIDES}'s {env_steps}", file=sys.stderr)
         steps = None
     from omniroll.train.report.tracking import check_loggers
 
