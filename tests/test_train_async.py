@@ -198,6 +198,9 @@ def test_staleness_1_overlaps_is_exact_and_a_ctrl_c_resume_equals_the_straight_r
     from omniroll.train import Trainer
 
     with Trainer(cfg, resumed, resume=resumed, log=lambda s: None) as tr:
+        with pytest.raises(ValueError, match=r"regenerated the in-flight batches up to trainer.steps 4; set "
+                                             r"trainer.steps=2"):
+            tr.train(2)  # start() regenerated batch 3 (in flight at step 2's checkpoint), which 2 steps never take
         tr.train(4)
     a = lora_weights(os.path.join(straight, "checkpoints", "step_000004"))
     b = lora_weights(os.path.join(resumed, "checkpoints", "step_000004"))

@@ -47,17 +47,20 @@ def run(args) -> int:
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
 
-    # names the bad key; nothing has started yet ($OMNIROLL_OVERRIDES applies last, as for every command)
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
+    # --steps is trainer.steps' flag: config < --override < --steps < $OMNIROLL_OVERRIDES (last, as for every command)
+    steps = [f"trainer.steps={args.steps}"] if args.steps is not None else []
+    env_steps = env_override("trainer.steps")
+    if steps and env_steps:
+        print(f"omniroll train: --steps {args.steps} yields to ${ENV_OVERRIDES}'s {env_steps}", file=sys.stderr)
+    # names the bad key; nothing has started yet
     cfg = load_config(args.config, overrides=(args.override or []) + env_overrides())
     if cfg.trainer is None:
         raise UserError(f"{args.config}: no trainer section (see examples/train.yaml)")
+    if steps:
+        cfg = load_config(args.config, overrides=(args.override or []) + steps + env_overrides())
     preflight(cfg, cfg.trainer.all_prompts())  # the model (the config checked its limits and the rewards)
-    if args.steps is not None and args.steps < 1:
-        raise UserError(f"--steps must be >= 1, got {args.steps}")
-    steps, env_steps = args.steps, env_override("trainer.steps")
-    if steps is not None and env_steps:  # --steps is trainer.steps' flag: the variable wins
-        print(f"omniroll train: --steps {steps} yields to ${ENV_OVERRIDES}'s {env_steps}", file=sys.stderr)
-        steps = None
     from omniroll.train.report.tracking import check_loggers
 
     check_loggers(cfg.trainer.logger)  # a named tracker that is not installed: its pip command, before Ray starts
@@ -82,7 +85,7 @@ def run(args) -> int:
     trainer = Trainer(cfg, args.out, resume=args.resume, log=log)
     try:
         with trainer:
-            trainer.train(steps, progress=bar)
+            trainer.train(progress=bar)
     except KeyboardInterrupt:
         print(f"\nomniroll train: interrupted; checkpoint of step {trainer.step_done} in "
               f"{os.path.join(args.out, 'checkpoints')} (continue with --resume {args.out})", file=sys.stderr)

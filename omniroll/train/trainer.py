@@ -81,6 +81,7 @@ class Trainer:
         self.pipeline: Optional[RolloutPipeline] = None
         self.discarded_samples = 0  # in-flight samples of coming steps discarded at Ctrl-C
         self._last = self.tc.steps
+        self._in_flight_to: Optional[int] = None  # a resume's regenerated in-flight batches end here (start())
         self.tracker: Optional[Tracker] = None
         self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
         self.task_eval = TaskEvaluation(self.config, out_dir) if self.tc.evaluation is not None else None
@@ -146,6 +147,8 @@ class Trainer:
         if self.step_done > 0:  # resumed: the replicas start from the checkpoint's weights (and in-flight batches)
             regenerate_in_flight(self.pipeline, self.step_done, self.tc.max_staleness, self.tc.steps, self._sync,
                                  self.store.has, self.version, self.log)
+            if self.tc.max_staleness:
+                self._in_flight_to = min(self.step_done + self.tc.max_staleness, self.tc.steps)
         self.version = self.step_done
         return self
 
@@ -193,8 +196,18 @@ class Trainer:
     def train(self, steps: Optional[int] = None, progress: bool = False,
               on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
         """Run until step `steps` (default: trainer.steps). On Ctrl-C the state of the last completed step is written
-        as a checkpoint and KeyboardInterrupt is re-raised (a step's update and sync are never cut in half)."""
-        last = self._last = int(steps or self.tc.steps)
+        as a checkpoint and KeyboardInterrupt is re-raised (a step's update and sync are never cut in half).
+
+        A resumed run regenerates, in `start()`, the batches in flight at its checkpoint up to `trainer.steps`: a
+        `steps` that would need other in-flight batches raises ValueError before any step (set `trainer.steps`)."""
+        last = int(steps or self.tc.steps)
+        if self._in_flight_to is not None:  # the first call after a resume
+            if min(self.step_done + self.tc.max_staleness, last) != self._in_flight_to:
+                raise ValueError(f"train(steps={last}) after a resume with trainer.max_staleness "
+                                 f"{self.tc.max_staleness}: start() regenerated the in-flight batches up to "
+                                 f"trainer.steps {self.tc.steps}; set trainer.steps={last} in the config instead")
+            self._in_flight_to = None
+        self._last = last
         bar = None
         if progress:
             from tqdm import tqdm
