@@ -157,7 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps of every run (default: each recipe's)")
     p.add_argument("--eval-seeds", type=int, default=None, help="evaluation pictures per prompt (default: each "
                                                                 "recipe's trainer.evaluation.seeds)")
-    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "algorithms.png"))
+    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "algorithms_paired.png"),
+                   help="the paired z of every run (default: docs/algorithms_paired.png; docs/algorithms.png is the "
+                        "former unpaired comparison's figure)")
     p.add_argument("--keep", default=None, help="keep each run's directory under this folder as NAME-SEED/")
     p.add_argument("--partial", default=None, help="append each finished run to this JSON-lines file")
     p.add_argument("--summarize", default=None, metavar="PARTIAL", help="run nothing: summarize the runs a --partial "
