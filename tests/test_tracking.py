@@ -197,7 +197,7 @@ STEP = {"step": 1, "reward_mean": 0.1, "reward_std": 0.01, "ratio_max_abs_dev": 
         "train_s": 1.0, "sync_s": 0.0, "step_s": 2.0}
 
 
-def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_model(tmp_path, tiny_sd3_path):
+def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_algorithm_and_model(tmp_path, tiny_sd3_path):
     from omniroll.train.report.reward_curve import curve_title
     from omniroll.train.report.tracking import Tracker, model_name
 
@@ -210,10 +210,14 @@ def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_model
     cfg = train_config(tiny_sd3_path)
     assert model_name(cfg) == os.path.basename(tiny_sd3_path.rstrip("/"))
     assert model_name(load_config(cfg, overrides=["engine.model=tiny"])) == "tiny"
-    assert curve_title([STEP], "stable-diffusion-3.5-medium") == \
+    assert curve_title([STEP], "stable-diffusion-3.5-medium", "Flow-GRPO") == \
         "Flow-GRPO on stable-diffusion-3.5-medium (omniroll train, synchronous)"
-    assert curve_title([{**STEP, "max_staleness": 1, "staleness_max": 1}], "tiny") == \
-        "Flow-GRPO on tiny (omniroll train, async K=1, staleness max 1)"
+    assert curve_title([{**STEP, "max_staleness": 1, "staleness_max": 1}], "tiny", "DanceGRPO") == \
+        "DanceGRPO on tiny (omniroll train, async K=1, staleness max 1)"
+    from omniroll.train.algorithms import REGISTRY  # each algorithm names itself in its runs' titles
+    assert {k: a.title for k, a in REGISTRY.items()} == {
+        "flow_grpo": "Flow-GRPO", "grpo_guard": "GRPO-Guard", "dance_grpo": "DanceGRPO", "nft": "DiffusionNFT",
+        "awm": "AWM"}
 
 
 def test_swanlab_offline_run_holds_the_scalars_and_a_captioned_image(tmp_path, monkeypatch, tiny_sd3_path):

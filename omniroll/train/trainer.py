@@ -254,7 +254,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"),
-                         model=tracking.model_name(self.config))
+                         model=tracking.model_name(self.config), algorithm=self.algorithm.title)
         return self.history
 
     def step(self, step: int) -> dict:

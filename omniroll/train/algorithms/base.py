@@ -89,6 +89,7 @@ class Algorithm(ABC):
     (what its family takes, e.g. how CFG is turned off)."""
 
     name: ClassVar[str]
+    title: ClassVar[str]  # as papers and plots write it, e.g. 'Flow-GRPO'
 
     def __init__(self, config, adapter):
         self.config = config

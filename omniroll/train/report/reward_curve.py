@@ -10,9 +10,10 @@ from typing import Optional
 from omniroll.train.report.tracking import mode_label, read_jsonl
 
 
-def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model") -> None:
+def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model",
+                 algorithm: str = "RL") -> None:
     """reward_curve.png: mean training reward per step with a +-1 std band (and validation points if any); the
-    title names `model` (`model_name(config)`) and the mode."""
+    title names the algorithm (its `title`), `model` (`model_name(config)`) and the mode."""
     if not history:
         return
     import matplotlib
@@ -33,7 +34,7 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
-    ax.set_title(curve_title(history, model))
+    ax.set_title(curve_title(history, model, algorithm))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -41,12 +42,13 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
     plt.close(fig)
 
 
-def curve_title(history: list[dict], model: str) -> str:
-    """reward_curve.png's title: the model and the mode, e.g. 'Flow-GRPO on tiny (omniroll train, synchronous)'."""
+def curve_title(history: list[dict], model: str, algorithm: str) -> str:
+    """reward_curve.png's title: the algorithm, the model and the mode, e.g. 'Flow-GRPO on tiny (omniroll train,
+    synchronous)'."""
     mode = mode_label(history[-1])
     if mode != "synchronous":
         mode += f", staleness max {max(m.get('staleness_max', 0) for m in history)}"
-    return f"Flow-GRPO on {model} (omniroll train, {mode})"
+    return f"{algorithm} on {model} (omniroll train, {mode})"
 
 
 def plot_reward_curves(runs: dict[str, list[dict]], path: str, title: str = "") -> None:
