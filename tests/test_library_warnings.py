@@ -1,7 +1,7 @@
 """Third-party warnings a user cannot act on are silenced (`omniroll.library_warnings`) in every process of a run, and
 nothing else is: `omniroll train`, run as a user runs it (its own process, its own local Ray), prints none of them,
-in the driver or in the replica / reward actors' logs, while omniroll's own lines are all there (the step line's
-total is `--steps`, not `trainer.steps`)."""
+in the driver or in the replica / reward actors' logs, nor any error line of Ray's, while omniroll's own lines are
+all there (the step line's total is `--steps`, not `trainer.steps`)."""
 
 import glob
 import logging
@@ -70,6 +70,9 @@ def test_the_train_command_prints_no_silenced_warning_in_the_driver_or_the_actor
         assert proc.returncode == 0, proc.stderr[-3000:]
         printed = proc.stdout + proc.stderr
         assert silenced(printed) == [], printed
+        # no error line of Ray's core worker (it logged one at every start while the agent-loop workers got the
+        # replicas' actor handles as constructor arguments: see omniroll.agent_loop.manager.RestartableAgentLoopWorker)
+        assert [ln for ln in printed.splitlines() if re.search(r" E \d+ \d+\] ", ln)] == [], printed
         # omniroll's own lines are all there; the total is --steps
         assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ")] == ["1/2", "2/2"]
         for line in ("Ray: started a local cluster", "validation before: reward", "validation after: reward",

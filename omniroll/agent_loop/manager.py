@@ -17,6 +17,7 @@ never collide with the lost worker's requests still running on the replicas; the
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -29,6 +30,18 @@ from omniroll.agent_loop.worker import AgentLoopError, DiffusionAgentLoopWorker,
 from omniroll.ray_nodes import RESTARTED, ActorHealth, actor_fault
 
 _PER_CHUNK_META = ("metrics", "reward_extra_keys", "min_weight_version", "max_weight_version", "worker_seconds")
+
+
+class RestartableAgentLoopWorker(DiffusionAgentLoopWorker):
+    """The manager's worker: a `DiffusionAgentLoopWorker` whose rollout client and reward-worker handles come as one
+    pickled `handles` blob. Small bytes travel inline in the actor's creation task, which Ray replays when it restarts
+    the worker; actor handles passed as they are would be kept in the object store, where a restart may not find them
+    (Ray logs an error line about it for every such actor, ray#53727). The handles' actors live as long as the
+    manager's own handles."""
+
+    def __init__(self, config: Any, handles: bytes):
+        client, reward_worker_handles = pickle.loads(handles)
+        super().__init__(config, client, None, reward_worker_handles)
 
 
 class AgentLoopManager:
@@ -54,12 +67,13 @@ class AgentLoopManager:
             client = rollout()
         else:
             raise TypeError(f"rollout must be replica handles, a RolloutClient or a factory, got {type(rollout)}")
-        # restartable (their arguments hold actor handles, which this process keeps: Ray's one-line warning about
-        # restart arguments "in the object store" does not apply to them)
+        # restartable; the actor handles they need travel as bytes inside their creation task (see
+        # RestartableAgentLoopWorker), which is what Ray replays on a restart
         opts = {"num_cpus": 0, "max_concurrency": 1000, **RESTARTED, **(worker_options or {})}
-        cls = ray.remote(DiffusionAgentLoopWorker)
-        self.workers = [cls.options(**opts, **(placement(i) if placement else {})).remote(
-            self.config, client, None, reward_worker_handles) for i in range(self.config.agent.num_workers)]
+        cls = ray.remote(RestartableAgentLoopWorker)
+        handles = pickle.dumps((client, reward_worker_handles))
+        self.workers = [cls.options(**opts, **(placement(i) if placement else {})).remote(self.config, handles)
+                        for i in range(self.config.agent.num_workers)]
         self.health = ActorHealth(self.workers, restart_timeout_s)
         self._calls = 0
 
