@@ -193,8 +193,8 @@ def test_tracker_names_keep_unknown_keys_under_a_prefix():
 
 #: a step's metrics as the step line needs them
 STEP = {"step": 1, "reward_mean": 0.1, "reward_std": 0.01, "ratio_max_abs_dev": 0.0, "clip_frac": 0.0,
-        "approx_kl": 0.0, "loss": 0.0, "grad_norm": 0.1, "weight_version": 0, "rollout_s": 1.0, "reward_wait_s": 0.0,
-        "train_s": 1.0, "sync_s": 0.0, "step_s": 2.0}
+        "approx_kl": 0.0, "kl": 3e-3, "loss": 0.0, "grad_norm": 0.1, "weight_version": 0, "rollout_s": 1.0,
+        "reward_wait_s": 0.0, "train_s": 1.0, "sync_s": 0.0, "step_s": 2.0}
 
 
 def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_algorithm_and_model(tmp_path, tiny_sd3_path):
@@ -298,6 +298,8 @@ def test_the_step_line_shows_how_far_the_update_moved_the_policy():
     from omniroll.train.report.tracking import format_step, tracker_name
 
     assert "policy_kl" not in format_step(STEP, 3)  # not measured (policy_move_rows 0): not shown
+    # the move before the update (approx_kl, 0 with one update per step) and the KL to the base, each its own name
+    assert "clip 0.00  akl 0.0e+00  kl 3.0e-03  loss +0.0000" in format_step(STEP, 3)
     line = format_step({**STEP, "policy_kl": 2.5e-5, "post_approx_kl": 1e-4, "post_clip_frac": 0.25}, 3)
     assert "gnorm 0.100  policy_kl 2.5e-05  post_akl 1.0e-04  post_clip 0.25  v0" in line
     assert [tracker_name(k) for k in ("policy_kl", "post_approx_kl", "post_clip_frac", "policy_move_s")] == \

@@ -181,7 +181,7 @@ def test_peak_memory_per_stage_where_the_device_reports_it(monkeypatch):
     assert m == {"peak_mem_rollout_gb": 7.0, "peak_mem_recompute_gb": 3.0, "peak_mem_update_gb": 5.0,
                  "peak_mem_sync_gb": 1.0} and gpu.metrics() == {}
     record = {"step": 1, "reward_mean": 0.5, "reward_std": 0.1, "ratio_max_abs_dev": 2e-5, "clip_frac": 0.0,
-              "approx_kl": 0.0, "loss": 0.0, "grad_norm": 1.0, "weight_version": 0, "rollout_s": 1.0,
+              "approx_kl": 0.0, "kl": 0.0, "loss": 0.0, "grad_norm": 1.0, "weight_version": 0, "rollout_s": 1.0,
               "reward_wait_s": 0.0, "train_s": 1.0, "sync_s": 0.1, "step_s": 2.5, "sleep_s": 0.2, "wake_s": 0.3, **m}
     line = format_step(record, 10)
     assert "sleep 0.20s  wake 0.30s  mem rollout 7.0 recompute 3.0 update 5.0 sync 1.0 GiB" in line, line

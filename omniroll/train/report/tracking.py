@@ -276,9 +276,9 @@ def read_jsonl(path: str) -> list[dict]:
 
 def format_step(m: dict, total: int) -> str:
     return (f"step {m['step']:>4}/{total}  reward {m['reward_mean']:+.4f} +- {m['reward_std']:.4f}  "
-            f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  kl {m['approx_kl']:.1e}  "
-            f"loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  {_signal_part(m)}{_move_part(m)}"
-            f"v{m['weight_version']}  "
+            f"ratio_dev {m['ratio_max_abs_dev']:.1e}  clip {m['clip_frac']:.2f}  "
+            f"akl {m['approx_kl']:.1e}  kl {m['kl']:.1e}  loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  "
+            f"{_signal_part(m)}{_move_part(m)}v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
             f"sync {m['sync_s']:.2f}s  {_device_part(m)}step {m['step_s']:.1f}s" + _async_part(m))
 
