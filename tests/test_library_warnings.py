@@ -75,7 +75,7 @@ def test_the_train_command_prints_no_silenced_warning_in_the_driver_or_the_actor
         assert [ln for ln in printed.splitlines() if re.search(r" E \d+ \d+\] ", ln)] == [], printed
         # omniroll's own lines are all there; the total is --steps
         assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ")] == ["1/2", "2/2"]
-        for line in ("Ray: started a local cluster", "validation before: reward", "validation after: reward",
+        for line in ("Ray: started a local cluster", "validation before (CFG ", "validation after (CFG ",
                      "omniroll train: 2 steps"):
             assert line in proc.stdout, proc.stdout
         logs = {f: open(f, errors="replace").read() for f in glob.glob(os.path.join(ray_tmp, "**", "worker-*.err"),

@@ -56,6 +56,10 @@ def test_training_evaluates_both_ends_and_omniroll_eval_reproduces_the_last(ray_
         assert os.path.getsize(os.path.join(out, f)) > 0
     trainer_after = json.loads(open(os.path.join(out, "eval", f"after_{name}.json")).read())
     assert trainer_after["guidance_scale"] == 4.5
+    # the validation grid draws where it trains too: Flow-GRPO's rollout keeps the pipeline's CFG
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("validation ")] == [
+        "validation before (CFG 4.5)", "validation after (CFG 4.5)"]
+    assert [v["cfg_scale"] for v in map(json.loads, open(os.path.join(out, "validation.jsonl")))] == [4.5, 4.5]
 
     capsys.readouterr()
     assert main(["eval", "--model", "shapes", "--checkpoint", out, "--baseline", "none", "--prompts", str(prompts),
@@ -81,9 +85,22 @@ def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_number
                         evaluation={"splits": [str(prompts)], "seeds": 1})
     assert cfg.evaluation_guidances() == [1.0, 4.5]
     out = str(tmp_path / "run")
-    lines = []
+    lines, drawn = [], []
     with Trainer(cfg, out, log=lines.append) as tr:
+        log_validation = tr.tracker.log_validation  # records the scale every validation picture was drawn at
+
+        def recording(tag, step, batch, *args, **kwargs):
+            drawn.append((tag, sorted(set(batch.batch["guidance_scale"].tolist()))))
+            return log_validation(tag, step, batch, *args, **kwargs)
+
+        tr.tracker.log_validation = recording
         tr.train()
+    # the validation grid (val_before / val_after.png, the validation curve) is drawn CFG-free too: the regime NFT
+    # trains, as the evaluation's first scale, not the pipeline's CFG 4.5
+    assert drawn == [("before", [1.0]), ("after", [1.0])]
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("validation ")] == [
+        "validation before (CFG off)", "validation after (CFG off)"]
+    assert [v["cfg_scale"] for v in map(json.loads, open(os.path.join(out, "validation.jsonl")))] == [1.0, 1.0]
     after = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"eval"' in x][-1]
     assert {"eval/prompts_cfg1/strict", "eval/prompts_cfg4.5/strict", "eval/prompts_cfg1/paired_z",
             "eval/prompts_cfg1/vs_guided_before_z"} <= set(after)  # CFG off now against the guided model before
@@ -96,3 +113,29 @@ def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_number
     assert "guidance 1 (CFG off): the regime" in capsys.readouterr().out  # the checkpoint's own regime by default
     trainer_after = json.loads(open(os.path.join(out, "eval", "after_prompts_cfg1.json")).read())
     assert json.loads((tmp_path / "ev" / "eval.json").read_text())["pictures"] == trainer_after["pictures"]
+
+
+def test_the_validation_draws_in_the_regime_the_algorithm_trains_unless_val_kwargs_sets_the_scale(tmp_path):
+    """`validation_guidance`: CFG off for a CFG-free rollout (NFT, AWM), the pipeline's CFG for Flow-GRPO or for NFT
+    with `rollout_cfg`, and always the scale `val_kwargs.pipeline.guidance_scale` sets."""
+    from types import SimpleNamespace
+
+    from omniroll.train.algorithms import make_algorithm
+    from omniroll.train.report.validation import validation_guidance
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a circle\nthree squares\n")
+    shapes = SimpleNamespace(guidance_kind="cfg")  # the shapes adapter's guidance: classifier-free
+
+    def guidance(algo=SDE, val=None, **trainer):
+        cfg = shapes_config(prompts, algo=algo, **trainer)
+        if val is not None:
+            cfg = load_config(cfg, overrides=[f"val_kwargs.pipeline.guidance_scale={val}"])
+        return validation_guidance(cfg, make_algorithm(cfg, shapes))
+
+    assert guidance() == ({}, 4.5)
+    assert guidance(algo={}, algorithm="nft") == ({"guidance_scale": 1.0}, 1.0)
+    assert guidance(algo={}, algorithm="awm") == ({"guidance_scale": 1.0}, 1.0)
+    assert guidance(algo={}, algorithm="nft", algorithm_options={"rollout_cfg": True}) == ({}, 4.5)
+    assert guidance(algo={}, algorithm="nft", val=3.0) == ({}, 3.0)
+    assert guidance(val=2.0) == ({}, 2.0)

@@ -161,7 +161,9 @@ class PartialPipeline(_Strict):
     width: Optional[Pixels] = Field(None, description=_TRAINING_VALUE)
     num_frames: Optional[NumFrames] = Field(None, description=_TRAINING_VALUE)
     num_inference_steps: Optional[Steps] = Field(None, description=_TRAINING_VALUE)
-    guidance_scale: Optional[GuidanceScale] = Field(None, description=_TRAINING_VALUE)
+    guidance_scale: Optional[GuidanceScale] = Field(None, description="overrides the training value for validation "
+                                                    "(None: the regime the algorithm trains: CFG off, 1.0, for NFT "
+                                                    "and AWM, which roll out CFG-free; the pipeline's scale else)")
     max_sequence_length: Optional[SequenceLength] = Field(None, description=_TRAINING_VALUE)
 
 

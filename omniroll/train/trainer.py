@@ -47,7 +47,7 @@ from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSi
 from omniroll.train.report.stage_memory import StageMemory
 from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
-from omniroll.train.report.validation import run_validation
+from omniroll.train.report.validation import run_validation, validation_guidance
 from omniroll.train.versions import VersionStore, WeightVersionError, trainable_rows
 from omniroll.train.weight_push import WeightPush, WeightPushError
 
@@ -358,8 +358,9 @@ class Trainer:
     def validate(self, tag: str) -> dict:
         """The validation grid, validation.jsonl, the trackers and one line (`train/report/validation.py`); with
         `trainer.evaluation`, the task evaluation too (`train/report/task_eval.py`)."""
+        sampling, cfg_scale = validation_guidance(self.config, self.algorithm)  # the regime it trains
         rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
-                             self.step_done, self.tracker, self.log)
+                             self.step_done, self.tracker, self.log, sampling, cfg_scale)
         if self.task_eval is not None:
             rec.update(self.task_eval.run(self.manager, self.tracker, tag, self.step_done))
         return rec

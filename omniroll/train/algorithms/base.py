@@ -102,6 +102,11 @@ class Algorithm(ABC):
     def sampling_overrides(self, step: int) -> dict:
         """SamplingParams fields laid over the config's for this step's rollout."""
 
+    def rollout_guidance(self) -> dict:
+        """The guidance fields its rollout lays over the pipeline's ({}: the pipeline's CFG): the regime it trains,
+        which the validation grid draws at too (`train/report/validation.py`)."""
+        return {}
+
     @abstractmethod
     def rows(self, batch, adapter):
         """The batch's rows as the loss needs them (TrajectoryBatch or CleanBatch)."""

@@ -44,10 +44,13 @@ class ForwardProcessAlgorithm(Algorithm):
     skip_first_timestep = False  # AWM trains after the first sampling timestep (its `discrete_wo_init`)
 
     def sampling_overrides(self, step: int) -> dict:
-        over = {"noise_level": 0.0, "logprobs": False, "output_type": "both"}
-        if cfg_free_rollout(self.tc.algorithm, self.tc.algorithm_options):
-            over["true_cfg_scale" if self.adapter.guidance_kind == "distilled" else "guidance_scale"] = 1.0
-        return over
+        return {"noise_level": 0.0, "logprobs": False, "output_type": "both", **self.rollout_guidance()}
+
+    def rollout_guidance(self) -> dict:
+        """CFG off (1.0) unless `rollout_cfg` keeps the pipeline's: the policy it rolls out and trains."""
+        if not cfg_free_rollout(self.tc.algorithm, self.tc.algorithm_options):
+            return {}
+        return {"true_cfg_scale" if self.adapter.guidance_kind == "distilled" else "guidance_scale": 1.0}
 
     def rows(self, batch, adapter) -> CleanBatch:
         return CleanBatch.from_batch(batch, adapter)

@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 from omniroll.train.report.tracking import mode_label, read_jsonl
+from omniroll.train.report.validation import guidance_text
 
 
 def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model",
@@ -31,7 +32,9 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
     val = val if val is not None else read_jsonl(os.path.join(os.path.dirname(path), "validation.jsonl"))
     pts = [(v["step"], v["val_reward_mean"]) for v in val if v.get("val_reward_mean") is not None]
     if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label="validation (ODE, fixed seeds)")
+        cfg = {guidance_text(v.get("cfg_scale")) for v in val if v.get("val_reward_mean") is not None} - {""}
+        regime = f", {cfg.pop()}" if len(cfg) == 1 else ""  # the regime it trains (train/report/validation.py)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label=f"validation (ODE, fixed seeds{regime})")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_title(curve_title(history, model, algorithm))

@@ -1,19 +1,24 @@
 """One validation of a training run: the fixed validation prompts x `val_kwargs.n` ODE samples at fixed seeds, scored
-by the run's reward, and what it reports.
+by the run's reward, in the regime the algorithm trains, and what it reports.
+
+The regime (`validation_guidance`): the guidance the algorithm's rollout uses (`Algorithm.rollout_guidance`: CFG off
+for NFT and AWM, which roll out and train the CFG-free policy; the pipeline's CFG for the others), unless
+`val_kwargs.pipeline.guidance_scale` sets one. The trainer's evaluation follows the same rule
+(`OmniRollConfig.evaluation_guidances`), so the grid, its curve and the paired verdict judge one model.
 
 `run_validation` writes the captioned grid `val_<tag>.png` (`val_grid.py`), appends a record to `validation.jsonl`
-(`val_reward_mean`, the weighted reward the trainer optimises, and `reward/<fn>/mean` / `reward/<fn>/<key>`: each
-reward function's own mean and each numeric scorer extra, `reward_breakdown.py`), hands the batch to the trackers
-(`Tracker.log_validation`) and logs one line:
+(`val_reward_mean`, the weighted reward the trainer optimises, `cfg_scale`, and `reward/<fn>/mean` /
+`reward/<fn>/<key>`: each reward function's own mean and each numeric scorer extra, `reward_breakdown.py`), hands the
+batch to the trackers (`Tracker.log_validation`) and logs one line:
 
-    validation after: reward 0.1103 (colour 0.1103, strict 0.2500) -> out/val_after.png
+    validation after (CFG off): reward 0.1103 (colour 0.1103, strict 0.2500) -> out/val_after.png
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from omniroll.agent_loop.batch import prompt_batch
 from omniroll.train.report.reward_breakdown import reward_breakdown, row_components
@@ -27,10 +32,30 @@ def breakdown_text(parts: dict[str, float]) -> str:
     return ", ".join(f"{k.removesuffix('/mean')} {v:.4f}" for k, v in parts.items() if k.endswith("/mean"))
 
 
+def validation_guidance(config: Any, algorithm: Any) -> tuple[dict, float]:
+    """(the sampling fields the validation lays over `val_kwargs`'s, its classifier-free guidance scale): the
+    algorithm's rollout guidance, less a scale `val_kwargs.pipeline` sets (module doc)."""
+    explicit = config.val_kwargs.pipeline.model_dump(exclude_none=True)
+    over = {k: v for k, v in algorithm.rollout_guidance().items() if k not in explicit}
+    sampling = {**config.sampling_params(validate=True), **over}
+    distilled = getattr(algorithm.adapter, "guidance_kind", "cfg") == "distilled"
+    return over, float(sampling["true_cfg_scale" if distilled else "guidance_scale"])
+
+
+def guidance_text(cfg_scale: Optional[float]) -> str:
+    """`CFG off` / `CFG 4.5` (empty when unknown: a record from before `cfg_scale` was kept)."""
+    if cfg_scale is None:
+        return ""
+    return "CFG off" if cfg_scale <= 1.0 else f"CFG {cfg_scale:g}"
+
+
 def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: str, step: int, tracker: Any,
-                   log: Callable[[str], None]) -> dict:
-    """Generate, score and report one validation (module doc); returns its validation.jsonl record."""
-    batch = prompt_batch(prompts, n, lambda i: f"val{i:04d}", data_source="val", meta_info={"validate": True})
+                   log: Callable[[str], None], sampling: Optional[dict] = None,
+                   cfg_scale: Optional[float] = None) -> dict:
+    """Generate, score and report one validation (module doc) with `sampling` over `val_kwargs`'s sampling
+    (`validation_guidance`); returns its validation.jsonl record."""
+    meta = {"validate": True, **({"sampling_params": dict(sampling)} if sampling else {})}
+    batch = prompt_batch(prompts, n, lambda i: f"val{i:04d}", data_source="val", meta_info=meta)
     out = asyncio.run(manager.generate_sequences_async(batch))
     path = os.path.join(out_dir, f"val_{tag}.png")
     scored = "rm_scores" in out.batch.keys()
@@ -41,9 +66,10 @@ def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: 
     score = float(out.batch["rm_scores"].mean()) if scored else None
     parts = reward_breakdown(out)
     rec = {"tag": tag, "step": step, "val_reward_mean": score, **{f"reward/{k}": v for k, v in parts.items()},
-           "grid": path}
+           "grid": path, **({"cfg_scale": cfg_scale} if cfg_scale is not None else {})}
     append_jsonl(os.path.join(out_dir, "validation.jsonl"), rec)
     tracker.log_validation(tag, step, out, score, path)
     detail = f" ({breakdown_text(parts)})" if parts else ""
-    log(f"validation {tag}: reward {score:.4f}{detail} -> {path}" if score is not None else f"validation {tag}")
+    label = f"validation {tag}" + (f" ({guidance_text(cfg_scale)})" if cfg_scale is not None else "")
+    log(f"{label}: reward {score:.4f}{detail} -> {path}" if score is not None else label)
     return rec
