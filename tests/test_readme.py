@@ -48,7 +48,7 @@ BLOCK_TIMEOUT_S = 300
 def small_overrides(code: str) -> str:
     """The block's OMNIROLL_OVERRIDES: SMALL, or SMALL_TRAIN for a block of `omniroll train` commands; without the
     SDE window keys when a config the block names (`--config`) trains a forward-process algorithm (nft, awm: no
-    window); with SMALL_EVAL for a training block whose config has a task evaluation."""
+    window); with SMALL_EVAL for a training or `omniroll eval` block whose config has a task evaluation."""
     import yaml
 
     train = "omniroll train" in code
@@ -58,8 +58,8 @@ def small_overrides(code: str) -> str:
         trainer = ((yaml.safe_load(file.read_text()) or {}).get("trainer") or {}) if file.is_file() else {}
         if trainer.get("algorithm") in ("nft", "awm"):
             out = out.replace(SDE_KEYS, "")
-        if train and trainer.get("evaluation") and SMALL_EVAL not in out:
-            out += SMALL_EVAL
+        if (train or "omniroll eval" in code) and trainer.get("evaluation") and SMALL_EVAL not in out:
+            out += SMALL_EVAL  # `omniroll eval --config` draws the config's trainer.evaluation.seeds too
     return out
 
 

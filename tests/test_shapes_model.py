@@ -101,6 +101,25 @@ def test_pretrain_runs_the_whole_recipe_in_miniature_and_eval_scores_its_checkpo
     assert json.loads((again / "eval.json").read_text())["pictures"] == ev["pictures"]  # fixed seeds, the ODE
 
 
+def test_eval_draws_the_configs_trainer_evaluation_seeds_unless_seeds_is_given(tmp_path):
+    """`omniroll eval --config` of a training config evaluates as its trainer does (trainer.evaluation.seeds pictures
+    per prompt); --seeds wins; a config without a trainer's evaluation draws 16."""
+    from omniroll.cli import main
+    from omniroll.cli.eval import eval_seeds
+
+    demo = os.path.join(os.path.dirname(__file__), "..", "examples", "shapes_demo.yaml")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a circle\nthree squares\n")
+    drawn = {}
+    for name, flags in (("config", []), ("flag", ["--seeds", "1"])):
+        assert main(["eval", "--config", demo, "--override", "trainer.evaluation.seeds=3", "--prompts", str(prompts),
+                     "--steps", "2", "--out", str(tmp_path / name), "--quiet", *flags]) == 0
+        drawn[name] = json.loads((tmp_path / name / "eval.json").read_text())["overall"]["n"]
+    assert drawn == {"config": 6, "flag": 2}
+    assert eval_seeds(load_config({"engine": {"model": "shapes"}}), None) == 16
+    assert eval_seeds(load_config(demo), None) == 16 and eval_seeds(load_config(demo), 5) == 5
+
+
 def test_eval_refuses_a_prompt_file_line_outside_the_grammar_naming_it(tmp_path, capsys):
     from omniroll.cli import main
 

@@ -1,8 +1,8 @@
 """`omniroll eval`: GenEval on the shapes world for a model and, optionally, a trainer checkpoint, with its standard
 errors, and paired with a baseline at the same prompts and seeds.
 
-Every prompt of `--prompts` (a split: train, heldout, all; or a file, one grammar prompt a line) `--seeds` times at
-fixed seeds (the trainer's evaluation seeds: `omniroll.evaluation.shapes.eval_seed`, from `val_kwargs.seed`),
+Every prompt of `--prompts` (a split: train, heldout, all; or a file, one grammar prompt a line) `--seeds` times
+(default: the config's `trainer.evaluation.seeds`, else 16) at fixed seeds (the trainer's evaluation seeds: `omniroll.evaluation.shapes.eval_seed`, from `val_kwargs.seed`),
 sampled with the deterministic ODE (the config's validation sampling: `val_kwargs` over `pipeline`, noise level 0)
 at the guidance scale `--guidance` (default: the regime the checkpoint trained in, CFG off for NFT and AWM; else the
 validation sampling's), scored by the exact checker. Prints the table (strict accuracy per category with its
@@ -41,7 +41,9 @@ def add_arguments(parser) -> None:
                              "same prompts, seeds and guidance, and pair the two (default: no baseline)")
     parser.add_argument("--prompts", default="train", help="train, heldout, all, or a file of grammar prompts (one a "
                                                            "line)")
-    parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="pictures per prompt, at seeds 0 .. N-1")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help=f"pictures per prompt, at seeds 0 .. N-1 (default: the config's trainer.evaluation.seeds, "
+                             f"the trainer's own evaluation; else {DEFAULT_SEEDS})")
     parser.add_argument("--out", default="out/eval", help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -50,9 +52,10 @@ def run(args) -> int:
     from omniroll.cli import UserError
     from omniroll.tasks.shapes.splits import prompts_of
 
-    if not 1 <= args.seeds <= 1000:
+    if args.seeds is not None and not 1 <= args.seeds <= 1000:
         raise UserError(f"--seeds must be an int in [1, 1000], got {args.seeds}")
     cfg = build_config(args)
+    args.seeds = eval_seeds(cfg, args.seeds)
     try:
         prompts = prompts_of(args.prompts)
     except (ValueError, FileNotFoundError) as e:
@@ -81,6 +84,15 @@ def run(args) -> int:
     for p in result["files"].values():
         print(f"  {os.path.abspath(p)}")
     return 0
+
+
+def eval_seeds(cfg, flag: Optional[int]) -> int:
+    """Pictures per prompt: --seeds when given; else the config's `trainer.evaluation.seeds` (what its trainer's
+    evaluation draws, so a run's numbers are reproduced as they were drawn); else DEFAULT_SEEDS."""
+    if flag is not None:
+        return flag
+    ev = cfg.trainer.evaluation if cfg.trainer is not None else None
+    return ev.seeds if ev is not None else DEFAULT_SEEDS
 
 
 def checkpoint_arg(path: Optional[str], flag: str) -> Optional[str]:
