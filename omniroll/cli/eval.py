@@ -2,13 +2,13 @@
 errors, and paired with a baseline at the same prompts and seeds.
 
 Every prompt of `--prompts` (a split: train, heldout, all; or a file, one grammar prompt a line) `--seeds` times
-(default: the config's `trainer.evaluation.seeds`, else 16) at fixed seeds (the trainer's evaluation seeds: `omniroll.evaluation.shapes.eval_seed`, from `val_kwargs.seed`),
-sampled with the deterministic ODE (the config's validation sampling: `val_kwargs` over `pipeline`, noise level 0)
-at the guidance scale `--guidance` (default: the regime the checkpoint trained in, CFG off for NFT and AWM; else the
-validation sampling's), scored by the exact checker. Prints the table (strict accuracy per category with its
-standard error, partial credit, the chance baseline) and writes `eval.json` (the table and every picture's result)
-and `eval_grid.png` (pictures captioned with their prompt: a check mark and green when they pass, a cross and red
-when they fail) to `--out`.
+(default: the config's `trainer.evaluation.seeds`, else 16) at fixed seeds (the trainer's evaluation seeds:
+`omniroll.evaluation.shapes.eval_seed`, from `val_kwargs.seed`), sampled with the deterministic ODE (the config's
+validation sampling: `val_kwargs` over `pipeline`, noise level 0) at the guidance scale `--guidance` (default: the
+regime the checkpoint trained in, CFG off for NFT and AWM; else the validation sampling's), scored by the exact
+checker. Prints the table (strict accuracy per category with its standard error, partial credit, the chance
+baseline) and writes `eval.json` (the table and every picture's result) and `eval_grid.png` (pictures captioned with
+their prompt: a check mark and green when they pass, a cross and red when they fail) to `--out`.
 
 `--baseline BASE` (a checkpoint, a run directory, or `none`: the model itself) evaluates BASE at the same prompts,
 seeds and guidance first (`baseline.json`, `baseline_grid.png`), then pairs the two (`omniroll.evaluation.paired`):
