@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from omniroll.config import ConfigError, load_config
 from omniroll.models import resolve_model, sampling_defaults
@@ -118,6 +119,69 @@ def test_eval_draws_the_configs_trainer_evaluation_seeds_unless_seeds_is_given(t
     assert drawn == {"config": 6, "flag": 2}
     assert eval_seeds(load_config({"engine": {"model": "shapes"}}), None) == 16
     assert eval_seeds(load_config(demo), None) == 16 and eval_seeds(load_config(demo), 5) == 5
+
+
+def test_distillation_fits_the_teachers_guided_velocity_and_leaves_the_teacher_unchanged():
+    """The first step's loss is the student's (= the teacher's) distance to v_u + w (v_c - v_u): 0 at w = 1, and at
+    w = 4.5 what the teacher's two velocities give, computed here apart; the teacher's weights do not move."""
+    from diffusers import SD3Transformer2DModel
+
+    from omniroll.models.shapes.distill import DistillRecipe, distill_transformer
+
+    teacher = SD3Transformer2DModel.from_pretrained(os.path.join(resolve_model("shapes"), "transformer"))
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(8, 4, 16, 16, generator=g)
+    embeds, pooled = torch.randn(3, 12, teacher.config.joint_attention_dim, generator=g), torch.randn(
+        3, teacher.config.pooled_projection_dim, generator=g)
+    ids = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])
+    losses = {}
+    for w in (1.0, 4.5):
+        recipe = DistillRecipe(steps=2, guidance=w, batch_size=4, cfg_dropout=0.0, seed=5)
+        ema, hist = distill_transformer(teacher, recipe, latents, ids, embeds, pooled, empty=2)
+        losses[w] = hist[0]["loss"]
+        assert len(hist) == 2 and all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+    assert losses[1.0] < 1e-9
+    # the same batch as the recipe's first step (its generator: indices, dropout draws, t, eps)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(8, (4,), generator=g)
+    torch.rand(4, generator=g)
+    t = torch.sigmoid(torch.randn(4, generator=g))
+    eps = torch.randn(latents[idx].shape, generator=g)
+    x_t = (1 - t[:, None, None, None]) * latents[idx] + t[:, None, None, None] * eps
+    with torch.no_grad():
+        v_c, v_u = (teacher(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=embeds[c],
+                            pooled_projections=pooled[c], return_dict=False)[0]
+                    for c in (ids[idx], torch.full((4,), 2)))
+    assert losses[4.5] == pytest.approx(float(((4.5 - 1) * (v_c - v_u)).pow(2).mean()), rel=1e-4)
+
+
+def test_pretrain_from_a_checkpoint_distils_it_into_a_cfg_free_model(tmp_path, capsys):
+    """`omniroll pretrain shapes --from shapes --distill N` (in miniature): a verified checkpoint whose default guidance
+    is 1.0, whose transformer moved and whose VAE and text encoders are the source's; --from without --distill is
+    refused naming the flag."""
+    from safetensors.torch import load_file
+
+    from omniroll.cli import main
+
+    out = tmp_path / "distilled"
+    assert main(["pretrain", "shapes", "--from", "shapes", "--distill", "2", "--out", str(out), "--no-eval", "--quiet",
+                 "--override", "distill.num_latents=8", "--override", "distill.batch_size=4"]) == 0
+    ckpt, shipped = out / "checkpoint", resolve_model("shapes")
+    assert verified(str(ckpt)) == str(ckpt) and (out / "loss_curve.png").is_file()
+    assert json.loads((ckpt / "omniroll_defaults.json").read_text())["pipeline"]["guidance_scale"] == 1.0
+    assert json.loads((ckpt / "recipe.json").read_text())["distill"]["steps"] == 2
+    record = json.loads((out / "pretrain.json").read_text())
+    assert record["source"] == os.path.abspath(shipped) and record["times"]["distill_s"] > 0
+    digests, theirs = file_digests(str(ckpt)), file_digests(shipped)
+    assert digests["vae/diffusion_pytorch_model.safetensors"] == theirs["vae/diffusion_pytorch_model.safetensors"]
+    assert digests["text_encoder/model.safetensors"] == theirs["text_encoder/model.safetensors"]
+    new, old = (load_file(os.path.join(d, "transformer", "diffusion_pytorch_model.safetensors"))
+                for d in (ckpt, shipped))
+    assert new.keys() == old.keys() and not all(torch.equal(new[k], old[k]) for k in new)
+    capsys.readouterr()
+    assert main(["pretrain", "shapes", "--from", "shapes", "--out", str(tmp_path / "no")]) == 2
+    assert "--from" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
 def test_eval_refuses_a_prompt_file_line_outside_the_grammar_naming_it(tmp_path, capsys):

@@ -4,6 +4,11 @@ Writes DIR/checkpoint/ (a diffusers SD3 checkpoint: `--model DIR/checkpoint`), D
 (the recipe, timings, the VAE check and the GenEval-style evaluation on both splits) and DIR/eval_{train,heldout}
 (.json, _grid.png). `--install` then copies the checkpoint over the shipped one (what `--model shapes` loads;
 `make shapes-model` does both). `--override dit.steps=2000` changes one recipe field (repeatable).
+
+`--distill STEPS` adds the guidance distillation (`omniroll.models.shapes.distill`): the transformer learns to draw
+CFG-free what it drew at CFG `distill.guidance`, and the checkpoint's default guidance becomes 1.0. With `--from MODEL`
+(`shapes`, or a checkpoint directory) only that stage runs, on MODEL's modules and recipe (`make
+shapes-model-distilled`: the shipped model, 600 steps).
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe field, e.g. dit.steps=2000 or vae.lr=0.001 (repeatable; default: none, the "
                              "shipped model's recipe)")
+    parser.add_argument("--distill", type=int, default=None, metavar="STEPS",
+                        help="guidance-distil the transformer for STEPS steps after training it (distill.steps; "
+                             "default: the recipe's, 0: none)")
+    parser.add_argument("--from", dest="source", default=None, metavar="MODEL",
+                        help="distil MODEL (shapes, or a checkpoint directory) instead of training one: its modules "
+                             "and recipe, only the distillation runs (needs --distill; default: none, train one)")
     parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
     parser.add_argument("--snapshot-every", type=int, default=0, help="also save and evaluate the EMA transformer "
                         "every N steps as DIR/snapshots/step_N (the checkpoint this recipe makes with dit.steps=N); "
@@ -31,12 +42,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def recipe_with(overrides: list[str]):
-    """The shipped recipe with `section.field=value` overrides (values parsed as JSON, else as strings)."""
+def recipe_with(overrides: list[str], base=None):
+    """`base` (default: the shipped recipe) with `section.field=value` overrides (values parsed as JSON, else as
+    strings)."""
     from omniroll.cli import UserError
     from omniroll.models.shapes.recipe import SHIPPED, ShapesRecipe
 
-    d = SHIPPED.to_dict()
+    d = (base or SHIPPED).to_dict()
     problems = []
     for o in overrides:
         key, sep, text = o.partition("=")
@@ -61,12 +73,38 @@ def recipe_with(overrides: list[str]):
         raise UserError(f"--override: {e}") from None
 
 
+def source_recipe(source: str):
+    """(the checkpoint directory `--from` names, the recipe it was made with: its recipe.json, else the shipped one)."""
+    from omniroll.cli import UserError
+    from omniroll.models import resolve_model
+    from omniroll.models.shapes.recipe import SHIPPED, ShapesRecipe
+
+    try:
+        path = resolve_model(source)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise UserError(f"--from: {e}") from None
+    if not os.path.isfile(os.path.join(path, "transformer", "config.json")):
+        raise UserError(f"--from: {source!r} is not a shapes checkpoint (no transformer/config.json in {path})")
+    file = os.path.join(path, "recipe.json")
+    if not os.path.isfile(file):
+        return path, SHIPPED
+    with open(file) as f:
+        return path, ShapesRecipe.from_dict(json.load(f))
+
+
 def run(args) -> int:
     from omniroll.cli import UserError
 
-    recipe = recipe_with(args.override)
+    if args.distill is not None and args.distill < 0:
+        raise UserError(f"--distill must be >= 0 steps, got {args.distill}")
+    source, base = source_recipe(args.source) if args.source is not None else (None, None)
+    recipe = recipe_with(args.override + ([f"distill.steps={args.distill}"] if args.distill is not None else []),
+                         base)
+    if source is not None and recipe.distill.steps < 1:
+        raise UserError("--from: only the distillation runs on an existing checkpoint: give it --distill STEPS "
+                        "(STEPS >= 1; 600 took about 10 minutes on 2 cores)")
     from omniroll.cli.common import quiet_libraries
-    from omniroll.models.shapes.pretrain import pretrain
+    from omniroll.models.shapes.pretrain import distill_checkpoint, pretrain
 
     quiet_libraries()
     progress = not args.quiet and sys.stderr.isatty()
@@ -91,11 +129,16 @@ def run(args) -> int:
 
     if args.snapshot_every < 0:
         raise UserError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
-    record = pretrain(recipe, args.out, evaluate=None if args.no_eval else evaluate, progress=progress,
-                      snapshot_every=args.snapshot_every)
+    if source is not None:
+        record = distill_checkpoint(recipe, source, args.out, evaluate=None if args.no_eval else evaluate,
+                                    progress=progress)
+    else:
+        record = pretrain(recipe, args.out, evaluate=None if args.no_eval else evaluate, progress=progress,
+                          snapshot_every=args.snapshot_every)
     t = record["times"]
-    print(f"omniroll pretrain shapes: trained in {t['train_total_s'] / 60:.1f} min (VAE {t['vae_s']:.0f} s, latents "
-          f"{t['latents_s']:.0f} s, transformer {t['transformer_s']:.0f} s); checkpoint {record['checkpoint']}")
+    stages = [(k, t[f"{k}_s"]) for k in ("vae", "latents", "transformer", "distill") if f"{k}_s" in t]
+    print(f"omniroll pretrain shapes: trained in {t['train_total_s'] / 60:.1f} min ("
+          + ", ".join(f"{k} {v:.0f} s" for k, v in stages) + f"); checkpoint {record['checkpoint']}")
     if args.install:
         from omniroll.models.shapes import CHECKPOINT, verified
 

@@ -6,9 +6,14 @@
 3. Embed every training caption and the empty prompt with the frozen text encoders, through the SD3 adapter's own
    prompt encoding (what the engine will feed the transformer).
 4. Train the transformer (rectified flow, CFG dropout, EMA).
-5. Save the pipeline with the EMA transformer as a diffusers checkpoint (+ sampling defaults, `recipe.json`,
-   `SHA256SUMS`), the loss curves (`loss_curve.png`), and `pretrain.json` (recipe, timings, the VAE check and what
-   `evaluate` returns: the CLI passes the GenEval-style evaluation of `omniroll.evaluation.shapes`).
+5. With `distill.steps` > 0, distil its guidance (`distill.py`): the EMA transformer is the teacher, and the student
+   draws CFG-free what it drew at CFG `distill.guidance`.
+6. Save the pipeline with the EMA transformer (the student's, when distilled) as a diffusers checkpoint (+ sampling
+   defaults, `recipe.json`, `SHA256SUMS`), the loss curves (`loss_curve.png`), and `pretrain.json` (recipe, timings,
+   the VAE check and what `evaluate` returns: the CLI passes the GenEval-style evaluation of
+   `omniroll.evaluation.shapes`).
+
+`distill_checkpoint` runs step 5 alone on an existing checkpoint (`omniroll pretrain shapes --from shapes --distill N`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from omniroll.models.shapes import write_sums
 from omniroll.models.shapes.assemble import assemble_pipeline, save_checkpoint
 from omniroll.models.shapes.data import CaptionedScenes, to_unit_range
 from omniroll.models.shapes.dit import build_transformer, train_transformer
+from omniroll.models.shapes.distill import distill_transformer
 from omniroll.models.shapes.recipe import ShapesRecipe
 from omniroll.models.shapes.text import TEXT_LENGTH, build_text_stack, joint_attention_dim, pooled_dim
 from omniroll.models.shapes.vae import build_vae, reconstruct, train_vae
@@ -50,10 +56,10 @@ def check_vae(vae, recipe: ShapesRecipe) -> dict:
     return {"psnr_db": psnr, "checker_on_reconstructions": report.to_dict()}
 
 
-def encode_latents(vae, recipe: ShapesRecipe, progress: bool) -> tuple[list[str], torch.Tensor, float, float]:
-    """(captions, normalised latents [N, C, h, w], shift, scale)."""
+def encode_pictures(vae, recipe: ShapesRecipe, progress: bool, n: int) -> tuple[list[str], torch.Tensor]:
+    """(captions, the VAE's latents [N, C, h, w], not normalised) of `n` captioned pictures of the world."""
     data = CaptionedScenes(recipe.latent_data_seed, weights=recipe.category_weights)
-    n, chunk = recipe.dit.num_latents, 512
+    chunk = 512
     caps, zs = [], []
     bar = _bar(n, "latents", progress)
     with torch.no_grad():
@@ -63,12 +69,32 @@ def encode_latents(vae, recipe: ShapesRecipe, progress: bool) -> tuple[list[str]
             zs.append(vae.encode(to_unit_range(pics)).latent_dist.mean)
             bar.update(len(c))
     bar.close()
-    z = torch.cat(zs)
+    return caps, torch.cat(zs)
+
+
+def encode_latents(vae, recipe: ShapesRecipe, progress: bool) -> tuple[list[str], torch.Tensor, float, float]:
+    """(captions, normalised latents [N, C, h, w], shift, scale) of `dit.num_latents` pictures: the shift and scale
+    that make them mean 0, std 1 (the VAE keeps them in its config)."""
+    caps, z = encode_pictures(vae, recipe, progress, recipe.dit.num_latents)
     shift, scale = float(z.double().mean()), float(1.0 / z.double().std())
     return caps, ((z - shift) * scale).float(), shift, scale
 
 
-def plot_losses(vae_hist: list[dict], dit_hist: list[dict], path: str) -> None:
+def caption_embeddings(pipeline, caps: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(prompt embeds [P, L, D], pooled [P, D], caption ids [N], the empty prompt's index): every caption and the
+    empty prompt through the SD3 adapter's own prompt encoding (what the engine feeds the transformer)."""
+    from omniroll.models.sd3 import SD3Adapter
+
+    prompts = sorted(set(caps)) + [""]
+    conds = SD3Adapter(pipeline).encode_prompts(prompts, TEXT_LENGTH)
+    embeds = torch.stack([c.tensors["prompt_embeds"] for c in conds])
+    pooled = torch.stack([c.tensors["pooled_prompt_embeds"] for c in conds])
+    index = {p: i for i, p in enumerate(prompts)}
+    return embeds, pooled, torch.tensor([index[c] for c in caps]), index[""]
+
+
+def plot_losses(panels: list[tuple[list[dict], str]], path: str) -> None:
+    """loss_curve.png: one panel per (history, name) with a history (the VAE, the transformer, the distillation)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,8 +104,9 @@ def plot_losses(vae_hist: list[dict], dit_hist: list[dict], path: str) -> None:
         xs = np.asarray(xs, dtype=np.float64)
         return np.convolve(xs, np.ones(k) / k, mode="valid") if len(xs) > k else xs
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, hist, name in ((axes[0], vae_hist, "VAE (L1 + MSE + KL)"), (axes[1], dit_hist, "transformer (flow)")):
+    panels = [(hist, name) for hist, name in panels if hist]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (hist, name) in zip(axes[0], panels):
         loss = [h["loss"] for h in hist]
         ax.plot(np.arange(1, len(loss) + 1), loss, color="0.8", lw=0.6, label="per step")
         s = smooth(loss)
@@ -134,15 +161,8 @@ def pretrain(recipe: ShapesRecipe, out_dir: str, evaluate: Optional[Callable[[st
         text = build_text_stack(recipe.text)
         transformer = build_transformer(recipe.dit, recipe.vae.latent_channels, 64 // recipe.vae.scale_factor,
                                         joint_attention_dim(recipe.text), pooled_dim(recipe.text))
-        from omniroll.models.sd3 import SD3Adapter
-
-        prompts = sorted(set(caps)) + [""]
-        conds = SD3Adapter(assemble_pipeline(transformer, vae, text, recipe.sampling.shift)).encode_prompts(
-            prompts, TEXT_LENGTH)
-        embeds = torch.stack([c.tensors["prompt_embeds"] for c in conds])
-        pooled = torch.stack([c.tensors["pooled_prompt_embeds"] for c in conds])
-        index = {p: i for i, p in enumerate(prompts)}
-        caption_ids = torch.tensor([index[c] for c in caps])
+        embeds, pooled, caption_ids, empty = caption_embeddings(
+            assemble_pipeline(transformer, vae, text, recipe.sampling.shift), caps)
         times["latents_s"] = time.time() - t0
 
         # 4. the transformer (snapshots, if asked for, are saved and evaluated off the clock)
@@ -164,32 +184,106 @@ def pretrain(recipe: ShapesRecipe, out_dir: str, evaluate: Optional[Callable[[st
                 snapshots.append(snap)
                 snapshot_s += time.time() - t_snap
 
-        ema, dit_hist = train_transformer(transformer, recipe.dit, latents, caption_ids, embeds, pooled, index[""],
+        ema, dit_hist = train_transformer(transformer, recipe.dit, latents, caption_ids, embeds, pooled, empty,
                                           on_step=on_step)
         bar.close()
         times["transformer_s"] = time.time() - t0 - snapshot_s
         times["snapshots_s"] = snapshot_s
 
-        # 5. the checkpoint, the curves, the record
-        ckpt = save_model(ema.module, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
-        plot_losses(vae_hist, dit_hist, os.path.join(out_dir, "loss_curve.png"))
+        # 5. the guidance distillation (distill.steps > 0): the EMA transformer is the teacher
+        final, distill_hist = ema.module, []
+        if recipe.distill.steps > 0:
+            t0 = time.time()
+            final, distill_hist = run_distillation(ema.module, recipe, latents, caption_ids, embeds, pooled, empty,
+                                                   progress)
+            times["distill_s"] = time.time() - t0
+
+        # 6. the checkpoint, the curves, the record
+        ckpt = save_model(final, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
+        plot_losses([(vae_hist, "VAE (L1 + MSE + KL)"), (dit_hist, "transformer (flow)"),
+                     (distill_hist, "guidance distillation")], os.path.join(out_dir, "loss_curve.png"))
         times["train_total_s"] = time.time() - t_start - snapshot_s
         record = {
             "recipe": recipe.to_dict(), "checkpoint": ckpt, "times": times, "vae_check": vae_check,
             "snapshots": snapshots,
             "final_loss": {"vae": float(np.mean([h["loss"] for h in vae_hist[-100:]])),
-                           "transformer": float(np.mean([h["loss"] for h in dit_hist[-100:]]))},
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "threads": recipe.torch_threads},
+                           "transformer": float(np.mean([h["loss"] for h in dit_hist[-100:]])),
+                           **distill_loss(distill_hist)},
             "params": {"transformer": sum(p.numel() for p in transformer.parameters()),
                        "vae": sum(p.numel() for p in vae.parameters())}}
-        if evaluate is not None:
-            t0 = time.time()
-            record["evaluation"] = evaluate(ckpt)
-            times["evaluation_s"] = time.time() - t0
-        with open(os.path.join(out_dir, "pretrain.json"), "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-        return record
+        return finish(record, recipe, out_dir, ckpt, times, evaluate)
     finally:
         torch.set_num_threads(threads)
+
+
+def distill_checkpoint(recipe: ShapesRecipe, source: str, out_dir: str,
+                       evaluate: Optional[Callable[[str], dict]] = None, progress: bool = True,
+                       log: Callable[[str], None] = print) -> dict:
+    """The guidance distillation alone, from the checkpoint at `source` (its VAE, text encoders and transformer:
+    steps 1 and 4 of the module doc are skipped): `distill.num_latents` pictures encoded with its VAE, the
+    transformer distilled, the checkpoint saved with guidance 1.0 as its default; returns the `pretrain.json` record
+    (with `source`)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    if recipe.distill.steps < 1:
+        raise ValueError(f"distill.steps: distilling a checkpoint needs at least 1 step, got {recipe.distill.steps}")
+    os.makedirs(out_dir, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.torch_threads)
+    times, t_start = {}, time.time()
+    try:
+        # 1. the source's modules; its VAE's latents of the world's pictures; the caption embeddings
+        pipe = StableDiffusion3Pipeline.from_pretrained(source)
+        vae, teacher = pipe.vae.eval(), pipe.transformer
+        text = {k: getattr(pipe, k) for k in ("tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder",
+                                              "text_encoder_2", "text_encoder_3")}
+        caps, z = encode_pictures(vae, recipe, progress, recipe.distill.num_latents)
+        latents = ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()  # as the source was trained
+        embeds, pooled, caption_ids, empty = caption_embeddings(pipe, caps)
+        times["latents_s"] = time.time() - t_start
+
+        # 2. the distillation
+        t0 = time.time()
+        final, hist = run_distillation(teacher, recipe, latents, caption_ids, embeds, pooled, empty, progress)
+        times["distill_s"] = time.time() - t0
+        log(f"distillation: {recipe.distill.steps} steps in {times['distill_s']:.0f} s")
+
+        # 3. the checkpoint, the curve, the record
+        ckpt = save_model(final, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
+        plot_losses([(hist, "guidance distillation")], os.path.join(out_dir, "loss_curve.png"))
+        times["train_total_s"] = time.time() - t_start
+        record = {"recipe": recipe.to_dict(), "source": os.path.abspath(source), "checkpoint": ckpt, "times": times,
+                  "final_loss": distill_loss(hist),
+                  "params": {"transformer": sum(p.numel() for p in final.parameters())}}
+        return finish(record, recipe, out_dir, ckpt, times, evaluate)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_distillation(teacher, recipe: ShapesRecipe, latents, caption_ids, embeds, pooled, empty: int,
+                     progress: bool):
+    """(the distilled EMA transformer, its history), with a progress bar."""
+    bar = _bar(recipe.distill.steps, "distillation", progress)
+    ema, hist = distill_transformer(teacher, recipe.distill, latents, caption_ids, embeds, pooled, empty,
+                                    on_step=lambda s, h, e: (bar.update(1), bar.set_postfix(loss=f"{h['loss']:.4f}")))
+    bar.close()
+    return ema.module, hist
+
+
+def distill_loss(hist: list[dict]) -> dict:
+    return {"distill": float(np.mean([h["loss"] for h in hist[-100:]]))} if hist else {}
+
+
+def finish(record: dict, recipe: ShapesRecipe, out_dir: str, ckpt: str, times: dict,
+           evaluate: Optional[Callable[[str], dict]]) -> dict:
+    """The machine, the evaluation (if any) and `pretrain.json`; returns the record."""
+    record["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                         "threads": recipe.torch_threads}
+    if evaluate is not None:
+        t0 = time.time()
+        record["evaluation"] = evaluate(ckpt)
+        times["evaluation_s"] = time.time() - t0
+    with open(os.path.join(out_dir, "pretrain.json"), "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    return record

@@ -1,0 +1,83 @@
+"""Guidance distillation of the shapes model's transformer: a student that draws CFG-free what its teacher draws with
+classifier-free guidance at scale w, so one forward per step samples as well as two.
+
+    x_t = (1 - t) x0 + t eps                       (forward-noised latents of the world's pictures, t logit-normal)
+    target = v_u + w (v_c - v_u)                   (the frozen teacher's guided velocity; v_u for the empty prompt)
+    loss = |v_student(x_t, c) - target|^2
+
+The student starts as the teacher. `cfg_dropout` of the captions are the empty prompt, whose target is the teacher's
+unconditional velocity, so the student still has an unconditional branch. The weights a sampler should use are the
+exponential moving average (`ema_decay`). A distilled checkpoint's sampling default is guidance 1.0 (CFG off): every
+algorithm then rolls out, trains and is judged in that one regime.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from omniroll.models.shapes.dit import EMA
+
+
+@dataclass(frozen=True)
+class DistillRecipe:
+    steps: int = 0  # 0: no distillation (the shipped model is guided: CFG 4.5)
+    guidance: float = 4.5  # the teacher's CFG scale the student learns to draw at CFG off
+    batch_size: int = 64
+    lr: float = 5e-4
+    cfg_dropout: float = 0.1
+    ema_decay: float = 0.995
+    num_latents: int = 20_000  # latents encoded when distilling an existing checkpoint (`omniroll pretrain --from`)
+    seed: int = 4
+
+
+def distill_transformer(teacher, recipe: DistillRecipe, latents: torch.Tensor, caption_ids: torch.Tensor,
+                        prompt_embeds: torch.Tensor, pooled_embeds: torch.Tensor, empty: int,
+                        on_step: Optional[Callable[[int, dict, EMA], None]] = None) -> tuple[EMA, list[dict]]:
+    """Distil `teacher` (left unchanged) into a copy of it; returns the student's EMA and the history. latents:
+    [N, C, h, w] (normalised); caption_ids: [N] indices into prompt_embeds [P, L, D] / pooled_embeds [P, D]; `empty`:
+    the index of the empty prompt."""
+    teacher = teacher.eval().requires_grad_(False)
+    student = copy.deepcopy(teacher).requires_grad_(True).train()
+    g = torch.Generator().manual_seed(recipe.seed)
+    opt = torch.optim.AdamW(student.parameters(), lr=recipe.lr, weight_decay=0.0)
+    ema = EMA(student, recipe.ema_decay)
+    history, t0 = [], time.time()
+    for step in range(recipe.steps):
+        # 1. a batch of forward-noised latents, a share of them captioned with the empty prompt
+        idx = torch.randint(len(latents), (recipe.batch_size,), generator=g)
+        x0, cap = latents[idx], caption_ids[idx].clone()
+        drop = torch.rand(recipe.batch_size, generator=g) < recipe.cfg_dropout
+        cap[drop] = empty
+        t = torch.sigmoid(torch.randn(recipe.batch_size, generator=g))
+        eps = torch.randn(x0.shape, generator=g)
+        x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+
+        # 2. the teacher's guided velocity (its unconditional one for the empty prompt)
+        uncond = torch.full_like(cap, empty)
+        with torch.no_grad():
+            both = teacher(hidden_states=torch.cat([x_t, x_t]), timestep=torch.cat([t, t]) * 1000,
+                           encoder_hidden_states=torch.cat([prompt_embeds[cap], prompt_embeds[uncond]]),
+                           pooled_projections=torch.cat([pooled_embeds[cap], pooled_embeds[uncond]]),
+                           return_dict=False)[0]
+            v_c, v_u = both.chunk(2)
+            target = torch.where(drop[:, None, None, None], v_u, v_u + recipe.guidance * (v_c - v_u))
+
+        # 3. the student's step
+        v = student(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=prompt_embeds[cap],
+                    pooled_projections=pooled_embeds[cap], return_dict=False)[0]
+        loss = (v - target).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        ema.update(student)
+        rec = {"step": step + 1, "loss": loss.item(), "grad_norm": float(norm), "seconds": time.time() - t0}
+        history.append(rec)
+        if on_step is not None:
+            on_step(step + 1, rec, ema)
+    return ema, history
