@@ -163,16 +163,22 @@ def test_pretrain_from_a_checkpoint_distils_it_into_a_cfg_free_model(tmp_path, c
     from safetensors.torch import load_file
 
     from omniroll.cli import main
+    from omniroll.tasks.shapes.splits import prompts_of
 
     out = tmp_path / "distilled"
-    assert main(["pretrain", "shapes", "--from", "shapes", "--distill", "2", "--out", str(out), "--no-eval", "--quiet",
-                 "--override", "distill.num_latents=8", "--override", "distill.batch_size=4"]) == 0
+    assert main(["pretrain", "shapes", "--from", "shapes", "--distill", "2", "--out", str(out), "--quiet",
+                 "--override", "distill.num_latents=8", "--override", "distill.batch_size=4",
+                 "--override", "eval_seeds=1"]) == 0
     ckpt, shipped = out / "checkpoint", resolve_model("shapes")
     assert verified(str(ckpt)) == str(ckpt) and (out / "loss_curve.png").is_file()
     assert json.loads((ckpt / "omniroll_defaults.json").read_text())["pipeline"]["guidance_scale"] == 1.0
     assert json.loads((ckpt / "recipe.json").read_text())["distill"]["steps"] == 2
     record = json.loads((out / "pretrain.json").read_text())
     assert record["source"] == os.path.abspath(shipped) and record["times"]["distill_s"] > 0
+    # evaluated in its own regime (its default guidance, CFG off), every prompt of both splits once
+    assert [record["evaluation"][s]["overall"]["n"] for s in ("train", "heldout")] == [
+        len(prompts_of("train")), len(prompts_of("heldout"))]
+    assert json.loads((out / "eval_train.json").read_text())["sampling"]["guidance_scale"] == 1.0
     digests, theirs = file_digests(str(ckpt)), file_digests(shipped)
     assert digests["vae/diffusion_pytorch_model.safetensors"] == theirs["vae/diffusion_pytorch_model.safetensors"]
     assert digests["text_encoder/model.safetensors"] == theirs["text_encoder/model.safetensors"]

@@ -122,6 +122,7 @@ def run(args) -> int:
             res = evaluate_model(cfg, ckpt, prompts_of(split), recipe.eval_seeds, None, out_dir,
                                  progress=progress, name=f"eval_{split}")
             table = res.pop("table")
+            res.pop("evaluation")  # the pictures themselves: eval_<split>.json has their verdicts
             print(table if final else f"{ckpt}: {split} strict {100 * res['overall']['strict']:.1f} % "
                                       f"(chance {100 * res['overall']['chance']:.1f} %)")
             out[split] = res
