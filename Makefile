@@ -83,7 +83,7 @@ shapes-model: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes --out out/shapes-model --install
 
 # The shipped shapes model guidance-distilled (omniroll/models/shapes/distill.py): CFG-free, as good as it is at CFG
-# 4.5, into out/shapes-distilled/checkpoint (`--model out/shapes-distilled/checkpoint`). About 15 minutes on 2 cores.
+# 4.5, into out/shapes-distilled/checkpoint (`--model out/shapes-distilled/checkpoint`). About 20 minutes on 2 cores.
 shapes-model-distilled: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes --from shapes --distill 600 --out out/shapes-distilled
 
