@@ -188,6 +188,8 @@ def test_pretrain_from_a_checkpoint_distils_it_into_a_cfg_free_model(tmp_path, c
     capsys.readouterr()
     assert main(["pretrain", "shapes", "--from", "shapes", "--out", str(tmp_path / "no")]) == 2
     assert "--from" in capsys.readouterr().err and not (tmp_path / "no").exists()
+    assert main(["pretrain", "shapes", "--from", str(ckpt), "--distill", "2", "--out", str(tmp_path / "no")]) == 2
+    assert "already guidance-distilled" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
 def test_eval_refuses_a_prompt_file_line_outside_the_grammar_naming_it(tmp_path, capsys):

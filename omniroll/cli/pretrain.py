@@ -102,7 +102,10 @@ def run(args) -> int:
                          base)
     if source is not None and recipe.distill.steps < 1:
         raise UserError("--from: only the distillation runs on an existing checkpoint: give it --distill STEPS "
-                        "(STEPS >= 1; 600 took about 10 minutes on 2 cores)")
+                        "(STEPS >= 1; 600 took about 20 minutes on 2 cores, latents included)")
+    if source is not None and base.distill.steps > 0:
+        raise UserError(f"--from: {args.source!r} is already guidance-distilled ({base.distill.steps} steps, its "
+                        f"default guidance is 1.0): distil the guided model it came from")
     from omniroll.cli.common import quiet_libraries
     from omniroll.models.shapes.pretrain import distill_checkpoint, pretrain
 
