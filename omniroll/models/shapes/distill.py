@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from omniroll.models.shapes.dit import EMA
+from omniroll.models.shapes.dit import EMA, noised_batch, optimizer_step
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,8 @@ def distill_transformer(teacher, recipe: DistillRecipe, latents: torch.Tensor, c
     history, t0 = [], time.time()
     for step in range(recipe.steps):
         # 1. a batch of forward-noised latents, a share of them captioned with the empty prompt
-        idx = torch.randint(len(latents), (recipe.batch_size,), generator=g)
-        x0, cap = latents[idx], caption_ids[idx].clone()
-        drop = torch.rand(recipe.batch_size, generator=g) < recipe.cfg_dropout
-        cap[drop] = empty
-        t = torch.sigmoid(torch.randn(recipe.batch_size, generator=g))
-        eps = torch.randn(x0.shape, generator=g)
-        x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+        b = noised_batch(latents, caption_ids, recipe.batch_size, recipe.cfg_dropout, empty, g)
+        x_t, t, cap = b.x_t, b.t, b.cap
 
         # 2. the teacher's guided velocity (its unconditional one for the empty prompt)
         uncond = torch.full_like(cap, empty)
@@ -65,18 +60,12 @@ def distill_transformer(teacher, recipe: DistillRecipe, latents: torch.Tensor, c
                            pooled_projections=torch.cat([pooled_embeds[cap], pooled_embeds[uncond]]),
                            return_dict=False)[0]
             v_c, v_u = both.chunk(2)
-            target = torch.where(drop[:, None, None, None], v_u, v_u + recipe.guidance * (v_c - v_u))
+            target = torch.where(b.drop[:, None, None, None], v_u, v_u + recipe.guidance * (v_c - v_u))
 
         # 3. the student's step
         v = student(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=prompt_embeds[cap],
                     pooled_projections=pooled_embeds[cap], return_dict=False)[0]
-        loss = (v - target).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        ema.update(student)
-        rec = {"step": step + 1, "loss": loss.item(), "grad_norm": float(norm), "seconds": time.time() - t0}
+        rec = optimizer_step(student, opt, ema, (v - target).pow(2).mean(), step, t0)
         history.append(rec)
         if on_step is not None:
             on_step(step + 1, rec, ema)

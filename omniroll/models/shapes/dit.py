@@ -66,6 +66,45 @@ class EMA:
             e.lerp_(p.detach(), 1 - d)
 
 
+@dataclass
+class NoisedBatch:
+    """A batch of the forward process: cap [B] caption ids (`drop` [B]: replaced by the empty prompt), t [B],
+    x_t = (1 - t) x0 + t eps."""
+
+    x0: torch.Tensor
+    eps: torch.Tensor
+    t: torch.Tensor
+    x_t: torch.Tensor
+    cap: torch.Tensor
+    drop: torch.Tensor
+
+
+def noised_batch(latents: torch.Tensor, caption_ids: torch.Tensor, batch_size: int, cfg_dropout: float, empty: int,
+                 g: torch.Generator) -> NoisedBatch:
+    """`batch_size` latents drawn with `g`, `cfg_dropout` of their captions replaced by the empty prompt, noised at
+    logit-normal t (drawn in this order: indices, dropout, t, eps)."""
+    idx = torch.randint(len(latents), (batch_size,), generator=g)
+    x0 = latents[idx]
+    cap = caption_ids[idx].clone()
+    drop = torch.rand(batch_size, generator=g) < cfg_dropout
+    cap[drop] = empty
+    t = torch.sigmoid(torch.randn(batch_size, generator=g))
+    eps = torch.randn(x0.shape, generator=g)
+    x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+    return NoisedBatch(x0, eps, t, x_t, cap, drop)
+
+
+def optimizer_step(module: torch.nn.Module, opt, ema: EMA, loss: torch.Tensor, step: int, t0: float) -> dict:
+    """One step of `module` on `loss`: backward, the gradient clipped at norm 1, the optimizer, the EMA; returns the
+    step's record (`step` counted from 1, `loss`, `grad_norm`, `seconds` since `t0`)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+    ema.update(module)
+    return {"step": step + 1, "loss": loss.item(), "grad_norm": float(norm), "seconds": time.time() - t0}
+
+
 def train_transformer(transformer, recipe: DitRecipe, latents: torch.Tensor, caption_ids: torch.Tensor,
                       prompt_embeds: torch.Tensor, pooled_embeds: torch.Tensor, empty: int,
                       on_step: Optional[Callable[[int, dict, EMA], None]] = None) -> tuple[EMA, list[dict]]:
@@ -77,24 +116,12 @@ def train_transformer(transformer, recipe: DitRecipe, latents: torch.Tensor, cap
     transformer.train()
     history, t0 = [], time.time()
     for step in range(recipe.steps):
-        idx = torch.randint(len(latents), (recipe.batch_size,), generator=g)
-        x0 = latents[idx]
-        cap = caption_ids[idx].clone()
-        cap[torch.rand(recipe.batch_size, generator=g) < recipe.cfg_dropout] = empty
-        t = torch.sigmoid(torch.randn(recipe.batch_size, generator=g))
-        eps = torch.randn(x0.shape, generator=g)
-        xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+        b = noised_batch(latents, caption_ids, recipe.batch_size, recipe.cfg_dropout, empty, g)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, recipe)
-        v = transformer(hidden_states=xt, timestep=t * 1000, encoder_hidden_states=prompt_embeds[cap],
-                        pooled_projections=pooled_embeds[cap], return_dict=False)[0]
-        loss = (v - (eps - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        ema.update(transformer)
-        rec = {"step": step + 1, "loss": loss.item(), "grad_norm": float(norm), "seconds": time.time() - t0}
+        v = transformer(hidden_states=b.x_t, timestep=b.t * 1000, encoder_hidden_states=prompt_embeds[b.cap],
+                        pooled_projections=pooled_embeds[b.cap], return_dict=False)[0]
+        rec = optimizer_step(transformer, opt, ema, (v - (b.eps - b.x0)).pow(2).mean(), step, t0)
         history.append(rec)
         if on_step is not None:
             on_step(step + 1, rec, ema)
