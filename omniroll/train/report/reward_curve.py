@@ -8,7 +8,7 @@ import os
 from typing import Optional
 
 from omniroll.train.report.tracking import mode_label, read_jsonl
-from omniroll.train.report.validation import guidance_text
+from omniroll.train.report.task_eval import guidance_label
 
 
 def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = None, model: str = "the model",
@@ -32,7 +32,8 @@ def plot_rewards(history: list[dict], path: str, val: Optional[list[dict]] = Non
     val = val if val is not None else read_jsonl(os.path.join(os.path.dirname(path), "validation.jsonl"))
     pts = [(v["step"], v["val_reward_mean"]) for v in val if v.get("val_reward_mean") is not None]
     if pts:
-        cfg = {guidance_text(v.get("cfg_scale")) for v in val if v.get("val_reward_mean") is not None} - {""}
+        cfg = {guidance_label(v["cfg_scale"]) for v in val if v.get("val_reward_mean") is not None
+               and v.get("cfg_scale") is not None}  # records from before 0.3.6 have none
         regime = f", {cfg.pop()}" if len(cfg) == 1 else ""  # the regime it trains (train/report/validation.py)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", ms=5, label=f"validation (ODE, fixed seeds{regime})")
     ax.set_xlabel("training step")

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from omniroll.agent_loop.batch import prompt_batch
 from omniroll.train.report.reward_breakdown import reward_breakdown, row_components
+from omniroll.train.report.task_eval import guidance_label
 from omniroll.train.report.tracking import append_jsonl
 from omniroll.train.report.val_grid import caption_lines, save_val_grid
 
@@ -38,15 +39,8 @@ def validation_guidance(config: Any, algorithm: Any) -> tuple[dict, float]:
     explicit = config.val_kwargs.pipeline.model_dump(exclude_none=True)
     over = {k: v for k, v in algorithm.rollout_guidance().items() if k not in explicit}
     sampling = {**config.sampling_params(validate=True), **over}
-    distilled = getattr(algorithm.adapter, "guidance_kind", "cfg") == "distilled"
+    distilled = algorithm.adapter.guidance_kind == "distilled"
     return over, float(sampling["true_cfg_scale" if distilled else "guidance_scale"])
-
-
-def guidance_text(cfg_scale: Optional[float]) -> str:
-    """`CFG off` / `CFG 4.5` (empty when unknown: a record from before `cfg_scale` was kept)."""
-    if cfg_scale is None:
-        return ""
-    return "CFG off" if cfg_scale <= 1.0 else f"CFG {cfg_scale:g}"
 
 
 def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: str, step: int, tracker: Any,
@@ -70,6 +64,6 @@ def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: 
     append_jsonl(os.path.join(out_dir, "validation.jsonl"), rec)
     tracker.log_validation(tag, step, out, score, path)
     detail = f" ({breakdown_text(parts)})" if parts else ""
-    label = f"validation {tag}" + (f" ({guidance_text(cfg_scale)})" if cfg_scale is not None else "")
+    label = f"validation {tag}" + (f" ({guidance_label(cfg_scale)})" if cfg_scale is not None else "")
     log(f"{label}: reward {score:.4f}{detail} -> {path}" if score is not None else label)
     return rec
