@@ -8,13 +8,16 @@ before the first step and after the last (`trainer.evaluation`: first in the reg
 NFT and AWM, then at the pipeline's CFG 4.5 beside it), so every after-evaluation is paired with the before one at
 the same prompts and seeds. For a CFG-free algorithm the table adds its CFG-free model after training against the
 guided base (at the prompts and seeds both drew: DiffusionNFT's claim that RL makes guidance unnecessary).
-|z| < 2 reads "no
-detectable change", whatever the means say. Training minutes: the steps' wall time (startup and evaluations not
-counted). Prints a table per evaluation, writes the plot (`--plot`), and ends with one JSON line.
+`--model` starts every run from another model (a guidance-distilled one: `make shapes-model-distilled`); the CFG-free
+model after training is then also paired with `--guided-base` (default: the shipped model) at its own CFG scale,
+evaluated once at the same prompts and seeds. |z| < 2 reads "no detectable change", whatever the means say.
+Training minutes: the steps' wall time (startup and evaluations not counted). Prints a table per evaluation, writes
+the plot (`--plot`), and ends with one JSON line.
 
     python benchmarks/algorithms.py                                      # every recipe, training seeds 0-2
     python benchmarks/algorithms.py --algorithms nft,flow_grpo --steps 24 --seeds 0-2
     python benchmarks/algorithms.py --algorithms nft --seeds 0 --steps 2 --eval-seeds 1   # a check that it runs
+    python benchmarks/algorithms.py --algorithms awm --model out/shapes-distilled/checkpoint   # RL after distillation
 """
 
 from __future__ import annotations
@@ -38,21 +41,54 @@ def recipe(name: str) -> str:
     return os.path.join(ROOT, "examples", f"shapes_{name}.yaml")
 
 
-def run(name: str, args, seed: int, out_dir: str) -> dict:
+def eval_overrides(args) -> list[str]:
+    return ([f"trainer.evaluation.seeds={args.eval_seeds}", f"trainer.evaluation.beside_seeds={args.eval_seeds}"]
+            if args.eval_seeds else [])
+
+
+def guided_base(name: str, args, out_dir: str) -> dict[str, list[dict]]:
+    """`--guided-base` evaluated at its own (the validation sampling's) CFG scale on `name`'s evaluation splits, at
+    the recipe's evaluation seeds (the trainer's: the same pictures' noise): per split, its pictures. Written to
+    `out_dir/<split>_cfg<G>/` and read back from there when present."""
+    from omniroll.cli.eval import evaluate_model
+    from omniroll.cli.common import preflight
+    from omniroll.config import load_config
+    from omniroll.tasks.shapes.splits import prompts_of
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        cfg = load_config(recipe(name), overrides=[f"engine.model={args.guided_base}", *eval_overrides(args)])
+        ev = cfg.trainer.evaluation
+        scale = float(cfg.sampling_params(validate=True)["guidance_scale"])
+        out = {}
+        for split in ev.splits:
+            d = os.path.join(out_dir, f"{os.path.splitext(os.path.basename(split))[0]}_cfg{scale:g}")
+            if not os.path.exists(os.path.join(d, "eval.json")):
+                prompts = prompts_of(split)
+                evaluate_model(cfg, preflight(cfg, prompts), prompts, ev.seeds, None, d, guidance=scale)
+            with open(os.path.join(d, "eval.json")) as f:
+                out[split] = json.load(f)["pictures"]
+        return out
+    finally:
+        os.chdir(cwd)
+
+
+def run(name: str, args, seed: int, out_dir: str, base_dir: str) -> dict:
     """One training run of `name`'s recipe; returns its evaluations (before / after, per evaluation name: overall,
     categories, paired), training seconds and samples."""
     from omniroll.config import load_config
     from omniroll.evaluation.paired import common_pictures, paired
     from omniroll.train import Trainer
+    from omniroll.train.report.task_eval import evaluation_name
     from omniroll.train.report.tracking import read_jsonl
 
     overrides = [f"seed={seed}", f"trainer.seed={seed}", "trainer.checkpoint_every=0", "trainer.val_every=0",
-                 "trainer.log_images_every=0", "trainer.logger=[jsonl]"]
+                 "trainer.log_images_every=0", "trainer.logger=[jsonl]", *eval_overrides(args)]
     if args.steps:
         overrides.append(f"trainer.steps={args.steps}")
-    if args.eval_seeds:
-        overrides += [f"trainer.evaluation.seeds={args.eval_seeds}",
-                      f"trainer.evaluation.beside_seeds={args.eval_seeds}"]
+    if args.model:
+        overrides.append(f"engine.model={args.model}")
     cwd = os.getcwd()
     os.chdir(ROOT)  # the recipes name their prompt files relative to the repository
     try:
@@ -71,6 +107,14 @@ def run(name: str, args, seed: int, out_dir: str) -> dict:
                 base, after = common_pictures(guided["pictures"][0], evals[off]["pictures"][1])
                 evals[f"{off}_vs_guided_base"] = {
                     "before": picture_summary(base), "after": picture_summary(after), "split": evals[off]["split"],
+                    "guidance_scale": guidances[0], "paired": paired(base, after)}
+    if args.model and guidances[0] <= 1.0:  # another start: its CFG-free model against --guided-base
+        for split, base in guided_base(name, args, base_dir).items():
+            off = evals.get(evaluation_name(split, guidances[0]))
+            if off is not None:
+                base, after = common_pictures(base, off["pictures"][1])
+                evals[f"{evaluation_name(split, guidances[0])}_vs_guided_base"] = {
+                    "before": picture_summary(base), "after": picture_summary(after), "split": off["split"],
                     "guidance_scale": guidances[0], "paired": paired(base, after)}
     for e in evals.values():
         e.pop("pictures", None)
@@ -165,6 +209,11 @@ def main(argv=None) -> int:
     p.add_argument("--summarize", default=None, metavar="PARTIAL", help="run nothing: summarize the runs a --partial "
                                                                        "file holds (several invocations may append "
                                                                        "to one)")
+    p.add_argument("--model", default=None, help="the model every run starts from (default: each recipe's, the "
+                                                 "shipped shapes model), e.g. out/shapes-distilled/checkpoint")
+    p.add_argument("--guided-base", default="shapes", help="with --model: the model the CFG-free model after "
+                                                           "training is also paired with, at its own CFG scale "
+                                                           "(default: the shipped shapes model)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     algos = args.algorithms.split(",")
@@ -190,7 +239,7 @@ def main(argv=None) -> int:
             for algo in algos:
                 out = os.path.abspath(os.path.join(args.keep or scratch, f"{algo}-{seed}"))
                 t = time.time()
-                r = runs[algo][seed] = run(algo, args, seed, out)
+                r = runs[algo][seed] = run(algo, args, seed, out, os.path.join(args.keep or scratch, "guided_base"))
                 line = "  ".join(f"{e} {100 * v['before']['strict']:.1f} -> {100 * v['after']['strict']:.1f} "
                                  f"(z {v['paired']['overall']['z']:+.1f})" for e, v in r["evals"].items())
                 print(f"seed {seed} {algo:<11} {line}  ({r['train_s'] / 60:.1f} training min, {r['samples']} "
@@ -209,7 +258,7 @@ def report(runs: dict, seeds: list[int], args, info: dict) -> int:
     plot(res, args.plot)
     print(f"plot -> {os.path.relpath(args.plot)}")
     print(json.dumps({"benchmark": "algorithms", "summary": res, "seeds": seeds, "steps": args.steps,
-                      "machine": info, "date": time.strftime("%Y-%m-%d"),
+                      "model": args.model, "machine": info, "date": time.strftime("%Y-%m-%d"),
                       "runs": {a: {s: {k: v for k, v in r.items() if k not in ("evals", "algorithm", "seed")}
                                    for s, r in by_seed.items()} for a, by_seed in runs.items()}}))
     return 0
