@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny SD3 checkpoint and one Ray local cluster per test session."""
+"""Shared fixtures: one tiny SD3 checkpoint and one Ray local cluster per test session (per pytest-xdist worker under
+`make test`)."""
 
 from __future__ import annotations
 
