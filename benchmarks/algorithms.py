@@ -50,8 +50,8 @@ def guided_base(name: str, args, out_dir: str) -> dict[str, list[dict]]:
     """`--guided-base` evaluated at its own (the validation sampling's) CFG scale on `name`'s evaluation splits, at
     the recipe's evaluation seeds (the trainer's: the same pictures' noise): per split, its pictures. Written to
     `out_dir/<split>_cfg<G>/` and read back from there when present."""
-    from omniroll.cli.eval import evaluate_model
     from omniroll.cli.common import preflight
+    from omniroll.cli.eval import evaluate_model
     from omniroll.config import load_config
     from omniroll.tasks.shapes.splits import prompts_of
 
@@ -74,11 +74,20 @@ def guided_base(name: str, args, out_dir: str) -> dict[str, list[dict]]:
         os.chdir(cwd)
 
 
+def versus(base: list[dict], evaluation: dict, guidance: float) -> dict:
+    """The pictures `evaluation` drew after training paired with `base`'s, at the prompts and seeds both drew (an
+    evaluation at fewer seeds per prompt draws a subset of another's)."""
+    from omniroll.evaluation.paired import common_pictures, paired
+
+    base, after = common_pictures(base, evaluation["pictures"][1])
+    return {"before": picture_summary(base), "after": picture_summary(after), "split": evaluation["split"],
+            "guidance_scale": guidance, "paired": paired(base, after)}
+
+
 def run(name: str, args, seed: int, out_dir: str, base_dir: str) -> dict:
     """One training run of `name`'s recipe; returns its evaluations (before / after, per evaluation name: overall,
     categories, paired), training seconds and samples."""
     from omniroll.config import load_config
-    from omniroll.evaluation.paired import common_pictures, paired
     from omniroll.train import Trainer
     from omniroll.train.report.task_eval import evaluation_name
     from omniroll.train.report.tracking import read_jsonl
@@ -103,19 +112,13 @@ def run(name: str, args, seed: int, out_dir: str, base_dir: str) -> dict:
     if guidances[0] <= 1.0 < max(guidances):  # CFG-free training: its model CFG-free against the guided base
         for off in [e for e in list(evals) if evals[e]["guidance_scale"] == guidances[0]]:
             guided = evals.get(off.rsplit("_cfg", 1)[0] + f"_cfg{max(guidances):g}")
-            if guided is not None:  # at the seeds both evaluations drew
-                base, after = common_pictures(guided["pictures"][0], evals[off]["pictures"][1])
-                evals[f"{off}_vs_guided_base"] = {
-                    "before": picture_summary(base), "after": picture_summary(after), "split": evals[off]["split"],
-                    "guidance_scale": guidances[0], "paired": paired(base, after)}
+            if guided is not None:
+                evals[f"{off}_vs_guided_base"] = versus(guided["pictures"][0], evals[off], guidances[0])
     if args.model and guidances[0] <= 1.0:  # another start: its CFG-free model against --guided-base
         for split, base in guided_base(name, args, base_dir).items():
-            off = evals.get(evaluation_name(split, guidances[0]))
-            if off is not None:
-                base, after = common_pictures(base, off["pictures"][1])
-                evals[f"{evaluation_name(split, guidances[0])}_vs_guided_base"] = {
-                    "before": picture_summary(base), "after": picture_summary(after), "split": off["split"],
-                    "guidance_scale": guidances[0], "paired": paired(base, after)}
+            off = evaluation_name(split, guidances[0])
+            if off in evals:
+                evals[f"{off}_vs_guided_base"] = versus(base, evals[off], guidances[0])
     for e in evals.values():
         e.pop("pictures", None)
     return {"evals": evals, "train_s": sum(m["step_s"] for m in steps), "samples": sum(m["num_samples"] for m in steps),
