@@ -54,6 +54,7 @@ def guided_base(name: str, args, out_dir: str) -> dict[str, list[dict]]:
     from omniroll.cli.eval import evaluate_model
     from omniroll.config import load_config
     from omniroll.tasks.shapes.splits import prompts_of
+    from omniroll.train.report.task_eval import evaluation_name
 
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -63,7 +64,7 @@ def guided_base(name: str, args, out_dir: str) -> dict[str, list[dict]]:
         scale = float(cfg.sampling_params(validate=True)["guidance_scale"])
         out = {}
         for split in ev.splits:
-            d = os.path.join(out_dir, f"{os.path.splitext(os.path.basename(split))[0]}_cfg{scale:g}")
+            d = os.path.join(out_dir, evaluation_name(split, scale))
             if not os.path.exists(os.path.join(d, "eval.json")):
                 prompts = prompts_of(split)
                 evaluate_model(cfg, preflight(cfg, prompts), prompts, ev.seeds, None, d, guidance=scale)
