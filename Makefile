@@ -70,7 +70,7 @@ docs-screenshots: docs
 	    http://127.0.0.1:$(SHOT_PORT)/$$(echo $${page%%:*} | sed 's/^index$$//') 2> /dev/null; \
 	done; kill $$(cat .shot-server.pid); rm -f .shot-server.pid
 
-# The generation demo with the shipped shapes model, then AWM on the shapes world (examples/shapes_demo.yaml, ~9 min
+# The generation demo with the shipped shapes model, then AWM on the shapes world (examples/shapes_demo.yaml, ~10 min
 # on 2 cores): the GenEval-style table before and after with the paired verdict, one line per step;
 # out/train/ gets metrics.jsonl, eval_curve.png, reward_curve.png, val_before.png / val_after.png (captioned),
 # eval/ (tables, grids, before_after_<split>.png, flips_<split>.png), checkpoints/.
@@ -89,7 +89,8 @@ shapes-model-distilled: $(STAMP)
 
 # The suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (`--dist loadfile`: a file's
 # blocks and session fixtures stay in order, and each worker has its own Ray cluster and model cache). On the 2-core
-# VM the suite took 18.7 min on 2 workers against 25.4 in one process (2026-11-28); TEST_WORKERS=0 runs it in one.
+# VM the suite took 18.7 min on 2 workers against 25.4 in one process (2026-11-28), and 21.8 on 3 (the suite is
+# CPU-bound: its tests ran 1.7x slower each); TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 	$(VENV)/bin/ruff check .
