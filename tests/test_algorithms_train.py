@@ -143,3 +143,52 @@ def replay_matches_rollout(tr, batch):
 def _old_velocity(tr, rows, x):
     with torch.no_grad(), tr.algorithm.sampling_weights(tr.policy):
         return rows.velocity(tr.policy.adapter, x, rows.sigmas[:, 0])
+
+
+@pytest.mark.parametrize("algorithm", ["nft", "awm"])
+def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_the_same_update(
+        ray_cluster, tiny_sd3_path, tmp_path, algorithm):
+    """`algorithm_options.timesteps_per_forward: 2` on a step of 3 training timesteps: terms of 2 and 1 timesteps (the
+    shorter one weighted so that each timestep weighs the same), every timestep's noise drawn as at 1, so the rows a
+    forward sees are those of one forward per timestep bitwise (the engine's batch-invariant kernels) and the update
+    differs only in its summation order: the same loss, gradient norm and (pair) count, weights within RTOL_OF_MOVE of
+    their move (Adam's first step near g = 0, as in tests/test_train_dp.py)."""
+    from omniroll.train import CleanBatch, Trainer
+    from omniroll.train.algorithms import UpdatePlan, make_algorithm
+    from omniroll.train.policy import Policy
+    from omniroll.train.update import train_on_batch
+
+    with Trainer(config(tiny_sd3_path, algorithm, steps=1), str(tmp_path / "run"), log=lambda s: None) as tr:
+        batch = asyncio.run(tr._rollout(1))
+    uids = list(batch.non_tensor_batch["uid"])
+    rewards = batch.batch["rm_scores"][:, 0].float()
+    results = {}
+    for k in (1, 2):
+        cfg = config(tiny_sd3_path, algorithm, algorithm_options={"timesteps_per_forward": k})
+        policy = Policy(tiny_sd3_path, "lora", 4, 8, None, seed=0)
+        with torch.no_grad():  # a non-zero B, so every LoRA weight has a gradient
+            g = torch.Generator().manual_seed(2)
+            for n, p in policy.denoiser.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 1e-3)
+        start = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        algo = make_algorithm(cfg, policy.adapter)
+        rows = CleanBatch.from_batch(batch, policy.adapter)
+        adv = algo.advantages(rewards, uids).advantages
+        plan = UpdatePlan(step=1, seed=0, micro_batch_size=4)
+        anchors = algo.prepare(policy, rows, plan)
+        assert anchors.t_of.shape[1] == 3 and algo.num_terms(rows, anchors) == {1: 3, 2: 2}[k]
+        idx = torch.arange(4)
+        terms = [algo.noised(rows.rows(idx), idx, adv[idx], j, anchors, plan, 0, 0) for j in range(2)]
+        assert [len(x.rows) for x in terms] == {1: [4, 4], 2: [8, 4]}[k]
+        assert [x.weight for x in terms] == {1: [1.0, 1.0], 2: [4 / 3, 2 / 3]}[k]
+        stats = train_on_batch(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), algo, rows, adv, anchors,
+                               plan, num_inner_epochs=1, max_grad_norm=1e9)
+        results[k] = (stats, {n: p.detach().clone() for n, p in policy.named_parameters()}, start)
+    (one, w1, start), (two, w2, _) = results[1], results[2]
+    assert one.scored == two.scored == 3 * len(uids) and one.ratio_max_abs_dev == two.ratio_max_abs_dev == 0.0
+    assert two.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-6)  # AWM's on-policy loss is 0 in value
+    assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    moved = max(float((w1[n] - start[n]).abs().max()) for n in w1)
+    diff = max(float((w1[n] - w2[n]).abs().max()) for n in w1)
+    assert moved > 1e-4 and diff <= 1e-2 * moved

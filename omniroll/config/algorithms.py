@@ -28,7 +28,16 @@ class DanceGRPOOptions(_Strict):
                                      "drawn per sample (DanceGRPO's timestep_fraction)")
 
 
-class NFTOptions(_Strict):
+class ForwardProcessOptions(_Strict):
+    """What NFT and AWM share: their rollout's guidance and how their training timesteps are batched."""
+
+    rollout_cfg: bool = Field(False, description="sample with the pipeline's CFG (the reference samples without)")
+    timesteps_per_forward: int = Field(1, ge=1, le=1000, description="training timesteps of a micro-batch's rows "
+                                       "in one forward (micro_batch_size x this many rows): the same loss, faster "
+                                       "on a small model, that much more activation memory")
+
+
+class NFTOptions(ForwardProcessOptions):
     beta: float = Field(1.0, gt=0, le=100, description="NFT strength: v_pos = beta v + (1 - beta) v_old (1.0 for "
                         "GenEval in the reference; 0.1 for OCR)")
     timestep_fraction: float = Field(0.99, gt=0, le=1, description="share of each sample's sampling timesteps "
@@ -38,17 +47,15 @@ class NFTOptions(_Strict):
                                          "step 75, then min(0.0075 (step - 75), 0.999)")
     adaptive_weight_min: float = Field(1e-5, gt=0, le=1, description="floor of the per-sample adaptive weight "
                                        "mean |x0_pred - x0|")
-    rollout_cfg: bool = Field(False, description="sample with the pipeline's CFG (the reference samples without)")
 
 
-class AWMOptions(_Strict):
+class AWMOptions(ForwardProcessOptions):
     train_timesteps: int = Field(6, ge=1, le=1000, description="timesteps trained per sample, drawn without "
                                  "replacement from its sampling timesteps after the first")
     weighting: Literal["ghuber", "mse"] = Field("ghuber", description="w(l, t): ghuber (t / p) ((l + e)^p - e^p), "
                                                 "or mse (t l)")
     huber_p: float = Field(0.25, gt=0, le=1, description="p of the ghuber weighting")
     huber_eps: float = Field(1e-3, gt=0, le=1, description="e of the ghuber weighting")
-    rollout_cfg: bool = Field(False, description="sample with the pipeline's CFG (the reference samples without)")
 
 
 # ------------------------------------------------------------------------------------------------------ the specs

@@ -119,7 +119,7 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                         b_sum += float(terms.behaviour_ratio.double().sum())
                         b_dev = max(b_dev, float((terms.behaviour_ratio - 1.0).abs().max()))
                         capped += int(terms.behaviour_capped.sum())
-                    total += len(idx)
+                    total += len(terms.clipped)  # (row, timestep) pairs: a term may stack several timesteps
                     approx.append(float(terms.approx_kl))
                     losses.append(float(terms.loss.detach()))
                     plosses.append(float(terms.policy_loss))

@@ -56,11 +56,14 @@ class AWM(ForwardProcessAlgorithm):
     def loss(self, policy, mb: CleanBatch, idx, adv, term, anchors: TimestepAnchors, plan: UpdatePlan, *, epoch,
              chunk, first_update) -> LossTerms:
         o, tc = self.options, self.tc
-        t, eps, x_t = self.noised(mb, idx, term, anchors, plan, epoch, chunk)
+        n = self.noised(mb, idx, adv, term, anchors, plan, epoch, chunk)  # the term's rows: one forward
+        mb, adv, t, x_t = n.rows, n.adv, n.t, n.x_t
         v = mb.velocity(policy.adapter, x_t, t)
-        policy_loss, ratio = awm_policy_loss(v, eps - mb.x0, t, adv / tc.adv_clip_max, o.weighting, o.huber_p,
+        policy_loss, ratio = awm_policy_loss(v, n.eps - mb.x0, t, adv / tc.adv_clip_max, o.weighting, o.huber_p,
                                              o.huber_eps)
         kl = self.kl_to_base(policy, mb, x_t, t, v)
         loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
+        if n.weight != 1.0:  # a shorter last term: its timesteps weigh what the others' do (metrics too)
+            loss, policy_loss, kl_term = (x * n.weight for x in (loss, policy_loss, kl_term))
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio,
                          clipped=torch.zeros(len(mb), dtype=torch.bool), approx_kl=torch.zeros(()))

@@ -3,8 +3,9 @@
 Rollout: the deterministic ODE (noise_level 0), CFG off (the reference's; `algorithm_options.rollout_cfg` keeps the
 pipeline's CFG), no log-probs, the final latent returned beside the pixels (`output_type` "both"): the engine records
 no trajectory, so a rollout costs only its forwards. Rows: `CleanBatch`. Training: each row is noised afresh at some
-of its own sampling timesteps, x_t = (1 - t) x0 + t eps, with eps drawn from (seed, step, epoch, micro-batch, term)
-only (`term_generator`), so a resumed run is bitwise a straight one.
+of its own sampling timesteps, x_t = (1 - t) x0 + t eps, with eps drawn from (seed, step, epoch, micro-batch, timestep)
+only (`term_generator`), so a resumed run is bitwise a straight one. A loss term is one forward: the micro-batch's
+rows at `timesteps_per_forward` of their timesteps, stacked (1 by default: one timestep per forward).
 """
 
 from __future__ import annotations
@@ -32,8 +33,22 @@ def draw_timesteps(sigmas: torch.Tensor, count: int, seed: int, step: int, skip_
 
 
 @dataclass
+class NoisedTerm:
+    """One loss term's rows (`ForwardProcessAlgorithm.noised`): the micro-batch's rows and advantages, repeated once
+    per timestep of the term; t [n b]; eps and x_t = (1 - t) x0 + t eps [n b, ...]; weight: what the term's row mean
+    is multiplied by so that every timestep weighs the same (1.0 unless the last term has fewer timesteps)."""
+
+    rows: CleanBatch
+    adv: torch.Tensor
+    t: torch.Tensor
+    eps: torch.Tensor
+    x_t: torch.Tensor
+    weight: float
+
+
+@dataclass
 class TimestepAnchors(Anchors):
-    """t_of [B, terms]: the sigma each loss term of a row trains at."""
+    """t_of [B, timesteps]: the sigmas a row trains at (`timesteps_per_forward` of them per loss term)."""
 
     t_of: Optional[torch.Tensor] = None
 
@@ -63,16 +78,36 @@ class ForwardProcessAlgorithm(Algorithm):
                                                    self.skip_first_timestep))
 
     def num_terms(self, mb, anchors: TimestepAnchors) -> int:
-        return int(anchors.t_of.shape[1])
+        """Loss terms per micro-batch: its training timesteps, `timesteps_per_forward` of them per term."""
+        return -(-int(anchors.t_of.shape[1]) // self.options.timesteps_per_forward)
 
-    def noised(self, mb: CleanBatch, idx: torch.Tensor, term: int, anchors: TimestepAnchors, plan: UpdatePlan,
-               epoch: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(t [b], eps, x_t) of one loss term."""
-        t = anchors.t_of[idx, term].float()
-        g = term_generator(plan.seed, plan.step, epoch, chunk, term)
-        eps = torch.randn(mb.x0.shape, generator=g).to(mb.x0.device)  # drawn on the CPU: the same on any device
-        tv = t.view((-1,) + (1,) * (mb.x0.ndim - 1))
-        return t, eps, (1 - tv) * mb.x0 + tv * eps
+    def term_timesteps(self, term: int, anchors: TimestepAnchors) -> range:
+        """The training timesteps (columns of `anchors.t_of`) loss term `term` stacks into one forward."""
+        k = self.options.timesteps_per_forward
+        return range(term * k, min((term + 1) * k, int(anchors.t_of.shape[1])))
+
+    def noised(self, mb: CleanBatch, idx: torch.Tensor, adv: torch.Tensor, term: int, anchors: TimestepAnchors,
+               plan: UpdatePlan, epoch: int, chunk: int) -> NoisedTerm:
+        """One loss term's rows: the micro-batch's rows once per timestep of the term, stacked (timestep-major). Each
+        timestep's eps comes from its own generator (seed, step, epoch, micro-batch, timestep), so the rows are those
+        of one forward per timestep whatever `timesteps_per_forward` is."""
+        columns = self.term_timesteps(term, anchors)
+        ts, epss, xs = [], [], []
+        for j in columns:
+            t = anchors.t_of[idx, j].float()
+            g = term_generator(plan.seed, plan.step, epoch, chunk, j)
+            eps = torch.randn(mb.x0.shape, generator=g).to(mb.x0.device)  # drawn on the CPU: the same on any device
+            tv = t.view((-1,) + (1,) * (mb.x0.ndim - 1))
+            ts.append(t)
+            epss.append(eps)
+            xs.append((1 - tv) * mb.x0 + tv * eps)
+        n, T = len(columns), int(anchors.t_of.shape[1])
+        # the term's mean over its n x b rows stands for n of the T timesteps: weight n T' / T (1 when k divides T)
+        weight = 1.0 if n * self.num_terms(mb, anchors) == T else n * self.num_terms(mb, anchors) / T
+        if n == 1:
+            return NoisedTerm(mb, adv, ts[0], epss[0], xs[0], weight)
+        rows = mb.rows(torch.arange(len(mb)).repeat(n))
+        return NoisedTerm(rows, adv.repeat(n), torch.cat(ts), torch.cat(epss), torch.cat(xs), weight)
 
     def kl_to_base(self, policy, mb: CleanBatch, x_t: torch.Tensor, t: torch.Tensor, v: torch.Tensor):
         """mean((v - v_base)^2) per row (the references' velocity KL), or None when kl_beta is 0."""

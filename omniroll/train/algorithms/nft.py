@@ -120,7 +120,8 @@ class NFT(ForwardProcessAlgorithm):
     def loss(self, policy, mb: CleanBatch, idx, adv, term, anchors: TimestepAnchors, plan: UpdatePlan, *, epoch,
              chunk, first_update) -> LossTerms:
         o, tc = self.options, self.tc
-        t, eps, x_t = self.noised(mb, idx, term, anchors, plan, epoch, chunk)
+        n = self.noised(mb, idx, adv, term, anchors, plan, epoch, chunk)  # the term's rows: one forward
+        mb, adv, t, x_t = n.rows, n.adv, n.t, n.x_t
         if self.old_is_theta and first_update and (chunk, term) != (0, 0):
             v = mb.velocity(policy.adapter, x_t, t)
             v_old = v.detach()  # old == theta and no optimizer step yet: the same forward, bitwise (the first term
@@ -132,6 +133,8 @@ class NFT(ForwardProcessAlgorithm):
                                       tc.adv_clip_max, o.adaptive_weight_min)
         kl = self.kl_to_base(policy, mb, x_t, t, v)
         loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
+        if n.weight != 1.0:  # a shorter last term: its timesteps weigh what the others' do (metrics too)
+            loss, policy_loss, kl_term = (x * n.weight for x in (loss, policy_loss, kl_term))
         dev = (v.detach() - v_old).abs().reshape(len(mb), -1).amax(1)
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=None,
                          clipped=torch.zeros(len(mb), dtype=torch.bool), approx_kl=torch.zeros(()), deviation=dev)
