@@ -89,8 +89,8 @@ shapes-model-distilled: $(STAMP)
 
 # The suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (`--dist loadfile`: a file's
 # blocks and session fixtures stay in order, and each worker has its own Ray cluster and model cache). On the 2-core
-# VM the suite took 18.7 min on 2 workers against 25.4 in one process (2026-11-28), and 21.8 on 3 (the suite is
-# CPU-bound: its tests ran 1.7x slower each); TEST_WORKERS=0 runs it in one.
+# VM the suite took 18.7 min on 2 workers against 25.4 in one process (2026-11-28); later that day 19.5 on 2 and 21.8
+# on 3 (the suite is CPU-bound: its tests ran 1.7x slower each); TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 	$(VENV)/bin/ruff check .
