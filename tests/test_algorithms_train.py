@@ -153,9 +153,10 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
     forward sees are those of one forward per timestep bitwise (the engine's batch-invariant kernels) and the update
     differs only in its summation order: the same loss, gradient norm and (pair) count, weights within RTOL_OF_MOVE of
     their move (Adam's first step near g = 0, as in tests/test_train_dp.py)."""
+    from test_grad_signal import fresh
+
     from omniroll.train import CleanBatch, Trainer
-    from omniroll.train.algorithms import UpdatePlan, make_algorithm
-    from omniroll.train.policy import Policy
+    from omniroll.train.algorithms import UpdatePlan
     from omniroll.train.update import train_on_batch
 
     with Trainer(config(tiny_sd3_path, algorithm, steps=1), str(tmp_path / "run"), log=lambda s: None) as tr:
@@ -165,14 +166,8 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
     results = {}
     for k in (1, 2):
         cfg = config(tiny_sd3_path, algorithm, algorithm_options={"timesteps_per_forward": k})
-        policy = Policy(tiny_sd3_path, "lora", 4, 8, None, seed=0)
-        with torch.no_grad():  # a non-zero B, so every LoRA weight has a gradient
-            g = torch.Generator().manual_seed(2)
-            for n, p in policy.denoiser.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=g) * 1e-3)
+        policy, algo, _ = fresh(cfg, tiny_sd3_path)  # a non-zero LoRA B, so every LoRA weight has a gradient
         start = {n: p.detach().clone() for n, p in policy.named_parameters()}
-        algo = make_algorithm(cfg, policy.adapter)
         rows = CleanBatch.from_batch(batch, policy.adapter)
         adv = algo.advantages(rewards, uids).advantages
         plan = UpdatePlan(step=1, seed=0, micro_batch_size=4)

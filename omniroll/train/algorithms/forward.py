@@ -103,7 +103,7 @@ class ForwardProcessAlgorithm(Algorithm):
             xs.append((1 - tv) * mb.x0 + tv * eps)
         n, T = len(columns), int(anchors.t_of.shape[1])
         # the term's mean over its n x b rows stands for n of the T timesteps: weight n T' / T (1 when k divides T)
-        weight = 1.0 if n * self.num_terms(mb, anchors) == T else n * self.num_terms(mb, anchors) / T
+        weight = n * self.num_terms(mb, anchors) / T
         if n == 1:
             return NoisedTerm(mb, adv, ts[0], epss[0], xs[0], weight)
         rows = mb.rows(torch.arange(len(mb)).repeat(n))
