@@ -64,12 +64,14 @@ def score_picture(spec: PromptSpec, picture, world: World = DEFAULT_WORLD) -> Ju
 def score_pictures(prompts: list[str], pictures, world: World = DEFAULT_WORLD) -> list[Scored]:
     if len(prompts) != len(pictures):
         raise ValueError(f"{len(prompts)} prompts for {len(pictures)} pictures")
-    rows = []
+    rows, chance_of = [], {}  # prompt -> its chance prompt's spec (finding one parses the whole grammar)
     for prompt, pic in zip(prompts, pictures):
         spec = parse_prompt(prompt, world)
+        if spec.prompt not in chance_of:
+            chance_of[spec.prompt] = parse_prompt(chance_prompt(spec, world), world)
         dets = detect(hwc(pic), world)
         j = judge(spec, dets)
-        c = judge(parse_prompt(chance_prompt(spec, world), world), dets)
+        c = judge(chance_of[spec.prompt], dets)
         rows.append(Scored(spec.prompt, spec.tag, j.strict, j.partial, c.strict, j.reasons))
     return rows
 
