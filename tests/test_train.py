@@ -264,6 +264,9 @@ def test_a_checkpoint_replaces_a_stale_one_whole(tiny_sd3_path, tmp_path):
     sync.record(2)
     second = write_checkpoint(out, 2, policy=pol, store=sync, state=state)
     assert second == first and find_checkpoint(out) == second
+    assert find_checkpoint(os.path.join(out, "checkpoints", "latest")) == second  # the pointer file itself
+    with pytest.raises(FileNotFoundError, match="--checkpoint .*nor a checkpoints/latest file"):
+        find_checkpoint(os.path.join(out, "checkpoints"), "--checkpoint")
     assert not os.path.exists(os.path.join(second, "versions.safetensors"))
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]  # no temporary left
     assert read_trainer_state(second)["step"] == 2

@@ -52,18 +52,19 @@ def link_or_copy(src: str, dst: str) -> None:
 
 
 def find_checkpoint(path: str, flag: str = "--resume") -> str:
-    """A checkpoint directory: `path` itself (it holds trainer_state.pt) or a run directory's latest checkpoint;
-    FileNotFoundError naming `flag` otherwise."""
+    """A checkpoint directory: `path` itself (it holds trainer_state.pt), the one a `checkpoints/latest` file names
+    (`path` the file or the run directory); FileNotFoundError naming `flag` otherwise."""
     if os.path.isfile(os.path.join(path, "trainer_state.pt")):
         return path
-    latest = os.path.join(path, "checkpoints", "latest")
+    latest = path if os.path.basename(os.path.normpath(path)) == "latest" else os.path.join(path, "checkpoints",
+                                                                                            "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
-            ckpt = os.path.join(path, "checkpoints", f.read().strip())
+            ckpt = os.path.join(os.path.dirname(latest), f.read().strip())
         if os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
             return ckpt
-    raise FileNotFoundError(f"{flag} {path}: neither a checkpoint (trainer_state.pt) nor a run directory with "
-                            f"checkpoints/latest")
+    raise FileNotFoundError(f"{flag} {path}: neither a checkpoint (trainer_state.pt), a run directory with "
+                            f"checkpoints/latest, nor a checkpoints/latest file naming one")
 
 
 TRAINER_STATE_KEYS = ("step", "version", "optimizer", "mode")
