@@ -35,7 +35,7 @@ def validation_messages(error, prefix: str = "", with_input: bool = True, empty_
         key = ".".join(p for p in (prefix, key) if p) if key else (empty_loc or "")
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
         line = f"{key}: {msg}" if key else msg
-        if with_input and loc and "input" in err:
+        if with_input and loc and "input" in err and ", got " not in msg:  # a validator's own message may say it
             line += f" (got {_shown(err['input'])})"
         lines.append(line)
     return lines

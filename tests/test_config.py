@@ -47,6 +47,14 @@ def test_bad_values_name_the_key(overrides, key):
         load_config(None, overrides)
 
 
+def test_a_bad_value_is_shown_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["engine.max_batch_size=1"])
+    assert "engine.max_batch_size: must be an int in [2, 4096]" in str(e.value) and str(e.value).count("got") == 1
+    with pytest.raises(ConfigError, match=r"replicas\.count: .* \(got 0\)"):  # pydantic's own message: appended
+        load_config(None, ["replicas.count=0"])
+
+
 def test_bad_sources():
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent/x.yaml")
