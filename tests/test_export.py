@@ -131,7 +131,7 @@ def test_bad_inputs_name_the_argument_and_leave_nothing(lora_run, tmp_path, caps
     from omniroll.models.tiny import build_tiny_sd3
 
     rc, _, err = export(capsys, tmp_path, "--to", tmp_path / "a")
-    assert rc == 2 and f"CKPT {tmp_path}: neither a checkpoint (trainer_state.pt) nor a run directory" in err
+    assert rc == 2 and f"CKPT {tmp_path}: neither a checkpoint (trainer_state.pt), a run directory" in err
 
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")
