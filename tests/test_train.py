@@ -265,6 +265,8 @@ def test_a_checkpoint_replaces_a_stale_one_whole(tiny_sd3_path, tmp_path):
     second = write_checkpoint(out, 2, policy=pol, store=sync, state=state)
     assert second == first and find_checkpoint(out) == second
     assert find_checkpoint(os.path.join(out, "checkpoints", "latest")) == second  # the pointer file itself
+    named_latest = write_checkpoint(str(tmp_path / "latest"), 2, policy=pol, store=sync, state=state)
+    assert find_checkpoint(str(tmp_path / "latest")) == named_latest  # a run directory called "latest"
     with pytest.raises(FileNotFoundError, match="--checkpoint .*nor a checkpoints/latest file"):
         find_checkpoint(os.path.join(out, "checkpoints"), "--checkpoint")
     assert not os.path.exists(os.path.join(second, "versions.safetensors"))

@@ -56,8 +56,7 @@ def find_checkpoint(path: str, flag: str = "--resume") -> str:
     (`path` the file or the run directory); FileNotFoundError naming `flag` otherwise."""
     if os.path.isfile(os.path.join(path, "trainer_state.pt")):
         return path
-    latest = path if os.path.basename(os.path.normpath(path)) == "latest" else os.path.join(path, "checkpoints",
-                                                                                            "latest")
+    latest = path if os.path.isfile(path) else os.path.join(path, "checkpoints", "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
             ckpt = os.path.join(os.path.dirname(latest), f.read().strip())
