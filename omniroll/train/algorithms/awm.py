@@ -63,7 +63,6 @@ class AWM(ForwardProcessAlgorithm):
                                              o.huber_eps)
         kl = self.kl_to_base(policy, mb, x_t, t, v)
         loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
-        if n.weight != 1.0:  # a shorter last term: its timesteps weigh what the others' do (metrics too)
-            loss, policy_loss, kl_term = (x * n.weight for x in (loss, policy_loss, kl_term))
+        loss, policy_loss, kl_term = n.weighed(loss, policy_loss, kl_term)
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio,
                          clipped=torch.zeros(len(mb), dtype=torch.bool), approx_kl=torch.zeros(()))

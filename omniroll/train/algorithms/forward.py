@@ -45,6 +45,11 @@ class NoisedTerm:
     x_t: torch.Tensor
     weight: float
 
+    def weighed(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`values` (a term's loss and its metrics) times `weight`: a shorter last term's timesteps weigh what the
+        others' do."""
+        return values if self.weight == 1.0 else tuple(x * self.weight for x in values)
+
 
 @dataclass
 class TimestepAnchors(Anchors):

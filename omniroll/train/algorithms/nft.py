@@ -133,8 +133,7 @@ class NFT(ForwardProcessAlgorithm):
                                       tc.adv_clip_max, o.adaptive_weight_min)
         kl = self.kl_to_base(policy, mb, x_t, t, v)
         loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
-        if n.weight != 1.0:  # a shorter last term: its timesteps weigh what the others' do (metrics too)
-            loss, policy_loss, kl_term = (x * n.weight for x in (loss, policy_loss, kl_term))
+        loss, policy_loss, kl_term = n.weighed(loss, policy_loss, kl_term)
         dev = (v.detach() - v_old).abs().reshape(len(mb), -1).amax(1)
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=None,
                          clipped=torch.zeros(len(mb), dtype=torch.bool), approx_kl=torch.zeros(()), deviation=dev)
