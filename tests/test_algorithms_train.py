@@ -18,10 +18,10 @@ ALGOS = {"flow_grpo": SDE, "grpo_guard": SDE,
          "nft": {}, "awm": {}}
 
 
-def config(model, algorithm, **trainer):
+def config(model, algorithm, merge_lora=False, **trainer):
     return load_config({
         "replicas": {"count": 1, "num_cpus": 1},
-        "engine": {"model": model, "max_batch_size": 16, "num_threads": 1},
+        "engine": {"model": model, "max_batch_size": 16, "num_threads": 1, "merge_lora": merge_lora},
         "pipeline": {"height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 4.5,
                      "max_sequence_length": 8},
         "algo": ALGOS[algorithm], "agent": {"num_workers": 1},
@@ -46,7 +46,7 @@ def state(ckpt):
 def test_each_algorithm_trains_exactly_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path, algorithm):
     from omniroll.train import Trainer
 
-    cfg = config(tiny_sd3_path, algorithm)
+    cfg = config(tiny_sd3_path, algorithm, merge_lora=algorithm == "awm")  # AWM rolls out merged, as in the demo
     straight = str(tmp_path / "straight")
     with Trainer(cfg, straight, log=lambda s: None) as tr:
         hist = tr.train()
@@ -107,6 +107,7 @@ def check_rollout_contract(tr, algorithm, batch):
         assert "rollout_log_probs" not in keys and batch.batch["all_latents"].shape[1] == 0
         assert "latents" in keys and bool((batch.batch["cfg_scale"] == 0).all())
         assert set(batch.non_tensor_batch["sde_type"]) == {"ode"}
+        assert {e["merge_lora"] for e in batch.non_tensor_batch["execution"]} == {algorithm == "awm"}
         if algorithm == "nft":
             replay_matches_rollout(tr, batch)
         return

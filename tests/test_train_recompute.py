@@ -34,7 +34,8 @@ def test_recompute_with_grad_equals_rollout_bitwise(engine_and_policy, sde_type)
     outs = engine.generate([GenerationRequest(request_id=f"r{i}", prompt=["a red car", "a blue bird"][i % 2], seed=i,
                                               sampling_params=sp) for i in range(5)])
     traj = TrajectoryBatch.from_outputs(outs)
-    assert traj.execution == {"batch_invariant": True, "invariant_block_rows": 64, "dtype": "float32"}
+    assert traj.execution == {"batch_invariant": True, "invariant_block_rows": 64, "dtype": "float32",
+                              "merge_lora": False}
     assert traj.weight_version == [1] * 5
     lora = [p for n, p in policy.denoiser.named_parameters() if "lora_" in n]
     for k in range(traj.num_steps):
@@ -50,13 +51,16 @@ def test_recompute_with_grad_equals_rollout_bitwise(engine_and_policy, sde_type)
         recompute_log_probs(policy, traj, traj.num_steps)
 
 
-def test_recompute_refuses_a_dtype_mismatch_and_rows_without_execution(engine_and_policy):
+def test_recompute_refuses_a_dtype_mismatch_merged_rollouts_and_rows_without_execution(engine_and_policy):
     engine, policy = engine_and_policy
     sp = SamplingParams(height=32, width=32, num_inference_steps=3, max_sequence_length=8, sde_window_size=1)
     outs = engine.generate([GenerationRequest(request_id="d", prompt="a cat", seed=1, sampling_params=sp)])
     traj = TrajectoryBatch.from_outputs(outs)
     traj.execution = {**traj.execution, "dtype": "bfloat16"}
     with pytest.raises(ValueError, match="rollout ran in bfloat16"):
+        recompute_log_probs(policy, traj, 0)
+    traj.execution = {**traj.execution, "dtype": "float32", "merge_lora": True}  # engine.merge_lora: not bitwise
+    with pytest.raises(ValueError, match="rolled out with engine.merge_lora"):
         recompute_log_probs(policy, traj, 0)
     del outs[0].extra_fields["execution"]
     with pytest.raises(ValueError, match="execution"):

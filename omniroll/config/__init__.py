@@ -89,6 +89,10 @@ class OmniRollConfig(_Strict):
                              f"dance_sde with noise_level > 0), got {self.algo.sde_type} at {self.algo.noise_level}")
         if log_probs and not self.calculate_log_probs:
             raise ValueError("calculate_log_probs: training needs the rollout's log-probs")
+        if log_probs and self.engine.merge_lora:
+            raise ValueError(f"engine.merge_lora: trainer.algorithm {self.trainer.algorithm} takes the ratio of its "
+                             f"recompute (the adapter unmerged) to the rollout's log-probs, which merged weights do "
+                             f"not reproduce bitwise; set it false (it is for algorithms without a ratio: nft, awm)")
         if self.n < 2:
             raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
         if self.trainer.evaluation is not None and self.val_kwargs.seed_mode == "shared":

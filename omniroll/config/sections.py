@@ -70,6 +70,9 @@ class EngineSection(_Strict):
     num_threads: Optional[int] = Field(None, ge=1, le=1024, description="torch threads per replica (same on all)")
     max_waiting: int = Field(8192, ge=1, le=1_000_000, description="requests that may wait to start on one replica; "
                              "a call past it is refused (EngineOverloadedError), nothing queued")
+    merge_lora: bool = Field(False, description="keep a LoRA adapter merged into the weights: the base model's forward "
+                             "cost, samples equal to the unmerged adapter's to rounding, not bitwise (for algorithms "
+                             "that take no ratio: nft, awm; and for evaluation)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="the other EngineConfig fields "
                                    "(decode_batch_size, weight_update, prefix_sharing, ...: docs/reference/engine.md)")
 
@@ -111,7 +114,7 @@ class EngineSection(_Strict):
 
     def engine_kwargs(self) -> dict:
         kw = {"device": self.device, "dtype": self.dtype, "max_batch_size": self.max_batch_size,
-              "max_waiting": self.max_waiting, **self.kwargs}
+              "max_waiting": self.max_waiting, "merge_lora": self.merge_lora, **self.kwargs}
         if self.num_threads is not None:
             kw["num_threads"] = self.num_threads
         return kw

@@ -70,6 +70,13 @@ class EngineConfig:
         whole with `EngineOverloadedError`, nothing queued. A waiting request holds its parameters and prompt, no
         latent (its state is built at admission), so the bound is about the queue's length, not its memory: 8192
         is two steps of a 256-prompt x 16-sample batch on one replica.
+    merge_lora: keep a LoRA adapter merged into the denoiser's weights (`omniroll.weights.lora_merge`): the forward
+        runs at the base model's cost (unmerged, a rank-16 adapter on every linear of the shapes model's transformer
+        costs 1.35-1.55x it on 2 CPU cores), for one more copy of the adapted layers' weights on the device; the base
+        weights are handed back untouched before every update. Merged samples agree with unmerged ones to rounding,
+        not bitwise, so the trainer's recompute (the adapter unmerged) no longer reproduces the rollout's log-probs:
+        for algorithms that take no ratio (`trainer.algorithm` nft, awm) and for evaluation. Recorded in every
+        trajectory (`execution`); replicas of one rollout must share it.
     num_threads: torch intra-op threads for this process (None leaves torch's setting). CPU kernels (oneDNN
         convolutions in particular) can pick other algorithms at another thread count, so engines that must give
         bitwise-identical samples (replicas of one rollout) must run with the same num_threads.
@@ -84,6 +91,7 @@ class EngineConfig:
     decode_batch_size: int = 2
     asleep_policy: str = "error"
     num_threads: int | None = None
+    merge_lora: bool = False
     weight_update: str = "staged"
     prefix_sharing: bool = True
     max_prompt_chars: int = 8192
@@ -107,5 +115,7 @@ class EngineConfig:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 1:
             raise ValueError(f"max_waiting must be an int >= 1, got {self.max_waiting!r}")
+        if not isinstance(self.merge_lora, bool):
+            raise ValueError(f"merge_lora must be true or false, got {self.merge_lora!r}")
         if self.asleep_policy not in ("error", "wait"):
             raise ValueError(f"asleep_policy must be 'error' or 'wait', got {self.asleep_policy!r}")

@@ -68,7 +68,7 @@ class DiffusionEngine:
             rows = self.calibrator.max_batch_size_for
         self.scheduler = Scheduler(rows, prefix_sharing=self.config.prefix_sharing)
         self.prompt_cache = PromptCache(adapter, self.config.prompt_cache_size)
-        self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update)
+        self.lifecycle = Lifecycle(adapter, self.config.device, self.config.weight_update, self.config.merge_lora)
         self.steps_run = 0
         self.rows_run = 0
         self.inbox = Inbox()  # submitted requests and control calls, on their way to the loop thread

@@ -7,7 +7,8 @@ State (explicit, nothing else):
   asleep_level   0 awake, 1 weights offloaded to host memory, 2 the denoiser's weights dropped
   unusable       None, or why the denoiser's weights cannot serve: dropped by sleep(level=2), or an in-place update
                  that failed midway. Cleared only by a complete full update.
-  lora           the LoRAManager of the denoiser (built on first use)
+  lora           the LoRAManager of the denoiser (built on first use); with merge_lora its active adapter is merged
+                 into the base weights, which are handed back before a full update lands and before sleep moves them
 
 Threads: `check_*`, `admission_error` and `prepare_update` only read state and may run on any thread (the engine
 serialises lifecycle calls, so the state they read does not change under them); `commit_update`, `apply_in_place`,
@@ -46,8 +47,10 @@ SLEEP_LEVELS = (1, 2)
 
 
 class Lifecycle:
-    def __init__(self, adapter: DiffusionAdapter, device: str, weight_update: str = "staged"):
+    def __init__(self, adapter: DiffusionAdapter, device: str, weight_update: str = "staged",
+                 merge_lora: bool = False):
         self.adapter = adapter
+        self.merge_lora = merge_lora
         self.device = torch.device(device)
         self.stage = weight_update == "staged"
         self.version = 0
@@ -60,7 +63,7 @@ class Lifecycle:
     @property
     def lora(self) -> LoRAManager:
         if self._lora is None:
-            self._lora = LoRAManager(self.adapter.denoiser)
+            self._lora = LoRAManager(self.adapter.denoiser, merge=self.merge_lora)
         return self._lora
 
     @property
@@ -104,13 +107,22 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ changes (engine thread, nothing running)
     def commit_update(self, update) -> dict:
-        """Land a received update (staged: copy in; cannot leave a partial model)."""
-        ack = update.commit()
+        """Land a received update (staged: copy in; cannot leave a partial model). A full update lands into the base
+        weights: a merged adapter is unmerged around it and merged into the new weights after."""
+        if update.mode == "full" and self._lora is not None:
+            self._lora.unmerge_weights()
+        try:
+            ack = update.commit()
+        finally:
+            if self._lora is not None:
+                self._lora.merge_weights()
         self._landed(update)
         return {**ack, "version": update.version}
 
     def apply_in_place(self, update, buckets, use_shm: bool) -> dict:
         """Receive straight into the model; a failure after a byte landed marks the weights unusable."""
+        if self._lora is not None:  # the buckets land in the base weights (a LoRA update is always staged)
+            self._lora.unmerge_weights()
         try:
             update.receive(buckets, use_shm)
         except BaseException as e:
@@ -118,6 +130,8 @@ class Lifecycle:
                 self._dropped = False
                 self.unusable = (f"weight update to version {update.version} failed midway ({e}); the model is "
                                  f"partly updated: a complete full update must land before generation resumes")
+            if self._lora is not None:
+                self._lora.merge_weights()
             raise
         return self.commit_update(update)
 
@@ -153,6 +167,8 @@ class Lifecycle:
             return {"level": self.asleep_level, "changed": False}
         self.staging.clear()  # the kept staging copy would hold device memory through the sleep
         removed_lora = None
+        if self._lora is not None:  # the base weights move (or go), not a merged copy beside them
+            self._lora.unmerge_weights()
         if level == 2 and self.active_lora is not None:
             removed_lora = self.active_lora
             self._lora.remove_lora()
@@ -177,5 +193,7 @@ class Lifecycle:
                     module.to_empty(device=self.device)
                 else:
                     module.to(self.device)
+            if self._lora is not None:
+                self._lora.merge_weights()
         changed, self.asleep_level = bool(self.asleep_level), 0
         return {"awake": True, "changed": changed, "needs_weight_sync": self.unusable is not None}

@@ -30,10 +30,12 @@ class ModelRunner:
 
     def execution_info(self) -> dict:
         """How this engine's model calls run; recorded in every trajectory (`extra_fields["execution"]`), so a
-        trainer's recompute enters the same mode with the same block size and dtype without copying them by hand."""
+        trainer's recompute enters the same mode with the same block size and dtype without copying them by hand,
+        and knows whether a LoRA adapter ran merged (which its recompute, the adapter unmerged, does not reproduce
+        bitwise)."""
         return {"batch_invariant": bool(self.config.batch_invariant),
                 "invariant_block_rows": int(self.config.invariant_block_rows),
-                "dtype": str(self.config.dtype).removeprefix("torch.")}
+                "dtype": str(self.config.dtype).removeprefix("torch."), "merge_lora": bool(self.config.merge_lora)}
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:

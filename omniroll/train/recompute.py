@@ -77,6 +77,10 @@ def recompute_log_probs(adapter: DiffusionAdapter, traj: TrajectoryBatch, step: 
         raise ValueError(f"step must be in [0, {W}) (the recorded window steps), got {step}")
     if check_dtype_matches:
         check_dtype(adapter, traj.execution)
+    if traj.execution.get("merge_lora"):
+        raise ValueError("these trajectories were rolled out with engine.merge_lora (a LoRA adapter merged into the "
+                         "weights): the recompute, the adapter unmerged, does not reproduce their log-probs bitwise; "
+                         "roll out with engine.merge_lora false for an algorithm that takes a ratio")
     x = traj.latents[:, step]
     with execution_mode(traj.execution):
         v = trajectory_velocity(adapter, traj, x, traj.timesteps[:, step], step)

@@ -26,6 +26,8 @@ On any error the new adapter is deleted, wrappers left empty are unwrapped and t
 adapter stays active (or the base model, if there was none).  Base weights are never
 written: ``init_lora_weights`` is forced to ``False`` (so PiSSA/OLoRA-style initialisers
 cannot modify the base) and removal unwraps every LoRA layer back to its original module.
+With ``merge`` (`EngineConfig.merge_lora`) the active adapter is merged into new weight tensors: the base tensors are
+kept aside and handed back, untouched, before every change (`lora_merge.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 from torch import nn
 
 from .buckets import WeightSyncError
+from .lora_merge import MergedLoRA
 
 _LORA_PARAM = re.compile(r"^(?P<mod>.+)\.(?P<p>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
                          r"(?:\.(?P<adapter>[^.]+))?(?:\.(?P<suffix>weight|bias))?$")
@@ -177,13 +180,17 @@ class LoRAManager:
 
     _PREFIX = "lora_"
 
-    def __init__(self, module: nn.Module, adapter_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, adapter_dtype: torch.dtype | None = None, merge: bool = False):
         """adapter_dtype: the dtype LoRA weights are kept and computed in; None (the default) takes the dtype of the
-        tensors each update carries (the trainer's), so trainer and engine compute the adapter alike."""
+        tensors each update carries (the trainer's), so trainer and engine compute the adapter alike. merge: keep
+        the active adapter merged into the base weights (`lora_merge.py`: the base model's forward cost; exact
+        unmerge)."""
         if adapter_dtype is not None and not adapter_dtype.is_floating_point:
             raise ValueError(f"adapter_dtype must be a floating dtype, got {adapter_dtype}")
         self.module = module
         self.adapter_dtype = adapter_dtype
+        self.merge = merge
+        self._merged = MergedLoRA()
         self._adapter: str | None = None  # internal PEFT adapter name
         self._config: LoraConfig | None = None
         self._request: OmniTensorLoRARequest | None = None
@@ -252,7 +259,15 @@ class LoRAManager:
         return {sent: key for key, sent in keys.items()}
 
     def add_lora(self, request: OmniTensorLoRARequest) -> None:
-        """Build ``request``'s adapter next to the active one, verify it, then swap."""
+        """Build ``request``'s adapter next to the active one, verify it, then swap (merged afterwards when
+        ``merge``; the previous adapter, merged again, stays active on any error)."""
+        self.unmerge_weights()
+        try:
+            self._add_lora(request)
+        finally:
+            self.merge_weights()
+
+    def _add_lora(self, request: OmniTensorLoRARequest) -> None:
         cfg, tensors = self._resolve(request)
         cfg_dict = peft_config_to_dict(cfg)  # before PEFT gets to normalise cfg in place
         dtype = self._compute_dtype(request, tensors)
@@ -301,12 +316,24 @@ class LoRAManager:
         """Remove the active adapter; the module is back to its exact original structure."""
         if self._adapter is None:
             return False
+        self.unmerge_weights()
         self._drop(self._adapter)
         self._restore_requires_grad()
         self._adapter = self._config = self._request = None
         self._params = {}
         self._set_module_config(None, None)
         return True
+
+    def merge_weights(self) -> None:
+        """With ``merge``: the active adapter merged into the base weights (a no-op when merged already, or with no
+        adapter). A merge that fails leaves the adapter running unmerged, and raises."""
+        if self.merge and self._adapter is not None and not self._merged:
+            self._merged.merge(self.module, self._adapter)
+
+    def unmerge_weights(self) -> None:
+        """The base weights back in their layers, exactly (the adapter, if any, then runs unmerged): before anything
+        writes or moves the base weights (a full update, sleep), and before every adapter change."""
+        self._merged.unmerge()
 
     def _lora_param(self, key: str, adapter: str) -> torch.nn.Parameter:
         m = _LORA_PARAM.match(key)  # normalised keys: the optional "adapter" group holds the suffix
