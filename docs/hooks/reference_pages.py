@@ -289,11 +289,11 @@ def engine_reference() -> str:
         out.append(f"| `{name}` | {_cell(kind)} | {_range(bounds + list(field.metadata))} | {_cell(_default(field))} "
                    f"| {_cell(description or '')} | {f'`{key}`' if key else ''} | {f'`{flag}`' if flag else ''} |")
     described = _docstring_fields(EngineConfig)
+    own = [f"`engine.{f.name}`" for f in dataclasses.fields(EngineConfig) if f.name in EngineSection.model_fields]
     out += ["", "## `EngineConfig`: one engine's settings", "",
             "One engine (one rollout replica). `DiffusionEngine.from_pretrained(path, device, dtype, max_batch_size, "
-            "**kwargs)` takes every field; in the YAML config `engine.device`, `engine.dtype`, "
-            "`engine.max_batch_size` and `engine.num_threads` set four of them and `engine.kwargs` the others "
-            "(an unknown key is an error naming the allowed ones).", "",
+            f"**kwargs)` takes every field; in the YAML config {', '.join(own[:-1])} and {own[-1]} set {len(own)} of "
+            "them and `engine.kwargs` the others (an unknown key is an error naming the allowed ones).", "",
             "| field | default | YAML key | description |", "|---|---|---|---|"]
     for f in dataclasses.fields(EngineConfig):
         if f.name not in described:
