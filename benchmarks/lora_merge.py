@@ -15,7 +15,7 @@ The LoRA's weights are random (lora_B scaled to move the pictures: `--scale`), s
 trainer sends them. Each engine is warmed up once; the three run interleaved, `--repeats` times, in a rotated
 order; medians are the headline (best-of beside them). Also printed: how far the merged pictures are from the
 unmerged ones (largest latent difference, relative to the latents' scale; pixels that differ, in levels of 255).
-The last line of output is one JSON object.
+`--smoke` draws 4 pictures once (checks the script, not the speed). The last line of output is one JSON object.
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--images", type=int, default=48, help="pictures per rollout (the demo's step: 6 prompts x 8)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    return ap.parse_args(argv)
+    ap.add_argument("--smoke", action="store_true", help="4 pictures, 1 repeat: checks the script, not the speed")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.images, args.repeats = 4, 1
+    return args
 
 
 def requests(images: int, tag: str):
