@@ -74,9 +74,10 @@ class EngineConfig:
         runs at the base model's cost (unmerged, a rank-16 adapter on every linear of the shapes model's transformer
         costs 1.35-1.55x it on 2 CPU cores), for one more copy of the adapted layers' weights on the device; the base
         weights are handed back untouched before every update. Merged samples agree with unmerged ones to rounding,
-        not bitwise, so the trainer's recompute (the adapter unmerged) no longer reproduces the rollout's log-probs:
-        for algorithms that take no ratio (`trainer.algorithm` nft, awm) and for evaluation. Recorded in every
-        trajectory (`execution`); replicas of one rollout must share it.
+        not bitwise (in bf16 the merged weights are rounded to bf16, as diffusers' `fuse_lora` does: a coarser
+        agreement than fp32's), so the trainer's recompute (the adapter unmerged) no longer reproduces the rollout's
+        log-probs: for algorithms that take no ratio (`trainer.algorithm` nft, awm) and for evaluation. Recorded in
+        every trajectory (`execution`); replicas of one rollout must share it.
     num_threads: torch intra-op threads for this process (None leaves torch's setting). CPU kernels (oneDNN
         convolutions in particular) can pick other algorithms at another thread count, so engines that must give
         bitwise-identical samples (replicas of one rollout) must run with the same num_threads.
