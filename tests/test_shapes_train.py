@@ -12,10 +12,10 @@ from omniroll.config import load_config
 SDE = {"noise_level": 0.8, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 4]}
 
 
-def shapes_config(prompts_file, algo=SDE, **trainer):
+def shapes_config(prompts_file, algo=SDE, merge_lora=False, **trainer):
     return load_config({
         "replicas": {"count": 1, "num_cpus": 1},
-        "engine": {"model": "shapes", "max_batch_size": 32, "num_threads": 1},
+        "engine": {"model": "shapes", "max_batch_size": 32, "num_threads": 1, "merge_lora": merge_lora},
         "pipeline": {"num_inference_steps": 6},
         "algo": algo,
         "agent": {"num_workers": 1},
@@ -82,7 +82,7 @@ def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_number
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a circle\nthree squares\n")
     cfg = shapes_config(prompts, algo={}, algorithm="nft", steps=1, algorithm_options={"timestep_fraction": 0.3},
-                        evaluation={"splits": [str(prompts)], "seeds": 1})
+                        evaluation={"splits": [str(prompts)], "seeds": 1}, merge_lora=True)
     assert cfg.evaluation_guidances() == [1.0, 4.5]
     out = str(tmp_path / "run")
     lines, drawn = [], []
@@ -110,7 +110,9 @@ def test_a_cfg_free_algorithm_is_evaluated_cfg_free_first_with_the_guided_number
     capsys.readouterr()
     assert main(["eval", "--model", "shapes", "--checkpoint", out, "--prompts", str(prompts), "--seeds", "1",
                  "--steps", "6", "--out", str(tmp_path / "ev"), "--quiet"]) == 0
-    assert "guidance 1 (CFG off): the regime" in capsys.readouterr().out  # the checkpoint's own regime by default
+    printed = capsys.readouterr().out
+    assert "guidance 1 (CFG off): the regime" in printed  # the checkpoint's own regime by default
+    assert "the LoRA merged into the weights: as " in printed  # and merged, as its run drew (engine.merge_lora)
     trainer_after = json.loads(open(os.path.join(out, "eval", "after_prompts_cfg1.json")).read())
     assert json.loads((tmp_path / "ev" / "eval.json").read_text())["pictures"] == trainer_after["pictures"]
 

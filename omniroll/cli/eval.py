@@ -63,17 +63,20 @@ def run(args) -> int:
     ckpt = checkpoint_arg(args.checkpoint, "--checkpoint")
     base = None if args.baseline in (None, "none") else checkpoint_arg(args.baseline, "--baseline")
     guidance, why = eval_guidance(cfg, ckpt, getattr(args, "guidance", None))
+    merge, merge_why = eval_merge_lora(cfg, ckpt)
     if args.quiet:
         quiet_libraries()
     model = preflight(cfg, prompts)
     print(f"guidance {guidance:g} ({'CFG off' if guidance <= 1 else 'CFG on'}): {why}")
+    if merge:
+        print(f"the LoRA merged into the weights: {merge_why}")
     baseline = None
     if args.baseline is not None:
         baseline = evaluate_model(cfg, model, prompts, args.seeds, base, args.out, progress=not args.quiet,
-                                  name="baseline", guidance=guidance)
+                                  name="baseline", guidance=guidance, merge_lora=eval_merge_lora(cfg, base)[0])
         print(baseline["table"])
     result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet,
-                            guidance=guidance, baseline=baseline)
+                            guidance=guidance, baseline=baseline, merge_lora=merge)
     print(result["table"])
     line = {"overall_strict": result["overall"]["strict"], "se": result["overall"]["se"],
             "images": result["overall"]["n"], "guidance_scale": guidance, "seconds": round(result["seconds"], 1)}
@@ -129,13 +132,28 @@ def eval_guidance(cfg, checkpoint: Optional[str], flag: Optional[float]) -> tupl
     return scale, "the config's validation sampling"
 
 
+def eval_merge_lora(cfg, checkpoint: Optional[str]) -> tuple[bool, str]:
+    """(whether a LoRA checkpoint runs merged into the weights, why): `engine.merge_lora` when the config sets it;
+    else as the checkpoint's own run drew (its trainer's evaluation is then reproduced picture for picture, merged
+    and unmerged pictures agreeing only to rounding); else unmerged."""
+    from omniroll.train.checkpoint import read_trainer_state
+
+    if "merge_lora" in cfg.engine.model_fields_set:
+        return bool(cfg.engine.merge_lora), "engine.merge_lora"
+    if checkpoint is None:
+        return False, "no checkpoint"
+    trained = (read_trainer_state(checkpoint, flag="--checkpoint").get("config") or {}).get("engine") or {}
+    return bool(trained.get("merge_lora", False)), f"as {checkpoint}'s run drew (engine.merge_lora false to unmerge)"
+
+
 def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: str | None, out_dir: str,
                    progress: bool = False, name: str = "eval", guidance: Optional[float] = None,
-                   baseline: Optional[dict] = None) -> dict:
+                   baseline: Optional[dict] = None, merge_lora: Optional[bool] = None) -> dict:
     """Build the engine (with the checkpoint applied), evaluate at `guidance` (default: the validation sampling's),
     write the files; returns the report's dict with `table`, `seconds`, `files` and `evaluation` (the pictures).
     With `baseline` (another call's result at the same prompts and seeds): also `paired` and `paired_table`, the
-    flipped pictures framed in the grid and drawn in `flips.png`."""
+    flipped pictures framed in the grid and drawn in `flips.png`. `merge_lora` (default: the config's
+    `engine.merge_lora`) keeps a LoRA checkpoint merged into the weights."""
 
     from omniroll.engine.config import EngineConfig, torch_dtype
     from omniroll.engine.engine import DiffusionEngine
@@ -146,6 +164,8 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
 
     kwargs = cfg.engine.engine_kwargs()
     kwargs["dtype"] = torch_dtype(kwargs["dtype"])
+    if merge_lora is not None:
+        kwargs["merge_lora"] = merge_lora
     adapter = load_adapter(model, device=kwargs["device"], dtype=kwargs["dtype"])
     kind = checkpoint_kind(checkpoint) if checkpoint is not None else None
     if kind == "full":
