@@ -50,6 +50,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from omniroll.cli import UserError
+    from omniroll.evaluation.checkpoints import checkpoint_kind
     from omniroll.tasks.shapes.splits import prompts_of
 
     if args.seeds is not None and not 1 <= args.seeds <= 1000:
@@ -68,7 +69,7 @@ def run(args) -> int:
         quiet_libraries()
     model = preflight(cfg, prompts)
     print(f"guidance {guidance:g} ({'CFG off' if guidance <= 1 else 'CFG on'}): {why}")
-    if merge:
+    if merge and ckpt is not None and checkpoint_kind(ckpt) == "lora":
         print(f"the LoRA merged into the weights: {merge_why}")
     baseline = None
     if args.baseline is not None:
