@@ -63,8 +63,9 @@ def run(args) -> int:
         raise UserError([f"--prompts: {line}" for line in str(e).splitlines()]) from None
     ckpt = checkpoint_arg(args.checkpoint, "--checkpoint")
     base = None if args.baseline in (None, "none") else checkpoint_arg(args.baseline, "--baseline")
-    guidance, why = eval_guidance(cfg, ckpt, getattr(args, "guidance", None))
-    merge, merge_why = eval_merge_lora(cfg, ckpt)
+    trained = trained_config(ckpt)
+    guidance, why = eval_guidance(cfg, ckpt, getattr(args, "guidance", None), trained)
+    merge, merge_why = eval_merge_lora(cfg, ckpt, trained)
     if args.quiet:
         quiet_libraries()
     model = preflight(cfg, prompts)
@@ -73,8 +74,9 @@ def run(args) -> int:
         print(f"the LoRA merged into the weights: {merge_why}")
     baseline = None
     if args.baseline is not None:
+        base_merge, _ = eval_merge_lora(cfg, base, trained_config(base))
         baseline = evaluate_model(cfg, model, prompts, args.seeds, base, args.out, progress=not args.quiet,
-                                  name="baseline", guidance=guidance, merge_lora=eval_merge_lora(cfg, base)[0])
+                                  name="baseline", guidance=guidance, merge_lora=base_merge)
         print(baseline["table"])
     result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet,
                             guidance=guidance, baseline=baseline, merge_lora=merge)
@@ -115,36 +117,42 @@ def checkpoint_arg(path: Optional[str], flag: str) -> Optional[str]:
     return ckpt
 
 
-def eval_guidance(cfg, checkpoint: Optional[str], flag: Optional[float]) -> tuple[float, str]:
+def trained_config(checkpoint: Optional[str]) -> dict:
+    """The config `checkpoint`'s run trained with, a dict of sections ({} for none): read once per checkpoint by
+    `run`, for the regime (`eval_guidance`) and the merged LoRA (`eval_merge_lora`)."""
+    from omniroll.train.checkpoint import read_trainer_state
+
+    if checkpoint is None:
+        return {}
+    return read_trainer_state(checkpoint, flag="--checkpoint").get("config") or {}
+
+
+def eval_guidance(cfg, checkpoint: Optional[str], flag: Optional[float], trained: dict) -> tuple[float, str]:
     """(the guidance scale to evaluate at, why): --guidance when given; else CFG off (1.0) for a checkpoint whose
-    algorithm rolls out CFG-free (NFT, AWM: the regime it trained); else the validation sampling's scale."""
+    algorithm rolls out CFG-free (NFT, AWM: the regime it trained); else the validation sampling's scale. trained:
+    `trained_config(checkpoint)`."""
     from omniroll.config.algorithms import cfg_free_rollout
     from omniroll.evaluation.shapes import eval_sampling
-    from omniroll.train.checkpoint import read_trainer_state
 
     if flag is not None:
         return float(flag), "--guidance"
     scale = float(eval_sampling(cfg)["guidance_scale"])
-    if checkpoint is not None:
-        trained = (read_trainer_state(checkpoint, flag="--checkpoint").get("config") or {}).get("trainer")
-        if trained and scale > 1.0 and cfg_free_rollout(trained.get("algorithm"), trained.get("algorithm_options")):
-            return 1.0, (f"the regime {checkpoint} trained in (trainer.algorithm {trained.get('algorithm')} rolls out "
-                         f"CFG-free); --guidance {scale:g} for the guided numbers")
+    algorithm = (trained.get("trainer") or {}).get("algorithm")
+    options = (trained.get("trainer") or {}).get("algorithm_options")
+    if algorithm and scale > 1.0 and cfg_free_rollout(algorithm, options):
+        return 1.0, (f"the regime {checkpoint} trained in (trainer.algorithm {algorithm} rolls out CFG-free); "
+                     f"--guidance {scale:g} for the guided numbers")
     return scale, "the config's validation sampling"
 
 
-def eval_merge_lora(cfg, checkpoint: Optional[str]) -> tuple[bool, str]:
+def eval_merge_lora(cfg, checkpoint: Optional[str], trained: dict) -> tuple[bool, str]:
     """(whether a LoRA checkpoint runs merged into the weights, why): `engine.merge_lora` when the config sets it;
     else as the checkpoint's own run drew (its trainer's evaluation is then reproduced picture for picture, merged
-    and unmerged pictures agreeing only to rounding); else unmerged."""
-    from omniroll.train.checkpoint import read_trainer_state
-
+    and unmerged pictures agreeing only to rounding); else unmerged. trained: `trained_config(checkpoint)`."""
     if "merge_lora" in cfg.engine.model_fields_set:
         return bool(cfg.engine.merge_lora), "engine.merge_lora"
-    if checkpoint is None:
-        return False, "no checkpoint"
-    trained = (read_trainer_state(checkpoint, flag="--checkpoint").get("config") or {}).get("engine") or {}
-    return bool(trained.get("merge_lora", False)), f"as {checkpoint}'s run drew (engine.merge_lora false to unmerge)"
+    merged = bool((trained.get("engine") or {}).get("merge_lora", False))
+    return merged, f"as {checkpoint}'s run drew (engine.merge_lora false to unmerge)"
 
 
 def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: str | None, out_dir: str,
