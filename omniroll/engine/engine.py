@@ -127,7 +127,7 @@ class DiffusionEngine:
     def add_lora(self, request, version: Optional[int] = None, drain_timeout_s: float = 10.0,
                  timeout_s: float = 120.0) -> dict:
         """Load a LoRA adapter atomically between two steps (the previous one stays on any error): `request` is an
-        `omniroll.weights.lora.OmniTensorLoRARequest` with in-memory `lora_tensors` and `peft_config`, or a PEFT
+        `omniroll.weights.lora_format.OmniTensorLoRARequest` with in-memory `lora_tensors` and `peft_config`, or a PEFT
         directory (`lora_path`); one that binds no module of the denoiser is refused, naming the unmatched keys.
         `version`: what steps record from now on (None: unchanged); running samples are aborted after
         `drain_timeout_s`. `{"lora_name", "version", "aborted"}`."""

@@ -17,9 +17,9 @@ from .buckets import (
     unpack_bucket,
 )
 from .full import FullWeightLoader, peft_base_name
-from .lora import (
+from .lora import LoRAManager
+from .lora_format import (
     LoRABindError,
-    LoRAManager,
     OmniTensorLoRARequest,
     load_lora_dir,
     lora_config_from_dict,

@@ -1,16 +1,5 @@
-"""LoRA hot-swap on a plain (un-wrapped) transformer, through PEFT's functional API.
-
-Accepted tensor keys (after :func:`normalize_lora_keys`):
-
-* what ``peft.get_peft_model_state_dict`` produces for a PEFT-wrapped transformer, e.g.
-  ``transformer_blocks.0.attn.to_q.lora_A.weight``, with or without any number of leading
-  ``base_model.model.`` prefixes;
-* the same keys with the adapter name still inside (``...to_q.lora_A.default.weight``,
-  i.e. a raw ``module.state_dict()`` of an injected model);
-* a leading ``transformer.`` (diffusers pipeline-level LoRA files), stripped when the
-  target module has no child called ``transformer``.
-
-Keys in kohya/``lora_down``/``lora_up`` formats are not accepted (they raise LoRABindError).
+"""LoRA hot-swap on a plain (un-wrapped) transformer, through PEFT's functional API (the keys, configs and requests
+it takes: `lora_format.py`).
 
 :meth:`LoRAManager.add_lora` is atomic: the new adapter is injected next to the active one
 under a fresh name, loaded and checked; only then is it activated and the old one removed.
@@ -32,131 +21,21 @@ kept aside and handed back, untouched, before every change (`lora_merge.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
-import os
-import re
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from peft import LoraConfig
-from peft.functional import delete_adapter, get_peft_model_state_dict, inject_adapter_in_model
-from peft.functional import set_adapter, set_peft_model_state_dict
+from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 from torch import nn
 
 from .buckets import WeightSyncError
+from .lora_format import (LORA_PARAM, LoRABindError, OmniTensorLoRARequest, load_lora_dir, lora_config_from_dict,
+                          normalize_lora_keys, peft_config_to_dict)
 from .lora_merge import MergedLoRA
-
-_LORA_PARAM = re.compile(r"^(?P<mod>.+)\.(?P<p>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
-                         r"(?:\.(?P<adapter>[^.]+))?(?:\.(?P<suffix>weight|bias))?$")
-
-
-class LoRABindError(WeightSyncError):
-    """LoRA tensors that do not bind to modules of the target (names listed in the message)."""
-
-    def __init__(self, message: str, unmatched: list[str] | None = None):
-        super().__init__(message)
-        self.unmatched = list(unmatched or [])
-
-
-@dataclass
-class OmniTensorLoRARequest:
-    lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
-    base_model_name: str | None = None
-    tensorizer_config_dict: dict | None = None
-    load_inplace: bool = False
-    is_3d_lora_weight: bool = False
-    peft_config: dict = None
-    lora_tensors: dict = None
-
-
-def peft_config_to_dict(cfg: Any) -> dict:
-    """A JSON-friendly dict of a ``LoraConfig`` (sets -> sorted lists, enums -> str)."""
-    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, (set, frozenset)):
-            v = sorted(v)
-        elif hasattr(v, "value") and not isinstance(v, (int, float, str)):
-            v = v.value
-        out[k] = v
-    return out
-
-
-def lora_config_from_dict(d: dict) -> LoraConfig:
-    """Build a ``LoraConfig`` for inference from a config dict (unknown keys are ignored)."""
-    if d is None:
-        raise WeightSyncError("a LoRA update needs a peft_config")
-    peft_type = str(d.get("peft_type", "LORA")).upper().replace("PEFTTYPE.", "")
-    if peft_type != "LORA":
-        raise WeightSyncError(f"only LoRA adapters are supported, got peft_type={d.get('peft_type')!r}")
-    init = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
-    kw = {k: v for k, v in d.items() if k in init and k not in ("peft_type", "task_type", "auto_mapping")}
-    kw["init_lora_weights"] = False  # never let an initialiser touch the base weights
-    kw["inference_mode"] = True
-    return LoraConfig(**kw)
-
-
-def lora_state_dict(peft_model_or_module: nn.Module, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
-    """Only the LoRA tensors of a PEFT model (or a module with injected adapters).
-
-    Keys have no ``base_model.model.`` prefix and no adapter name:
-    ``transformer_blocks.0.attn.to_q.lora_A.weight``.
-    """
-    m = peft_model_or_module
-    if adapter_name is None:
-        active = getattr(m, "active_adapter", None)
-        adapter_name = active if isinstance(active, str) else "default"
-    sd = get_peft_model_state_dict(m, adapter_name=adapter_name)
-    return {_strip_prefix(k): v.detach() for k, v in sd.items()}
-
-
-def _strip_prefix(k: str) -> str:
-    while k.startswith("base_model.model."):
-        k = k[len("base_model.model.") :]
-    return k
-
-
-def normalize_lora_keys(tensors: dict[str, torch.Tensor], module: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """Normalise keys to ``<module path>.lora_A.weight`` form (see module docstring)."""
-    out: dict[str, torch.Tensor] = {}
-    strip_transformer = module is not None and not hasattr(module, "transformer")
-    for k, v in tensors.items():
-        key = _strip_prefix(k)
-        if strip_transformer and key.startswith("transformer."):
-            key = key[len("transformer.") :]
-        m = _LORA_PARAM.match(key)
-        if m:
-            suffix = m.group("suffix")
-            adapter = m.group("adapter")
-            if adapter in ("weight", "bias") and suffix is None:
-                suffix, adapter = adapter, None
-            key = f"{m.group('mod')}.{m.group('p')}" + (f".{suffix}" if suffix else "")
-        if key in out:
-            raise LoRABindError(f"two LoRA tensors normalise to the same key {key!r}", [k])
-        out[key] = v
-    return out
-
-
-def load_lora_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a saved PEFT adapter dir: ``adapter_config.json`` + ``adapter_model.safetensors``."""
-    from safetensors.torch import load_file
-
-    cfg_path = os.path.join(path, "adapter_config.json")
-    st_path = os.path.join(path, "adapter_model.safetensors")
-    missing = [p for p in (cfg_path, st_path) if not os.path.exists(p)]
-    if missing:
-        raise WeightSyncError(f"LoRA directory {path!r} lacks: {', '.join(missing)}")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    return cfg, load_file(st_path)
 
 
 def _unwrap_empty_lora_layers(module: nn.Module) -> int:
@@ -223,7 +102,7 @@ class LoRAManager:
         modules = dict(self.module.named_modules())
         unmatched = []
         for key in tensors:
-            m = _LORA_PARAM.match(key)
+            m = LORA_PARAM.match(key)
             mod = m.group("mod") if m else None
             if mod is None or mod not in modules or not check_target_module_exists(cfg, mod):
                 unmatched.append(key)
@@ -241,7 +120,7 @@ class LoRAManager:
         self._precheck(cfg, keys)
         bad, ranks = [], {}
         for key, sent in keys.items():
-            m = _LORA_PARAM.match(key)
+            m = LORA_PARAM.match(key)
             layer = self.module.get_submodule(m.group("mod"))
             base = layer.get_base_layer() if isinstance(layer, BaseTunerLayer) else layer
             shape = tuple(shapes[sent])
@@ -336,7 +215,7 @@ class LoRAManager:
         self._merged.unmerge()
 
     def _lora_param(self, key: str, adapter: str) -> torch.nn.Parameter:
-        m = _LORA_PARAM.match(key)  # normalised keys: the optional "adapter" group holds the suffix
+        m = LORA_PARAM.match(key)  # normalised keys: the optional "adapter" group holds the suffix
         suffix = m.group("suffix") or m.group("adapter")
         name = f"{m.group('mod')}.{m.group('p')}.{adapter}" + (f".{suffix}" if suffix else "")
         return self.module.get_parameter(name)

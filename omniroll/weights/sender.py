@@ -13,7 +13,7 @@ from torch import nn
 from omniroll.ray_nodes import actor_node_ids, this_node_id
 
 from .buckets import Bucket, BucketEntry, WeightManifest, WeightSyncError, pack_buckets, plan_buckets
-from .lora import lora_state_dict, peft_config_to_dict
+from .lora_format import lora_state_dict, peft_config_to_dict
 from .transport import RayBucketRef, ShmChannel
 from .tree import ModuleTree
 

@@ -32,7 +32,8 @@ from torch import nn
 
 from .buckets import WeightManifest, WeightSyncError, nonfinite, str_dtype, unpack_bucket
 from .full import FullWeightLoader, NameMap, name_list
-from .lora import LoRAManager, OmniTensorLoRARequest
+from .lora import LoRAManager
+from .lora_format import OmniTensorLoRARequest
 from .staging import StagingPool
 from .transport import resolve_buckets
 

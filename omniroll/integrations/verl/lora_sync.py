@@ -22,7 +22,7 @@ import os
 from typing import Any, Callable, Optional
 
 from omniroll.weights.full import peft_base_name
-from omniroll.weights.lora import peft_config_to_dict
+from omniroll.weights.lora_format import peft_config_to_dict
 
 def is_lora_update(peft_config: Any, base_sync_done: bool) -> bool:
     """verl's rule: an adapter update only when `peft_config` is set and the base weights were synced."""
