@@ -142,6 +142,25 @@ def test_the_gradient_noise_warning_reads_the_meter_once_per_episode():
     assert "benchmarks/grad_signal.py" in noise[0]
 
 
+def test_a_meter_whose_noise_only_touches_the_threshold_is_one_episode_and_warns_once():
+    """The demo's meter (AWM, 24 samples per half): about +0.02 +- 0.05 a reading, so the window's upper bound
+    (mean + 2 se) crosses grad_cos_warn now and then while its mean never reaches it. That is one episode: one
+    warning, not one each time the bound dips under the threshold again (it had said so 5 times in 24 steps)."""
+    c, lines = check(stop_after_tied_steps=0, grad_cos_window=5, grad_cos_warn=0.05)
+    cos = [-0.005, 0.064, -0.007, -0.05, -0.03,   # mean -0.006: warns at step 5
+           0.09, 0.08, 0.07, -0.04, 0.01,         # mean +0.042 +- 0.025: the bound above 0.05, the mean below it
+           -0.06, -0.08, -0.03, -0.02, -0.05,     # confidently below again: still the same episode
+           0.04, 0.045, 0.03, 0.06, 0.02]         # mean +0.039 < 0.05
+    steps = meter_steps(cos, 5)
+    bounds = [m["grad_cos_mean"] + 2 * m["grad_cos_se"] for m in steps[4:]]
+    assert any(b >= 0.05 for b in bounds) and any(b < 0.05 for b in bounds[5:])  # the bound does cross, both ways
+    assert max(m["grad_cos_mean"] for m in steps[4:]) < 0.05
+    for m in steps:
+        c.observe(m)
+    noise = [ln for ln in lines if "mostly noise" in ln]
+    assert [int(ln.split()[2].rstrip(":")) for ln in noise] == [5], lines
+
+
 def test_the_gradient_noise_warning_stays_quiet_while_the_halves_agree_or_the_meter_is_off():
     c, lines = check(stop_after_tied_steps=0, grad_cos_window=3)
     for m in meter_steps([0.2, 0.15, 0.25, 0.3, 0.1], 3):

@@ -84,9 +84,10 @@ class SignalCheckSection(_Strict):
                                     "reward_window steps")
     grad_cos_window: int = Field(5, ge=2, le=10**4, description="readings of the gradient-signal meter (grad_cos) "
                                  "the noise warning averages")
-    grad_cos_warn: float = Field(0.05, gt=-1, lt=1, description="warn (once, until it recovers) when the mean "
-                                 "grad_cos of the last grad_cos_window readings plus twice its standard error is "
-                                 "below this: the halves of a step's update do not agree, the update is noise")
+    grad_cos_warn: float = Field(0.05, gt=-1, lt=1, description="warn (once, until the window's mean itself "
+                                 "reaches this again) when the mean grad_cos of the last grad_cos_window readings "
+                                 "plus twice its standard error is below this: the halves of a step's update do not "
+                                 "agree, the update is noise")
 
 
 class RankResources(_Strict):

@@ -22,7 +22,9 @@ zero-weight reward), or when the groups are too small (`n`). Fed every step's me
 - warns when the step's update is mostly noise: the gradient-signal meter (`grad_cos`, omniroll/train/grad_signal.py:
   the cosine between the gradients of two halves of a step's prompt groups) averaged over its last `grad_cos_window`
   readings (`grad_cos_mean`), plus twice the standard error of that mean, is below `grad_cos_warn`: the halves do not
-  agree, so each optimizer step goes in a direction the next batch would not confirm. Once per episode;
+  agree, so each optimizer step goes in a direction the next batch would not confirm. Once per episode; an episode
+  ends when the window's mean itself reaches `grad_cos_warn` (a window whose noise merely reaches it does not end
+  it: the demo's meter, about +0.02 +- 0.03, had warned 5 times in 24 steps);
 - raises `NoLearningSignal` when every group has been tied, and not every one solved, for `stop_after_tied_steps`
   consecutive steps (0: never).
   The trainer then writes the checkpoint of the last completed step and re-raises; `omniroll train` exits 1 with the
@@ -100,7 +102,9 @@ class LearningSignalCheck:
             noise = self.gradient_noise(m)
             if noise is not None and not self.warned_noise:
                 self.log(f"warning: step {m['step']}: {noise}")
-            self.warned_noise = noise is not None
+                self.warned_noise = True
+            elif self.warned_noise and self.halves_agree(m):  # recovered: a new episode
+                self.warned_noise = False
         self.tied_streak = self.tied_streak + [m] if groups and tied == groups and solved < groups else []
         if self.stop_after and len(self.tied_streak) >= self.stop_after:
             raise NoLearningSignal(self.stop_message(self.tied_streak[-self.stop_after:]), self.tied_streak)
@@ -154,6 +158,12 @@ class LearningSignalCheck:
                 f"benchmarks/grad_signal.py before tuning the learning rate); for more per step: more samples per "
                 f"update (prompts_per_step, n), a KL term (trainer.kl_beta) against the random walk, or another "
                 f"estimator (trainer.algorithm)")
+
+    def halves_agree(self, m: dict) -> bool:
+        """Whether the meter's full window reads its mean itself at or above `grad_cos_warn`: the end of a noise
+        episode. Only the mean, not the mean plus its noise: a window whose upper bound merely touches the threshold
+        (AWM's demo reads +0.02 +- 0.03 at 24 samples per half) is the same episode, and says nothing again."""
+        return int(m.get("grad_cos_readings", 0)) >= self.cos_window and float(m["grad_cos_mean"]) >= self.cos_warn
 
     def stop_message(self, steps: list[dict]) -> list[str]:
         """The lines `NoLearningSignal` carries: what was measured, the likely causes, what to change."""
