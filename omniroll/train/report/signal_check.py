@@ -23,8 +23,8 @@ zero-weight reward), or when the groups are too small (`n`). Fed every step's me
   the cosine between the gradients of two halves of a step's prompt groups) averaged over its last `grad_cos_window`
   readings (`grad_cos_mean`), plus twice the standard error of that mean, is below `grad_cos_warn`: the halves do not
   agree, so each optimizer step goes in a direction the next batch would not confirm. Once per episode; an episode
-  ends when the window's mean itself reaches `grad_cos_warn` (a window whose noise merely reaches it does not end
-  it: the demo's meter, about +0.02 +- 0.03, had warned 5 times in 24 steps);
+  ends when the window's mean itself reaches `grad_cos_warn`, not when only its upper bound does (a meter reading
+  about +0.02 +- 0.03, as the demo's does at 24 samples per half, would otherwise warn again every few steps);
 - raises `NoLearningSignal` when every group has been tied, and not every one solved, for `stop_after_tied_steps`
   consecutive steps (0: never).
   The trainer then writes the checkpoint of the last completed step and re-raises; `omniroll train` exits 1 with the
