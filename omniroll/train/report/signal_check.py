@@ -146,7 +146,7 @@ class LearningSignalCheck:
         from omniroll.train.grad_signal import samples_for_cos, snr_from_cos
 
         k, mean, se = int(m.get("grad_cos_readings", 0)), float(m["grad_cos_mean"]), float(m["grad_cos_se"])
-        if k < self.cos_window or not mean + 2 * se < self.cos_warn:
+        if not self.window_full(m) or not mean + 2 * se < self.cos_warn:
             return None
         n = float(m.get("grad_cos_rows", 0))
         need = samples_for_cos(snr_from_cos(mean + 2 * se, n))
@@ -163,7 +163,11 @@ class LearningSignalCheck:
         """Whether the meter's full window reads its mean itself at or above `grad_cos_warn`: the end of a noise
         episode. Only the mean, not the mean plus its noise: a window whose upper bound merely touches the threshold
         (AWM's demo reads +0.02 +- 0.03 at 24 samples per half) is the same episode, and says nothing again."""
-        return int(m.get("grad_cos_readings", 0)) >= self.cos_window and float(m["grad_cos_mean"]) >= self.cos_warn
+        return self.window_full(m) and float(m["grad_cos_mean"]) >= self.cos_warn
+
+    def window_full(self, m: dict) -> bool:
+        """Whether the meter's window holds `grad_cos_window` readings: both noise verdicts wait for it."""
+        return int(m.get("grad_cos_readings", 0)) >= self.cos_window
 
     def stop_message(self, steps: list[dict]) -> list[str]:
         """The lines `NoLearningSignal` carries: what was measured, the likely causes, what to change."""
