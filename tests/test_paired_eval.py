@@ -1,7 +1,9 @@
 """The evaluation's statistics: standard errors beside every accuracy, the paired comparison of two evaluations at the
 same prompts and seeds (flipped pictures, McNemar's z, the verdict), and the grids that mark the flipped pictures."""
 
+import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -67,3 +69,57 @@ def test_grid_marks_flipped_pictures_with_a_frame_and_passes_with_a_glyph():
     first, second = (slice(0, w), slice(0, w)), (slice(0, w), slice(w + 6, 2 * w + 6))
     assert (plain[first] != marked[first]).any()  # the flipped picture is framed
     assert (plain[second] == marked[second]).all()  # the unchanged one is not
+
+
+def _eval(tmp_path, name, *flags):
+    """`omniroll eval` of the shipped model's two prompts at 2 seeds into tmp_path/name; (eval.json, its last line)."""
+    from omniroll.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("three circles\na red circle\n")
+    out = tmp_path / name
+    assert main(["eval", "--model", "shapes", "--prompts", str(prompts), "--seeds", "2", "--out", str(out),
+                 "--quiet", *flags]) == 0
+    with open(out / "eval.json") as f:
+        return json.load(f), out
+
+
+def test_a_baseline_of_another_model_at_another_guidance_is_drawn_as_that_model_draws_and_paired(tmp_path, capsys):
+    """`--baseline-model M --baseline-guidance G`: the baseline is M with its own sampling defaults at CFG G (what
+    `omniroll eval --model M --guidance G` draws, picture for picture), paired with the evaluated model at the same
+    prompts and seeds: a CFG-free model against a guided base in one command."""
+    import shutil
+
+    from omniroll.models.shapes import checkpoint_dir
+
+    other = tmp_path / "other"  # the shipped weights, sampling 4 steps by default instead of 10
+    shutil.copytree(checkpoint_dir(), other)
+    defaults = json.loads((other / "omniroll_defaults.json").read_text())
+    defaults["pipeline"]["num_inference_steps"] = 4
+    (other / "omniroll_defaults.json").write_text(json.dumps(defaults))
+
+    ev, out = _eval(tmp_path, "paired", "--guidance", "1", "--baseline-model", str(other),
+                    "--baseline-guidance", "4.5")
+    line = json.loads([x for x in capsys.readouterr().out.splitlines() if x.startswith("{")][-1])
+    with open(out / "baseline.json") as f:
+        base = json.load(f)
+    alone, _ = _eval(tmp_path, "alone", "--model", str(other), "--guidance", "4.5")
+
+    assert ev["guidance_scale"] == 1.0 and ev["sampling"]["num_inference_steps"] == 10
+    assert base["guidance_scale"] == 4.5 and base["sampling"]["num_inference_steps"] == 4
+    assert ev["baseline"]["model"] == str(other) and ev["baseline"]["guidance_scale"] == 4.5
+    assert base["pictures"] == alone["pictures"]  # the baseline is exactly what that model draws at that guidance
+    assert ev["paired"] == paired(base["pictures"], ev["pictures"])
+    assert line["baseline_guidance_scale"] == 4.5 and line["paired"] == ev["paired"]["overall"]
+
+
+def test_bad_baseline_flags_fail_in_one_line_naming_the_flag_before_any_model_loads(tmp_path, capsys):
+    from omniroll.cli import main
+
+    assert main(["eval", "--model", "shapes", "--baseline-guidance", "200", "--out", str(tmp_path)]) == 2
+    assert "--baseline-guidance must be in [0, 100], got 200" in capsys.readouterr().err
+    assert main(["eval", "--model", "shapes", "--baseline-model", str(tmp_path / "nope"), "--out",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--baseline-model:" in err and "nope" in err and "--model (engine.model)" not in err
+    assert not os.listdir(tmp_path)

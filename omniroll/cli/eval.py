@@ -14,7 +14,10 @@ their prompt: a check mark and green when they pass, a cross and red when they f
 seeds and guidance first (`baseline.json`, `baseline_grid.png`), then pairs the two (`omniroll.evaluation.paired`):
 pictures fail -> pass (up), pass -> fail (down), McNemar's z, per category and overall, in eval.json's `paired` field;
 prints the paired table and a verdict ("no detectable change" when |z| < 2); frames the flipped pictures in the grid
-and draws them, the baseline's above the checkpoint's, in `flips.png`.
+and draws them, the baseline's above the checkpoint's, in `flips.png`. `--baseline-guidance G` draws the baseline at
+another CFG scale (a CFG-free model after RL against its guided base), and `--baseline-model MODEL` applies BASE to
+another model (a guidance-distilled model against the shipped one, with its own sampling defaults); either alone
+means `--baseline none`. The seeds, hence the initial noise, stay those of the evaluated model.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--baseline", default=None, metavar="BASE",
                         help="also evaluate BASE (a checkpoint, a run directory, or 'none': the model itself) at the "
                              "same prompts, seeds and guidance, and pair the two (default: no baseline)")
+    parser.add_argument("--baseline-guidance", type=float, default=None, metavar="G",
+                        help="the baseline's CFG scale (<= 1 turns CFG off), in [0, 100] (default: --guidance's, the "
+                             "evaluated model's); without --baseline, the baseline is the model itself")
+    parser.add_argument("--baseline-model", default=None, metavar="MODEL",
+                        help="the model BASE applies to (a model as --model takes it, with its own sampling defaults; "
+                             "default: --model); without --baseline, the baseline is MODEL itself")
     parser.add_argument("--prompts", default="train", help="train, heldout, all, or a file of grammar prompts (one a "
                                                            "line)")
     parser.add_argument("--seeds", type=int, default=None,
@@ -55,6 +64,10 @@ def run(args) -> int:
 
     if args.seeds is not None and not 1 <= args.seeds <= 1000:
         raise UserError(f"--seeds must be an int in [1, 1000], got {args.seeds}")
+    if args.baseline_guidance is not None and not 0 <= args.baseline_guidance <= 100:
+        raise UserError(f"--baseline-guidance must be in [0, 100], got {args.baseline_guidance:g}")
+    if args.baseline is None and (args.baseline_guidance is not None or args.baseline_model is not None):
+        args.baseline = "none"  # the baseline model itself, at the baseline guidance
     cfg = build_config(args)
     args.seeds = eval_seeds(cfg, args.seeds)
     try:
@@ -69,14 +82,16 @@ def run(args) -> int:
     if args.quiet:
         quiet_libraries()
     model = preflight(cfg, prompts)
+    base_cfg, base_model = baseline_model(args, cfg, model, prompts)
+    base_guidance = guidance if args.baseline_guidance is None else float(args.baseline_guidance)
     print(f"guidance {guidance:g} ({'CFG off' if guidance <= 1 else 'CFG on'}): {why}")
     if merge and ckpt is not None and checkpoint_kind(ckpt) == "lora":
         print(f"the LoRA merged into the weights: {merge_why}")
     baseline = None
     if args.baseline is not None:
-        base_merge, _ = eval_merge_lora(cfg, base, trained_config(base))
-        baseline = evaluate_model(cfg, model, prompts, args.seeds, base, args.out, progress=not args.quiet,
-                                  name="baseline", guidance=guidance, merge_lora=base_merge)
+        base_merge, _ = eval_merge_lora(base_cfg, base, trained_config(base))
+        baseline = evaluate_model(base_cfg, base_model, prompts, args.seeds, base, args.out, progress=not args.quiet,
+                                  name="baseline", guidance=base_guidance, merge_lora=base_merge)
         print(baseline["table"])
     result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet,
                             guidance=guidance, baseline=baseline, merge_lora=merge)
@@ -85,11 +100,30 @@ def run(args) -> int:
             "images": result["overall"]["n"], "guidance_scale": guidance, "seconds": round(result["seconds"], 1)}
     if baseline is not None:
         print(result["paired_table"])
-        line.update({"baseline_strict": baseline["overall"]["strict"], "paired": result["paired"]["overall"]})
+        line.update({"baseline_strict": baseline["overall"]["strict"], "baseline_guidance_scale": base_guidance,
+                     "paired": result["paired"]["overall"]})
     print(json.dumps(line))
     for p in result["files"].values():
         print(f"  {os.path.abspath(p)}")
     return 0
+
+
+def baseline_model(args, cfg, model: str, prompts: list[str]) -> tuple:
+    """(the config, the resolved model directory) the baseline is drawn with: `--baseline-model`'s when given (the
+    same flags and config with that model, so its own sampling defaults apply), else the evaluated model's.
+    UserError naming --baseline-model."""
+    import argparse
+
+    from omniroll.cli import UserError
+
+    if args.baseline_model is None:
+        return cfg, model
+    try:
+        base_cfg = build_config(argparse.Namespace(**{**vars(args), "model": args.baseline_model}))
+        return base_cfg, preflight(base_cfg, prompts)
+    except UserError as e:  # its lines name --model, which here is --baseline-model
+        lines = [p.replace("--model (engine.model)", "--baseline-model") for p in e.problems]
+        raise UserError([p if p.startswith("--baseline-model") else f"--baseline-model: {p}" for p in lines]) from None
 
 
 def eval_seeds(cfg, flag: Optional[int]) -> int:
@@ -200,7 +234,8 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
         base_pictures = baseline["evaluation"].picture_records()
         cmp = paired(base_pictures, ev.picture_records())
         flipped = flips(base_pictures, ev.picture_records())
-        extra.update({"baseline": {"checkpoint": baseline["checkpoint"], "overall": baseline["overall"],
+        extra.update({"baseline": {"model": baseline["model"], "checkpoint": baseline["checkpoint"],
+                                   "guidance_scale": baseline["guidance_scale"], "overall": baseline["overall"],
                                    "categories": baseline["categories"]}, "paired": cmp})
         out = {"paired": cmp, "paired_table": paired_table(
             cmp, baseline, ev.report.to_dict(), f"paired with the baseline ({baseline['title']}): same prompts and "
@@ -213,4 +248,5 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
             files["flips"] = path
     table = ev.report.table(f"omniroll eval: {title} ({len(set(prompts))} prompts x {seeds} seeds)")
     return {**ev.report.to_dict(), **out, "table": table, "seconds": seconds, "files": files, "evaluation": ev,
-            "checkpoint": checkpoint, "title": title}
+            "model": cfg.engine.model, "checkpoint": checkpoint, "guidance_scale": sampling["guidance_scale"],
+            "title": title}
