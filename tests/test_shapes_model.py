@@ -192,6 +192,41 @@ def test_pretrain_from_a_checkpoint_distils_it_into_a_cfg_free_model(tmp_path, c
     assert "already guidance-distilled" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
+def test_a_lora_distillation_moves_only_the_adapted_projections_and_returns_a_plain_transformer(tmp_path, capsys):
+    """`distill.lora_rank` r > 0: the teacher is left as it was, and the student comes back with its adapter merged
+    (the teacher's own parameter names, no LoRA layer left), moved only in the weight matrices of the adapted
+    projections; a rank outside [0, 512] is refused before any work, naming the field."""
+    from diffusers import SD3Transformer2DModel
+
+    from omniroll.cli import main
+    from omniroll.models.shapes.distill import LORA_TARGETS, DistillRecipe, distill_transformer
+
+    teacher = SD3Transformer2DModel.from_pretrained(resolve_model("shapes"), subfolder="transformer")
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    c, g = teacher.config, torch.Generator().manual_seed(0)
+    latents = torch.randn(8, c.in_channels, c.sample_size, c.sample_size, generator=g)
+    embeds = torch.randn(3, 12, c.joint_attention_dim, generator=g)
+    pooled = torch.randn(3, c.pooled_projection_dim, generator=g)
+    recipe, caps = DistillRecipe(steps=3, batch_size=4, lr=1e-2, lora_rank=4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    ema, hist = distill_transformer(teacher, recipe, latents, caps, embeds, pooled, empty=2)
+    assert len(hist) == 3 and all(torch.equal(v, before[k]) for k, v in teacher.state_dict().items())
+    after = ema.module.state_dict()
+    torch.manual_seed(12345)  # the adapter's init comes from the recipe's seed, not torch's global generator
+    again = distill_transformer(teacher, recipe, latents, caps, embeds, pooled, empty=2)[0].module.state_dict()
+    assert all(torch.equal(again[k], after[k]) for k in after)
+    assert after.keys() == before.keys() and not any("lora" in n for n, _ in ema.module.named_modules())
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    adapted = {k for k in after if k.endswith(".weight") and any(k.endswith(f".{t}.weight") for t in LORA_TARGETS)}
+    assert moved and moved <= adapted
+    capsys.readouterr()
+    assert main(["pretrain", "shapes", "--from", "shapes", "--distill", "2", "--override", "distill.lora_rank=-1",
+                 "--out", str(tmp_path / "no")]) == 2
+    assert "distill.lora_rank must be an int in [0, 512]" in capsys.readouterr().err and not (tmp_path / "no").exists()
+    assert main(["pretrain", "shapes", "--from", "shapes", "--distill", "2", "--override", "distill.lora_rank=four",
+                 "--out", str(tmp_path / "no")]) == 2
+    assert "got 'four'" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
 def test_eval_refuses_a_prompt_file_line_outside_the_grammar_naming_it(tmp_path, capsys):
     from omniroll.cli import main
 

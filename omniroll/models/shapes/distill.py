@@ -9,6 +9,9 @@ The student starts as the teacher. `cfg_dropout` of the captions are the empty p
 unconditional velocity, so the student still has an unconditional branch. The weights a sampler should use are the
 exponential moving average (`ema_decay`). A distilled checkpoint's sampling default is guidance 1.0 (CFG off): every
 algorithm then rolls out, trains and is judged in that one regime.
+
+With `lora_rank` r > 0 only a rank-r LoRA (alpha 2r, PEFT's) on the attention and feed-forward projections learns,
+and the EMA's adapter is merged into the weights at the end: the checkpoint is a plain transformer either way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,18 @@ class DistillRecipe:
     ema_decay: float = 0.995
     num_latents: int = 20_000  # latents encoded when distilling an existing checkpoint (`omniroll pretrain --from`)
     seed: int = 4
+    lora_rank: int = 0  # 0: the whole transformer learns; r > 0: a rank-r LoRA, merged at the end (module doc)
+
+    def __post_init__(self):
+        r = self.lora_rank
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 512:
+            raise ValueError(f"distill.lora_rank must be an int in [0, 512] (0: the whole transformer), "
+                             f"got {r!r}")
+
+
+#: the projections a LoRA student adapts (those the trainer's shapes recipes adapt)
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 
 
 def distill_transformer(teacher, recipe: DistillRecipe, latents: torch.Tensor, caption_ids: torch.Tensor,
@@ -42,9 +57,9 @@ def distill_transformer(teacher, recipe: DistillRecipe, latents: torch.Tensor, c
     [N, C, h, w] (normalised); caption_ids: [N] indices into prompt_embeds [P, L, D] / pooled_embeds [P, D]; `empty`:
     the index of the empty prompt."""
     teacher = teacher.eval().requires_grad_(False)
-    student = copy.deepcopy(teacher).requires_grad_(True).train()
+    student = student_of(teacher, recipe.lora_rank, recipe.seed)
     g = torch.Generator().manual_seed(recipe.seed)
-    opt = torch.optim.AdamW(student.parameters(), lr=recipe.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
     ema = EMA(student, recipe.ema_decay)
     history, t0 = [], time.time()
     for step in range(recipe.steps):
@@ -69,4 +84,24 @@ def distill_transformer(teacher, recipe: DistillRecipe, latents: torch.Tensor, c
         history.append(rec)
         if on_step is not None:
             on_step(step + 1, rec, ema)
+    if recipe.lora_rank > 0:
+        ema.module.fuse_lora()  # the averaged adapter into the weights, then the adapter's layers removed
+        ema.module.unload_lora()
     return ema, history
+
+
+def student_of(teacher, lora_rank: int, seed: int):
+    """The student in training mode: a copy of the teacher, all of it trainable (`lora_rank` 0), or frozen with a
+    rank-`lora_rank` LoRA (alpha 2 r) on `LORA_TARGETS`, only the adapter trainable, its random init drawn from
+    `seed` (not from torch's global generator)."""
+    student = copy.deepcopy(teacher).train()
+    if lora_rank == 0:
+        return student.requires_grad_(True)
+    from peft import LoraConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        student.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS)))
+    for name, p in student.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return student
