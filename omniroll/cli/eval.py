@@ -41,7 +41,8 @@ def add_arguments(parser) -> None:
                              "applied to --model (default: none, the model itself)")
     parser.add_argument("--baseline", default=None, metavar="BASE",
                         help="also evaluate BASE (a checkpoint, a run directory, or 'none': the model itself) at the "
-                             "same prompts, seeds and guidance, and pair the two (default: no baseline)")
+                             "same prompts, seeds and guidance (unless --baseline-guidance), and pair the two (default: "
+                             "no baseline)")
     parser.add_argument("--baseline-guidance", type=float, default=None, metavar="G",
                         help="the baseline's CFG scale (<= 1 turns CFG off), in [0, 100] (default: --guidance's, the "
                              "evaluated model's); without --baseline, the baseline is the model itself")
