@@ -72,7 +72,8 @@ def test_grid_marks_flipped_pictures_with_a_frame_and_passes_with_a_glyph():
 
 
 def _eval(tmp_path, name, *flags):
-    """`omniroll eval` of the shipped model's two prompts at 2 seeds into tmp_path/name; (eval.json, its last line)."""
+    """`omniroll eval` of the shipped model's two prompts at 2 seeds into tmp_path/name: (its eval.json, the
+    directory)."""
     from omniroll.cli import main
 
     prompts = tmp_path / "prompts.txt"

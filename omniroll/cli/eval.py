@@ -41,8 +41,8 @@ def add_arguments(parser) -> None:
                              "applied to --model (default: none, the model itself)")
     parser.add_argument("--baseline", default=None, metavar="BASE",
                         help="also evaluate BASE (a checkpoint, a run directory, or 'none': the model itself) at the "
-                             "same prompts, seeds and guidance (unless --baseline-guidance), and pair the two (default: "
-                             "no baseline)")
+                             "same prompts, seeds and guidance (unless --baseline-guidance), and pair the two "
+                             "(default: no baseline)")
     parser.add_argument("--baseline-guidance", type=float, default=None, metavar="G",
                         help="the baseline's CFG scale (<= 1 turns CFG off), in [0, 100] (default: --guidance's, the "
                              "evaluated model's); without --baseline, the baseline is the model itself")
@@ -244,7 +244,7 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     files = write_evaluation(ev, out_dir, name=name, title=title, extra=extra, flipped=flipped)
     if flipped is not None:
         path = flips_picture(baseline["evaluation"], ev, flipped, os.path.join(out_dir, "flips.png"),
-                             title=f"{title} vs {baseline['title']}")
+                             title=f"{title} vs {baseline['title']}", labels=("base", "new"))
         if path is not None:
             files["flips"] = path
     table = ev.report.table(f"omniroll eval: {title} ({len(set(prompts))} prompts x {seeds} seeds)")

@@ -111,10 +111,11 @@ def write_evaluation(ev: Evaluation, out_dir: str, name: str = "eval", title: st
 
 
 def flips_picture(base: Evaluation, new: Evaluation, flipped: dict, path: str, title: str = "",
-                  columns: int = 12) -> Optional[str]:
+                  columns: int = 12, labels: tuple[str, str] = ("before", "after")) -> Optional[str]:
     """A PNG of the pictures that flipped: for "fail -> pass" and then "pass -> fail", up to `columns` of them (taken
-    evenly over the categories), the baseline's picture above the new one at the same prompt and seed, each section
-    under a heading with its count. None (nothing written) when no picture flipped."""
+    evenly over the categories), the baseline's picture above the new one at the same prompt and seed, captioned
+    with `labels` (baseline's, new one's), each section under a heading with its count. None (nothing written) when
+    no picture flipped."""
     from PIL import Image, ImageDraw
 
     from omniroll.tasks.shapes.report import caption_font
@@ -134,8 +135,8 @@ def flips_picture(base: Evaluation, new: Evaluation, flipped: dict, path: str, t
         shown = round_robin(list(by_tag.values()), columns)
         cells = [base.pictures[at[k]] for k in shown] + [None] * (columns - len(shown))
         cells += [new.pictures[at_new[k]] for k in shown] + [None] * (columns - len(shown))
-        caps = [f"before: {k[0]}" for k in shown] + [""] * (columns - len(shown))
-        caps += [f"after: {k[0]}" for k in shown] + [""] * (columns - len(shown))
+        caps = [f"{labels[0]}: {k[0]}" for k in shown] + [""] * (columns - len(shown))
+        caps += [f"{labels[1]}: {k[0]}" for k in shown] + [""] * (columns - len(shown))
         passed = [kind == "down"] * columns + [kind == "up"] * columns
         marks = [None] * columns + [kind] * columns
         grid = captioned_grid(cells, caps, passed, columns=columns, marks=marks)
