@@ -113,6 +113,10 @@ class RolloutReplica:
         device = self.engine.config.device
         return {"device": device_identity(device), "peak_bytes": peak_bytes(device)}
 
+    async def sample_identity(self, timeout_s: float = 60.0) -> dict:
+        """`DiffusionEngine.sample_identity`: what this replica's pixels depend on besides the request."""
+        return await asyncio.to_thread(self.engine.sample_identity, timeout_s)
+
     def node_id(self) -> Optional[str]:
         """The Ray node this replica lives on (None outside Ray): the weight sender picks its transport from it."""
         return self._node_id

@@ -16,6 +16,7 @@ from .buckets import (
     plan_buckets,
     unpack_bucket,
 )
+from .digest import weights_digest
 from .full import FullWeightLoader, peft_base_name
 from .lora import LoRAManager
 from .lora_format import (
@@ -37,5 +38,5 @@ __all__ = [
     "load_lora_dir", "lora_config_from_dict", "lora_state_dict", "normalize_lora_keys", "peft_config_to_dict",
     "WeightSender", "named_tensors_for", "RayBucketRef", "ShmChannel",
     "ShmStream", "iter_shm_buckets", "leftover_shm", "resolve_buckets", "FullUpdate", "LoRAUpdate", "check_version",
-    "prepare_update",
+    "prepare_update", "weights_digest",
 ]
