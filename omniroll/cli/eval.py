@@ -55,6 +55,11 @@ def add_arguments(parser) -> None:
                         help=f"pictures per prompt, at seeds 0 .. N-1 (default: the config's trainer.evaluation.seeds, "
                              f"the trainer's own evaluation; else {DEFAULT_SEEDS})")
     parser.add_argument("--out", default="out/eval", help="output directory")
+    parser.add_argument("--no-cache", dest="cache", action="store_false",
+                        help="draw every picture: by default a model evaluated as it is (no checkpoint; a baseline "
+                             "'none') is read from the evaluation cache when the same weights, sampling and seeds "
+                             "drew it before and 8 of its pictures, drawn again, are bitwise equal (else drawn and "
+                             "kept there: $OMNIROLL_CACHE_DIR/evaluations)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -92,11 +97,11 @@ def run(args) -> int:
     if args.baseline is not None:
         base_merge, _ = eval_merge_lora(base_cfg, base, trained_config(base))
         baseline = evaluate_model(base_cfg, base_model, prompts, args.seeds, base, args.out, progress=not args.quiet,
-                                  name="baseline", guidance=base_guidance, merge_lora=base_merge)
-        print(baseline["table"])
+                                  name="baseline", guidance=base_guidance, merge_lora=base_merge, cache=args.cache)
+        print(baseline["table"] + (f"\n{baseline['cache']['note']}" if baseline["cache"] else ""))
     result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet,
-                            guidance=guidance, baseline=baseline, merge_lora=merge)
-    print(result["table"])
+                            guidance=guidance, baseline=baseline, merge_lora=merge, cache=args.cache)
+    print(result["table"] + (f"\n{result['cache']['note']}" if result["cache"] else ""))
     line = {"overall_strict": result["overall"]["strict"], "se": result["overall"]["se"],
             "images": result["overall"]["n"], "guidance_scale": guidance, "seconds": round(result["seconds"], 1)}
     if baseline is not None:
@@ -192,15 +197,18 @@ def eval_merge_lora(cfg, checkpoint: Optional[str], trained: dict) -> tuple[bool
 
 def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: str | None, out_dir: str,
                    progress: bool = False, name: str = "eval", guidance: Optional[float] = None,
-                   baseline: Optional[dict] = None, merge_lora: Optional[bool] = None) -> dict:
+                   baseline: Optional[dict] = None, merge_lora: Optional[bool] = None, cache: bool = False) -> dict:
     """Build the engine (with the checkpoint applied), evaluate at `guidance` (default: the validation sampling's),
-    write the files; returns the report's dict with `table`, `seconds`, `files` and `evaluation` (the pictures).
-    With `baseline` (another call's result at the same prompts and seeds): also `paired` and `paired_table`, the
-    flipped pictures framed in the grid and drawn in `flips.png`. `merge_lora` (default: the config's
-    `engine.merge_lora`) keeps a LoRA checkpoint merged into the weights."""
+    write the files; returns the report's dict with `table`, `seconds`, `files`, `evaluation` (the pictures) and
+    `cache`. With `baseline` (another call's result at the same prompts and seeds): also `paired` and
+    `paired_table`, the flipped pictures framed in the grid and drawn in `flips.png`. `merge_lora` (default: the
+    config's `engine.merge_lora`) keeps a LoRA checkpoint merged into the weights. `cache`: a model without a
+    checkpoint is read from the evaluation cache when it can be (`omniroll.evaluation.cache.evaluate_kept`; `cache`
+    is then its `{"key", "read", "checked", "note"}`, else {})."""
 
     from omniroll.engine.config import EngineConfig, torch_dtype
     from omniroll.engine.engine import DiffusionEngine
+    from omniroll.evaluation.cache import SHIPPED, EvaluationCache, eligible, evaluate_kept
     from omniroll.evaluation.checkpoints import add_lora_checkpoint, checkpoint_kind, load_full_weights
     from omniroll.evaluation.paired import flips, paired, paired_table
     from omniroll.evaluation.shapes import eval_sampling, evaluate, flips_picture, write_evaluation
@@ -219,17 +227,26 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
         sampling["guidance_scale"] = float(guidance)
     engine = DiffusionEngine(adapter, EngineConfig(**kwargs))
     t0 = time.time()
+    kept: dict = {}
     try:
         if kind == "lora":
             add_lora_checkpoint(engine, checkpoint)
-        ev = evaluate(engine, prompts, seeds, sampling, cfg.val_kwargs.seed, progress=progress)
+        identity = eligible([engine.sample_identity()]) if cache and checkpoint is None else None
+        if identity is None:
+            ev = evaluate(engine, prompts, seeds, sampling, cfg.val_kwargs.seed, progress=progress)
+        else:
+            ev, kept = evaluate_kept(
+                EvaluationCache(read_only=[os.path.join(model, SHIPPED)]), identity, sampling, prompts, seeds,
+                cfg.val_kwargs.seed, lambda indices, n: evaluate(
+                    engine, prompts if indices is None else [prompts[i] for i in indices], n, sampling,
+                    cfg.val_kwargs.seed, progress=progress and indices is None))
     finally:
         engine.shutdown()
     seconds = time.time() - t0
     title = (cfg.engine.model + (f" + {checkpoint}" if checkpoint else "")
              + f", guidance {sampling['guidance_scale']:g}")
     extra = {"model": cfg.engine.model, "checkpoint": checkpoint, "seeds": seeds, "sampling": sampling,
-             "guidance_scale": sampling["guidance_scale"], "seconds": seconds}
+             "guidance_scale": sampling["guidance_scale"], "seconds": seconds, **({"cache": kept} if kept else {})}
     flipped, out = None, {}
     if baseline is not None:
         base_pictures = baseline["evaluation"].picture_records()
@@ -249,5 +266,6 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
             files["flips"] = path
     table = ev.report.table(f"omniroll eval: {title} ({len(set(prompts))} prompts x {seeds} seeds)")
     return {**ev.report.to_dict(), **out, "table": table, "seconds": seconds, "files": files, "evaluation": ev,
+            "cache": kept,
             "model": cfg.engine.model, "checkpoint": checkpoint, "guidance_scale": sampling["guidance_scale"],
             "title": title}

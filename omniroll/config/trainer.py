@@ -39,6 +39,10 @@ class EvaluationSection(_Strict):
                                                    "None: the regime the algorithm trains, first: CFG off (1.0) "
                                                    "then the validation sampling's scale for a CFG-free rollout "
                                                    "(nft, awm), the validation sampling's scale alone otherwise")
+    cache: bool = Field(True, description="read the evaluation before training from $OMNIROLL_CACHE_DIR/evaluations "
+                        "when the same weights, sampling and seeds drew it before and 8 of its pictures, drawn "
+                        "again, are bitwise equal (batch-invariant replicas only); else draw it and keep it there "
+                        "(omniroll.evaluation.cache); false: always draw")
 
     @field_validator("splits")
     @classmethod

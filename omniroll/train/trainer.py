@@ -362,7 +362,7 @@ class Trainer:
         rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
                              self.step_done, self.tracker, self.log, sampling, cfg_scale)
         if self.task_eval is not None:
-            rec.update(self.task_eval.run(self.manager, self.tracker, tag, self.step_done))
+            rec.update(self.task_eval.run(self.manager, self.tracker, tag, self.step_done, self.replicas))
         return rec
 
     def save_checkpoint(self) -> str:

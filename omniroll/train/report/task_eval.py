@@ -15,7 +15,9 @@ above the other) and `eval/flips_<name>.png` (the flipped pictures, before above
 model CFG off is also paired with the guided model before training (`eval/<name>/vs_guided_before_z`: whether
 training made guidance unnecessary). A resumed run reads the
 "before" verdicts from `eval/before_<name>.json` (the paired numbers; its pictures, and so the two PNGs, only exist
-in the process that drew them).
+in the process that drew them). The evaluation before training is read from the evaluation cache
+(`omniroll.evaluation.cache`, `trainer.evaluation.cache`) when a run with the same weights, sampling and seeds drew
+it before and the pictures drawn again to check it match bitwise; every file is then what drawing it would write.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import os
 from typing import Optional
 
 from omniroll.agent_loop.batch import prompt_batch
+from omniroll.evaluation.cache import SHIPPED, EvaluationCache, eligible, evaluate_kept
 from omniroll.evaluation.paired import common_pictures, flips, paired, verdict_line
-from omniroll.evaluation.shapes import Evaluation, eval_uid, flips_picture, scored, write_evaluation
+from omniroll.evaluation.shapes import Evaluation, eval_sampling, eval_uid, flips_picture, scored, write_evaluation
 from omniroll.tasks.shapes.splits import prompts_of
 
 
@@ -49,25 +52,33 @@ class TaskEvaluation:
         self.out_dir = out_dir
         self.before: dict[str, Evaluation] = {}
 
-    def run(self, manager, tracker, tag: str, step: int) -> dict:
+    def run(self, manager, tracker, tag: str, step: int, replicas: list = ()) -> dict:
         """One evaluation of the weights `manager`'s replicas hold: written, paired, logged (`tracker.log_eval`);
-        returns its metrics."""
+        returns its metrics. The one before training is read from the evaluation cache when `replicas` (their Ray
+        handles) drew it before (`draw_kept`)."""
         ev_cfg = self.config.trainer.evaluation
         metrics: dict = {}
         lines: list[str] = []
+        identity = self.kept_identity(replicas) if tag == "before" else None
         for k, guidance in enumerate(self.config.evaluation_guidances()):
             seeds = ev_cfg.seeds if k == 0 or ev_cfg.beside_seeds is None else ev_cfg.beside_seeds
             for split in ev_cfg.splits:
                 name = evaluation_name(split, guidance)
-                ev = self.draw(manager, prompts_of(split), seeds, guidance, split)
+                kept: dict = {}
+                if identity is None:
+                    ev = self.draw(manager, prompts_of(split), seeds, guidance, split)
+                else:
+                    ev, kept = self.draw_kept(manager, identity, prompts_of(split), seeds, guidance, split)
                 base = self.baseline(name, ev) if tag != "before" else None
                 flipped = flips(base, ev.picture_records()) if base is not None else None
                 write_evaluation(ev, self.eval_dir, name=f"{tag}_{name}", flipped=flipped,
                                  title=f"{tag} (step {step}): {split}, {guidance_label(guidance)}",
                                  extra={"step": step, "tag": tag, "split": split, "seeds": seeds,
-                                        "guidance_scale": guidance})
+                                        "guidance_scale": guidance, **({"cache": kept} if kept else {})})
                 metrics.update(ev.report.flat(f"eval/{name}"))
                 lines.append(summary_line(tag, step, name, guidance, ev))
+                if kept:
+                    lines.append(f"  {kept['note']}")
                 if base is not None:
                     cmp = paired(base, ev.picture_records())
                     metrics.update(paired_metrics(f"eval/{name}", cmp))
@@ -106,14 +117,38 @@ class TaskEvaluation:
                          f"{verdict_line(o)}")
         return lines
 
-    def draw(self, manager, prompts: list[str], seeds: int, guidance: float, split: str) -> Evaluation:
-        """Every prompt `seeds` times through the replicas, with the validation sampling at `guidance`."""
+    def draw(self, manager, prompts: list[str], seeds: int, guidance: float, split: str,
+             indices: Optional[list[int]] = None) -> Evaluation:
+        """Every prompt (those at `indices`, default all) `seeds` times through the replicas, with the validation
+        sampling at `guidance`."""
         batch = prompt_batch(prompts, seeds, lambda i: eval_uid(prompts[i]), data_source=f"eval/{split}",
+                             indices=indices,
                              meta_info={"validate": True, "sampling_params": {"guidance_scale": guidance}})
         out = asyncio.run(manager.generate_sequences_async(batch))
         pictures = [p.permute(1, 2, 0).contiguous().numpy() for p in out.batch["responses"]]
         return scored(pictures, list(out.non_tensor_batch["raw_prompt"]),
                       [int(s) for s in out.non_tensor_batch["seed"]])
+
+    def kept_identity(self, replicas: list) -> Optional[dict]:
+        """The replicas' common `sample_identity` when `trainer.evaluation.cache` is on and they draw
+        batch-invariantly (`omniroll.evaluation.cache.eligible`); else None: the evaluation is drawn."""
+        if not self.config.trainer.evaluation.cache or not replicas:
+            return None
+        import ray
+
+        return eligible(ray.get([r.sample_identity.remote() for r in replicas]))
+
+    def draw_kept(self, manager, identity: dict, prompts: list[str], seeds: int, guidance: float,
+                  split: str) -> tuple[Evaluation, dict]:
+        """`omniroll.evaluation.cache.evaluate_kept` through the replicas: read from the cache after the check, else
+        drawn whole and kept. Returns the evaluation and `{"key", "read", "checked", "note"}`. The model's directory
+        may ship entries (`SHIPPED`)."""
+        from omniroll.models import resolve_model
+
+        cache = EvaluationCache(read_only=[os.path.join(resolve_model(self.config.engine.model), SHIPPED)])
+        sampling = {**eval_sampling(self.config), "guidance_scale": float(guidance)}
+        return evaluate_kept(cache, identity, sampling, prompts, seeds, self.config.val_kwargs.seed,
+                             lambda indices, n: self.draw(manager, prompts, n, guidance, split, indices=indices))
 
     def baseline(self, name: str, ev: Evaluation) -> Optional[list[dict]]:
         """The "before" pictures' verdicts of evaluation `name`: this process's, else `eval/before_<name>.json` (a

@@ -1,0 +1,173 @@
+"""Evaluations kept on disk and reused: the pictures an engine draws for a list of prompts and seeds, stored under a
+key that says what drew them, read back only after a few of them were drawn again and found bitwise equal.
+
+The key is the sha256 of the engines' `sample_identity()` (their weights' digest, execution mode, decode block,
+device, threads, library versions), the sampling and the (prompt, seed) list. An entry is a directory
+`<root>/<key>/`: `pictures.png` (the pictures side by side in rows of `COLUMNS`, lossless) and `entry.json` (what the
+key was made of and every picture's prompt, seed and sha256). Reading an entry checks every picture's digest: a
+damaged file is a miss. No key can see a change in the code that draws, so the caller draws `check_indices` again
+and compares them with the entry before using it (`matches`); a mismatch means the evaluation is drawn whole and
+the entry replaced. Only batch-invariant engines are eligible (`eligible`): elsewhere a picture depends on its batch.
+The root: `$OMNIROLL_CACHE_DIR/evaluations` (default `~/.cache/omniroll/evaluations`). A model directory may ship
+entries of its own in `evaluations/` (`SHIPPED`; the shapes model ships the demo's, so a first `make demo` reads its
+evaluation before training too): read after the root, never written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from omniroll.evaluation.shapes import Evaluation, eval_seed, scored
+
+COLUMNS = 32  # pictures per row of pictures.png
+CHECKED = 8  # pictures drawn again before an entry is used
+SHIPPED = "evaluations"  # a model directory's own entries
+
+
+def cache_root() -> Path:
+    """`$OMNIROLL_CACHE_DIR/evaluations` (default `~/.cache/omniroll/evaluations`)."""
+    root = os.environ.get("OMNIROLL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "omniroll")
+    return Path(root) / "evaluations"
+
+
+def eligible(identities: list[dict]) -> Optional[dict]:
+    """The one identity every engine has, when they all have it and draw batch-invariantly; else None (no cache)."""
+    if not identities or any(i != identities[0] for i in identities[1:]):
+        return None
+    return identities[0] if identities[0].get("execution", {}).get("batch_invariant") else None
+
+
+def entry_key(identity: dict, sampling: dict, prompts: list[str], seeds: list[int]) -> str:
+    """sha256 (hex) of what the pictures depend on: the engines' identity, the sampling, the (prompt, seed) list."""
+    about = {"identity": identity, "sampling": sampling, "pictures": [[p, int(s)] for p, s in zip(prompts, seeds)]}
+    return hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest()
+
+
+def check_indices(n: int, count: int = CHECKED) -> list[int]:
+    """`count` picture indices spread evenly over `n` (all of them when n <= count): the pictures drawn again."""
+    if n <= count:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (count - 1)) for i in range(count)})
+
+
+def picture_digest(picture: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(picture).tobytes()).hexdigest()
+
+
+def matches(stored: list[np.ndarray], drawn: list[np.ndarray]) -> bool:
+    """Every drawn picture equals the stored one bitwise (shape, dtype and bytes)."""
+    return len(stored) == len(drawn) and all(
+        a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(stored, drawn))
+
+
+class EvaluationCache:
+    """The entries under `root` (default `cache_root()`), then under each of `read_only` (a model's `SHIPPED`)."""
+
+    def __init__(self, root: Optional[str | Path] = None, read_only: Sequence[str | Path] = ()):
+        self.root = Path(root) if root is not None else cache_root()
+        self.read_only = [Path(p) for p in read_only]
+
+    def load(self, key: str, prompts: list[str], seeds: list[int]) -> Optional[tuple[list[np.ndarray], Path]]:
+        """(the entry's pictures in the order of (`prompts`, `seeds`), its folder) from the first root that has a
+        good one, or None: no entry, another picture list, or a picture whose bytes do not match its digest."""
+        for root in (self.root, *self.read_only):
+            pictures = self.read(root / key, prompts, seeds)
+            if pictures is not None:
+                return pictures, root / key
+        return None
+
+    @staticmethod
+    def read(folder: Path, prompts: list[str], seeds: list[int]) -> Optional[list[np.ndarray]]:
+        """The pictures of the entry in `folder` (see `load`), or None."""
+        from PIL import Image
+
+        try:
+            entry = json.loads((folder / "entry.json").read_text())
+            atlas = np.asarray(Image.open(folder / "pictures.png").convert("RGB"))
+        except (OSError, ValueError):
+            return None
+        records = entry.get("pictures", [])
+        if [(r["prompt"], int(r["seed"])) for r in records] != [(p, int(s)) for p, s in zip(prompts, seeds)]:
+            return None
+        h, w = entry["height"], entry["width"]
+        pictures = []
+        for i, r in enumerate(records):
+            y, x = (i // COLUMNS) * h, (i % COLUMNS) * w
+            picture = np.ascontiguousarray(atlas[y:y + h, x:x + w])
+            if picture.shape != (h, w, 3) or picture_digest(picture) != r["sha256"]:
+                return None
+            pictures.append(picture)
+        return pictures
+
+    def store(self, key: str, about: dict, prompts: list[str], seeds: list[int],
+              pictures: list[np.ndarray]) -> Optional[Path]:
+        """Write the entry (atomically: a half-written entry never exists); None when it cannot be written (the run
+        goes on; the evaluation is drawn again next time). `about` (identity, sampling) goes into entry.json."""
+        from PIL import Image
+
+        if not pictures or any(p.dtype != np.uint8 or p.ndim != 3 or p.shape != pictures[0].shape for p in pictures):
+            return None
+        h, w, _ = pictures[0].shape
+        rows = -(-len(pictures) // COLUMNS)
+        atlas = np.zeros((rows * h, min(len(pictures), COLUMNS) * w, 3), dtype=np.uint8)
+        for i, p in enumerate(pictures):
+            atlas[(i // COLUMNS) * h:(i // COLUMNS + 1) * h, (i % COLUMNS) * w:(i % COLUMNS + 1) * w] = p
+        entry = {**about, "height": h, "width": w, "pictures": [
+            {"prompt": pr, "seed": int(s), "sha256": picture_digest(p)} for pr, s, p in zip(prompts, seeds, pictures)]}
+        target = self.root / key
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.root))
+            Image.fromarray(atlas).save(tmp / "pictures.png")
+            (tmp / "entry.json").write_text(json.dumps(entry, indent=1) + "\n")
+            if target.exists():
+                shutil.rmtree(target)  # an entry that failed its check
+            os.replace(tmp, target)
+        except OSError:
+            with contextlib.suppress(NameError, OSError):
+                shutil.rmtree(tmp)
+            return None
+        return target
+
+
+def evaluate_kept(cache: EvaluationCache, identity: dict, sampling: dict, prompts: list[str], seeds: int,
+                  base_seed: int, draw: Callable[[Optional[list[int]], int], Evaluation]) -> tuple[Evaluation, dict]:
+    """The evaluation of every prompt at `seeds` seeds (`eval_seed(base_seed, prompt, j)`), read from `cache` when an
+    entry has it and its pictures at `check_indices` of the prompts (their first seed), drawn again, are bitwise
+    equal; else drawn whole and kept in `cache.root` (replacing an entry that did not match). `draw(indices, n)`
+    draws the prompts at `indices` (None: all) `n` times each, in order, with the engines `identity` describes.
+    Returns it with `{"key", "read", "checked", "note"}` (the note: one console line saying which)."""
+    order = [(p, eval_seed(base_seed, p, j)) for p in prompts for j in range(seeds)]
+    names, numbers = [p for p, _ in order], [s for _, s in order]
+    key = entry_key(identity, sampling, names, numbers)
+    found = cache.load(key, names, numbers)
+    info = {"key": key, "read": False, "checked": 0}
+    if found is not None:
+        stored, folder = found
+        chosen = check_indices(len(prompts))
+        again = draw(chosen, 1)
+        info["checked"] = len(chosen)
+        if (list(zip(again.prompts, again.seeds)) == [order[i * seeds] for i in chosen]
+                and matches([stored[i * seeds] for i in chosen], again.pictures)):
+            return scored(stored, names, numbers), {**info, "read": True, "note": (
+                f"read from the evaluation cache, {len(chosen)} of its {len(stored)} pictures drawn again: bitwise "
+                f"equal ({folder})")}
+        note = (f"warning: the evaluation cache's entry {folder} differs from {len(chosen)} of its pictures drawn "
+                f"again (another machine, or a change to the code that draws?): drawn whole, and kept in {cache.root}")
+    else:
+        note = "drawn, and kept in the evaluation cache for a run with the same weights, sampling and seeds"
+    ev = draw(None, seeds)
+    if list(zip(ev.prompts, ev.seeds)) != order:  # never expected: the key would not name these pictures
+        note = "drawn, not kept in the evaluation cache: its seeds are not the ones the key names"
+    elif cache.store(key, {"identity": identity, "sampling": sampling}, names, numbers, ev.pictures) is None:
+        note = f"drawn, not kept in the evaluation cache: {cache.root} could not be written"
+    return ev, {**info, "note": note}
