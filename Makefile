@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model shapes-model-distilled test docs docs-generate docs-serve docs-screenshots bench clean
+.PHONY: install demo shapes-model shapes-model-evaluations shapes-model-distilled test docs docs-generate docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -81,6 +81,16 @@ demo: $(STAMP)
 # Retrain the shipped shapes model from scratch (omniroll/models/shapes/recipe.py) and install it over the shipped one.
 shapes-model: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes --out out/shapes-model --install
+
+# The demo's evaluation before training, drawn by the shipped shapes model and kept beside it (its `evaluations/`:
+# `make demo` reads it after drawing 8 pictures of each evaluation again and finding them bitwise equal,
+# omniroll/evaluation/cache.py). Redraw it after `make shapes-model`. About 4 minutes on 2 cores.
+SHAPES_EVALUATIONS = omniroll/models/shapes/checkpoint/evaluations
+shapes-model-evaluations: $(STAMP)
+	rm -rf $(SHAPES_EVALUATIONS) out/shapes-model-evaluations
+	OMNIROLL_CACHE_DIR=out/shapes-model-evaluations/cache $(VENV)/bin/omniroll train --config examples/shapes_demo.yaml \
+		--out out/shapes-model-evaluations/run --override trainer.steps=1
+	cp -r out/shapes-model-evaluations/cache/evaluations $(SHAPES_EVALUATIONS)
 
 # The shipped shapes model guidance-distilled (omniroll/models/shapes/distill.py): CFG-free, as good as it is at CFG
 # 4.5, into out/shapes-distilled/checkpoint (`--model out/shapes-distilled/checkpoint`). About 20 minutes on 2 cores.
