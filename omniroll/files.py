@@ -1,5 +1,5 @@
-"""Files every command writes: atomic writes (mode 0644) of files and of whole directories, JSON-safe values, and
-`run_info` (what made a file).
+"""Files every command writes: atomic writes (mode 0644) of files and of whole directories, JSON-safe values,
+`run_info` (what made a file), and `cache_dir` (where omniroll keeps what a later run may reuse).
 
 The trajectory layout itself is `omniroll.trajectory_file`; these writers know nothing of it.
 """
@@ -15,6 +15,11 @@ import tempfile
 from typing import Any, Iterator, Optional
 
 FILE_MODE = 0o644
+
+
+def cache_dir() -> str:
+    """`$OMNIROLL_CACHE_DIR` (default `~/.cache/omniroll`): the engines' row calibrations, the kept evaluations."""
+    return os.environ.get("OMNIROLL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "omniroll")
 
 
 def write_bytes(path: str, data: bytes) -> str:

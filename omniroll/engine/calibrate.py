@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from omniroll.engine.request import RequestState
+from omniroll.files import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,7 @@ _lock = threading.Lock()
 
 
 def cache_path() -> Path:
-    root = os.environ.get("OMNIROLL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "omniroll")
-    return Path(root) / "calibration.json"
+    return Path(cache_dir()) / "calibration.json"
 
 
 def _read_disk() -> dict:

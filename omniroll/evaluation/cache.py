@@ -15,18 +15,16 @@ evaluation before training too): read after the root, never written.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from omniroll.evaluation.shapes import Evaluation, eval_seed, scored
+from omniroll.files import cache_dir, staged_directory
 
 COLUMNS = 32  # pictures per row of pictures.png
 CHECKED = 8  # pictures drawn again before an entry is used
@@ -35,8 +33,7 @@ SHIPPED = "evaluations"  # a model directory's own entries
 
 def cache_root() -> Path:
     """`$OMNIROLL_CACHE_DIR/evaluations` (default `~/.cache/omniroll/evaluations`)."""
-    root = os.environ.get("OMNIROLL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "omniroll")
-    return Path(root) / "evaluations"
+    return Path(cache_dir()) / "evaluations"
 
 
 def eligible(identities: list[dict]) -> Optional[dict]:
@@ -125,16 +122,11 @@ class EvaluationCache:
             {"prompt": pr, "seed": int(s), "sha256": picture_digest(p)} for pr, s, p in zip(prompts, seeds, pictures)]}
         target = self.root / key
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.root))
-            Image.fromarray(atlas).save(tmp / "pictures.png")
-            (tmp / "entry.json").write_text(json.dumps(entry, indent=1) + "\n")
-            if target.exists():
-                shutil.rmtree(target)  # an entry that failed its check
-            os.replace(tmp, target)
+            with staged_directory(str(target), prefix=".") as tmp:  # an entry that failed its check is replaced
+                Image.fromarray(atlas).save(os.path.join(tmp, "pictures.png"))
+                with open(os.path.join(tmp, "entry.json"), "w") as f:
+                    f.write(json.dumps(entry, indent=1) + "\n")
         except OSError:
-            with contextlib.suppress(NameError, OSError):
-                shutil.rmtree(tmp)
             return None
         return target
 
