@@ -131,12 +131,16 @@ class TaskEvaluation:
 
     def kept_identity(self, replicas: list) -> Optional[dict]:
         """The replicas' common `sample_identity` when `trainer.evaluation.cache` is on and they draw
-        batch-invariantly (`omniroll.evaluation.cache.eligible`); else None: the evaluation is drawn."""
+        batch-invariantly (`omniroll.evaluation.cache.eligible`); else None: the evaluation is drawn (also when a
+        replica cannot say within 2 minutes: a dead one's samples are drawn by the others, as without the cache)."""
         if not self.config.trainer.evaluation.cache or not replicas:
             return None
         import ray
 
-        return eligible(ray.get([r.sample_identity.remote() for r in replicas]))
+        try:
+            return eligible(ray.get([r.sample_identity.remote() for r in replicas], timeout=120))
+        except (ray.exceptions.RayError, TimeoutError):
+            return None
 
     def draw_kept(self, manager, identity: dict, prompts: list[str], seeds: int, guidance: float,
                   split: str) -> tuple[Evaluation, dict]:
