@@ -5,6 +5,7 @@ it whole, replacing the entry, when they do not (the shapes model, a real Ray re
 evaluated as it is from the cache too."""
 
 import json
+import os
 
 import numpy as np
 import torch
@@ -45,6 +46,22 @@ def test_an_entry_reads_back_bitwise_and_a_damaged_or_foreign_entry_is_a_miss(tm
     assert shipped.load(key, prompts, seeds)[1] == tmp_path / "model" / "evaluations" / key
     assert shipped.store(key, {}, prompts, seeds, pics) == tmp_path / "user" / key
     assert shipped.load(key, prompts, seeds)[1] == tmp_path / "user" / key
+
+    # a bounded root: writing an entry removes the least recently used ones beyond max_bytes (a read counts as a use)
+    small = EvaluationCache(tmp_path / "small", max_bytes=1)
+    keys = [entry_key({"n": i}, {}, prompts, seeds) for i in range(3)]
+    small.store(keys[0], {}, prompts, seeds, pics)
+    os.utime(tmp_path / "small" / keys[0] / "entry.json", (1, 1))
+    small.store(keys[1], {}, prompts, seeds, pics)  # over the cap: the older entry goes, the new one stays
+    assert sorted(p.name for p in (tmp_path / "small").iterdir()) == [keys[1]]
+    one = sum(f.stat().st_size for f in (tmp_path / "small" / keys[1]).iterdir())
+    roomy = EvaluationCache(tmp_path / "small", max_bytes=5 * one // 2)  # room for two entries
+    roomy.store(keys[0], {}, prompts, seeds, pics)
+    os.utime(tmp_path / "small" / keys[0] / "entry.json", (1, 1))
+    os.utime(tmp_path / "small" / keys[1] / "entry.json", (2, 2))
+    assert roomy.load(keys[0], prompts, seeds) is not None  # read: now the most recently used
+    roomy.store(keys[2], {}, prompts, seeds, pics)
+    assert sorted(p.name for p in (tmp_path / "small").iterdir()) == sorted([keys[0], keys[2]])
 
     # every part of the key counts
     others = [entry_key({"weights": "v"}, {"guidance_scale": 1.0}, prompts, seeds),

@@ -10,14 +10,17 @@ and compares them with the entry before using it (`matches`); a mismatch means t
 the entry replaced. Only batch-invariant engines are eligible (`eligible`): elsewhere a picture depends on its batch.
 The root: `$OMNIROLL_CACHE_DIR/evaluations` (default `~/.cache/omniroll/evaluations`). A model directory may ship
 entries of its own in `evaluations/` (`SHIPPED`; the shapes model ships the demo's, so a first `make demo` reads its
-evaluation before training too): read after the root, never written.
+evaluation before training too): read after the root, never written. The root holds at most `MAX_BYTES` (2 GiB):
+writing an entry removes the least recently used ones beyond it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -28,6 +31,7 @@ from omniroll.files import cache_dir, staged_directory
 
 COLUMNS = 32  # pictures per row of pictures.png
 CHECKED = 8  # pictures drawn again before an entry is used
+MAX_BYTES = 2 << 30  # the root's entries beyond this, least recently used first, are removed when one is written
 SHIPPED = "evaluations"  # a model directory's own entries
 
 
@@ -69,9 +73,11 @@ def matches(stored: list[np.ndarray], drawn: list[np.ndarray]) -> bool:
 class EvaluationCache:
     """The entries under `root` (default `cache_root()`), then under each of `read_only` (a model's `SHIPPED`)."""
 
-    def __init__(self, root: Optional[str | Path] = None, read_only: Sequence[str | Path] = ()):
+    def __init__(self, root: Optional[str | Path] = None, read_only: Sequence[str | Path] = (),
+                 max_bytes: int = MAX_BYTES):
         self.root = Path(root) if root is not None else cache_root()
         self.read_only = [Path(p) for p in read_only]
+        self.max_bytes = max_bytes
 
     def load(self, key: str, prompts: list[str], seeds: list[int]) -> Optional[tuple[list[np.ndarray], Path]]:
         """(the entry's pictures in the order of (`prompts`, `seeds`), its folder) from the first root that has a
@@ -79,6 +85,9 @@ class EvaluationCache:
         for root in (self.root, *self.read_only):
             pictures = self.read(root / key, prompts, seeds)
             if pictures is not None:
+                if root == self.root:
+                    with contextlib.suppress(OSError):
+                        os.utime(root / key / "entry.json")  # used now: the last to be pruned
                 return pictures, root / key
         return None
 
@@ -128,7 +137,27 @@ class EvaluationCache:
                     f.write(json.dumps(entry, indent=1) + "\n")
         except OSError:
             return None
+        self.prune(keep=key)
         return target
+
+    def prune(self, keep: str) -> list[str]:
+        """Remove the root's least recently used entries (by their entry.json's time: written or last read) until
+        the rest fit in `max_bytes`, never `keep`; returns the keys removed."""
+        entries = []
+        for folder in self.root.iterdir() if self.root.is_dir() else ():
+            with contextlib.suppress(OSError):
+                if folder.is_dir() and not folder.name.startswith("."):
+                    size = sum(f.stat().st_size for f in folder.iterdir())
+                    entries.append(((folder / "entry.json").stat().st_mtime, size, folder))
+        total, removed = sum(size for _, size, _ in entries), []
+        for _, size, folder in sorted(entries, key=lambda e: e[0]):
+            if total <= self.max_bytes:
+                break
+            if folder.name != keep:
+                shutil.rmtree(folder, ignore_errors=True)
+                total -= size
+                removed.append(folder.name)
+        return removed
 
 
 def evaluate_kept(cache: EvaluationCache, identity: dict, sampling: dict, prompts: list[str], seeds: int,
