@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from PIL import Image
@@ -141,15 +142,16 @@ def trainer_config(train_file, heldout_file, seed, cache=True):
 def test_the_evaluation_before_training_is_read_back_only_when_its_pictures_drawn_again_match(
         ray_cluster, tmp_path, monkeypatch):
     from omniroll.train import Trainer
+    from omniroll.train.report.task_eval import TaskEvaluation
 
     monkeypatch.setenv("OMNIROLL_CACHE_DIR", str(tmp_path / "cache"))
     train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
     train.write_text("a circle\nthree squares\na red circle\n")
     heldout.write_text("two triangles\na blue square\n")
 
-    def run(name, seed, cache=True):
+    def run(name, seed):
         lines = []
-        with Trainer(trainer_config(train, heldout, seed, cache), str(tmp_path / name), log=lines.append) as tr:
+        with Trainer(trainer_config(train, heldout, seed), str(tmp_path / name), log=lines.append) as tr:
             tr.train()
         records = {s: json.loads((tmp_path / name / "eval" / f"before_{s}_cfg1.json").read_text())
                    for s in ("train", "heldout")}
@@ -194,12 +196,11 @@ def test_the_evaluation_before_training_is_read_back_only_when_its_pictures_draw
         key, [p["prompt"] for p in first["heldout"]["pictures"]], [p["seed"] for p in first["heldout"]["pictures"]])
     assert picture_digest(stored[0]) != entry["pictures"][0]["sha256"]  # replaced
 
-    # 4. `trainer.evaluation.cache: false`: drawn, nothing read or kept
-    before = sorted(p.name for p in (tmp_path / "cache" / "evaluations").iterdir())
-    lines, third = run("third", seed=0, cache=False)
-    assert not any("evaluation cache" in ln for ln in lines) and not any("cache" in r for r in third.values())
-    assert third["train"]["pictures"] == first["train"]["pictures"]
-    assert sorted(p.name for p in (tmp_path / "cache" / "evaluations").iterdir()) == before
+    # 4. `trainer.evaluation.cache: false`: the replicas are not even asked (a handle that is not one would raise)
+    off = TaskEvaluation(trainer_config(train, heldout, seed=0, cache=False), str(tmp_path / "off"))
+    assert off.kept_identity([object()]) is None
+    with pytest.raises(AttributeError, match="sample_identity"):
+        TaskEvaluation(trainer_config(train, heldout, seed=0), str(tmp_path / "on")).kept_identity([object()])
 
 
 def test_omniroll_eval_reads_a_model_as_it_is_from_the_cache_unless_told_not_to(tmp_path, monkeypatch, capsys):
