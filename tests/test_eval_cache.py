@@ -35,6 +35,13 @@ def test_an_entry_reads_back_bitwise_and_a_damaged_or_foreign_entry_is_a_miss(tm
     assert cache.load(key, prompts[:-1], seeds[:-1]) is None  # another picture list under the key
     assert cache.load(key, prompts, [s + 1 for s in seeds]) is None
 
+    # an entry.json that is not one is a miss, not an error
+    good = (path / "entry.json").read_text()
+    for bad in ("{", "[]", '{"pictures": [{"prompt": "p0"}]}'):
+        (path / "entry.json").write_text(bad)
+        assert cache.load(key, prompts, seeds) is None
+    (path / "entry.json").write_text(good)
+
     # one pixel of one picture changed on disk: its digest no longer matches, so the entry is a miss
     atlas = np.asarray(Image.open(path / "pictures.png")).copy()
     atlas[8 * 1 + 3, 8 * 2 + 4, 0] ^= 1  # picture COLUMNS + 2 (second row, third column)

@@ -99,12 +99,13 @@ class EvaluationCache:
         try:
             entry = json.loads((folder / "entry.json").read_text())
             atlas = np.asarray(Image.open(folder / "pictures.png").convert("RGB"))
-        except (OSError, ValueError):
+            records = entry["pictures"]
+            listed = [(r["prompt"], int(r["seed"])) for r in records]
+            h, w = int(entry["height"]), int(entry["width"])
+        except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable or not an entry: a miss
             return None
-        records = entry.get("pictures", [])
-        if [(r["prompt"], int(r["seed"])) for r in records] != [(p, int(s)) for p, s in zip(prompts, seeds)]:
+        if listed != [(p, int(s)) for p, s in zip(prompts, seeds)]:
             return None
-        h, w = entry["height"], entry["width"]
         pictures = []
         for i, r in enumerate(records):
             y, x = (i // COLUMNS) * h, (i % COLUMNS) * w
