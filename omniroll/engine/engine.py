@@ -240,20 +240,8 @@ class DiffusionEngine:
         }
 
     def sample_identity(self, timeout_s: float = 60.0) -> dict:
-        """What a sample's pixels depend on besides its request (read between two steps): the weights' digest
-        (`omniroll.weights.weights_digest`), execution mode, decode block, device, torch threads and library versions.
-        In batch-invariant mode equal identities draw a request with the same bits (`omniroll.evaluation.cache`)."""
-        import diffusers
-
-        from omniroll.weights import weights_digest
-
-        def read() -> dict:
-            return {"weights": weights_digest(self.adapter.modules(), self.lifecycle.lora_merged),
-                    "execution": self.runner.execution_info(), "decode_batch_size": int(self.config.decode_batch_size),
-                    "device": str(self.config.device), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "diffusers": diffusers.__version__}
-
-        return self.call_between_steps(read, timeout_s, op="sample_identity")
+        """`ModelRunner.sample_identity` (what a sample's pixels depend on besides its request), between two steps."""
+        return self.call_between_steps(self.runner.sample_identity, timeout_s, op="sample_identity")
 
     def call_between_steps(self, fn: Callable[[], Any], timeout_s: float = 60.0, op: str = "call_between_steps") -> Any:
         """Run `fn` on the engine thread between two denoising steps and return its result (or raise its error).

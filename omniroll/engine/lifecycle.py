@@ -70,10 +70,6 @@ class Lifecycle:
     def active_lora(self) -> Optional[str]:
         return self._lora.active_lora if self._lora is not None else None
 
-    @property
-    def lora_merged(self) -> bool:
-        return self._lora is not None and self._lora.merged
-
     # ------------------------------------------------------------------ reads (any thread)
     @property
     def can_step(self) -> bool:

@@ -16,6 +16,7 @@ from omniroll.engine.execution import execution_mode
 from omniroll.engine.request import RequestState
 from omniroll.models.base import NO_CFG, DiffusionAdapter, stack_conditioning
 from omniroll.sampling import sde_step
+from omniroll.weights import weights_digest
 
 
 class ModelRunner:
@@ -92,6 +93,19 @@ class ModelRunner:
         # 5. Apply the results.
         for i, s in enumerate(states):
             s.advance(*results[i])
+
+    def sample_identity(self) -> dict:
+        """What a sample's pixels depend on besides its request: the digest of the weights as they compute
+        (`omniroll.weights.weights_digest`: every component, a merged adapter counted in its base layers), the
+        execution mode, decode block, device, torch threads, torch and diffusers versions. In batch-invariant mode
+        equal identities draw a request with the same bits (`omniroll.evaluation.cache` keys kept evaluations on it).
+        Call it between two steps (`DiffusionEngine.sample_identity`)."""
+        import diffusers
+
+        return {"weights": weights_digest(self.adapter.modules()), "execution": self.execution_info(),
+                "decode_batch_size": int(self.config.decode_batch_size), "device": str(self.config.device),
+                "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                "diffusers": diffusers.__version__}
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -83,11 +83,6 @@ class LoRAManager:
         return self._request.lora_name if self._request else None
 
     @property
-    def merged(self) -> bool:
-        """The active adapter is merged into the base weights (its own tensors are not read by the forward)."""
-        return bool(self._merged)
-
-    @property
     def lora_int_id(self) -> int | None:
         return self._request.lora_int_id if self._request else None
 
