@@ -98,10 +98,10 @@ def run(args) -> int:
         base_merge, _ = eval_merge_lora(base_cfg, base, trained_config(base))
         baseline = evaluate_model(base_cfg, base_model, prompts, args.seeds, base, args.out, progress=not args.quiet,
                                   name="baseline", guidance=base_guidance, merge_lora=base_merge, cache=args.cache)
-        print(baseline["table"] + (f"\n{baseline['cache']['note']}" if baseline["cache"] else ""))
+        print(baseline["table"])
     result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet,
                             guidance=guidance, baseline=baseline, merge_lora=merge, cache=args.cache)
-    print(result["table"] + (f"\n{result['cache']['note']}" if result["cache"] else ""))
+    print(result["table"])
     line = {"overall_strict": result["overall"]["strict"], "se": result["overall"]["se"],
             "images": result["overall"]["n"], "guidance_scale": guidance, "seconds": round(result["seconds"], 1)}
     if baseline is not None:
@@ -199,16 +199,16 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
                    progress: bool = False, name: str = "eval", guidance: Optional[float] = None,
                    baseline: Optional[dict] = None, merge_lora: Optional[bool] = None, cache: bool = False) -> dict:
     """Build the engine (with the checkpoint applied), evaluate at `guidance` (default: the validation sampling's),
-    write the files; returns the report's dict with `table`, `seconds`, `files`, `evaluation` (the pictures) and
-    `cache`. With `baseline` (another call's result at the same prompts and seeds): also `paired` and
-    `paired_table`, the flipped pictures framed in the grid and drawn in `flips.png`. `merge_lora` (default: the
-    config's `engine.merge_lora`) keeps a LoRA checkpoint merged into the weights. `cache`: a model without a
-    checkpoint is read from the evaluation cache when it can be (`omniroll.evaluation.cache.evaluate_kept`; `cache`
-    is then its `{"key", "read", "checked", "note"}`, else {})."""
+    write the files; returns the report's dict with `table` (and under it the cache's note), `seconds`, `files`,
+    `evaluation` (the pictures) and `cache`. With `baseline` (another call's result at the same prompts and seeds):
+    also `paired` and `paired_table`, the flipped pictures framed in the grid and drawn in `flips.png`. `merge_lora`
+    (default: the config's `engine.merge_lora`) keeps a LoRA checkpoint merged into the weights. `cache`: a model
+    without a checkpoint is read from the evaluation cache when it can be (`omniroll.evaluation.cache.evaluate_kept`;
+    `cache` is then its `{"key", "read", "checked", "note"}`, else {})."""
 
     from omniroll.engine.config import EngineConfig, torch_dtype
     from omniroll.engine.engine import DiffusionEngine
-    from omniroll.evaluation.cache import SHIPPED, EvaluationCache, eligible, evaluate_kept
+    from omniroll.evaluation.cache import EvaluationCache, eligible, evaluate_kept
     from omniroll.evaluation.checkpoints import add_lora_checkpoint, checkpoint_kind, load_full_weights
     from omniroll.evaluation.paired import flips, paired, paired_table
     from omniroll.evaluation.shapes import eval_sampling, evaluate, flips_picture, write_evaluation
@@ -236,7 +236,7 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
             ev = evaluate(engine, prompts, seeds, sampling, cfg.val_kwargs.seed, progress=progress)
         else:
             ev, kept = evaluate_kept(
-                EvaluationCache(read_only=[os.path.join(model, SHIPPED)]), identity, sampling, prompts, seeds,
+                EvaluationCache.for_model(model), identity, sampling, prompts, seeds,
                 cfg.val_kwargs.seed, lambda indices, n: evaluate(
                     engine, prompts if indices is None else [prompts[i] for i in indices], n, sampling,
                     cfg.val_kwargs.seed, progress=progress and indices is None))
@@ -264,7 +264,8 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
                              title=f"{title} vs {baseline['title']}", labels=("base", "new"))
         if path is not None:
             files["flips"] = path
-    table = ev.report.table(f"omniroll eval: {title} ({len(set(prompts))} prompts x {seeds} seeds)")
+    table = ev.report.table(f"omniroll eval: {title} ({len(set(prompts))} prompts x {seeds} seeds)") + (
+        f"\n{kept['note']}" if kept else "")
     return {**ev.report.to_dict(), **out, "table": table, "seconds": seconds, "files": files, "evaluation": ev,
             "cache": kept,
             "model": cfg.engine.model, "checkpoint": checkpoint, "guidance_scale": sampling["guidance_scale"],

@@ -79,6 +79,11 @@ class EvaluationCache:
         self.read_only = [Path(p) for p in read_only]
         self.max_bytes = max_bytes
 
+    @classmethod
+    def for_model(cls, model_dir: str) -> "EvaluationCache":
+        """The user's entries (`cache_root()`), then those `model_dir` ships in its `SHIPPED` folder."""
+        return cls(read_only=[os.path.join(model_dir, SHIPPED)])
+
     def load(self, key: str, prompts: list[str], seeds: list[int]) -> Optional[tuple[list[np.ndarray], Path]]:
         """(the entry's pictures in the order of (`prompts`, `seeds`), its folder) from the first root that has a
         good one, or None: no entry, another picture list, or a picture whose bytes do not match its digest."""

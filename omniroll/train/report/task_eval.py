@@ -28,7 +28,7 @@ import os
 from typing import Optional
 
 from omniroll.agent_loop.batch import prompt_batch
-from omniroll.evaluation.cache import SHIPPED, EvaluationCache, eligible, evaluate_kept
+from omniroll.evaluation.cache import EvaluationCache, eligible, evaluate_kept
 from omniroll.evaluation.paired import common_pictures, flips, paired, verdict_line
 from omniroll.evaluation.shapes import Evaluation, eval_sampling, eval_uid, flips_picture, scored, write_evaluation
 from omniroll.tasks.shapes.splits import prompts_of
@@ -146,10 +146,10 @@ class TaskEvaluation:
                   split: str) -> tuple[Evaluation, dict]:
         """`omniroll.evaluation.cache.evaluate_kept` through the replicas: read from the cache after the check, else
         drawn whole and kept. Returns the evaluation and `{"key", "read", "checked", "note"}`. The model's directory
-        may ship entries (`SHIPPED`)."""
+        may ship entries (`EvaluationCache.for_model`)."""
         from omniroll.models import resolve_model
 
-        cache = EvaluationCache(read_only=[os.path.join(resolve_model(self.config.engine.model), SHIPPED)])
+        cache = EvaluationCache.for_model(resolve_model(self.config.engine.model))
         sampling = {**eval_sampling(self.config), "guidance_scale": float(guidance)}
         return evaluate_kept(cache, identity, sampling, prompts, seeds, self.config.val_kwargs.seed,
                              lambda indices, n: self.draw(manager, prompts, n, guidance, split, indices=indices))
