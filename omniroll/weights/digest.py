@@ -26,11 +26,12 @@ def weights_digest(modules: dict[str, nn.Module]) -> str:
     forward does not read) left out."""
     h = hashlib.sha256()
     for component in sorted(modules):
-        merged = {f"{n}." for n, m in modules[component].named_modules() if isinstance(m, LoraLayer) and m.merged}
+        merged = {n for n, m in modules[component].named_modules() if isinstance(m, LoraLayer) and m.merged}
         tensors = {}
         for name, tensor in modules[component].state_dict().items():
             parts = name.split(".")
-            if LORA_PARTS.intersection(parts) and any(name.startswith(layer) for layer in merged):
+            adapter_part = next((i for i, p in enumerate(parts) if p in LORA_PARTS), None)
+            if adapter_part is not None and ".".join(parts[:adapter_part]) in merged:  # the layer owning the tensor
                 continue
             tensors[".".join(p for p in parts if p != "base_layer")] = tensor
         for name in sorted(tensors):
