@@ -4,39 +4,32 @@ Trainer side: :class:`WeightSender` (buckets planned by `buckets`, moved by `tra
 control calls (`engine/control.py`) run `engine/lifecycle.py`, which checks and applies an update through
 `update.prepare_update` (`FullUpdate` with `full`, `LoRAUpdate` with `lora`). (verl's ZMQ stream is received in
 `integrations/verl/zmq_receiver.py`.)
+
+Names resolve lazily, so a process that only holds a replica's handle (an agent-loop worker: Ray loads the actor's
+class, whose module reads `transport`) does not import PEFT and transformers (about 3 s on the 2-core VM).
 """
 
-from .buckets import (
-    Bucket,
-    BucketEntry,
-    ManifestEntry,
-    WeightManifest,
-    WeightSyncError,
-    pack_buckets,
-    plan_buckets,
-    unpack_bucket,
-)
-from .digest import weights_digest
-from .full import FullWeightLoader, peft_base_name
-from .lora import LoRAManager
-from .lora_format import (
-    LoRABindError,
-    OmniTensorLoRARequest,
-    load_lora_dir,
-    lora_config_from_dict,
-    lora_state_dict,
-    normalize_lora_keys,
-    peft_config_to_dict,
-)
-from .sender import WeightSender, named_tensors_for
-from .update import FullUpdate, LoRAUpdate, check_version, prepare_update
-from .transport import RayBucketRef, ShmChannel, ShmStream, iter_shm_buckets, leftover_shm, resolve_buckets
+import importlib
 
-__all__ = [
-    "Bucket", "BucketEntry", "ManifestEntry", "WeightManifest", "WeightSyncError", "pack_buckets", "plan_buckets",
-    "unpack_bucket", "FullWeightLoader", "peft_base_name", "LoRABindError", "LoRAManager", "OmniTensorLoRARequest",
-    "load_lora_dir", "lora_config_from_dict", "lora_state_dict", "normalize_lora_keys", "peft_config_to_dict",
-    "WeightSender", "named_tensors_for", "RayBucketRef", "ShmChannel",
-    "ShmStream", "iter_shm_buckets", "leftover_shm", "resolve_buckets", "FullUpdate", "LoRAUpdate", "check_version",
-    "prepare_update", "weights_digest",
-]
+_WHERE = {
+    "Bucket": "buckets", "BucketEntry": "buckets", "ManifestEntry": "buckets", "WeightManifest": "buckets",
+    "WeightSyncError": "buckets", "pack_buckets": "buckets", "plan_buckets": "buckets", "unpack_bucket": "buckets",
+    "weights_digest": "digest",
+    "FullWeightLoader": "full", "peft_base_name": "full",
+    "LoRAManager": "lora",
+    "LoRABindError": "lora_format", "OmniTensorLoRARequest": "lora_format", "load_lora_dir": "lora_format",
+    "lora_config_from_dict": "lora_format", "lora_state_dict": "lora_format", "normalize_lora_keys": "lora_format",
+    "peft_config_to_dict": "lora_format",
+    "WeightSender": "sender", "named_tensors_for": "sender",
+    "FullUpdate": "update", "LoRAUpdate": "update", "check_version": "update", "prepare_update": "update",
+    "RayBucketRef": "transport", "ShmChannel": "transport", "ShmStream": "transport", "iter_shm_buckets": "transport",
+    "leftover_shm": "transport", "resolve_buckets": "transport",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"omniroll.weights.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'omniroll.weights' has no attribute {name!r}")
