@@ -13,6 +13,9 @@ Convention (also stated in CONTRIBUTING.md):
   states for small settings: `OMNIROLL_OVERRIDES` (config overrides every omniroll command applies last).
 - A block that cannot run here (it needs a GPU, a real checkpoint, a server that runs forever, network) is marked by
   an HTML comment on the line(s) right before it: `<!-- readme-test: skip: <reason> -->`. The reason is required.
+- A shell block whose every command an earlier block ran verbatim (comments and spacing aside) is not run again: it
+  would redo the same work into the same files (the getting-started page repeats the README's `omniroll train`).
+  The test says which block ran it.
 """
 
 from __future__ import annotations
@@ -102,7 +105,35 @@ def without_make(code: str) -> str:
     return "\n".join(out)
 
 
+def shell_commands(code: str) -> list[str]:
+    """The block's commands as they run: `make` lines left out, continuations joined, comments and spacing dropped."""
+    out = []
+    for line in without_make(code).replace("\\\n", " ").splitlines():
+        line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+        if line:
+            out.append(line)
+    return out
+
+
+def where_each_ran_before(blocks: list[dict]) -> dict[int, str]:
+    """{index of a shell block: "file:line" of the earlier block that ran its last command} for each shell block
+    whose every command an earlier run block ran verbatim."""
+    ran, repeats = {}, {}
+    for i, b in enumerate(blocks):
+        if b["lang"] != "sh" or b["skip"] is not None:
+            continue
+        commands = shell_commands(b["code"])
+        if commands and all(c in ran for c in commands):
+            repeats[i] = ran[commands[-1]]
+            continue
+        for c in commands:
+            ran.setdefault(c, f"{b['file']}:{b['line']}")
+    return repeats
+
+
 BLOCKS = [dict(b, file=str(path.relative_to(ROOT))) for path in DOC_FILES for b in readme_blocks(path.read_text())]
+for _i, _where in where_each_ran_before(BLOCKS).items():
+    BLOCKS[_i]["ran_in"] = _where
 
 
 def test_readme_has_blocks_and_every_skip_gives_a_reason():
@@ -117,6 +148,19 @@ def test_block_parser_convention():
     blocks = readme_blocks(text)
     assert [(b["lang"], b["skip"]) for b in blocks] == [("sh", None), ("python", "needs a GPU")]
     assert without_make(blocks[0]["code"]) == "omniroll demo \\\n  --out o\necho hi"
+
+
+def test_a_shell_block_whose_every_command_ran_before_is_not_run_again():
+    def sh(code, line, skip=None):
+        return {"lang": "sh", "code": code, "line": line, "skip": skip, "file": "a.md"}
+
+    blocks = [sh("omniroll train --out o   # AWM\nomniroll eval o", 1),
+              sh("omniroll  train --out o      # the same, another comment", 5),
+              sh("omniroll train --out o\nomniroll eval o --split heldout", 9),  # one new command: runs whole
+              sh("omniroll eval o --split heldout", 13, skip="needs a GPU"),  # skipped: never counted as run
+              sh("# only a comment", 17), sh("make demo", 19)]
+    assert shell_commands("make x \\\n  -j2\nfoo  --a \\\n  b # c\n# d") == ["foo --a b"]
+    assert where_each_ran_before(blocks) == {1: "a.md:1"}
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +186,8 @@ def readme_env(tiny_sd3_path, ray_cluster, tmp_path_factory):
 def test_readme_block_runs_verbatim(block, readme_env):
     if block["skip"] is not None:
         pytest.skip(f"{block['file']}:{block['line']}: {block['skip']}")
+    if "ran_in" in block:
+        pytest.skip(f"{block['file']}:{block['line']}: every command ran verbatim in {block['ran_in']}")
     work, env = readme_env
     if block["lang"] == "sh":
         code = without_make(block["code"])
