@@ -157,10 +157,12 @@ def test_a_shell_block_whose_every_command_ran_before_is_not_run_again():
     blocks = [sh("omniroll train --out o   # AWM\nomniroll eval o", 1),
               sh("omniroll  train --out o      # the same, another comment", 5),
               sh("omniroll train --out o\nomniroll eval o --split heldout", 9),  # one new command: runs whole
-              sh("omniroll eval o --split heldout", 13, skip="needs a GPU"),  # skipped: never counted as run
-              sh("# only a comment", 17), sh("make demo", 19)]
+              sh("omniroll export o", 13, skip="needs a GPU"),  # a skipped block's commands never count as run
+              sh("omniroll export o", 15),
+              sh("omniroll eval o --split heldout", 17),  # ran in the block at line 9
+              sh("# only a comment", 19), sh("make demo", 21)]
     assert shell_commands("make x \\\n  -j2\nfoo  --a \\\n  b # c\n# d") == ["foo --a b"]
-    assert where_each_ran_before(blocks) == {1: "a.md:1"}
+    assert where_each_ran_before(blocks) == {1: "a.md:1", 5: "a.md:9"}
 
 
 @pytest.fixture(scope="module")
