@@ -93,13 +93,19 @@ def _same(a, b, rows=None):
 
 
 def test_same_images_with_two_replicas_and_two_workers(cfg, replicas, baseline, ray_cluster):
+    """... and a worker, which holds the replicas' handles (Ray loads their actor class, omniroll.rollout.replica,
+    to unpickle one), imports neither PEFT nor transformers: they cost ~3 s of every worker's start."""
     for workers in (1, 2):
         mgr = AgentLoopManager(cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"num_workers": workers})}),
                                replicas)
         try:
             out = mgr.generate_sequences(make_batch(ROWS5))
+            loaded = ray_cluster.get(mgr.workers[0].__ray_call__.remote(
+                lambda self: sorted(m for m in ("omniroll.rollout.replica", "peft", "transformers")
+                                    if m in __import__("sys").modules)))
         finally:
             mgr.shutdown()
+        assert loaded == ["omniroll.rollout.replica"]
         _same(baseline, out)
         assert list(out.non_tensor_batch["uid"]) == ["u0", "u0", "u1", "u1", "u2"]
         assert len(out.meta_info["metrics"]) == 5 and "timing" in out.meta_info
