@@ -93,8 +93,8 @@ def _same(a, b, rows=None):
 
 
 def test_same_images_with_two_replicas_and_two_workers(cfg, replicas, baseline, ray_cluster):
-    """... and a worker, which holds the replicas' handles (Ray loads their actor class, omniroll.rollout.replica,
-    to unpickle one), imports neither PEFT nor transformers: they cost ~3 s of every worker's start."""
+    """One and two workers draw the baseline's images. A worker holds the replicas' handles, so Ray loads their actor
+    class (omniroll.rollout.replica) in it; it imports neither PEFT nor transformers (~3 s of every worker's start)."""
     for workers in (1, 2):
         mgr = AgentLoopManager(cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"num_workers": workers})}),
                                replicas)
