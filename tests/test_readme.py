@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -105,13 +106,34 @@ def without_make(code: str) -> str:
     return "\n".join(out)
 
 
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+
+
 def shell_commands(code: str) -> list[str]:
-    """The block's commands as they run: `make` lines left out, continuations joined, comments and spacing dropped."""
-    out = []
-    for line in without_make(code).replace("\\\n", " ").splitlines():
-        line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
-        if line:
-            out.append(line)
+    """The block's commands, to compare blocks: `make` lines left out, continuations joined, each command as its words
+    as bash splits them (quotes kept) up to a comment (a word that starts with `#`), a here-document's body kept with
+    the command that reads it (its lines are data, not commands)."""
+    out, lines = [], iter(without_make(code).replace("\\\n", " ").splitlines())
+    for line in lines:
+        lexer = shlex.shlex(line, posix=False)
+        lexer.whitespace_split, lexer.commenters = True, ""
+        try:
+            words = list(lexer)
+        except ValueError:  # an unclosed quote (a string that goes on over lines): the line's words as they stand
+            words = line.split()
+        words = words[:next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
+        if not words:
+            continue
+        command = " ".join(words)
+        heredoc = _HEREDOC.search(command)
+        if heredoc:
+            body = []
+            for body_line in lines:
+                if body_line.strip() == heredoc.group(1):
+                    break
+                body.append(body_line)
+            command = "\n".join([command, *body, heredoc.group(1)])
+        out.append(command)
     return out
 
 
@@ -162,6 +184,13 @@ def test_a_shell_block_whose_every_command_ran_before_is_not_run_again():
               sh("omniroll eval o --split heldout", 17),  # ran in the block at line 9
               sh("# only a comment", 19), sh("make demo", 21)]
     assert shell_commands("make x \\\n  -j2\nfoo  --a \\\n  b # c\n# d") == ["foo --a b"]
+    # quotes and a `#` inside a word are not comments; a here-document's lines belong to its command
+    assert shell_commands('echo "x # 1"  a#b # c') == ['echo "x # 1" a#b']
+    assert shell_commands("cat > f <<'EOF'\nn: 4  # four\nEOF\nls") == ["cat > f <<'EOF'\nn: 4  # four\nEOF", "ls"]
+    # the same here-document lines written to another file, or in another order, are another command
+    assert where_each_ran_before([sh("cat > f <<'EOF'\na\nb\nEOF", 1), sh("cat > g <<'EOF'\na\nb\nEOF", 5),
+                                  sh("cat > f <<'EOF'\nb\na\nEOF", 9), sh("cat > f <<'EOF'\na\nb\nEOF", 13)]) == {
+        3: "a.md:1"}
     assert where_each_ran_before(blocks) == {1: "a.md:1", 5: "a.md:9"}
 
 
@@ -192,9 +221,9 @@ def test_readme_block_runs_verbatim(block, readme_env):
         pytest.skip(f"{block['file']}:{block['line']}: every command ran verbatim in {block['ran_in']}")
     work, env = readme_env
     if block["lang"] == "sh":
-        code = without_make(block["code"])
-        if not code.strip() or all(line.strip().startswith("#") for line in code.splitlines() if line.strip()):
+        if not shell_commands(block["code"]):
             pytest.skip("only make lines")
+        code = without_make(block["code"])
         cmd = ["bash", "-eo", "pipefail", "-c", code]
         env = {**env, "OMNIROLL_OVERRIDES": small_overrides(code)}
     else:
