@@ -112,6 +112,23 @@ def test_every_recipe_of_the_config_cookbook_validates():
         load_config(config)  # raises ConfigError naming the key
 
 
+def test_the_which_example_table_lists_every_example_config_once():
+    """docs/getting-started.md's "Which example to run" has one row per config under examples/ (first column), and
+    names no config that does not exist: a new recipe cannot ship without its time and evidence."""
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    section = text.split("### Which example to run", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `(examples/[^`]+\.yaml)` \|", section, flags=re.M)
+    shipped = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.yaml"))
+    assert sorted(rows) == shipped, f"rows {sorted(rows)} against the configs {shipped}"
+
+
+def test_the_status_boxes_name_the_current_version():
+    """The README's and the docs home's status box say which version their claims are about: this one."""
+    for page in ("README.md", "docs/index.md"):
+        found = re.findall(r"Status \((\S+), (\d{4}-\d{2}-\d{2})\)", (ROOT / page).read_text())
+        assert [v for v, _ in found] == [omniroll.__version__], (page, found)
+
+
 def test_readme_links_point_at_files_that_exist():
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
