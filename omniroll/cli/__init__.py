@@ -23,6 +23,7 @@ import time
 #: subcommand -> module under omniroll.cli
 COMMANDS = {
     "demo": "omniroll.cli.demo",
+    "doctor": "omniroll.cli.doctor",
     "eval": "omniroll.cli.eval",
     "export": "omniroll.cli.export",
     "generate": "omniroll.cli.generate",
