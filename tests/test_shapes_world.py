@@ -54,6 +54,20 @@ def test_a_prompt_outside_the_grammar_is_refused_naming_the_nearest_valid_one(ba
         assert e.value.nearest == nearest
 
 
+def test_a_prompt_file_with_lines_outside_the_grammar_names_each_line_as_written(tmp_path):
+    from omniroll.tasks.shapes.splits import prompts_of
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("a red circle\r\n\na red circel\nthree squares\na dog\n")
+    with pytest.raises(ValueError) as e:
+        prompts_of(str(path))
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{path} line 3: ") and lines[1].startswith(f"{path} line 5: ")
+    assert "'a red circel' is not" in lines[0] and "'a dog' is not" in lines[1]  # the prompt, not its line break
+    path.write_text("a red circle\r\n\nthree squares\n")
+    assert prompts_of(str(path)) == ["a red circle", "three squares"]
+
+
 def test_every_grammar_word_is_a_word_of_the_prompts():
     words = grammar_words()
     assert {"circle", "squares", "left", "above", "purple", "four"} <= set(words)

@@ -83,7 +83,7 @@ def prompts_of(which: str, world: World = DEFAULT_WORLD) -> list[str]:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    prompts.append(parse_prompt(line, world).prompt)
+                    prompts.append(parse_prompt(line.rstrip("\r\n"), world).prompt)  # an error shows the line
                 except PromptError as e:
                     problems.append(f"{which} line {i}: {e}")
     if problems:
