@@ -61,13 +61,20 @@ class OutputWriteError(OSError):
 _SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\.\w+)*): (.+)$", re.S)
 
 
-def config_messages(error) -> list[str]:
+def config_messages(error, root: Optional[type] = None) -> list[str]:
     """One `dotted.key: what is wrong` per problem. A section's validator that names its own key in its message
     (`height: must be ...`, `kwargs.model_dir: directory not found: ...`) is reported under the full key
-    (`pipeline.height: ...`); several problems joined by "; " in one message become one line each."""
+    (`pipeline.height: ...`); several problems joined by "; " in one message become one line each. With `root` (the
+    validated model class), an unknown key names the nearest key of its section: `pipeline.heigth: Extra inputs are
+    not permitted (did you mean pipeline.height?)`."""
     out = []
     for err, line in zip(error.errors(), validation_messages(error)):
         key = ".".join(str(p) for p in err.get("loc") or ())
+        if root is not None and err.get("type") == "extra_forbidden":
+            near = nearest_key(root, tuple(err["loc"]))
+            if near:
+                msg = str(err.get("msg", ""))
+                line = line.replace(msg, f"{msg} (did you mean {near}?)", 1)
         parts = str(err.get("msg", "")).removeprefix("Value error, ").split("; ")
         if not key or not any(_SUBKEY.match(p) for p in parts):
             out.append(line)
@@ -76,3 +83,46 @@ def config_messages(error) -> list[str]:
             m = _SUBKEY.match(part)
             out.append(f"{key}.{m.group(1)}: {m.group(2)}" if m else f"{key}: {part}")
     return out
+
+
+def nearest_key(root: type, loc: tuple) -> Optional[str]:
+    """The dotted key of the field of `loc[:-1]`'s section (in the pydantic model class `root`) nearest to the unknown
+    key `loc[-1]`, or None when none is close (difflib's ratio >= 0.6)."""
+    import difflib
+
+    section = root
+    for part in loc[:-1]:
+        section = _child(section, str(part))
+        if section is None:
+            return None
+    fields = next((list(a.model_fields) for a in _arms(section) if isinstance(getattr(a, "model_fields", None), dict)),
+                  [])
+    match = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.6)
+    return ".".join([*map(str, loc[:-1]), match[0]]) if match else None
+
+
+def _arms(annotation) -> list:
+    """The types an annotation may hold: a Union's (or Optional's) members, an Annotated's type, or itself."""
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _arms(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [arm for a in typing.get_args(annotation) if a is not type(None) for arm in _arms(a)]
+    return [annotation]
+
+
+def _child(annotation, part: str):
+    """The annotation `part` of a value of `annotation` holds: a model's field, a dict's value or a list's item."""
+    import typing
+
+    for arm in _arms(annotation):
+        fields = getattr(arm, "model_fields", None)
+        if isinstance(fields, dict):
+            if part in fields:
+                return fields[part].annotation
+        elif typing.get_origin(arm) in (dict, list) and typing.get_args(arm):
+            return typing.get_args(arm)[-1]
+    return None

@@ -47,6 +47,30 @@ def test_bad_values_name_the_key(overrides, key):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("override, nearest", [
+    ("pipeline.heigth=64", "pipeline.height"),
+    ("replicas.cout=2", "replicas.count"),
+    ("trainer.stepz=3", "trainer.steps"),  # an Optional section
+    ("trainer.evaluation.seedz=3", "trainer.evaluation.seeds"),  # two levels down, Optional
+    ("trainer.lora.rnak=4", "trainer.lora.rank"),
+    ("reward.functions.jpeg.wieght=2", "reward.functions.jpeg.weight"),  # a dict's values
+    ("val_kwargs.pipeline.heigth=64", "val_kwargs.pipeline.height"),
+    ("trainer.xyzzy=1", None), ("nn=3", "n"), ("bogus=1", None),
+])
+def test_an_unknown_key_names_the_nearest_key_of_its_section(override, nearest):
+    overrides = [override, "reward.functions.jpeg.fn=jpeg_compressibility"]
+    if override.startswith("trainer."):
+        overrides.append("trainer.prompts=[a red car]")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    key = override.split("=")[0]
+    assert f"{key}: Extra inputs are not permitted" in str(e.value)
+    if nearest is None:
+        assert "did you mean" not in str(e.value)
+    else:
+        assert f"{key}: Extra inputs are not permitted (did you mean {nearest}?) (got " in str(e.value)
+
+
 def test_a_bad_value_is_shown_once():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["engine.max_batch_size=1"])

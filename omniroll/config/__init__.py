@@ -3,7 +3,8 @@
 Key names follow VeRL-Omni's `rollout` config where they mean the same thing (`pipeline.*`, `algo.*`,
 `agent.num_workers`, `agent.default_agent_loop`, `val_kwargs`, `seed`, `n`, `prompt_length`,
 `max_prompt_embed_length`, `calculate_log_probs`). Unknown keys and bad values raise `ConfigError` naming the dotted
-key, e.g. `pipeline.heigth: Extra inputs are not permitted`.
+key, an unknown key with the nearest key of its section: `pipeline.heigth: Extra inputs are not permitted (did you
+mean pipeline.height?)`.
 
     cfg = load_config("rollout.yaml", overrides=["pipeline.height=64", "replicas.count=2"])
     cfg.sampling_params()                # training sampling dict
@@ -213,4 +214,4 @@ def validate_config(raw: dict) -> OmniRollConfig:
     try:
         return OmniRollConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError("invalid config: " + "; ".join(config_messages(e))) from None
+        raise ConfigError("invalid config: " + "; ".join(config_messages(e, OmniRollConfig))) from None
