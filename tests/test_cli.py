@@ -154,6 +154,31 @@ def test_bad_input_fails_before_starting_one_line_per_error(tiny_cache, tmp_path
     assert exit_.value.code == 2 and "expected an int >= 2 or 'auto', got 'lots'" in capsys.readouterr().err
 
 
+#: the least each command that writes a directory needs before its --out (export: --to)
+WRITING_COMMANDS = [
+    ["demo"], ["generate", "--prompt", "a red car"], ["eval", "--model", "shapes", "--prompts", "heldout"],
+    ["rollout", "--config", "examples/rollout.yaml", "--prompts", "examples/prompts.txt"],
+    ["train", "--config", "examples/train.yaml"], ["pretrain", "shapes"], ["export", "no-checkpoint"]]
+
+
+@pytest.mark.parametrize("argv", WRITING_COMMANDS)
+def test_an_output_directory_that_cannot_be_written_fails_first_naming_the_flag(argv, tmp_path, capsys,
+                                                                                 nothing_starts):
+    """Every command's --out (export's --to) under a file, or a file itself: exit 2 with one line naming the flag,
+    before anything loads (before, the work ran first and its results were lost to an internal error)."""
+    from omniroll.cli import COMMANDS
+
+    flag = "--to" if argv[0] == "export" else "--out"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(argv + [flag, str(blocker / "out")]) == 2
+    assert _errors(capsys) == [f"omniroll {argv[0]}: error: {flag} {blocker / 'out'}: cannot be created: {blocker} "
+                               f"is a file, not a directory"]
+    assert main(argv + [flag, str(blocker)]) == 2
+    assert _errors(capsys) == [f"omniroll {argv[0]}: error: {flag} {blocker}: is a file, not a directory"]
+    assert {a[0] for a in WRITING_COMMANDS} == set(COMMANDS) - {"serve", "doctor"}  # all but the two that write none
+
+
 def test_rollout_checks_rewards_prompt_length_and_sampling_before_ray(tiny_cache, tmp_path, capsys, nothing_starts):
     base = ["rollout", "--config", "examples/rollout.yaml", "--prompts", "examples/prompts.txt", "--out", str(tmp_path)]
     assert main(base + ["--override", "prompt_length=10"]) == 2

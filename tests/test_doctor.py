@@ -66,7 +66,7 @@ def test_a_failed_check_exits_1_naming_it(tmp_path, monkeypatch, capsys):
     assert main(["doctor"]) == 1
     out, err = capsys.readouterr()
     assert "fail  cache" in out
-    assert f"omniroll doctor: error: cache: {blocker / 'cache'} is not writable" in err
+    assert f"omniroll doctor: error: cache: {blocker / 'cache'} cannot be created: {blocker} is a file" in err
 
 
 def test_ray_flag_runs_a_task_on_a_local_cluster(tmp_path):

@@ -219,7 +219,8 @@ def cli_reference() -> str:
     out = ["# Command-line reference", "",
            "Generated from the parsers `omniroll` builds (`omniroll/cli/`) by `make docs-generate`; a test fails when "
            "this page differs from the code. `omniroll <command> --help` prints the same. Every command exits 2 on a "
-           "user error (one line per problem naming the flag or key), 1 when some work failed after the rest was "
+           "user error (one line per problem naming the flag or key; an output directory that cannot be written is "
+           "one, found before any work starts), 1 when some work failed after the rest was "
            "written, 130 on Ctrl-C; `--debug` shows tracebacks. A flag that names a config key overrides `--config`; "
            "[the configuration reference](config.md) has every key.", "",
            "| command | what it does |", "|---|---|"]

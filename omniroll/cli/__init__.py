@@ -6,7 +6,8 @@ import torch, Ray and models inside `run`, so `omniroll --help` stays fast.
 
 What `main` guarantees for every command:
 - a user error (a bad flag value, config key, file, prompt, model path) prints one line per problem,
-  `omniroll <command>: error: ...`, and exits 2; a traceback only with `--debug`;
+  `omniroll <command>: error: ...`, and exits 2; a traceback only with `--debug`; an output directory (`--out`,
+  export's `--to`) that cannot be written is one, found before any work starts;
 - Ctrl-C (SIGINT) exits 130; a command writes what already finished before it returns (see each command);
 - work that failed (some samples) after the rest was written: one line per failed row, exit 1;
 - any other error is a bug: one line and exit 1 (`--debug` shows the traceback).
@@ -103,6 +104,11 @@ def main(argv=None) -> int:
         os.environ["RAY_ADDRESS"] = args.ray_address  # what connect_ray (and Ray itself) joins
     started = time.time()
     try:
+        for flag in ("out", "to"):  # every command's output directory (`export --to`), before any work
+            if isinstance(getattr(args, flag, None), str):
+                from omniroll.cli.common import check_out_dir
+
+                check_out_dir(getattr(args, flag), f"--{flag}")
         return int(_command(args.command).run(args) or 0)
     except OutputWriteError as e:  # disk full, file too large, ...: which file, why, and what is on disk
         if debug:

@@ -232,6 +232,30 @@ def preflight(cfg, prompts: list[str]) -> str:
     return model
 
 
+def directory_problem(path: str) -> Optional[str]:
+    """Why `path` cannot be (or become) a directory this process writes, or None: it is a file, or its nearest existing
+    parent is a file or not writable. Nothing is created."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        return "is a file, not a directory"
+    existing = full
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"cannot be created: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be created: {existing} is not writable"
+    return None
+
+
+def check_out_dir(path: str, flag: str = "--out") -> None:
+    """An output directory flag, before any work starts: UserError naming the flag when the directory cannot be
+    written (`directory_problem`)."""
+    problem = directory_problem(path)
+    if problem:
+        raise UserError(f"{flag} {path}: {problem}")
+
+
 def reward_prompt_problems(cfg, prompts: list[str]) -> list[str]:
     """Prompts a configured reward function cannot score (`omniroll.reward.scorers.prompt_problems`), each line
     naming the function's config key."""

@@ -140,18 +140,20 @@ def shapes_model_check(path: Optional[str] = None) -> Check:
 def cache_checks() -> list[Check]:
     """The two cache directories: writable (or creatable: the nearest existing parent is), and their disk's free
     space. Nothing is created."""
+    from omniroll.cli.common import directory_problem
     from omniroll.files import cache_dir
 
     out = []
     for name, path, what in (("cache", cache_dir(), "$OMNIROLL_CACHE_DIR: kept evaluations, engine calibrations"),
                              ("tiny models", os.path.abspath(os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")),
                               "$OMNIROLL_CACHE: the tiny checkpoints `--model tiny` builds")):
+        problem = directory_problem(path)
+        if problem:
+            out.append(Check(name, "fail", f"{path} {problem}; {what}"))
+            continue
         existing = path
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
-        if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
-            out.append(Check(name, "fail", f"{path} is not writable ({existing} is not a writable directory); {what}"))
-            continue
         free = shutil.disk_usage(existing).free / 2**30
         state = "writable" if existing == path else "to be created, writable"
         out.append(Check(name, "ok" if free >= 1 else "warn", f"{path}, {state}, {free:.1f} GiB free ({what})"))
