@@ -35,6 +35,24 @@ def test_docs_site_builds_strict(tmp_path):
     from omniroll.cli import COMMANDS
     for command in COMMANDS:
         assert f"omniroll {command}" in cli_page, command
+    # llms.txt lists every page of the navigation, each with its address on the site and a first sentence
+    from mkdocs.config import load_config
+
+    nav = load_config(str(ROOT / "mkdocs.yml"))["nav"]
+
+    def pages(items):
+        return [p for i in items for v in (i.values() if isinstance(i, dict) else [i])
+                for p in (pages(v) if isinstance(v, list) else [v])]
+
+    llms = (tmp_path / "site" / "llms.txt").read_text().splitlines()
+    assert llms[0] == "# omniroll" and llms[2].startswith("> Online RL")
+    listed = [line for line in llms if line.startswith("- [")]
+    assert len(listed) == len(pages(nav)) and all(re.match(r"- \[[^\]]+\]\(\S+/\): \S", line) or
+                                                   line.startswith("- [Home](./): ") for line in listed), listed
+    for page in pages(nav):
+        url = "./" if page == "index.md" else page.removesuffix("index.md").removesuffix(".md").rstrip("/") + "/"
+        assert sum(f"]({url})" in line for line in listed) == 1, page
+        assert (tmp_path / "site" / url / "index.html").is_file(), url
 
 
 def _generated():
