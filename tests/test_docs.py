@@ -35,6 +35,9 @@ def test_docs_site_builds_strict(tmp_path):
     from omniroll.cli import COMMANDS
     for command in COMMANDS:
         assert f"omniroll {command}" in cli_page, command
+    # every page ends with the date of its file's last commit (a clone has its history)
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert re.search(r"Last updated: \d{4}-\d{2}-\d{2}(, with uncommitted changes)? \(git\)", home)
     # llms.txt lists every page of the navigation, each with its address on the site and a first sentence
     from mkdocs.config import load_config
 
