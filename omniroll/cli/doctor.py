@@ -17,8 +17,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-HELP = "check the installation: dependencies and their versions, extras, torch and its devices, the shapes model, " \
-       "the caches, Ray"
+HELP = ("check the installation: dependencies and their versions, extras, torch and its devices, the shapes model, "
+        "the caches, Ray")
 
 #: what each optional extra of omniroll's package is for (`pip install 'omniroll[<extra>]'`)
 EXTRA_USES = {
@@ -89,7 +89,7 @@ def dependency_checks(requirements: list[str], installed: Callable[[str], Option
         if not problems:
             have = ", ".join(f"{r.name} {installed(r.name)}" for r in reqs[:3]) + (", ..." if len(reqs) > 3 else "")
             checks.append(Check(f"extra {extra}", "ok", have))
-        elif len(problems) == len(reqs) and all("missing" in p for p in problems):
+        elif all(installed(r.name) is None for r in reqs):
             checks.append(Check(f"extra {extra}", "off", f"not installed ({use}): pip install 'omniroll[{extra}]'"))
         else:
             checks.append(Check(f"extra {extra}", "warn", f"{'; '.join(problems)} ({use})"))
