@@ -70,7 +70,7 @@ docs-screenshots: docs
 	    http://127.0.0.1:$(SHOT_PORT)/$$(echo $${page%%:*} | sed 's/^index$$//') 2> /dev/null; \
 	done; kill $$(cat .shot-server.pid); rm -f .shot-server.pid
 
-# The generation demo with the shipped shapes model, then AWM on the shapes world (examples/shapes_demo.yaml, ~7.5 min
+# The generation demo with the shipped shapes model, then AWM on the shapes world (examples/shapes_demo.yaml, ~5 min
 # on 2 cores): the GenEval-style table before and after with the paired verdict, one line per step;
 # out/train/ gets metrics.jsonl, eval_curve.png, reward_curve.png, val_before.png / val_after.png (captioned),
 # eval/ (tables, grids, before_after_<split>.png, flips_<split>.png), checkpoints/.
