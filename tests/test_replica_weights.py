@@ -1,6 +1,7 @@
 """Weight sync and sleep / wake through Ray replicas: object refs, /dev/shm, LoRA, updates under load."""
 
 import asyncio
+import os
 
 import pytest
 import ray
@@ -11,6 +12,10 @@ from omniroll import GenerationRequest, SamplingParams
 from omniroll.engine.engine import DiffusionEngine
 from omniroll.rollout import RolloutClient, create_replicas, kill_replicas, output_from_wire
 from omniroll.weights import WeightSender, leftover_shm
+from omniroll.weights.transport import SHM_PREFIX
+
+#: the shared-memory files this process's senders name (the sender runs here; a segment's name carries its pid)
+OWN_SHM = f"{SHM_PREFIX}{os.getpid()}-"
 
 SP = dict(height=64, width=64, num_inference_steps=4, max_sequence_length=16, guidance_scale=4.5)
 
@@ -59,7 +64,7 @@ def test_full_sync_to_every_replica(setup, transport, version):
         out = gen(h, "f", 3)
         assert out.weight_version == version
         assert torch.equal(out.diffusion_output, ref.diffusion_output) and torch.equal(out.log_probs, ref.log_probs)
-    assert leftover_shm() == []
+    assert leftover_shm(OWN_SHM) == []  # this process's segments: the other test worker may be mid-sync
 
 
 def test_lora_sync_sends_only_lora_tensors(setup):
@@ -168,7 +173,7 @@ def test_replica_update_faults_change_nothing_then_a_good_update_lands(setup):
     ref = reference(local, target, "x", 6)
     out = gen(h, "x", 6)
     assert out.weight_version == 41 and torch.equal(out.diffusion_output, ref.diffusion_output)
-    assert torch.equal(out.log_probs, ref.log_probs) and leftover_shm() == []
+    assert torch.equal(out.log_probs, ref.log_probs) and leftover_shm(OWN_SHM) == []
 
 
 def test_shut_down_replica_refuses_every_call_at_once(ray_cluster, tiny_sd3_path):
