@@ -232,15 +232,21 @@ def preflight(cfg, prompts: list[str]) -> str:
     return model
 
 
+def nearest_existing(path: str) -> str:
+    """`path` (absolute) if it exists, else its nearest existing parent."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
 def directory_problem(path: str) -> Optional[str]:
     """Why `path` cannot be (or become) a directory this process writes, or None: it is a file, or its nearest existing
     parent is a file or not writable. Nothing is created."""
     full = os.path.abspath(path)
     if os.path.exists(full) and not os.path.isdir(full):
         return "is a file, not a directory"
-    existing = full
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(full)
     if not os.path.isdir(existing):
         return f"cannot be created: {existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -140,7 +140,7 @@ def shapes_model_check(path: Optional[str] = None) -> Check:
 def cache_checks() -> list[Check]:
     """The two cache directories: writable (or creatable: the nearest existing parent is), and their disk's free
     space. Nothing is created."""
-    from omniroll.cli.common import directory_problem
+    from omniroll.cli.common import directory_problem, nearest_existing
     from omniroll.files import cache_dir
 
     out = []
@@ -151,11 +151,9 @@ def cache_checks() -> list[Check]:
         if problem:
             out.append(Check(name, "fail", f"{path} {problem}; {what}"))
             continue
-        existing = path
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
+        existing = nearest_existing(path)
         free = shutil.disk_usage(existing).free / 2**30
-        state = "writable" if existing == path else "to be created, writable"
+        state = "writable" if existing == os.path.abspath(path) else "to be created, writable"
         out.append(Check(name, "ok" if free >= 1 else "warn", f"{path}, {state}, {free:.1f} GiB free ({what})"))
     return out
 
