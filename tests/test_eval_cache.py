@@ -15,7 +15,9 @@ from PIL import Image
 
 from omniroll.config import load_config
 from omniroll.engine.engine import DiffusionEngine
-from omniroll.evaluation.cache import COLUMNS, EvaluationCache, check_indices, eligible, entry_key, picture_digest
+from omniroll.evaluation.cache import (COLUMNS, EvaluationCache, check_indices, cpu_kernels, eligible, entry_key,
+                                       evaluate_kept, picture_digest)
+from omniroll.evaluation.shapes import eval_seed, scored
 from omniroll.weights import WeightSender
 
 
@@ -86,6 +88,95 @@ def test_an_entry_reads_back_bitwise_and_a_damaged_or_foreign_entry_is_a_miss(tm
     assert eligible([same, {**same, "weights": "v"}]) is None
     assert eligible([{**same, "execution": {"batch_invariant": False}}]) is None
     assert eligible([]) is None
+
+
+def rendered(prompts, seeds):
+    """A picture of each prompt drawn by the shapes world's renderer (what the prompt asks: its verdict is a pass)."""
+    from omniroll.tasks.shapes.grammar import parse_prompt
+    from omniroll.tasks.shapes.render import render
+    from omniroll.tasks.shapes.scene import sample_scene
+
+    return [render(sample_scene(parse_prompt(p), np.random.default_rng(s))) for p, s in zip(prompts, seeds)]
+
+
+def test_an_entry_from_another_machine_is_read_when_its_pictures_agree_in_verdicts_not_when_they_show_other_things(
+        tmp_path):
+    # the shipped entry was drawn on a machine whose CPU kernels give other last bits: the pictures drawn here differ
+    # from it by a level here and there, with the same verdicts; the evaluation is read, not drawn whole. A picture
+    # that shows something else (another verdict, or the same verdict on another picture) is never paired with it.
+    prompts = ["a red circle", "two squares", "a blue triangle", "a circle", "three triangles", "a green square",
+               "a yellow circle", "a black square", "a purple triangle", "two circles"]
+    seeds = 3
+    order = [(p, eval_seed(7, p, j)) for p in prompts for j in range(seeds)]
+    names, numbers = [p for p, _ in order], [s for _, s in order]
+    here = rendered(names, numbers)  # what this machine draws
+    ev_here = scored(here, names, numbers)
+    assert all(r["strict"] for r in ev_here.picture_records())
+    identity, sampling = {"weights": "w", "execution": {"batch_invariant": True}}, {"guidance_scale": 1.0}
+    key = entry_key(identity, sampling, names, numbers)
+
+    def entry_with(change):
+        """The shipped entry: this machine's pictures, `change(index, picture)` applied (digests written anew, so
+        the entry itself is sound)."""
+        root = tmp_path / f"shipped-{len(list(tmp_path.iterdir()))}"
+        other = [change(i, p.copy()) for i, p in enumerate(here)]
+        EvaluationCache(root).store(key, {}, names, numbers, other)
+        return EvaluationCache(tmp_path / "user", read_only=[root]), other
+
+    asked = []
+
+    def draw(indices, n):
+        asked.append(indices)
+        chosen = range(len(prompts)) if indices is None else indices
+        idx = [i * seeds + j for i in chosen for j in range(n)]
+        return scored([here[k] for k in idx], [names[k] for k in idx], [numbers[k] for k in idx])
+
+    def last_bits(i, p):  # 1 in 16 pixels one level up or down: what another CPU's arithmetic leaves
+        rng = np.random.default_rng(i)
+        step = rng.choice([-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], size=p.shape)
+        return np.clip(p.astype(int) + step, 0, 255).astype(np.uint8)
+
+    # 1. other last bits, the same verdicts: read (only the check pictures drawn), the stored pictures used
+    cache, other = entry_with(last_bits)
+    assert not any(np.array_equal(a, b) for a, b in zip(other, here))
+    ev, info = evaluate_kept(cache, identity, sampling, prompts, seeds, 7, draw)
+    assert asked == [check_indices(len(prompts))]
+    assert info["read"] and info["agreed"] == "verdicts" and info["checked"] == 8
+    assert "other last bits" in info["note"] and "every verdict the same" in info["note"]
+    assert f"drawn on an unrecorded CPU, here {cpu_kernels()}" in info["note"]
+    assert all(np.array_equal(a, b) for a, b in zip(ev.pictures, other))
+    assert ev.picture_records() == ev_here.picture_records()
+
+    # 2. one check picture shows something else with the same verdict (another passing scene of its prompt): never
+    #    paired with this machine's picture, drawn whole and kept in the user's cache
+    first = check_indices(len(prompts))[3] * seeds
+    cache, _ = entry_with(lambda i, p: rendered([names[i]], [numbers[i] + 1000])[0] if i == first else last_bits(i, p))
+    assert scored([rendered([names[first]], [numbers[first] + 1000])[0]], [names[first]],
+                  [numbers[first]]).picture_records() == [ev_here.picture_records()[first]]
+    asked.clear()
+    ev, info = evaluate_kept(cache, identity, sampling, prompts, seeds, 7, draw)
+    assert asked == [check_indices(len(prompts)), None] and not info["read"] and info["agreed"] is None
+    assert info["note"].startswith("warning: the evaluation cache's entry")
+    assert all(np.array_equal(a, b) for a, b in zip(ev.pictures, here))
+    assert EvaluationCache(tmp_path / "user").load(key, names, numbers) is not None  # this machine's, kept
+
+    # 3. a check picture whose verdict differs (its object painted out) while most pixels agree: drawn whole
+    (tmp_path / "user").rename(tmp_path / "user-before")
+    last = check_indices(len(prompts))[-1] * seeds
+    blank = np.broadcast_to(np.array([244, 242, 236], dtype=np.uint8), here[0].shape)
+    cache, other = entry_with(lambda i, p: np.where(np.abs(p.astype(int) - blank).sum(-1, keepdims=True) > 0,
+                                                    blank, p) if i == last else p)
+    assert not scored([other[last]], [names[last]], [numbers[last]]).picture_records()[0]["strict"]
+    asked.clear()
+    ev, info = evaluate_kept(cache, identity, sampling, prompts, seeds, 7, draw)
+    assert asked == [check_indices(len(prompts)), None] and not info["read"]
+    assert ev.picture_records() == ev_here.picture_records()
+
+    # 4. bitwise equal, as on the machine that drew it
+    cache, _ = entry_with(lambda i, p: p)
+    asked.clear()
+    ev, info = evaluate_kept(cache, identity, sampling, prompts, seeds, 7, draw)
+    assert asked == [check_indices(len(prompts))] and info["agreed"] == "bits" and "bitwise equal" in info["note"]
 
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -187,7 +278,7 @@ def test_the_evaluation_before_training_is_read_back_only_when_its_pictures_draw
     #    prompts' evaluation is read back (the same verdicts and grid as the run that drew it); the held-out one
     #    fails its check, is drawn whole (the same pictures as the first run's) and replaces the entry
     lines, second = run("second", seed=1)
-    assert second["train"]["cache"] == {**first["train"]["cache"], "read": True, "checked": 3,
+    assert second["train"]["cache"] == {**first["train"]["cache"], "read": True, "checked": 3, "agreed": "bits",
                                         "note": second["train"]["cache"]["note"]}
     assert sum(ln.strip().startswith("read from the evaluation cache, 3 of its 6 pictures drawn again: bitwise equal")
                for ln in lines) == 1
@@ -228,7 +319,8 @@ def test_omniroll_eval_reads_a_model_as_it_is_from_the_cache_unless_told_not_to(
     assert "drawn, and kept in the evaluation cache" in printed and first["cache"]["read"] is False
     printed, second = run("second")
     assert "read from the evaluation cache, 3 of its 6 pictures drawn again: bitwise equal" in printed
-    assert second["cache"] == {**first["cache"], "read": True, "checked": 3, "note": second["cache"]["note"]}
+    assert second["cache"] == {**first["cache"], "read": True, "checked": 3, "agreed": "bits",
+                              "note": second["cache"]["note"]}
     assert second["pictures"] == first["pictures"] and second["overall"] == first["overall"]
     assert (tmp_path / "first" / "eval_grid.png").read_bytes() == (tmp_path / "second" / "eval_grid.png").read_bytes()
     printed, third = run("third", "--no-cache")

@@ -58,8 +58,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="draw every picture: by default a model evaluated as it is (no checkpoint; a baseline "
                              "'none') is read from the evaluation cache when the same weights, sampling and seeds "
-                             "drew it before and 8 of its pictures, drawn again, are bitwise equal (else drawn and "
-                             "kept there: $OMNIROLL_CACHE_DIR/evaluations)")
+                             "drew it before and 8 of its pictures, drawn again, are bitwise equal or, drawn by "
+                             "another CPU, have the same verdicts (else drawn and kept there: "
+                             "$OMNIROLL_CACHE_DIR/evaluations)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -204,7 +205,7 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     also `paired` and `paired_table`, the flipped pictures framed in the grid and drawn in `flips.png`. `merge_lora`
     (default: the config's `engine.merge_lora`) keeps a LoRA checkpoint merged into the weights. `cache`: a model
     without a checkpoint is read from the evaluation cache when it can be (`omniroll.evaluation.cache.evaluate_kept`;
-    `cache` is then its `{"key", "read", "checked", "note"}`, else {})."""
+    `cache` is then its `{"key", "read", "checked", "agreed", "note"}`, else {})."""
 
     from omniroll.engine.config import EngineConfig, torch_dtype
     from omniroll.engine.engine import DiffusionEngine

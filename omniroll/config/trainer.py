@@ -41,7 +41,8 @@ class EvaluationSection(_Strict):
                                                    "(nft, awm), the validation sampling's scale alone otherwise")
     cache: bool = Field(True, description="read the evaluation before training from $OMNIROLL_CACHE_DIR/evaluations "
                         "when the same weights, sampling and seeds drew it before and 8 of its pictures, drawn "
-                        "again, are bitwise equal (batch-invariant replicas only); else draw it and keep it there "
+                        "again, are bitwise equal or, drawn by another CPU, have the same verdicts (batch-invariant "
+                        "replicas only); else draw it and keep it there "
                         "(omniroll.evaluation.cache); false: always draw")
 
     @field_validator("splits")

@@ -6,8 +6,14 @@ device, threads, library versions), the sampling and the (prompt, seed) list. An
 `<root>/<key>/`: `pictures.png` (the pictures side by side in rows of `COLUMNS`, lossless) and `entry.json` (what the
 key was made of and every picture's prompt, seed and sha256). Reading an entry checks every picture's digest: a
 damaged file is a miss. No key can see a change in the code that draws, so the caller draws `check_indices` again
-and compares them with the entry before using it (`matches`); a mismatch means the evaluation is drawn whole and
-the entry replaced. Only batch-invariant engines are eligible (`eligible`): elsewhere a picture depends on its batch.
+and compares them with the entry before using it. Bitwise equal (`matches`): the entry is read. Another machine's
+CPU kernels move pictures in their last bits without changing what they show, so an entry is also read when the
+pictures drawn again differ from it only that way (`agree_in_verdicts`): every one has the stored picture's exact
+verdicts (pass or fail, partial credit, the checker's reasons) and differs from it by at most `NEAR_LEVELS` on
+average (the same picture, not another one). Otherwise the evaluation is drawn whole and the entry replaced. The
+pairing that reads an entry afterwards compares verdicts at the same (prompt, seed), which is what this check
+guarantees on its sample. Only batch-invariant engines are eligible (`eligible`): elsewhere a picture depends on its
+batch.
 The root: `$OMNIROLL_CACHE_DIR/evaluations` (default `~/.cache/omniroll/evaluations`). A model directory may ship
 entries of its own in `evaluations/` (`SHIPPED`; the shapes model ships the demo's, so a first `make demo` reads its
 evaluation before training too): read after the root, never written. The root holds at most `MAX_BYTES` (2 GiB):
@@ -33,6 +39,8 @@ COLUMNS = 32  # pictures per row of pictures.png
 CHECKED = 8  # pictures drawn again before an entry is used
 MAX_BYTES = 2 << 30  # the root's entries beyond this, least recently used first, are removed when one is written
 SHIPPED = "evaluations"  # a model directory's own entries
+NEAR_LEVELS = 2.0  # the largest mean |difference| (of 255) between a stored picture and one drawn again with the same
+# verdicts for the entry to be read: last bits move a few pixels by a level or two, another picture moves many more
 
 
 def cache_root() -> Path:
@@ -68,6 +76,31 @@ def matches(stored: list[np.ndarray], drawn: list[np.ndarray]) -> bool:
     """Every drawn picture equals the stored one bitwise (shape, dtype and bytes)."""
     return len(stored) == len(drawn) and all(
         a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(stored, drawn))
+
+
+def cpu_kernels() -> str:
+    """What decides a picture's last bits on this machine beyond the key: the CPU instruction set torch's kernels use
+    ("AVX512", "AVX2", ...) and the machine's architecture; kept in each entry it writes (`drawn_on`)."""
+    import platform
+
+    import torch
+
+    return f"{torch.backends.cpu.get_cpu_capability()} on {platform.machine()}"
+
+
+def mean_levels(a: np.ndarray, b: np.ndarray) -> float:
+    """The mean absolute difference of two uint8 pictures of one shape, in levels of 255."""
+    return float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean())
+
+
+def agree_in_verdicts(stored: list[dict], drawn: list[dict], stored_pictures: list[np.ndarray],
+                      drawn_pictures: list[np.ndarray], near: float = NEAR_LEVELS) -> bool:
+    """The pictures drawn again show what the stored ones show: the same verdict records (`Evaluation.
+    picture_records`: prompt, seed, pass or fail, partial credit, reasons) one by one, and pictures of one shape that
+    differ by at most `near` levels on average."""
+    return (len(stored) == len(drawn) == len(stored_pictures) == len(drawn_pictures) and stored == drawn
+            and all(a.shape == b.shape and mean_levels(a, b) <= near
+                    for a, b in zip(stored_pictures, drawn_pictures)))
 
 
 class EvaluationCache:
@@ -166,35 +199,55 @@ class EvaluationCache:
         return removed
 
 
+def drawn_on(folder: Path) -> str:
+    """The `cpu_kernels()` of the machine that wrote the entry in `folder` ("an unrecorded CPU" for an older one)."""
+    try:
+        return str(json.loads((folder / "entry.json").read_text())["drawn_on"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unrecorded CPU"
+
+
 def evaluate_kept(cache: EvaluationCache, identity: dict, sampling: dict, prompts: list[str], seeds: int,
                   base_seed: int, draw: Callable[[Optional[list[int]], int], Evaluation]) -> tuple[Evaluation, dict]:
     """The evaluation of every prompt at `seeds` seeds (`eval_seed(base_seed, prompt, j)`), read from `cache` when an
     entry has it and its pictures at `check_indices` of the prompts (their first seed), drawn again, are bitwise
-    equal; else drawn whole and kept in `cache.root` (replacing an entry that did not match). `draw(indices, n)`
-    draws the prompts at `indices` (None: all) `n` times each, in order, with the engines `identity` describes.
-    Returns it with `{"key", "read", "checked", "note"}` (the note: one console line saying which)."""
+    equal or agree in their verdicts (`agree_in_verdicts`: another machine's last bits); else drawn whole and kept in
+    `cache.root` (replacing an entry that did not agree). `draw(indices, n)` draws the prompts at `indices` (None:
+    all) `n` times each, in order, with the engines `identity` describes. Returns it with `{"key", "read",
+    "checked", "agreed", "note"}`: `agreed` is "bits", "verdicts" or None (not read); the note, one console line
+    saying which."""
     order = [(p, eval_seed(base_seed, p, j)) for p in prompts for j in range(seeds)]
     names, numbers = [p for p, _ in order], [s for _, s in order]
     key = entry_key(identity, sampling, names, numbers)
     found = cache.load(key, names, numbers)
-    info = {"key": key, "read": False, "checked": 0}
+    info = {"key": key, "read": False, "checked": 0, "agreed": None}
     if found is not None:
         stored, folder = found
         chosen = check_indices(len(prompts))
         again = draw(chosen, 1)
         info["checked"] = len(chosen)
-        if (list(zip(again.prompts, again.seeds)) == [order[i * seeds] for i in chosen]
-                and matches([stored[i * seeds] for i in chosen], again.pictures)):
-            return scored(stored, names, numbers), {**info, "read": True, "note": (
-                f"read from the evaluation cache, {len(chosen)} of its {len(stored)} pictures drawn again: bitwise "
-                f"equal ({folder})")}
+        kept = [stored[i * seeds] for i in chosen]
+        if list(zip(again.prompts, again.seeds)) == [order[i * seeds] for i in chosen]:
+            if matches(kept, again.pictures):
+                return scored(stored, names, numbers), {**info, "read": True, "agreed": "bits", "note": (
+                    f"read from the evaluation cache, {len(chosen)} of its {len(stored)} pictures drawn again: "
+                    f"bitwise equal ({folder})")}
+            checked = scored(kept, again.prompts, again.seeds)
+            if agree_in_verdicts(checked.picture_records(), again.picture_records(), kept, again.pictures):
+                worst = max(mean_levels(a, b) for a, b in zip(kept, again.pictures))
+                return scored(stored, names, numbers), {**info, "read": True, "agreed": "verdicts", "note": (
+                    f"read from the evaluation cache, {len(chosen)} of its {len(stored)} pictures drawn again: "
+                    f"other last bits (at most {worst:.2f} levels apart on average: another machine's CPU kernels), "
+                    f"every verdict the same; drawn on {drawn_on(folder)}, here {cpu_kernels()} ({folder})")}
         note = (f"warning: the evaluation cache's entry {folder} differs from {len(chosen)} of its pictures drawn "
-                f"again (another machine, or a change to the code that draws?): drawn whole, and kept in {cache.root}")
+                f"again, in what they show (another model, or a change to the code that draws?): drawn whole, and "
+                f"kept in {cache.root}")
     else:
         note = "drawn, and kept in the evaluation cache for a run with the same weights, sampling and seeds"
     ev = draw(None, seeds)
     if list(zip(ev.prompts, ev.seeds)) != order:  # never expected: the key would not name these pictures
         note = "drawn, not kept in the evaluation cache: its seeds are not the ones the key names"
-    elif cache.store(key, {"identity": identity, "sampling": sampling}, names, numbers, ev.pictures) is None:
+    elif cache.store(key, {"identity": identity, "sampling": sampling, "drawn_on": cpu_kernels()}, names, numbers,
+                     ev.pictures) is None:
         note = f"drawn, not kept in the evaluation cache: {cache.root} could not be written"
     return ev, {**info, "note": note}

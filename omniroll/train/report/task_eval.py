@@ -145,8 +145,8 @@ class TaskEvaluation:
     def draw_kept(self, manager, identity: dict, prompts: list[str], seeds: int, guidance: float,
                   split: str) -> tuple[Evaluation, dict]:
         """`omniroll.evaluation.cache.evaluate_kept` through the replicas: read from the cache after the check, else
-        drawn whole and kept. Returns the evaluation and `{"key", "read", "checked", "note"}`. The model's directory
-        may ship entries (`EvaluationCache.for_model`)."""
+        drawn whole and kept. Returns the evaluation and `{"key", "read", "checked", "agreed", "note"}`. The model's
+        directory may ship entries (`EvaluationCache.for_model`)."""
         from omniroll.models import resolve_model
 
         cache = EvaluationCache.for_model(resolve_model(self.config.engine.model))
