@@ -22,6 +22,12 @@ def cache_dir() -> str:
     return os.environ.get("OMNIROLL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "omniroll")
 
 
+def tiny_model_cache_dir() -> str:
+    """`$OMNIROLL_CACHE` (default `.omniroll_cache`, under the working directory): where `--model tiny` and the other
+    tiny families build their checkpoints once."""
+    return os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")
+
+
 def write_bytes(path: str, data: bytes) -> str:
     """Write `data` to `path` atomically (a temporary file in the same directory, then a rename), mode 0644. A failed
     write leaves no partial file and raises `OutputWriteError` naming the path and why (e.g. no space left)."""

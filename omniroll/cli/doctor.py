@@ -141,11 +141,11 @@ def cache_checks() -> list[Check]:
     """The two cache directories: writable (or creatable: the nearest existing parent is), and their disk's free
     space. Nothing is created."""
     from omniroll.cli.common import directory_problem, nearest_existing
-    from omniroll.files import cache_dir
+    from omniroll.files import cache_dir, tiny_model_cache_dir
 
     out = []
     for name, path, what in (("cache", cache_dir(), "$OMNIROLL_CACHE_DIR: kept evaluations, engine calibrations"),
-                             ("tiny models", os.path.abspath(os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")),
+                             ("tiny models", os.path.abspath(tiny_model_cache_dir()),
                               "$OMNIROLL_CACHE: the tiny checkpoints `--model tiny` builds")):
         problem = directory_problem(path)
         if problem:

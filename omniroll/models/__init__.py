@@ -49,7 +49,9 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
         return checkpoint_dir()
     if model in TINY_MODELS:
         family = TINY_MODELS[model]
-        root = cache_dir or os.environ.get("OMNIROLL_CACHE", ".omniroll_cache")
+        from omniroll.files import tiny_model_cache_dir
+
+        root = cache_dir or tiny_model_cache_dir()
         return build_tiny(family, os.path.join(root, f"tiny-{family}"), seed=0)
     if not os.path.isfile(os.path.join(model, INDEX_FILE)):
         if _looks_like_hub_id(model):
