@@ -243,3 +243,15 @@ def test_the_rules_name_what_fails():
         "a square turning from green to blue", 3))
     assert not j.strict and any("starts green, expected blue" in r for r in j.reasons)
     assert 0 < j.continuous < 1
+
+
+def test_an_object_that_vanishes_and_comes_back_has_not_stayed_since_it_appeared():
+    spec = parse_prompt("a red circle appears, then a blue square")
+    circle, square = _det(20, 20, "circle", "red"), _det(45, 45, "square", "blue")
+    stays = [[], [circle], [circle], [circle, square], [circle, square], [circle, square]]
+    assert judge_clip(spec, stays).strict
+    # the circle is seen at frame 1, gone at 2, back at 3: its longest track starts at 3, but it appeared at 1
+    back = [[], [circle], [], [circle], [circle, square], [circle, square]]
+    j = judge_clip(spec, back)
+    assert not j.strict and j.reasons == ("the circle does not stay to the end",)
+    assert not judge_clip(spec, [[], [square], [square], [circle, square], [circle, square], [circle, square]]).strict

@@ -12,8 +12,8 @@ per-frame detections, so a cheat shows exactly the clip's own pictures, only not
               keep the clip mostly in order (or mostly reversed), or only swaps frames within the beginning and
               within the end (which keeps an appearance or a colour change where it was: a clip still showing what
               its prompt asks), is not called a shuffle. Uniform derangements without (a) and (b) are measured too
-              (`benchmarks/moving_shapes_checker.py`): the checker passes 0.0-0.6 % of them, all such
-              order-keeping ones.
+              (`benchmarks/moving_shapes_checker.py`): the checker passes 0.0-0.2 % of them (clips that
+              still show what their prompt asks: a colour change kept in place, a nearly monotone motion).
 
 The frozen and shuffled clips are also the baselines a video model must beat on the motion categories.
 """

@@ -4,7 +4,7 @@ on top of the shapes world's pictures (`MovingWorld`).
 A clip is `frames` pictures of the shapes world (its canvas, background, colours and shape kinds: `World`, by
 composition), in which what the prompt asks happens in time. Everything else in `omniroll.tasks.moving_shapes` (the
 grammar, the scene sampler, the renderer, the checker) reads its words and numbers from a `MovingWorld`.
-`DEFAULT_MOVING_WORLD` is 9 frames at 64x64, objects of 12-18 px moving 24-40 px over the clip.
+`DEFAULT_MOVING_WORLD` is 9 frames at 64x64, objects of 14-18 px moving 24-40 px over the clip.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 
 
 def _picture_world() -> World:
-    # the shapes world's colours, shapes and canvas, with objects small enough to travel 40 px across 64 px
-    return World(min_size=12.0, max_size=18.0)
+    # the shapes world's colours, shapes and canvas, with objects small enough to travel 40 px across 64 px (at
+    # 12 px a circle off the pixel grid can read as a square; the shapes world's pictures start at 14 px)
+    return World(min_size=14.0, max_size=18.0)
 
 
 @dataclass(frozen=True)
