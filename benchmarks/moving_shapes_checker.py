@@ -20,6 +20,7 @@ import json
 import time
 
 import numpy as np
+from _common import machine_info, record_loadavg
 
 from omniroll.tasks.moving_shapes.cheats import CHEATS, cheat_order
 from omniroll.tasks.moving_shapes.grammar import TAGS, all_specs
@@ -46,6 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.shuffles < 1:
         parser.error("--rounds and --shuffles must be >= 1")
+    machine = machine_info(1, ("numpy",))
     rng = np.random.default_rng(args.seed)
     passed = {tag: collections.defaultdict(list) for tag in TAGS}
     detect_s, judge_s, judged, clips = 0.0, 0.0, 0, 0
@@ -75,7 +77,9 @@ def main() -> None:
               "clips": clips}
     print(f"checker time per clip: detection {timing['detect_ms_per_clip']:.1f} ms (every frame), tracker and "
           f"rules {timing['judge_ms_per_clip']:.2f} ms")
-    print(json.dumps({"rates": rates, "counts": counts, **timing, "rounds": args.rounds, "shuffles": args.shuffles}))
+    record_loadavg(machine, "loadavg_end")
+    print(json.dumps({"rates": rates, "counts": counts, **timing, "rounds": args.rounds, "shuffles": args.shuffles,
+                      "machine": machine}))
 
 
 if __name__ == "__main__":
