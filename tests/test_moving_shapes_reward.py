@@ -22,6 +22,7 @@ def _samples():
     out.append(RewardSample(sample_id="frozen", prompt=PROMPTS[0], image=frozen))
     out.append(RewardSample(sample_id="image", prompt=PROMPTS[0], image=out[0].image[0]))
     out.append(RewardSample(sample_id="bad", prompt="a red circle moving sideways", image=out[0].image))
+    out.append(RewardSample(sample_id="one", prompt=PROMPTS[0], image=out[0].image[:1]))  # a video of one frame
     return out
 
 
@@ -53,6 +54,7 @@ def test_scored_rows_carry_credit_the_category_and_the_motion_meter_and_bad_rows
     image, bad = res[5], res[6]
     assert image.status == "failed" and image.score is None and "is an image" in image.error
     assert bad.status == "failed" and bad.score is None and "nearest valid prompt" in bad.error
+    assert res[7].status == "failed" and "at least 2 frames" in res[7].error
 
 
 def test_the_motion_meter_lands_in_the_steps_metrics(tmp_path, tiny_sd3_path):
