@@ -255,3 +255,20 @@ def test_an_object_that_vanishes_and_comes_back_has_not_stayed_since_it_appeared
     j = judge_clip(spec, back)
     assert not j.strict and j.reasons == ("the circle does not stay to the end",)
     assert not judge_clip(spec, [[], [square], [square], [circle, square], [circle, square], [circle, square]]).strict
+
+
+def test_a_prompt_file_is_read_in_canonical_form_and_lines_outside_the_grammar_are_named(tmp_path):
+    from omniroll.tasks.moving_shapes.splits import prompts_of
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("A red circle appears then a blue square.\r\n\na red circel moving left\na dog\n")
+    with pytest.raises(ValueError) as e:
+        prompts_of(str(path))
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{path} line 3: ") and lines[1].startswith(f"{path} line 4: ")
+    assert "nearest valid prompt is 'a red circle moving left'" in lines[0]
+    path.write_text("A red circle appears then a blue square.\n")
+    assert prompts_of(str(path)) == ["a red circle appears, then a blue square"]
+    assert prompts_of("heldout") == split_prompts("heldout")
+    with pytest.raises(FileNotFoundError, match="train"):
+        prompts_of(str(tmp_path / "missing.txt"))

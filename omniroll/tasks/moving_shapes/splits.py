@@ -17,7 +17,7 @@ never changes; every word of the grammar is still seen in training, only the com
 Indices are positions in the default world's `shapes` (circle 0, square 1, triangle 2), colours (red 0, yellow 1,
 green 2, blue 3, purple 4, black 5) and `directions` (left 0, right 1, up 2, down 3). Of the 438 prompts, 346 are
 for training and 92 held out. Both wordings of a two-motion requirement fall on the same side. `split_prompts(name)`
-lists a split's prompts in the grammar's order.
+lists a split's prompts in the grammar's order; `prompts_of(name_or_file)` also reads a file of prompts.
 """
 
 from __future__ import annotations
@@ -59,3 +59,30 @@ def split_prompts(split: str, world: MovingWorld = DEFAULT_MOVING_WORLD) -> list
         return [s.prompt for s in specs]
     want = split == "heldout"
     return [s.prompt for s in specs if is_heldout(s, world) == want]
+
+
+def prompts_of(which: str, world: MovingWorld = DEFAULT_MOVING_WORLD) -> list[str]:
+    """A split's prompts ("train", "heldout", "all"), or those of a file of one grammar prompt per line (blank lines
+    skipped; each prompt in its canonical form; ValueError naming every line outside the grammar, with its nearest
+    valid prompt)."""
+    import os
+
+    from omniroll.tasks.moving_shapes.grammar import PromptError, parse_prompt
+
+    if which in SPLITS:
+        return split_prompts(which, world)
+    if not os.path.isfile(which):
+        raise FileNotFoundError(f"expected one of {list(SPLITS)} or a file of prompts, got {which!r} (no such file)")
+    prompts, problems = [], []
+    with open(which, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    prompts.append(parse_prompt(line.rstrip("\r\n"), world).prompt)
+                except PromptError as e:
+                    problems.append(f"{which} line {i}: {e}")
+    if problems:
+        raise ValueError("\n".join(problems))
+    if not prompts:
+        raise ValueError(f"{which} holds no prompt (one grammar prompt a line)")
+    return prompts
