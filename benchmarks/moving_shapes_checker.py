@@ -6,10 +6,13 @@ leaves out).
 Every prompt of the grammar is rendered `--rounds` times at seeded scenes (438 clips a round); each clip's frames are
 detected once (timed: the shapes detector on every frame) and judged in each order (timed: tracker and rules), as
 `score_clip` would judge the reordered clip (a cheat only reorders the clip's own frames). `--shuffles` shuffles and
-random derangements are drawn per clip. Printed: a table of percentages per category; the last line is JSON.
+random derangements are drawn per clip. With `--noise SIGMA`, each clip is also judged with Gaussian noise of that
+standard deviation added to every pixel (a generator's imperfect pixels; the "noisy" column, detected anew).
+Printed: a table of percentages per category; the last line is JSON.
 
     python benchmarks/moving_shapes_checker.py                 # 1 round, 10 shuffles a clip: about a minute
-    python benchmarks/moving_shapes_checker.py --rounds 3
+    python benchmarks/moving_shapes_checker.py --rounds 3 --shuffles 20
+    python benchmarks/moving_shapes_checker.py --noise 16
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from omniroll.tasks.moving_shapes.judge import detect_frames, judge_clip
 from omniroll.tasks.moving_shapes.render import render_clip
 from omniroll.tasks.moving_shapes.scene import sample_clip_scene
 
-COLUMNS = ("rendered", *CHEATS, "derangement")
+BASE_COLUMNS = ("rendered", *CHEATS, "derangement")
 
 
 def derangement(frames: int, rng: np.random.Generator) -> np.ndarray:
@@ -44,9 +47,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="renders of every prompt (438 clips each)")
     parser.add_argument("--shuffles", type=int, default=10, help="shuffles and derangements drawn per clip")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise", type=float, default=0.0, help="also judge each clip with this pixel noise (0: no)")
     args = parser.parse_args()
-    if args.rounds < 1 or args.shuffles < 1:
-        parser.error("--rounds and --shuffles must be >= 1")
+    if args.rounds < 1 or args.shuffles < 1 or not 0 <= args.noise <= 128:
+        parser.error("--rounds and --shuffles must be >= 1, --noise in [0, 128]")
+    columns = BASE_COLUMNS + (("noisy",) if args.noise else ())
     machine = machine_info(1, ("numpy",))
     rng = np.random.default_rng(args.seed)
     passed = {tag: collections.defaultdict(list) for tag in TAGS}
@@ -68,17 +73,21 @@ def main() -> None:
                 judge_s += time.perf_counter() - t0
                 judged += 1
                 passed[spec.tag][name].append(j.strict)
-    rates = {tag: {c: float(np.mean(passed[tag][c])) for c in COLUMNS} for tag in TAGS}
-    counts = {tag: {c: len(passed[tag][c]) for c in COLUMNS} for tag in TAGS}
-    print(f"{'category':<12}" + "".join(f"{c:>13}" for c in COLUMNS) + "   (strict success %, clips / draws)")
+            if args.noise:
+                noisy = np.clip(clip + rng.normal(0.0, args.noise, clip.shape), 0, 255).astype(np.uint8)
+                passed[spec.tag]["noisy"].append(judge_clip(spec, detect_frames(noisy)).strict)
+    rates = {tag: {c: float(np.mean(passed[tag][c])) for c in columns} for tag in TAGS}
+    counts = {tag: {c: len(passed[tag][c]) for c in columns} for tag in TAGS}
+    print(f"{'category':<12}" + "".join(f"{c:>13}" for c in columns) + "   (strict success %, clips / draws)")
     for tag in TAGS:
-        print(f"{tag:<12}" + "".join(f"{100 * rates[tag][c]:>8.2f} {counts[tag][c]:>4}" for c in COLUMNS))
+        print(f"{tag:<12}" + "".join(f"{100 * rates[tag][c]:>8.2f} {counts[tag][c]:>4}" for c in columns))
     timing = {"detect_ms_per_clip": 1000 * detect_s / clips, "judge_ms_per_clip": 1000 * judge_s / judged,
               "clips": clips}
     print(f"checker time per clip: detection {timing['detect_ms_per_clip']:.1f} ms (every frame), tracker and "
           f"rules {timing['judge_ms_per_clip']:.2f} ms")
     record_loadavg(machine, "loadavg_end")
     print(json.dumps({"rates": rates, "counts": counts, **timing, "rounds": args.rounds, "shuffles": args.shuffles,
+                      "noise": args.noise,
                       "machine": machine}))
 
 
