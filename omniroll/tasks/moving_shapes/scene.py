@@ -15,7 +15,7 @@ Every object stays inside the canvas's margins in every frame, and two objects n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -103,13 +103,12 @@ def sample_clip_scene(spec: ClipSpec, rng: np.random.Generator, world: MovingWor
             first = int(rng.choice(world.appear_frames))
             second = first + int(rng.integers(world.appear_gap[0], world.appear_gap[1] + 1))
             (a, b) = spec.actors
-            objects = (MovingObject(**{**vars(_mover(a.shape, a.colour, None, rng, world)), "appear": first}),
-                       MovingObject(**{**vars(_mover(b.shape, b.colour, None, rng, world)), "appear": second}))
+            objects = (replace(_mover(a.shape, a.colour, None, rng, world), appear=first),
+                       replace(_mover(b.shape, b.colour, None, rng, world), appear=second))
         elif spec.tag == "change":
             (a,) = spec.actors
             still = _mover(a.shape, a.colour, None, rng, world)
-            objects = (MovingObject(**{**vars(still), "becomes": a.becomes,
-                                       "change_frame": int(rng.choice(world.change_frames))}),)
+            objects = (replace(still, becomes=a.becomes, change_frame=int(rng.choice(world.change_frames))),)
         else:
             raise ValueError(f"unknown tag {spec.tag!r}")
         if len(objects) < 2 or all(_apart(p, q, world.picture.gap) for t in range(T)
