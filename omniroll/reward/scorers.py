@@ -30,6 +30,7 @@ from PIL import Image
 
 from omniroll.reward.clip import AestheticScorer, ClipScoreScorer, PickScoreScorer
 from omniroll.reward.http import HttpScorer, decode_png_batch, decode_safetensors_batch
+from omniroll.reward.moving_shapes import MOVING_SHAPES_SCORERS
 from omniroll.reward.ocr import OcrScorer
 from omniroll.reward.shapes import SHAPES_SCORERS
 
@@ -295,6 +296,7 @@ SCORER_REGISTRY: dict[str, Callable[..., Scorer]] = {
     "clip_score": ClipScoreScorer,
     "aesthetic": AestheticScorer,
     **SHAPES_SCORERS,
+    **MOVING_SHAPES_SCORERS,
 }
 
 

@@ -1,0 +1,73 @@
+"""The moving-shapes world's rewards: its exact clip checker (`omniroll.tasks.moving_shapes`), usable as
+`reward.functions.<name>.fn: moving_shapes` (partial credit, for RL: the share of the prompt's requirements met),
+`moving_shapes_continuous` (the same requirements graded) or `moving_shapes_strict` (pass / fail).
+
+Each returns, per sample, a dict: `score` (the reward) and extras that land in the row's `extra_info` as
+`<name>/<key>` and that the trainer averages per step into metrics.jsonl and the trackers (`reward/<name>/<key>`):
+`strict`, `partial` and `continuous` of every sample, `<category>` (its strict pass) for the sample's own category
+only, and `motion`, the clip's mean tracked displacement in pixels: averaged per step it is the motion meter, which
+shows a policy collapsing to static clips whatever the reward says. A sample that is not a video (an image), a clip
+the checker cannot read, or a prompt outside the grammar is that row's error, with the reason (the row fails, the
+others are scored; never a reward of 0); `check_prompts` finds such prompts before anything starts.
+"""
+
+from __future__ import annotations
+
+from omniroll.tasks.moving_shapes.grammar import PromptError, check_prompts, parse_prompt
+from omniroll.tasks.moving_shapes.judge import score_clip
+
+
+def _values(samples, score: str) -> list:
+    """One dict per sample, or the error instance of a sample that cannot be scored (it fails that row alone,
+    `RewardManager`)."""
+    out = []
+    for s in samples:
+        if not s.is_video:
+            out.append(ValueError(f"sample {s.sample_id!r} is an image of shape {tuple(s.image.shape)}; the "
+                                  f"moving-shapes reward scores videos [T, 3, H, W]"))
+            continue
+        try:
+            spec = parse_prompt(s.prompt)
+            j = score_clip(spec, s.image)
+        except (PromptError, ValueError) as e:
+            out.append(e)
+            continue
+        strict = float(j.strict)
+        values = {"strict": strict, "partial": j.partial, "continuous": j.continuous}
+        out.append({"score": values[score], **values, spec.tag: strict, "motion": j.motion})
+    return out
+
+
+def moving_shapes_partial(samples) -> list[dict]:
+    """Partial credit in [0, 1]: the share of the prompt's requirements the clip meets
+    (`omniroll.tasks.moving_shapes.rules`)."""
+    return _values(samples, "partial")
+
+
+def moving_shapes_continuous(samples) -> list[dict]:
+    """Continuous credit in [0, 1]: the requirements graded by how nearly each is met (how far the object moved
+    along its direction, how steadily, its colour's share, ...), so a clip nearer a pass earns more."""
+    return _values(samples, "continuous")
+
+
+def moving_shapes_strict(samples) -> list[dict]:
+    """Strict success: 1.0 when the clip meets every requirement, else 0.0."""
+    return _values(samples, "strict")
+
+
+def _factory(fn):
+    def factory(**kwargs):
+        if kwargs:
+            raise ValueError(f"reward scorer {fn.__name__!r} takes no kwargs, got {sorted(kwargs)}")
+        return fn
+
+    factory.check_kwargs = lambda kwargs: ([f"kwargs: the moving-shapes rewards take no kwargs, got "
+                                            f"{sorted(kwargs)}"] if kwargs else [])
+    factory.check_prompts = check_prompts
+    return factory
+
+
+#: registry name -> factory (added to `omniroll.reward.scorers.SCORER_REGISTRY`)
+MOVING_SHAPES_SCORERS = {"moving_shapes": _factory(moving_shapes_partial),
+                         "moving_shapes_continuous": _factory(moving_shapes_continuous),
+                         "moving_shapes_strict": _factory(moving_shapes_strict)}

@@ -1,0 +1,23 @@
+"""The renderer: a clip scene to uint8 frames [T, 3, H, W] (the layout of a video `RewardSample`), each frame drawn
+by the shapes world's renderer (`omniroll.tasks.shapes.render`), and a seeded `render_prompt` for a prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omniroll.tasks.moving_shapes.grammar import parse_prompt
+from omniroll.tasks.moving_shapes.scene import ClipScene, sample_clip_scene
+from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD, MovingWorld
+from omniroll.tasks.shapes.render import render
+
+
+def render_clip(scene: ClipScene, world: MovingWorld = DEFAULT_MOVING_WORLD) -> np.ndarray:
+    """uint8 [T, 3, size, size]: each frame's picture, channels first."""
+    frames = [render(scene.frame(t), world.picture) for t in range(scene.frames)]
+    return np.ascontiguousarray(np.stack(frames).transpose(0, 3, 1, 2))
+
+
+def render_prompt(prompt: str, seed: int, world: MovingWorld = DEFAULT_MOVING_WORLD) -> np.ndarray:
+    """A clip satisfying a grammar prompt, the same for the same prompt, seed and world (uint8 [T, 3, H, W])."""
+    spec = parse_prompt(prompt, world)
+    return render_clip(sample_clip_scene(spec, np.random.default_rng(seed), world), world)

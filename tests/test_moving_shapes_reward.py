@@ -1,0 +1,87 @@
+"""The moving-shapes rewards: registered scorers with strict, partial, graded credit, per-category extras and the
+motion meter, which a scored batch carries into the step's metrics.jsonl; rows that cannot be scored fail alone."""
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from omniroll.reward import RewardManager, RewardSample
+from omniroll.reward.scorers import SCORER_REGISTRY, build_scorer, prompt_problems, scorer_problems
+from omniroll.tasks.moving_shapes.cheats import apply_order, cheat_order
+from omniroll.tasks.moving_shapes.render import render_prompt
+
+PROMPTS = ["a red circle moving left", "a square moving up and a triangle moving down",
+           "a red circle appears, then a blue square", "a square turning from blue to green"]
+
+
+def _samples():
+    out = [RewardSample(sample_id=f"s{i}", prompt=p, image=render_prompt(p, i)) for i, p in enumerate(PROMPTS)]
+    frozen = apply_order(out[0].image, cheat_order("frozen", 9))
+    out.append(RewardSample(sample_id="frozen", prompt=PROMPTS[0], image=frozen))
+    out.append(RewardSample(sample_id="image", prompt=PROMPTS[0], image=out[0].image[0]))
+    out.append(RewardSample(sample_id="bad", prompt="a red circle moving sideways", image=out[0].image))
+    out.append(RewardSample(sample_id="one", prompt=PROMPTS[0], image=out[0].image[:1]))  # a video of one frame
+    return out
+
+
+def test_the_three_rewards_are_registered_and_refuse_kwargs_and_prompts_outside_the_grammar():
+    assert {"moving_shapes", "moving_shapes_continuous", "moving_shapes_strict"} <= set(SCORER_REGISTRY)
+    assert scorer_problems("moving_shapes", {"x": 1}) == ["kwargs: the moving-shapes rewards take no kwargs, got "
+                                                          "['x']"]
+    with pytest.raises(ValueError, match="takes no kwargs"):
+        build_scorer("moving_shapes_strict", {"x": 1})
+    lines = prompt_problems("moving_shapes", PROMPTS + ["a red circle moving sideways"])
+    assert len(lines) == 1 and lines[0].startswith("prompt 4: ") and "nearest valid prompt" in lines[0]
+
+
+def test_scored_rows_carry_credit_the_category_and_the_motion_meter_and_bad_rows_fail_alone():
+    mgr = RewardManager({"ms": {"fn": "moving_shapes", "max_retries": 0},
+                         "strict": {"fn": "moving_shapes_strict", "weight": 0.0, "max_retries": 0},
+                         "graded": {"fn": "moving_shapes_continuous", "weight": 0.0, "max_retries": 0}})
+    res = asyncio.run(mgr.score(_samples()))
+    assert [r.score for r in res[:4]] == [1.0] * 4 and all(r.components["graded"] == 1.0 for r in res[:4])
+    for r, tag in zip(res, ("direction", "two_motions", "order", "change")):
+        assert r.extra_info[f"ms/{tag}"] == 1.0 and r.extra_info["strict/strict"] == 1.0
+        assert not any(f"ms/{other}" in r.extra_info for other in ("direction", "two_motions", "order", "change")
+                       if other != tag)
+    assert 24 <= res[0].extra_info["ms/motion"] <= 40 and res[2].extra_info["ms/motion"] == 0.0
+    frozen = res[4]  # the right circle, the right colour, no motion: partial credit 2 / 3, strict 0, motion 0
+    assert frozen.status == "ok" and frozen.score == pytest.approx(2 / 3)
+    assert frozen.components["strict"] == 0.0 and frozen.extra_info["ms/motion"] == 0.0
+    assert 0.0 < frozen.components["graded"] < 1.0
+    image, bad = res[5], res[6]
+    assert image.status == "failed" and image.score is None and "is an image" in image.error
+    assert bad.status == "failed" and bad.score is None and "nearest valid prompt" in bad.error
+    assert res[7].status == "failed" and "at least 2 frames" in res[7].error
+
+
+def test_the_motion_meter_lands_in_the_steps_metrics(tmp_path, tiny_sd3_path):
+    """What the trainer logs per step: the assembled batch's reward extras, averaged (`reward_breakdown`), written to
+    metrics.jsonl as `reward/<fn>/<key>`: `reward/ms/motion` is the batch's mean tracked displacement."""
+    from omniroll.agent_loop.batch import DataBatch
+    from omniroll.agent_loop.output_batch import RowResult, assemble
+    from omniroll.config import load_config
+    from omniroll.train.report.tracking import Tracker
+
+    samples = _samples()[:5]  # four rendered clips and a frozen one
+    res = asyncio.run(RewardManager({"ms": {"fn": "moving_shapes", "max_retries": 0}}).score(samples))
+    rows = [RowResult(i, f"r{i}", i, reward=r) for i, r in enumerate(res)]
+    batch = assemble(rows, DataBatch.from_dict(non_tensors={"uid": [f"u{i}" for i in range(5)]}), prompt_length=8,
+                     max_prompt_embed_length=None, mark_failed=True, scored=True)
+    cfg = load_config({"engine": {"model": tiny_sd3_path}, "n": 2,
+                       "reward": {"functions": {"ms": {"fn": "moving_shapes"}}},
+                       "trainer": {"prompts": PROMPTS, "logger": ["jsonl"], "steps": 1}})
+    tracker = Tracker(cfg, str(tmp_path), log=lambda s: None)
+    tracker.log_step({"step": 1, "reward_mean": 0.9}, batch)
+    tracker.close()
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    m = json.loads(line)
+    motions = [r.extra_info["ms/motion"] for r in res]
+    assert m["reward/ms/motion"] == pytest.approx(np.mean(motions)) and m["reward/ms/motion"] > 0
+    assert m["reward/ms/strict"] == pytest.approx(0.8) and m["reward/ms/direction"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="nearest valid prompt"):  # a config's prompts are checked before any work
+        load_config({"engine": {"model": tiny_sd3_path}, "n": 2,
+                     "reward": {"functions": {"ms": {"fn": "moving_shapes"}}},
+                     "trainer": {"prompts": PROMPTS[:3] + ["a red circle moving sideways"], "steps": 1}})
