@@ -42,8 +42,7 @@ AFTER_FORK = frozenset({"output_type", "fps", "noise_seeds"})
 
 def prefix_key(state: RequestState) -> Optional[tuple]:
     """What a shared ODE prefix (depth 0) depends on; None when the sample has no prefix to share."""
-    p, r = state.params, state.request
-    if p.latent_seed is None or state.window[0] == 0:
+    if state.params.latent_seed is None or state.window[0] == 0:
         return None
     return _base_key(state)
 
