@@ -56,7 +56,7 @@ def _type_name(annotation) -> str:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(_unwrap(a)[0]) for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is not None:
-        args = ", ".join(_type_name(_unwrap(a)[0]) for a in typing.get_args(annotation))
+        args = ", ".join("..." if a is Ellipsis else _type_name(_unwrap(a)[0]) for a in typing.get_args(annotation))
         return f"{typing.get_origin(annotation).__name__}[{args}]"
     return getattr(annotation, "__name__", str(annotation))
 
