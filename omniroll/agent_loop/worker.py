@@ -135,19 +135,11 @@ class DiffusionAgentLoopWorker:
 
     async def _one_version_per_tree(self, done: dict, plan: RowPlan, rerun: int) -> None:
         """A tree's leaves run on one weight version: a tree whose leaves recorded different versions (a weight update
-        landed between their admissions on the replica) runs again whole, once (request ids `~tree1`: the same
-        seeds, the same samples on one version); one that straddles again fails each of its rows, naming the
-        versions. `done` (row index -> RowResult) is updated in place."""
+        landed between their admissions on the replica; `trees_on_several_versions`) runs again whole, once (request
+        ids `~tree1`: the same seeds, the same samples on one version); one that straddles again fails each of its
+        rows, naming the versions. `done` (row index -> RowResult) is updated in place."""
         for attempt in (1, 2):
-            trees: dict[str, list[int]] = {}
-            for i, res in done.items():
-                trees.setdefault(plan.rows[i]["uid"], []).append(i)
-            straddling = {}
-            for uid, rows in trees.items():
-                versions = {repr(done[i].out.extra_fields.get("step_weight_versions")) for i in rows
-                            if done[i].out is not None}
-                if len(versions) > 1:
-                    straddling[uid] = (rows, versions)
+            straddling = trees_on_several_versions(done, plan.rows)
             if not straddling:
                 return
             if attempt == 2:
@@ -155,7 +147,7 @@ class DiffusionAgentLoopWorker:
                     for i in rows:
                         done[i] = RowResult(index=i, request_id=plan.rows[i]["request_id"], seed=plan.rows[i]["seed"],
                                             error=f"tree rollout: the leaves of uid {uid!r} ran on different weight "
-                                                  f"versions ({sorted(versions)}) twice; a tree runs on one version")
+                                                  f"versions ({versions}) twice; a tree runs on one version")
                 return
             again = [i for rows, _ in straddling.values() for i in rows]
             results = await asyncio.gather(*[self._run_row(i, plan.rows[i], plan.base_sampling, plan.validate, rerun,
@@ -219,3 +211,19 @@ class DiffusionAgentLoopWorker:
             if result.status == "failed":
                 res.error = f"reward failed: {result.error}"
         out.metrics.compute_score = time.perf_counter() - t0
+
+
+def trees_on_several_versions(results: dict, rows: list[dict]) -> dict[str, tuple[list[int], list]]:
+    """The prompt groups (trees, by uid) whose generated leaves ran on different weight versions: uid -> (their row
+    indices in `results`, the distinct (weight_version, step_weight_versions) of their leaves)."""
+    trees: dict[str, list[int]] = {}
+    for i in results:
+        trees.setdefault(rows[i]["uid"], []).append(i)
+    out = {}
+    for uid, idx in trees.items():
+        versions = {(r.out.extra_fields.get("weight_version"), tuple(r.out.extra_fields.get("step_weight_versions")
+                                                                     or ()))
+                    for r in (results[i] for i in idx) if r.out is not None}
+        if len(versions) > 1:
+            out[uid] = (idx, sorted(versions))
+    return out
