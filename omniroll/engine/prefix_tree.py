@@ -40,13 +40,6 @@ AFTER_PREFIX = frozenset({"noise_level", "sde_type", "sde_window_size", "sde_win
 AFTER_FORK = frozenset({"output_type", "fps", "noise_seeds"})
 
 
-def prefix_key(state: RequestState) -> Optional[tuple]:
-    """What a shared ODE prefix (depth 0) depends on; None when the sample has no prefix to share."""
-    if state.params.latent_seed is None or state.window[0] == 0:
-        return None
-    return _base_key(state)
-
-
 def _base_key(state: RequestState) -> tuple:
     p, r = state.params, state.request
     return (repr(r.prompt), repr(r.negative_prompt), repr(r.prompt_token_ids), repr(r.negative_prompt_token_ids),
