@@ -109,6 +109,7 @@ test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/prefix_sharing.py
+	$(PY) benchmarks/tree_rollout.py
 	$(PY) benchmarks/agent_loop_overhead.py
 	$(PY) benchmarks/weight_sync.py
 	$(PY) benchmarks/train_step.py

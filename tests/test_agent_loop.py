@@ -342,3 +342,40 @@ def test_reward_worker_killed_mid_batch_every_row_scored(cfg, replicas, ray_clus
     assert list(out.non_tensor_batch["status"]) == ["ok"] * len(rows)
     assert out.batch["rm_scores"].shape == (len(rows), 1) and torch.isfinite(out.batch["rm_scores"]).all()
     assert worker.reward_pool.stats()["dead"] == [0] and worker.reward_pool.stats()["rescored"] >= 1
+
+
+def test_tree_groups_name_their_leaves_and_each_leaf_is_its_unshared_run(tiny_sd3_path, replicas):
+    """`algo.tree`: each prompt group is a tree; every row names its node path and its trajectory is, bitwise, the
+    same request's run alone on an engine without prefix sharing (pixels too, in tests/test_tree_rollout.py: here the
+    replica's decode settings differ from a local engine's)."""
+    from omniroll import GenerationRequest, SamplingParams
+    from omniroll.engine.engine import DiffusionEngine
+
+    cfg = cfg_for(tiny_sd3_path, n=4, pipeline={**PIPE, "num_inference_steps": 6},
+                  algo={"tree": {"fork_steps": [2, 4], "widths": [2, 2]}})
+    worker = DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1]))
+    rows = [("u0", "a red cat")] * 4 + [("u1", "a blue dog")] * 4
+    batch = make_batch(rows, global_steps=2)
+    out = asyncio.run(worker.generate_sequences(batch))
+    nt = out.non_tensor_batch
+    assert [list(p) for p in nt["tree_path"]] == [[0, 0], [0, 1], [1, 0], [1, 1]] * 2
+    assert len(set(nt["seed"][:4])) == 1 and nt["seed"][0] != nt["seed"][4]  # the root's noise seed, per tree
+    plan = worker.plan(batch)
+    alone = DiffusionEngine.from_pretrained(tiny_sd3_path, prefix_sharing=False)
+    try:
+        for i, f in enumerate(plan):
+            sp = SamplingParams(**{**cfg.sampling_params(), "latent_seed": f["latent_seed"],
+                                   "noise_seeds": f["noise_seeds"]})
+            ref = alone.generate([GenerationRequest(request_id=f"ref{i}", prompt=f["raw_prompt"], seed=f["seed"],
+                                                    sampling_params=sp)])[0]
+            assert torch.equal(out.batch["all_latents"][i], ref.extra_fields["all_latents"])
+            assert torch.equal(out.batch["rollout_log_probs"][i], ref.log_probs)
+            assert torch.equal(out.batch["sigmas"][i], ref.extra_fields["sigmas"])
+    finally:
+        alone.shutdown()
+    lat = out.batch["all_latents"]  # siblings: one path up to their fork, then apart
+    assert torch.equal(lat[0, :5], lat[1, :5]) and not torch.equal(lat[0, 5], lat[1, 5])
+    assert torch.equal(lat[0, :3], lat[2, :3]) and not torch.equal(lat[0, 3], lat[2, 3])
+    with pytest.raises(ValueError, match=r"algo.tree.fork_steps\[1\]: step 4 is outside the schedule"):
+        asyncio.run(worker.generate_sequences(make_batch(rows, global_steps=2,
+                                                         sampling_params={"num_inference_steps": 4})))

@@ -54,3 +54,22 @@ def test_validation_seed_modes():
     assert len(set(per_row)) == len(per_row)
     shared = seeds(worker(val_kwargs={"n": N, "seed": 11, "seed_mode": "shared"}), batch)
     assert shared == [11] * len(batch)  # VeRL-Omni: one val_kwargs.seed for every row
+
+
+def test_trees_on_several_weight_versions_are_found():
+    """The worker runs again, whole, a tree whose leaves recorded different weight versions (and fails its rows if
+    that happens twice): which trees those are."""
+    from omniroll.agent_loop.output_batch import RowResult
+    from omniroll.agent_loop.outputs import AgentLoopMetrics, DiffusionAgentLoopOutput
+    from omniroll.agent_loop.worker import trees_on_several_versions
+
+    def result(i, first, steps):
+        out = DiffusionAgentLoopOutput(prompt_ids=[], response_diffusion_output=None, metrics=AgentLoopMetrics(),
+                                       extra_fields={"weight_version": first, "step_weight_versions": steps})
+        return RowResult(index=i, request_id=f"r{i}", seed=i, out=out)
+
+    rows = [{"uid": u} for u in ("a", "a", "b", "b", "c", "c")]
+    results = {0: result(0, 3, [3, 3]), 1: result(1, 3, [3, 3]),  # one version
+               2: result(2, 3, [3, 3]), 3: result(3, 4, [4, 4]),  # a weight update between the two leaves
+               4: result(4, 3, [3, 4]), 5: RowResult(index=5, request_id="r5", seed=5, error="failed")}
+    assert trees_on_several_versions(results, rows) == {"b": ([2, 3], [(3, (3, 3)), (4, (4, 4))])}

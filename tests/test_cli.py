@@ -56,6 +56,22 @@ def test_generate_writes_grids_trajectories_metrics(tiny_cache, tmp_path, capsys
     assert run["versions"]["torch"] == torch.__version__ and len(metrics["seeds"]) == 4
 
 
+def test_generate_with_algo_tree_makes_each_prompt_a_tree(tiny_cache, tmp_path, monkeypatch):
+    """`algo.tree`: the prompt's n samples are its tree's leaves (the agent loop's derivation): one root seed,
+    siblings equal up to their fork and apart from it."""
+    monkeypatch.setenv("OMNIROLL_OVERRIDES", "algo.tree.fork_steps=[2,4] algo.tree.widths=[2,2]")
+    out = tmp_path / "gen"
+    args = ["--model", "tiny", "--n", "4", "--steps", "6", "--height", "64", "--width", "64",
+            "--max-sequence-length", "16", "--quiet"]
+    assert main(["generate", "--prompt", "a red car", *args, "--out", str(out)]) == 0
+    traj = read_trajectories(str(out / "trajectories.safetensors"))
+    lat = traj.batch["all_latents"]  # the window is steps 0-4: all_latents[k] is the latent before step k
+    assert len(set(traj.non_tensor_batch["seed"])) == 1
+    assert torch.equal(lat[0, :5], lat[1, :5]) and not torch.equal(lat[0, 5], lat[1, 5])  # fork at step 4
+    assert torch.equal(lat[0, :3], lat[2, :3]) and not torch.equal(lat[0, 3], lat[2, 3])  # fork at step 2
+    assert [p["noise_seeds"][0][0] for p in traj.non_tensor_batch["sampling_params"]] == [2] * 4
+
+
 def test_every_log_prob_recomputes_from_the_file_alone(tiny_cache, tmp_path):
     """Only the file: the model path, embeddings, latents, timesteps, sigmas, noise level, SDE type, sigma_max and
     guidance per row come from it; each recomputed log-prob equals the recorded one bitwise."""

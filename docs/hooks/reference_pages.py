@@ -56,7 +56,7 @@ def _type_name(annotation) -> str:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(_unwrap(a)[0]) for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is not None:
-        args = ", ".join(_type_name(_unwrap(a)[0]) for a in typing.get_args(annotation))
+        args = ", ".join("..." if a is Ellipsis else _type_name(_unwrap(a)[0]) for a in typing.get_args(annotation))
         return f"{typing.get_origin(annotation).__name__}[{args}]"
     return getattr(annotation, "__name__", str(annotation))
 
@@ -273,8 +273,9 @@ def engine_reference() -> str:
            _cell(" ".join(SamplingParams.__doc__.split("\n\n")[0].split())), "",
            "In the YAML config most fields are set for every training or rollout request by the `pipeline` and `algo` "
            "sections (the key column; their defaults are the config's, which can differ from the class's: "
-           "`pipeline.height` is 512); the agent loop sets `latent_seed` per prompt group with `algo.same_latent`, and "
-           "`logprobs` and `output_type` per algorithm. In Python, `SamplingParams(...)` takes every field; an "
+           "`pipeline.height` is 512); the agent loop sets `latent_seed` per prompt group with `algo.same_latent` "
+           "(or `algo.tree`, which sets each leaf's `noise_seeds` too), and `logprobs` and `output_type` per "
+           "algorithm. In Python, `SamplingParams(...)` takes every field; an "
            "unknown field or a value out of range is a `ValidationError` naming it.", "",
            "| field | type | range | default | description | YAML key | flag |", "|---|---|---|---|---|---|---|"]
     for name, field in SamplingParams.model_fields.items():

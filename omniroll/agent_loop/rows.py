@@ -13,7 +13,8 @@ this batch; see `group_index_column`), so a sample's seed never depends on how t
 `derive_seed(val_kwargs.seed, 0, uid, index)` (the same images at every step), or `val_kwargs.seed` itself for every
 row with `val_kwargs.seed_mode: shared` (VeRL-Omni's semantics); ODE (noise_level 0) and no log-probs. With
 `algo.same_latent` a training row also gets `latent_seed = derive_group_seed(rollout_seed, global_steps, uid)`: the
-group shares its initial noise and window.
+group shares its initial noise and window. With `algo.tree` too, and the row is leaf `index` of its group's tree
+(`tree_fields`): its seed is the root's noise seed, its `noise_seeds` its nodes' and `tree_path` its position.
 
 `plan_batch` does all of it once per batch (a `RowPlan`): the manager plans the whole batch and hands each worker its
 part (`RowPlan.part`); a worker called directly (verl's manager) plans its own batch.
@@ -39,7 +40,8 @@ from omniroll.agent_loop.batch import DataBatch
 from omniroll.config import OmniRollConfig, load_config
 from omniroll.engine.params import SamplingParams, overlay_sampling, unencodable_reason
 from omniroll.errors import format_validation_error
-from omniroll.sampling.seeds import derive_group_seed, derive_seed
+from omniroll.engine.tree import TreeSpec, check_tree
+from omniroll.sampling.seeds import derive_group_seed, derive_seed, derive_tree_seed
 
 
 def as_config(config: Any) -> OmniRollConfig:
@@ -129,10 +131,24 @@ def plan_rows(config: OmniRollConfig, batch: DataBatch) -> list[dict]:
         fields = {k: v[r] for k, v in nt.items()}
         seed = int(base) if shared_val_seed else derive_seed(base, step_for_seed, uids[r], idx[r])
         fields.update(uid=uids[r], _group_index=idx[r], seed=seed, request_id=f"{tag}/s{steps}/{uids[r]}/{idx[r]}")
-        if config.algo.same_latent and not validate:
+        if (config.algo.same_latent or config.algo.tree is not None) and not validate:
             fields["latent_seed"] = derive_group_seed(base, step_for_seed, uids[r])
+        if config.algo.tree is not None and not validate:
+            fields.update(tree_fields(config.algo.tree, base, step_for_seed, uids[r], idx[r], r))
         rows.append(fields)
     return rows
+
+
+def tree_fields(tree: TreeSpec, base: Any, step: int, uid: str, index: int, row: int) -> dict:
+    """A training row's place in its group's tree (`algo.tree`): leaf `index` is the tree's `index`-th path; its
+    `seed` is the root's noise seed and `noise_seeds` its nodes' (`derive_tree_seed`), `tree_path` its position."""
+    paths = tree.leaf_paths()
+    if index >= len(paths):
+        raise ValueError(f"row {row}: group index {index} is not a leaf of algo.tree ({len(paths)} leaves, widths "
+                         f"{list(tree.widths)})")
+    path = paths[index]
+    node_seed = lambda p: derive_tree_seed(base, step, uid, p)  # noqa: E731
+    return {"seed": node_seed(()), "noise_seeds": tree.noise_seeds(path, node_seed), "tree_path": list(path)}
 
 
 @dataclass
@@ -157,6 +173,8 @@ def plan_batch(config: OmniRollConfig, batch: DataBatch, rows: Optional[list[dic
     validate = bool(batch.meta_info.get("validate", False))
     rows = plan_rows(config, batch) if rows is None else rows
     base = base_sampling(config, batch.meta_info, validate)
+    if config.algo.tree is not None and not validate:  # meta_info's sampling may move the schedule or the window
+        check_tree(config.algo.tree, SamplingParams.model_validate(base), config.n, "algo.tree")
     rejected = rows_that_cannot_share(base, [f.get("sampling_params") for f in rows], validate)
     return RowPlan(rows, base, validate, rejected)
 

@@ -112,6 +112,8 @@ class DiffusionAgentLoopWorker:
                  for i, f in enumerate(rows) if i not in plan.rejected}
         try:
             done = dict(zip(tasks, await asyncio.gather(*tasks.values())))
+            if self.config.algo.tree is not None and not plan.validate:
+                await self._one_version_per_tree(done, plan, rerun)
         except BaseException:
             for t in tasks.values():
                 t.cancel()
@@ -131,24 +133,49 @@ class DiffusionAgentLoopWorker:
         out.meta_info["worker_seconds"] = time.perf_counter() - t0
         return out
 
+    async def _one_version_per_tree(self, done: dict, plan: RowPlan, rerun: int) -> None:
+        """A tree's leaves run on one weight version: a tree whose leaves recorded different versions (a weight update
+        landed between their admissions on the replica; `trees_on_several_versions`) runs again whole, once (request
+        ids `~tree1`: the same seeds, the same samples on one version); one that straddles again fails each of its
+        rows, naming the versions. `done` (row index -> RowResult) is updated in place."""
+        for attempt in (1, 2):
+            straddling = trees_on_several_versions(done, plan.rows)
+            if not straddling:
+                return
+            if attempt == 2:
+                for uid, (rows, versions) in straddling.items():
+                    for i in rows:
+                        done[i] = RowResult(index=i, request_id=plan.rows[i]["request_id"], seed=plan.rows[i]["seed"],
+                                            error=f"tree rollout: the leaves of uid {uid!r} ran on different weight "
+                                                  f"versions ({versions}) twice; a tree runs on one version")
+                return
+            again = [i for rows, _ in straddling.values() for i in rows]
+            results = await asyncio.gather(*[self._run_row(i, plan.rows[i], plan.base_sampling, plan.validate, rerun,
+                                                           suffix="~tree1") for i in again])
+            done.update(zip(again, results))
+
     def _assemble(self, results: list[RowResult], inputs: DataBatch, rows: list[dict], mark: bool) -> DataBatch:
         """`assemble` on the inputs with their planned uid and group index (a direct caller may have left them out)."""
         nt = {**inputs.non_tensor_batch, "uid": to_object_array(f["uid"] for f in rows),
               "_group_index": to_object_array(f["_group_index"] for f in rows)}
+        if any("tree_path" in f for f in rows):  # a tree rollout: each row's node path, so siblings can be found
+            nt["tree_path"] = to_object_array(f.get("tree_path") for f in rows)
         return assemble(results, DataBatch(inputs.batch, nt, inputs.meta_info, len(inputs)),
                         prompt_length=self.config.prompt_length,
                         max_prompt_embed_length=self.config.max_prompt_embed_length, mark_failed=mark,
                         scored=self.reward_pool is not None)
 
-    async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool, rerun: int = 0) -> RowResult:
+    async def _run_row(self, i: int, fields: dict, base_sp: dict, validate: bool, rerun: int = 0,
+                       suffix: str = "") -> RowResult:
         res = RowResult(index=i, request_id=fields["request_id"], seed=fields["seed"])
         try:
-            base = base_sp if fields.get("latent_seed") is None else {**base_sp, "latent_seed": fields["latent_seed"]}
+            base = {**base_sp, **{k: fields[k] for k in ("latent_seed", "noise_seeds") if fields.get(k) is not None}}
             sp = row_sampling(base, fields.get("sampling_params"), validate)
             loop = self._agent_loop(fields.get("agent_name") or self.config.agent.default_agent_loop)
             row_kwargs = {k: v for k, v in fields.items() if k != "sampling_params"}
             if rerun:  # the lost worker's requests may still run on the replicas under the row's own id
                 row_kwargs["request_id"] = f"{fields['request_id']}~rerun{rerun}"
+            row_kwargs["request_id"] = f"{row_kwargs['request_id']}{suffix}"
             out = await loop.run(sp, **row_kwargs)
             err = fit_error(out, self.config.prompt_length, self.config.max_prompt_embed_length)
             if err is not None:
@@ -184,3 +211,19 @@ class DiffusionAgentLoopWorker:
             if result.status == "failed":
                 res.error = f"reward failed: {result.error}"
         out.metrics.compute_score = time.perf_counter() - t0
+
+
+def trees_on_several_versions(results: dict, rows: list[dict]) -> dict[str, tuple[list[int], list]]:
+    """The prompt groups (trees, by uid) whose generated leaves ran on different weight versions: uid -> (their row
+    indices in `results`, the distinct (weight_version, step_weight_versions) of their leaves)."""
+    trees: dict[str, list[int]] = {}
+    for i in results:
+        trees.setdefault(rows[i]["uid"], []).append(i)
+    out = {}
+    for uid, idx in trees.items():
+        versions = {(r.out.extra_fields.get("weight_version"), tuple(r.out.extra_fields.get("step_weight_versions")
+                                                                     or ()))
+                    for r in (results[i] for i in idx) if r.out is not None}
+        if len(versions) > 1:
+            out[uid] = (idx, sorted(versions))
+    return out

@@ -80,6 +80,7 @@ def run_generate(args, base: dict | None = None) -> dict:
     from omniroll.rollout.replica import resolve_engine_kwargs
     from omniroll.sampling.seeds import derive_group_seed
     from omniroll.agent_loop.batch import command_batch
+    from omniroll.agent_loop.rows import tree_fields
     from omniroll.sampling.seeds import CLI_GLOBAL_STEP
 
     sp = cfg.sampling_params()
@@ -88,12 +89,14 @@ def run_generate(args, base: dict | None = None) -> dict:
     requests = []
     for r in range(len(batch)):
         uid, j = nt["uid"][r], int(nt["_group_index"][r])
-        row_sp = dict(sp)
-        if cfg.algo.same_latent:
+        row_sp, seed = dict(sp), sample_seed(cfg.seed, uid, j)
+        if cfg.algo.same_latent or cfg.algo.tree is not None:
             row_sp["latent_seed"] = derive_group_seed(cfg.seed, CLI_GLOBAL_STEP, uid)
+        if cfg.algo.tree is not None:  # leaf j of its prompt's tree, as the agent loop makes it
+            leaf = tree_fields(cfg.algo.tree, cfg.seed, CLI_GLOBAL_STEP, uid, j, r)
+            row_sp["noise_seeds"], seed = leaf["noise_seeds"], leaf["seed"]
         requests.append(GenerationRequest(request_id=f"gen/{uid}/{j}", prompt=nt["raw_prompt"][r],
-                                          sampling_params=SamplingParams.model_validate(row_sp),
-                                          seed=sample_seed(cfg.seed, uid, j)))
+                                          sampling_params=SamplingParams.model_validate(row_sp), seed=seed))
     engine = DiffusionEngine.from_pretrained(model, **resolve_engine_kwargs(cfg.engine.engine_kwargs()))
     results: dict[int, object] = {}
     errors: dict[int, str] = {}

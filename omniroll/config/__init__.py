@@ -135,6 +135,14 @@ class OmniRollConfig(_Strict):
                                         if loc else ""))) from None
         return self
 
+    @model_validator(mode="after")
+    def _check_tree(self):
+        if self.algo.tree is not None:
+            from omniroll.engine.tree import check_tree
+
+            check_tree(self.algo.tree, SamplingParams.model_validate(self.sampling_params()), self.n, "algo.tree")
+        return self
+
     def evaluation_guidances(self) -> list[float]:
         """The CFG scales `trainer.evaluation` evaluates at (its `guidance_scales`, else the regime the algorithm
         trains first: 1.0, CFG off, then the validation sampling's scale for a CFG-free rollout; the validation
@@ -150,7 +158,7 @@ class OmniRollConfig(_Strict):
 
     def sampling_params(self, validate: bool = False) -> dict:
         """The per-request sampling dict (SamplingParams fields)."""
-        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(exclude={"same_latent"}),
+        sp = {**self.pipeline.model_dump(), **self.algo.model_dump(exclude={"same_latent", "tree"}),
               "logprobs": self.calculate_log_probs}
         if not validate:
             return sp

@@ -12,6 +12,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from omniroll.config.agent_loops import SINGLE_TURN, check_agent_loop
 from omniroll.engine.params import (DtypeName, Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
                                     SequenceLength, SolverName, Steps, TrueCfgScale, WindowRange, WindowSize)
+from omniroll.engine.tree import TreeSpec
 from omniroll.reward.manager import RewardConfig as RewardWorkerConfig  # the reward workers' own config
 from omniroll.reward.manager import RewardFunctionConfig
 
@@ -152,6 +153,9 @@ class AlgoSection(_Strict):
                                                     "steps, per sample from its seed; None: every step")
     same_latent: bool = Field(False, description="training samples of a prompt group share their initial noise and "
                                                  "SDE window (flow_grpo's same_latent); their ODE prefix runs once")
+    tree: Optional[TreeSpec] = Field(None, description="tree rollouts: each prompt group is a tree forking at "
+                                     "tree.fork_steps into tree.widths children per level, its n leaves sharing the "
+                                     "initial noise and each node's steps (computed once); None: independent samples")
 
 
 _TRAINING_VALUE = "overrides the training value for validation (None: the training value)"

@@ -74,9 +74,14 @@ class Completion:
 
     # ------------------------------------------------------------------ failed
     def fail(self, states: list[RequestState], error: BaseException) -> None:
-        """Fail these running requests (and only these) with `error`."""
-        self.scheduler.finish(states)
+        """Fail these running requests with `error`, and with them the requests waiting for a shared prefix one of
+        them was computing (a tree's subtree), each told which request's prefix failed."""
+        dependents = self.scheduler.fail(states)
         self.settle(states, failed(error))
+        cause = {id(s): leader for s, leader in dependents}
+        self.settle([s for s, _ in dependents], lambda s: EngineError(
+            f"request {s.request_id} failed: the shared prefix it waited for (computed by request "
+            f"{cause[id(s)].request_id}) failed: {error!r}"))
 
     def fail_waiting(self, error: BaseException) -> None:
         """Fail every queued and running request with (a copy per request of) `error`."""

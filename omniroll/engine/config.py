@@ -61,7 +61,8 @@ class EngineConfig:
         denoiser on its device during the update). "in_place": no extra memory; the engine stops serving first, and
         an update that fails midway leaves it refusing requests until a complete update lands.
     prefix_sharing: run the common ODE prefix of samples that share `latent_seed` (and prompt, shape, schedule,
-        guidance) once per group and fork it at the SDE window's start (see `omniroll.engine.scheduler`).
+        guidance) once per group and fork it at the SDE window's start, and a tree rollout's common noise path once
+        per node, forked at each `noise_seeds` step (see `omniroll.engine.prefix_tree`).
     max_prompt_chars: the longest prompt (and negative prompt) accepted, in characters; longer ones are refused at
         submission, naming the request, before any encoding. Default 8192: T5 reads at most 512 tokens (a few
         thousand characters of English); text past that is truncated anyway, and tokenizing megabytes on the engine

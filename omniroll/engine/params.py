@@ -47,6 +47,12 @@ class SamplingParams(BaseModel):
     sample of a group the same `latent_seed`: their steps before the window are then one deterministic ODE
     trajectory, which the engine computes once per group and forks at the window's start (every output stays
     bitwise identical to running the sample alone).
+
+    `noise_seeds` (a tree rollout's branches): `[[step, seed], ...]`, steps strictly increasing in
+    `[1, num_inference_steps)`: from each `step` on, the window's noise is drawn from a fresh generator of `seed`
+    instead of continuing the one before (the request's own seed draws the noise before the first such step). Samples
+    that agree on `latent_seed`, `seed` and the pairs before a step compute the same steps up to it, which the engine
+    runs once (`omniroll.engine.prefix_tree`); each one alone gives the same sample, bitwise.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -71,6 +77,9 @@ class SamplingParams(BaseModel):
                                              "recorded, as for validation and forward-process algorithms)")
     output_type: OutputType = "pixel"
     latent_seed: Optional[int] = Field(None, ge=0, lt=2**63, description="shared initial noise + window (a group)")
+    noise_seeds: Optional[tuple[tuple[int, int], ...]] = Field(
+        None, description="[[step, seed], ...]: from each step on, the window's noise comes from a fresh generator of "
+                          "seed (a tree rollout's branches; steps strictly increasing in [1, num_inference_steps))")
 
     @field_validator("*", mode="before")
     @classmethod
@@ -80,6 +89,7 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _check_window(self):
         sde_window_bounds(self.num_inference_steps, self.sde_window_size, self.sde_window_range)
+        check_noise_seeds(self.noise_seeds, self.num_inference_steps)
         return self
 
     def window_range(self) -> tuple[int, int]:
@@ -161,6 +171,23 @@ class GenerationRequest(BaseModel):
             if reason is not None:
                 raise ValueError(reason)
         return v
+
+
+def check_noise_seeds(noise_seeds, num_steps: int) -> None:
+    """`SamplingParams.noise_seeds`: ValueError naming the field unless steps are strictly increasing in [1, num_steps)
+    and seeds in [0, 2**63)."""
+    if noise_seeds is None:
+        return
+    prev = 0
+    for i, (step, seed) in enumerate(noise_seeds):
+        if isinstance(step, bool) or isinstance(seed, bool):
+            raise ValueError(f"noise_seeds[{i}] must be [step, seed] ints, got {[step, seed]!r}")
+        if not (prev < step < num_steps):
+            raise ValueError(f"noise_seeds[{i}] step must be in [{prev + 1}, {num_steps - 1}] (strictly increasing, "
+                             f"inside num_inference_steps={num_steps}), got {step}")
+        if not (0 <= seed < 2**63):
+            raise ValueError(f"noise_seeds[{i}] seed must be in [0, 2**63), got {seed}")
+        prev = step
 
 
 def refuse_bool_as_number(model: type[BaseModel], value, info):

@@ -25,6 +25,7 @@ steps of samples in flight, so one sample may run on several versions; versions 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -69,7 +70,8 @@ class RequestState:
         self.latent_shape = tuple(latent_shape)
         self.experts: Optional[list[int]] = None  # per step, set by the engine for multi-denoiser families
         self.started = False  # `start()` ran: the fields below hold their values
-        self.generator: Optional[torch.Generator] = None
+        self.generator: Optional[torch.Generator] = None  # the window's noise (replaced at each `noise_seeds` step)
+        self.noise_segment = -1  # which `noise_seeds` pair the generator is (-1: the request's own seed)
         self.latents: Optional[torch.Tensor] = None
         self.window: Optional[tuple[int, int]] = None
         self.step_index = 0
@@ -173,7 +175,35 @@ class RequestState:
         order: the draws are what make the sample reproducible."""
         if not self._stochastic[self.step_index]:
             return torch.zeros_like(self.latents)
+        segment = noise_segment(self.params.noise_seeds, self.step_index)
+        if segment != self.noise_segment:  # a new branch of a tree: its noise comes from its own seed from here on
+            self.generator = make_generator(self.params.noise_seeds[segment][1], self.device)
+            self.noise_segment = segment
         return torch.randn(self.latents.shape, generator=self.generator, dtype=torch.float32, device=self.device)
+
+    def prefix_state(self, with_noise: bool) -> "PrefixState":
+        """What another sample that shares this one's first `step_index` steps takes over from it (a fork or a
+        hand-over, `omniroll.engine.prefix_tree`): copies of the latent and the solver history, the steps' weight
+        versions and what was recorded; with `with_noise` (the steps drew noise the other shares) the noise
+        generator's state too."""
+        gen = None
+        if with_noise:
+            gen = (self.generator.get_state(), self.noise_segment)
+        return PrefixState(self.step_index, self.latents.clone(), self.solver_state.copy(), list(self.step_versions),
+                           list(self.rec_latents), list(self.rec_log_probs), list(self.rec_steps), gen)
+
+    def take_prefix(self, state: "PrefixState") -> None:
+        """Continue from `state` (another sample's `prefix_state`), as if this sample had run those steps itself."""
+        self.step_index = state.step_index
+        self.latents = state.latents.clone()
+        self.solver_state = state.solver_state.copy()
+        self.step_versions = list(state.step_versions)
+        self.rec_latents, self.rec_log_probs = list(state.rec_latents), list(state.rec_log_probs)
+        self.rec_steps = list(state.rec_steps)
+        if state.generator is not None:
+            gen_state, self.noise_segment = state.generator
+            self.generator = make_generator(0, self.device)
+            self.generator.set_state(gen_state)
 
     def advance(self, new_latents: torch.Tensor, log_prob: torch.Tensor,
                 solver_state: SolverState = SolverState()) -> None:
@@ -190,6 +220,30 @@ class RequestState:
             self.rec_steps.append(self.step_index)
         self.latents = new_latents
         self.step_index += 1
+
+
+def noise_segment(noise_seeds, step: int) -> int:
+    """The index of the `noise_seeds` pair whose generator draws step `step`'s noise (-1: the request's own seed)."""
+    segment = -1
+    for i, (start, _) in enumerate(noise_seeds or ()):
+        if start <= step:
+            segment = i
+    return segment
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """A sample's state after its first `step_index` steps, for another sample that shares them
+    (`RequestState.prefix_state`, `take_prefix`). `generator`: (the noise generator's state, its segment) or None."""
+
+    step_index: int
+    latents: torch.Tensor
+    solver_state: SolverState
+    step_versions: list
+    rec_latents: list
+    rec_log_probs: list
+    rec_steps: list
+    generator: Optional[tuple] = None
 
 
 def quantize_pixels(pixels: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,12 @@
 """Which rows run in the next denoising step: continuous, step-level batching, fair across batch keys (`Scheduler`),
-and group prefix sharing, which lets the followers of a group run no forward before their fork (`PrefixSharing`).
+with shared prefixes, which let the members of a group or a tree run no forward before their fork (`PrefixTree`,
+`omniroll.engine.prefix_tree`).
 
-Group prefix sharing: samples that share their initial noise run their common ODE prefix once.
-Samples with the same `latent_seed` (flow_grpo's `same_latent`), prompt, negative prompt, latent shape, schedule,
-guidance, text length and weight version at admission have the same initial latent and the same SDE window start `k`;
-every step before `k` is the same deterministic ODE step for all of them (no noise is drawn outside the window). One
-member, the leader, runs those steps; the others (followers) run no forward until the leader reaches step `k`, then
-each takes a copy of the leader's latent and goes on alone from step `k`, drawing its own window noise. The steps are
-the same computation on the same inputs, so in batch-invariant mode every output is bitwise identical to running the
-sample alone (tested); the trainer needs nothing new. A fork copies the leader's solver history (`solver_state`) with
-its latent: a multistep solver's next step reads it.
-
-- A member admitted later joins the running leader, or forks at once from the latent the group recorded at step
-  `k` (kept while any member of the group is running; a member admitted after a weight update has another key, so
-  it never forks from a latent older weights made).
-- A follower's steps before `k` are its leader's, and so are their weight versions (`step_versions`): a weight update
-  with `partial=True` may land while the leader runs the prefix, and the follower records what really made its latent.
-- A leader that leaves before step `k` (aborted, failed) hands its latent, solver history and step to its first
-  follower, which leads on: no follower loses a step, and no follower waits for a leader that is gone.
+Shared prefixes: samples that share their initial noise (`latent_seed`, flow_grpo's `same_latent`) run their common
+ODE prefix once, and the branches of a tree rollout (`noise_seeds`) their common noise path up to each fork; every
+output stays bitwise identical to running the sample alone (tested); the trainer needs nothing new. A member's steps
+before its fork are its leader's, and so are their weight versions (`step_versions`). A tree's requests queued
+together are admitted together (`tree_key`), so its leaves share the weight version at admission.
 """
 
 from __future__ import annotations
@@ -25,10 +14,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Callable, Optional, Union
 
-import torch
-
+from omniroll.engine.prefix_tree import PrefixTree
 from omniroll.engine.request import RequestState
-from omniroll.sampling.solvers import SolverState
 
 
 class Scheduler:
@@ -44,8 +31,9 @@ class Scheduler:
     window or guidance. The key is the one served least recently (round robin over the active keys), so a running
     request sits out at most one step per other active key before it runs again (counted in `num_preempted`).
 
-    With prefix sharing, followers of a group's leader (`PrefixSharing`, below) are running but run no forward
-    until their fork; they keep their rows reserved, so a group never exceeds `max_batch_size` once it forks.
+    With prefix sharing, followers of a group's leader (`PrefixTree`) are running but run no forward until their
+    fork; they keep their rows reserved, so a group never exceeds `max_batch_size` once it forks. The waiting
+    requests of one tree (`tree_key`) are admitted together or not at all.
     """
 
     def __init__(self, max_batch_size: Union[int, Callable[[RequestState], int]], prefix_sharing: bool = True):
@@ -53,7 +41,7 @@ class Scheduler:
         self.key_rows: dict[tuple, int] = {}  # batch key -> its row budget
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
-        self.prefix = PrefixSharing() if prefix_sharing else None
+        self.prefix = PrefixTree() if prefix_sharing else None
         self._served_at: dict[tuple, int] = {}  # batch key -> the step it last ran
         self._step = 0
 
@@ -70,15 +58,31 @@ class Scheduler:
         rows = Counter()
         for s in self.running:
             rows[s.batch_key] += s.num_rows
-        admitted, kept, full = [], deque(), set()
+        trees: dict[tuple, list[RequestState]] = {}  # a tree's waiting requests: admitted together
         for state in self.waiting:
-            key = state.batch_key
-            if key not in full and rows[key] + state.num_rows <= self.max_batch_size_for(state):
-                rows[key] += state.num_rows
+            if tree_key(state) is not None:
+                trees.setdefault(tree_key(state), []).append(state)
+        admitted, kept, full, decided = [], deque(), set(), {}
+        for state in self.waiting:
+            key, tree = state.batch_key, tree_key(state)
+            if tree in decided:
+                (admitted if decided[tree] else kept).append(state)
+                continue
+            budget = self.max_batch_size_for(state)
+            need = state.num_rows
+            if tree is not None and sum(s.num_rows for s in trees[tree]) <= budget:
+                need = sum(s.num_rows for s in trees[tree])  # a tree larger than the budget goes in request by request
+            else:
+                tree = None
+            fits = key not in full and rows[key] + need <= budget
+            if fits:
+                rows[key] += need
                 admitted.append(state)
             else:
                 full.add(key)  # FCFS within a key: nothing of this key overtakes the request that did not fit
                 kept.append(state)
+            if tree is not None:
+                decided[tree] = fits
         self.waiting = kept
         self.running.extend(admitted)
         return admitted
@@ -110,6 +114,17 @@ class Scheduler:
             else:
                 s.num_preempted += 1
         return batch
+
+    def fail(self, states: list[RequestState]) -> list[tuple[RequestState, RequestState]]:
+        """These running requests failed: take them out, and with them every request waiting for a prefix one of
+        them was computing (`PrefixTree.fail`). Returns (dependent, the failed request) for those dependents."""
+        ids = {id(s) for s in states}
+        self.running = [s for s in self.running if id(s) not in ids]
+        doomed = self.prefix.fail(states, self.running) if self.prefix is not None else {}
+        dependents = [s for s in self.running if id(s) in doomed]
+        self.finish(dependents)
+        self._left([])
+        return [(s, doomed[id(s)]) for s in dependents]
 
     def finish(self, states: list[RequestState]) -> None:
         ids = {id(s) for s in states}
@@ -145,108 +160,10 @@ class Scheduler:
             del self._served_at[key]  # a key that comes back later starts as the least recently served
 
 
-#: sampling fields that act only from the SDE window on, or not on the denoising at all: samples that differ in them
-#: still share their ODE prefix. Every other field (a new one too) is part of the prefix key.
-AFTER_PREFIX = frozenset({"noise_level", "sde_type", "sde_window_size", "sde_window_range", "logprobs", "output_type",
-                          "fps"})
-
-
-def prefix_key(state: RequestState) -> Optional[tuple]:
-    """What a shared prefix depends on; None when the sample has no prefix to share."""
-    p, r = state.params, state.request
-    if p.latent_seed is None or state.window[0] == 0:
+def tree_key(state: RequestState) -> Optional[tuple]:
+    """The tree a request is a leaf of (None: none): leaves share `latent_seed`, `seed`, prompt and the first
+    `noise_seeds` step; admitted together so that they run on one weight version."""
+    p = state.params
+    if p.latent_seed is None or not p.noise_seeds:
         return None
-    return (repr(r.prompt), repr(r.negative_prompt), tuple(state.latents.shape), state.window[0],
-            state.admitted_version, tuple(sorted(p.model_dump(exclude=AFTER_PREFIX).items())))
-
-
-class _Group:
-    def __init__(self, leader: RequestState, fork_step: int):
-        self.leader: Optional[RequestState] = leader
-        self.fork_step = fork_step
-        self.followers: list[RequestState] = []
-        self.members: set[int] = {id(leader)}
-        self.fork_latents: Optional[torch.Tensor] = None  # the leader's latent at fork_step, once it got there
-        self.fork_solver_state = SolverState()  # and its solver history then
-        self.fork_versions: list[int] = []  # the weight versions of the leader's steps before fork_step
-
-
-class PrefixSharing:
-    """Tracks prefix groups among the running requests (used by the Scheduler)."""
-
-    def __init__(self):
-        self._groups: dict[tuple, _Group] = {}
-        self._key_of: dict[int, Optional[tuple]] = {}  # id(state) -> its group key (None: not sharing)
-        self._following: set[int] = set()
-        self.steps_saved = 0  # follower steps that did not need a forward
-
-    def is_following(self, state: RequestState) -> bool:
-        return id(state) in self._following
-
-    def update(self, running: list[RequestState]) -> None:
-        """Register newly running requests, then fork the followers whose leader reached the fork step."""
-        for s in running:
-            if id(s) not in self._key_of:
-                self._join(s)
-        for g in self._groups.values():
-            if g.fork_latents is None and g.leader is not None and g.leader.step_index >= g.fork_step:
-                g.fork_latents = g.leader.latents.clone()
-                g.fork_solver_state = g.leader.solver_state.copy()
-                g.fork_versions = list(g.leader.step_versions[:g.fork_step])
-                for f in g.followers:
-                    self._fork(f, g)
-                g.followers.clear()
-
-    def _join(self, s: RequestState) -> None:
-        key = prefix_key(s) if s.step_index == 0 else None
-        self._key_of[id(s)] = key
-        if key is None:
-            return
-        g = self._groups.get(key)
-        if g is None or (g.leader is None and g.fork_latents is None):
-            self._groups[key] = _Group(s, s.window[0])
-            return
-        g.members.add(id(s))
-        if g.fork_latents is not None:
-            self._fork(s, g)
-        else:
-            g.followers.append(s)
-            self._following.add(id(s))
-
-    def _fork(self, s: RequestState, g: _Group) -> None:
-        s.latents = g.fork_latents.clone()
-        s.solver_state = g.fork_solver_state.copy()
-        s.step_index = g.fork_step
-        s.step_versions = list(g.fork_versions)
-        self._following.discard(id(s))
-        self.steps_saved += g.fork_step
-
-    def leave(self, states: list[RequestState]) -> None:
-        """These requests left the running set (finished, aborted, failed)."""
-        for s in states:
-            key = self._key_of.pop(id(s), None)
-            g = self._groups.get(key) if key is not None else None
-            if g is None:
-                continue
-            g.members.discard(id(s))
-            if id(s) in self._following:
-                self._following.discard(id(s))
-                g.followers.remove(s)
-            elif s is g.leader:
-                g.leader = None
-                if g.fork_latents is None and g.followers:  # hand over: the first follower leads on from here
-                    heir = g.followers.pop(0)
-                    self._following.discard(id(heir))
-                    heir.latents = s.latents.clone()
-                    heir.solver_state = s.solver_state.copy()
-                    heir.step_index = s.step_index
-                    heir.step_versions = list(s.step_versions)
-                    self.steps_saved += s.step_index
-                    g.leader = heir
-            if not g.members:
-                del self._groups[key]
-
-    def clear(self) -> None:
-        self._groups.clear()
-        self._key_of.clear()
-        self._following.clear()
+    return (p.latent_seed, state.request.seed, repr(state.request.prompt_input()), p.noise_seeds[0][0])

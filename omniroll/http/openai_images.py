@@ -10,8 +10,8 @@ Extra body fields, as vLLM-Omni accepts them (top-level JSON fields; `extra_body
 `negative_prompt`, `seed` (image k gets `seed + k`, so any image can be re-made alone with n=1; absent: a random
 seed, returned), `num_inference_steps`, `guidance_scale`, `true_cfg_scale` (guidance-distilled models only; the
 model refuses it otherwise), and every other `SamplingParams` field: `max_sequence_length`, `solver`, `noise_level`,
-`sde_type`, `sde_window_size`, `sde_window_range`, `logprobs`, `latent_seed`. Video fields (`num_frames`, `fps`)
-and unknown fields are refused, naming the field.
+`sde_type`, `sde_window_size`, `sde_window_range`, `logprobs`, `latent_seed`, `noise_seeds`. Video fields
+(`num_frames`, `fps`) and unknown fields are refused, naming the field.
 
 Response: `{"created", "data": [{"b64_json", "revised_prompt": null, "seed", "request_id", "weight_version"}]}`.
 """

@@ -9,7 +9,8 @@ import importlib
 _WHERE = {
     "SDE_TYPES": "sde", "SDEStepOutput": "sde", "sde_step": "sde",
     "SOLVERS": "solvers", "SOLVER_NAMES": "solvers", "SolverState": "solvers",
-    "derive_seed": "seeds", "derive_group_seed": "seeds", "batch_prompt_uid": "seeds", "make_generator": "seeds",
+    "derive_seed": "seeds", "derive_group_seed": "seeds", "derive_tree_seed": "seeds", "batch_prompt_uid": "seeds",
+    "make_generator": "seeds",
     "draw_sde_window": "window", "sde_window_bounds": "window",
 }
 

@@ -1,9 +1,10 @@
 """A sample's randomness, and the trainer's: seeds that depend only on what identifies the sample, never on where it
-sits in a batch (`derive_seed`, `derive_group_seed`, `batch_prompt_uid`), the one generator each request draws from
-(`make_generator`), and the trainer's seeds, each a function of (trainer seed, step, ...) only, so a resumed run draws
-exactly as a straight one: which prompts a step rolls out (`prompt_order_seed`), its random SDE window
-(`window_seed`), the inner epochs' shuffling (`shuffle_seed`), and the algorithms' own draws (`trained_steps_seed`,
-`training_timesteps_seed`, `noise_term_seed`), each data-parallel rank with its own seed (`rank_seed`).
+sits in a batch (`derive_seed`, `derive_group_seed`, `derive_tree_seed`, `batch_prompt_uid`), the one generator each
+request draws from (`make_generator`), and the trainer's seeds, each a function of (trainer seed, step, ...) only, so
+a resumed run draws exactly as a straight one: which prompts a step rolls out (`prompt_order_seed`), its random SDE
+window (`window_seed`), the inner epochs' shuffling (`shuffle_seed`), and the algorithms' own draws
+(`trained_steps_seed`, `training_timesteps_seed`, `noise_term_seed`), each data-parallel rank with its own seed
+(`rank_seed`).
 
 torch-free at import: the functions that need torch import it when called.
 """
@@ -38,6 +39,15 @@ def derive_group_seed(base_seed: Optional[int], global_step: int, uid: str) -> i
     """The seed a whole prompt group shares under `same_latent` (its initial noise and SDE window): like
     `derive_seed` without the index, in its own domain so it never equals a sample's seed by construction."""
     key = f"omniroll/v1/group|{0 if base_seed is None else int(base_seed)}|{int(global_step)}|{uid}"
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") & _MAX
+
+
+def derive_tree_seed(base_seed: Optional[int], global_step: int, uid: str, path: tuple[int, ...]) -> int:
+    """The noise seed of one node of a prompt group's tree rollout: `path` () is the root (the noise before the first
+    fork: every leaf's request `seed`), (c1, ..., cd) the branch taken at each of the first d forks (the noise from
+    fork d on). Like `derive_seed`, in its own domain."""
+    nodes = ",".join(str(int(c)) for c in path)
+    key = f"omniroll/v1/tree|{0 if base_seed is None else int(base_seed)}|{int(global_step)}|{uid}|{nodes}"
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") & _MAX
 
 

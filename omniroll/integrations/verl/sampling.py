@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SAME_NAME = ("height", "width", "num_frames", "num_inference_steps", "max_sequence_length", "guidance_scale",
              "true_cfg_scale", "output_type", "noise_level", "sde_type", "sde_window_size", "sde_window_range",
-             "logprobs", "fps", "latent_seed", "solver")
+             "logprobs", "fps", "latent_seed", "solver", "noise_seeds")
 DROPPED = ("global_steps", "video_flow_shift", "aspect_ratio",
            "sde_contiguous", "sample_strategy", "iters_per_group", "sde_window_seed",
            "temperature", "top_k", "top_p", "n", "do_sample")
