@@ -220,7 +220,8 @@ class RewardSection(RewardWorkerConfig):
     num_workers: int = Field(1, ge=0, le=1024, description="reward worker actors (they score samples as they "
                              "finish)")
     functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict, description="name -> a reward "
-                                                         "function; the reward is sum(weight x score)")
+                                                         "function; the reward is sum(weight x score) "
+                                                         "(reward.aggregation says how it trains)")
     placement: Placement = Field("pack", description="pack: the workers together; spread: on distinct nodes when "
                                                      "it can")
     resources: Resources = Field(default_factory=dict, description="custom Ray resources each worker needs")
@@ -228,4 +229,4 @@ class RewardSection(RewardWorkerConfig):
     def worker_config(self) -> dict:
         """What `omniroll.reward.create_reward_workers` takes."""
         return {"functions": dict(self.functions), "max_batch_size": self.max_batch_size,
-                "max_wait_ms": self.max_wait_ms}
+                "max_wait_ms": self.max_wait_ms, "aggregation": self.aggregation}

@@ -275,7 +275,7 @@ class Trainer:
         self.memory.add_replicas(self.replicas)  # the rollout's peak memory, in the replicas' processes
         rewards = out.batch["rm_scores"][:, 0].float()
         uids = list(out.non_tensor_batch["uid"])
-        adv = self.algorithm.advantages(rewards, uids)
+        adv = self.algorithm.advantages(rewards, uids, out)  # reward.aggregation gdpo reads out's components
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
         traj, advantages = traj.to(self.device), adv.advantages.to(self.device)
         if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
