@@ -54,7 +54,7 @@ class RewardFunctionConfig(BaseModel):
     required: bool = Field(True, description="a row it cannot score fails (True) or is flagged with this "
                                              "component missing (False)")
     max_retries: Optional[int] = Field(None, ge=0, le=10, description="retries of the rows that failed (None: 2, or "
-                                       "0 for `http`, which retries within its own deadline_s)")
+                                       "0 for `http` and `openai_judge`, which retry within their deadline_s)")
     retry_backoff_s: float = Field(0.0, ge=0.0, le=60.0, description="sleep between retries (doubles each time)")
     timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0, description="deadline of each attempt (None: none)")
     per_sample: bool = Field(False, description="fn takes one RewardSample, not a list")
@@ -70,8 +70,8 @@ class RewardFunctionConfig(BaseModel):
 
     @model_validator(mode="after")
     def _default_retries(self):
-        if self.max_retries is None:  # the http scorer retries itself; retrying it again would multiply its deadline
-            self.max_retries = 0 if self.fn == "http" else 2
+        if self.max_retries is None:  # the http scorers retry themselves; retrying again would multiply the deadline
+            self.max_retries = 0 if self.fn in ("http", "openai_judge") else 2
         return self
 
     @model_validator(mode="after")
