@@ -119,6 +119,12 @@ class HeldOutRewards:
         self._read = False
         self._said_few = False
 
+    async def _score(self, samples: list[RewardSample]) -> list:
+        try:
+            return await self.manager.score(samples)
+        finally:  # an HTTP scorer's client belongs to this call's event loop
+            await self.manager.aclose()
+
     def step_metrics(self) -> dict:
         """What a training step's record carries: `held_out_warning` while the last validation says so."""
         return {"held_out_warning": self.warning} if self.warning else {}
@@ -131,7 +137,7 @@ class HeldOutRewards:
             recs = [r for r in read_jsonl(os.path.join(self.out_dir, "validation.jsonl")) if "held_out/rows" in r]
             self.previous = recs[-1]["held_out/rows"] if recs else None
         samples = batch_samples(batch)
-        results = asyncio.run(self.manager.score(samples))
+        results = asyncio.run(self._score(samples))
         rows: dict[str, list] = {"trained": trained_scores(batch)}
         metrics: dict[str, float] = {}
         failures = []
