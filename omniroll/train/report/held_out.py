@@ -37,6 +37,8 @@ from omniroll.train.report.tracking import read_jsonl
 
 #: fewest samples both validations scored for the warning to be decided (module doc)
 MIN_PAIRS = 6
+#: a logged z is clipped to +-this (a change every sample shares exactly has z +-inf)
+Z_LOGGED = 1e3
 
 
 @dataclass
@@ -160,10 +162,10 @@ class HeldOutRewards:
         if self.previous is not None and len(self.previous.get("trained", [])) == len(rows["trained"]):
             found = divergence((self.previous["trained"], rows["trained"]),
                                {n: (self.previous[n], rows[n]) for n in self.names if n in self.previous})
-            for d in found:
-                metrics[f"val/held_out/{d.name}/z"] = d.held_out_z
+            for d in found:  # logged within +-Z_LOGGED (every sample changed alike: +-inf; JSON has no inf)
+                metrics[f"val/held_out/{d.name}/z"] = max(-Z_LOGGED, min(Z_LOGGED, d.held_out_z))
                 metrics[f"val/held_out/{d.name}/falling"] = float(d.falling)
-                metrics["val/held_out/trained_z"] = d.trained_z
+                metrics["val/held_out/trained_z"] = max(-Z_LOGGED, min(Z_LOGGED, d.trained_z))
             self.warning = warning_text(found)
             if self.warning:
                 lines.append(f"WARNING {self.warning} since the previous validation: the trained reward rises "
