@@ -163,3 +163,8 @@ class MinusClockRecorder:
             for s in samples:
                 f.write(f"{s.data_source} {s.sample_id}\n")
         return [-time.time() + 1e-3 * i for i, _ in enumerate(samples)]
+
+
+def fails_on_marked(samples):
+    """0.5, except on a prompt holding "fail-me": that row's own error (an exception in its place)."""
+    return [RuntimeError("this prompt is marked") if "fail-me" in s.prompt else 0.5 for s in samples]

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from omniroll.agent_loop.batch import prompt_batch
+from omniroll.agent_loop.worker import AgentLoopError
 from omniroll.config import ConfigError, load_config
 from omniroll.reward import RewardManager, RewardSample
 from omniroll.reward.aggregation import check_components, gdpo_scores, group_normalise, whiten
@@ -114,7 +116,9 @@ def _config(model, aggregation):
         "agent": {"num_workers": 1},
         "reward": {"num_workers": 1, "aggregation": aggregation,
                    "functions": {"colour": {"fn": "prompt_colour", "weight": 1.0},
-                                 "jpeg": {"fn": "jpeg_compressibility", "weight": 0.01}}},
+                                 "jpeg": {"fn": "jpeg_compressibility", "weight": 0.01},
+                                 # optional, weight 0: under gdpo a row it cannot score still fails, by name
+                                 "marker": {"fn": f"{FNS}:fails_on_marked", "weight": 0.0, "required": False}}},
         "n": 4, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 1},
         "trainer": {"prompts": ["a blue car", "a green bird"], "prompts_per_step": 2, "lr": 0.01,
                     "micro_batch_size": 8, "steps": 2, "num_threads": 1, "checkpoint_every": 0},
@@ -131,6 +135,13 @@ def test_a_gdpo_training_step_logs_both_components_and_the_aggregated_reward(ray
         batch = asyncio.run(tr._rollout(3))
         adv = tr.algorithm.advantages(batch.batch["rm_scores"][:, 0].float(), list(batch.non_tensor_batch["uid"]),
                                       batch)
+        marked = prompt_batch(["a red car fail-me"], 2, lambda i: "marked", data_source="train",
+                              meta_info={"global_steps": 9, "rollout_seed": 0})
+        with pytest.raises(AgentLoopError) as failed:  # a missing component fails its sample, named, never a 0
+            asyncio.run(tr.manager.generate_sequences_async(marked))
+    msg = str(failed.value)
+    assert "2 of 2 rows failed" in msg and "request_id=" in msg and "uid='marked'" in msg
+    assert "gdpo needs every component): marker: RuntimeError: this prompt is marked" in msg
     assert len(hist) == 2 and all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in hist)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
@@ -143,8 +154,9 @@ def test_a_gdpo_training_step_logs_both_components_and_the_aggregated_reward(ray
         assert r["reward_mean"] == pytest.approx(r["reward/colour/mean"] + 0.01 * r["reward/jpeg/mean"], rel=1e-5)
     # the advantage is the whitened aggregate of the batch's own components: mean 0, std 1 (no group ties here)
     comps = {k: [info["components"][k] for info in batch.non_tensor_batch["reward_extra_info"]]
-             for k in ("colour", "jpeg")}
-    expected = gdpo_scores(comps, {"colour": 1.0, "jpeg": 0.01}, list(batch.non_tensor_batch["uid"])).scores
+             for k in ("colour", "jpeg", "marker")}
+    expected = gdpo_scores(comps, {"colour": 1.0, "jpeg": 0.01, "marker": 0.0},
+                           list(batch.non_tensor_batch["uid"])).scores
     assert torch.equal(adv.advantages, torch.from_numpy(expected).clamp(-5, 5).float())
     assert abs(float(adv.advantages.mean())) < 1e-6
 
