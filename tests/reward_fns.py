@@ -143,3 +143,28 @@ def colour_channels(samples):
         means = {c: float(s.image[i].astype(np.float64).mean()) / 255.0 for i, c in enumerate(("red", "green", "blue"))}
         out.append({"score": float(max(means, key=means.get) == prompt_colour_name(s.prompt)), **means})
     return out
+
+
+def val_clock(samples):
+    """The wall clock on validation rows (`data_source` "val"), 0.0 on training rows: a trained reward that rises
+    from one validation to the next whatever the pictures (tests/test_reward_held_out.py)."""
+    return [time.time() if s.data_source == "val" else 0.0 for s in samples]
+
+
+class MinusClockRecorder:
+    """minus the wall clock, and appends each row's `data_source sample_id` to `path`: a held-out reward that falls
+    from one validation to the next, and the record of every sample it ever scored."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, samples):
+        with open(self.path, "a") as f:
+            for s in samples:
+                f.write(f"{s.data_source} {s.sample_id}\n")
+        return [-time.time() + 1e-3 * i for i, _ in enumerate(samples)]
+
+
+def fails_on_marked(samples):
+    """0.5, except on a prompt holding "fail-me": that row's own error (an exception in its place)."""
+    return [RuntimeError("this prompt is marked") if "fail-me" in s.prompt else 0.5 for s in samples]

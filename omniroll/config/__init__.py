@@ -103,8 +103,9 @@ class OmniRollConfig(_Strict):
 
         for key, prompts in (("trainer.prompts", self.trainer.all_prompts()), ("trainer.val_prompts",
                                                                              self.trainer.val_prompts)):
+            fns = [*self.reward.functions.values(), *self.reward.held_out.values()]
             problems = list(dict.fromkeys(  # once each, however many reward functions find it (shapes, shapes_strict)
-                line for f in self.reward.functions.values() for line in prompt_problems(f.fn, prompts)))
+                line for f in fns for line in prompt_problems(f.fn, prompts)))
             if problems:
                 raise ValueError(f"{key}: " + "; ".join(problems))
         if log_probs and self.trainer.window_schedule != "fixed" and self.algo.sde_window_size is None:

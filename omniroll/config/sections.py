@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from omniroll.config.agent_loops import SINGLE_TURN, check_agent_loop
 from omniroll.engine.params import (DtypeName, Fps, GuidanceScale, NoiseLevel, NumFrames, OutputType, Pixels, SdeType,
@@ -224,12 +224,29 @@ class RewardSection(RewardWorkerConfig):
     num_workers: int = Field(1, ge=0, le=1024, description="reward worker actors (they score samples as they "
                              "finish)")
     functions: dict[str, RewardFunctionConfig] = Field(default_factory=dict, description="name -> a reward "
-                                                         "function; the reward is sum(weight x score)")
+                                                         "function; the reward is sum(weight x score) "
+                                                         "(reward.aggregation says how it trains)")
+    held_out: dict[str, RewardFunctionConfig] = Field(default_factory=dict, description="name -> a reward function "
+                                                        "(the form of functions) scored on the validation samples "
+                                                        "only, never trained on; logged beside the trained reward, "
+                                                        "with a warning when the trained reward rises while one "
+                                                        "falls (omniroll/train/report/held_out.py)")
     placement: Placement = Field("pack", description="pack: the workers together; spread: on distinct nodes when "
                                                      "it can")
     resources: Resources = Field(default_factory=dict, description="custom Ray resources each worker needs")
 
+    @field_validator("held_out")
+    @classmethod
+    def _held_out_names(cls, value, info: ValidationInfo):
+        """Names as `functions`' (they key the logs), none also trained."""
+        cls._check_names(value)
+        both = sorted(set(value) & set(info.data.get("functions") or {}))
+        if both:
+            raise ValueError(f"{both[0]!r} is also in reward.functions: a held-out function is never trained on "
+                             f"(give it another name, or remove it from one of the two)")
+        return value
+
     def worker_config(self) -> dict:
         """What `omniroll.reward.create_reward_workers` takes."""
         return {"functions": dict(self.functions), "max_batch_size": self.max_batch_size,
-                "max_wait_ms": self.max_wait_ms}
+                "max_wait_ms": self.max_wait_ms, "aggregation": self.aggregation}

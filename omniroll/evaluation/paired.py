@@ -5,7 +5,8 @@ Two evaluations of the same prompts at the same seeds draw from the same initial
 verdict and only the flipped ones carry information about the change: U pictures went fail -> pass ("up"), D went
 pass -> fail ("down"). McNemar's statistic z = (U - D) / sqrt(U + D) is about standard normal when the change does
 nothing, so |z| < 2 reads "no detectable change", whatever the two means say (any LoRA update flips 10-20 % of the
-shapes world's pictures both ways). Reported per category and overall (all pictures pooled).
+shapes world's pictures both ways). Reported per category and overall (all pictures pooled). A continuous score
+(a reward) at the same prompts and seeds compares by `paired_z`, the paired t statistic of its per-sample differences.
 
     cmp = paired(base_pictures, new_pictures)   # lists of {"prompt", "seed", "strict", "tag"} (an eval.json's pictures)
     cmp["overall"]  -> {"up": U, "down": D, "n": pairs, "z": z, "verdict": ...}
@@ -15,7 +16,7 @@ shapes world's pictures both ways). Reported per category and overall (all pictu
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 #: |z| at and above which a paired difference counts as detectable (about a 5 % two-sided false-alarm rate)
 DETECTABLE_Z = 2.0
@@ -24,6 +25,24 @@ DETECTABLE_Z = 2.0
 def mcnemar_z(up: int, down: int) -> float:
     """(U - D) / sqrt(U + D); 0.0 when no picture flipped."""
     return (up - down) / math.sqrt(up + down) if up + down else 0.0
+
+
+def paired_z(before: Sequence[float], after: Sequence[float]) -> float:
+    """The paired z of a continuous score at the same prompts and seeds: the mean per-sample difference d = after -
+    before over its standard error, mean(d) / (std(d) / sqrt(n)) with the sample std (n - 1), a paired t statistic
+    read against |z| >= DETECTABLE_Z. 0.0 when every difference is 0 (or n < 2); +-inf when every difference is the
+    same nonzero number."""
+    if len(before) != len(after):
+        raise ValueError(f"a paired z needs the same samples on both sides: {len(before)} before, {len(after)} after")
+    d = [float(b) - float(a) for a, b in zip(before, after)]
+    n = len(d)
+    if n < 2:
+        return 0.0
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    if sd == 0.0:
+        return 0.0 if mean == 0.0 else math.copysign(math.inf, mean)
+    return mean / (sd / math.sqrt(n))
 
 
 def verdict(z: float) -> str:

@@ -2,6 +2,7 @@
 
 from omniroll.reward.http import HttpScorer, RewardHTTPError, decode_png_batch, decode_safetensors_batch
 from omniroll.reward.manager import RewardConfig, RewardFunctionConfig, RewardManager
+from omniroll.reward.openai_judge import OpenAIJudge
 from omniroll.reward.scorers import (
     SCORER_REGISTRY,
     RewardResult,
@@ -18,6 +19,7 @@ from omniroll.reward.worker import RewardLoopWorker, RewardPoolError, RewardWork
 
 __all__ = [
     "HttpScorer",
+    "OpenAIJudge",
     "RewardConfig",
     "RewardFunctionConfig",
     "RewardHTTPError",

@@ -246,12 +246,20 @@ class HttpScorer:
         return delay
 
     async def _score_batch(self, batch) -> list[dict]:
-        import httpx
-
         if self.encoding == "png":
             body, ctype = encode_png_batch(batch), "application/json"
         else:
             body, ctype = encode_safetensors_batch(batch), "application/octet-stream"
+        response, attempts = await self.post(body, ctype)
+        return self._parse(response, len(batch), attempts)
+
+    async def post(self, body: bytes, content_type: str, url: Optional[str] = None) -> tuple["httpx.Response", int]:
+        """POST `body` to `url` (default: this scorer's) under the retry policy of the class doc: the first response
+        under 400 and the attempts it took; `RewardHTTPError` (url, last status, attempts) when it fails for good.
+        Other scorers that speak another API over HTTP (`omniroll.reward.openai_judge`) send through it."""
+        import httpx
+
+        url = url or self.url
         client = self._client()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadline_s
@@ -263,7 +271,7 @@ class HttpScorer:
             limit = min(self.timeout_s, max(deadline - loop.time(), 0.0))
             try:  # the attempt's deadline covers connect, send and every read, not one read
                 response = await asyncio.wait_for(
-                    client.post(self.url, content=body, headers={"content-type": ctype}), limit)
+                    client.post(url, content=body, headers={"content-type": content_type}), limit)
             except (httpx.TimeoutException, asyncio.TimeoutError) as e:
                 shown = self.timeout_s if limit == self.timeout_s else f"{limit:.3g}"  # cut short by deadline_s
                 status, detail = None, f"timeout after {shown}s ({type(e).__name__})"
@@ -272,17 +280,17 @@ class HttpScorer:
             else:
                 status = response.status_code
                 if status < 400:
-                    return self._parse(response, len(batch), attempts)
+                    return response, attempts
                 detail = f"HTTP {status}: {response.text[:200]!r}"
                 if not (status in RETRY_STATUSES or status >= 500):
-                    raise RewardHTTPError(self.url, status, attempts, detail + " (not retried: client error)")
+                    raise RewardHTTPError(url, status, attempts, detail + " (not retried: client error)")
             if retry_index < self.max_retries:
                 delay = self._delay(retry_index, response)
                 if loop.time() + delay >= deadline:
-                    raise RewardHTTPError(self.url, status, attempts,
+                    raise RewardHTTPError(url, status, attempts,
                                           detail + f" (deadline_s={self.deadline_s:g} reached: no time for a retry)")
                 await asyncio.sleep(delay)
-        raise RewardHTTPError(self.url, status, attempts, detail + f" (max_retries={self.max_retries} exhausted)")
+        raise RewardHTTPError(url, status, attempts, detail + f" (max_retries={self.max_retries} exhausted)")
 
     def _parse(self, response: "httpx.Response", n: int, attempts: int) -> list[dict]:
         try:

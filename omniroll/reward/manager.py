@@ -6,9 +6,13 @@ Config (validated with pydantic; unknown keys and out-of-range values raise nami
         "jpeg": {"fn": "jpeg_compressibility", "weight": 0.5},
         "pick": {"fn": "http", "kwargs": {"url": "http://..."}, "required": False},
         "mine": {"fn": "my_pkg.rewards:score", "max_retries": 2, "per_sample": True}},
-     "max_batch_size": 16, "max_wait_ms": 5}        # micro-batching knobs used by RewardLoopWorker
+     "max_batch_size": 16, "max_wait_ms": 5,        # micro-batching knobs used by RewardLoopWorker
+     "aggregation": "sum"}                          # or "gdpo" (omniroll/reward/aggregation.py)
 
 Combination (flow_grpo's `multi_score` convention): `score = sum(weight * component)`, weights are not normalized.
+With `aggregation: gdpo` the trainer normalises each component within its prompt group before the weighted sum
+(`omniroll.reward.aggregation`), so every row needs every component: a non-required function that fails a row fails
+that row (naming the function) instead of flagging it; `score` is still the plain weighted sum (what is logged).
 Failure policy, per row (never a silent 0):
 
 - a function that raises, times out, returns the wrong number of values, or a value that is not a finite number
@@ -29,11 +33,12 @@ import math
 import numbers
 import re
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from omniroll.reward.aggregation import AGGREGATIONS
 from omniroll.reward.scorers import RewardResult, RewardSample, build_scorer, is_async_callable, scorer_problems
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -49,7 +54,7 @@ class RewardFunctionConfig(BaseModel):
     required: bool = Field(True, description="a row it cannot score fails (True) or is flagged with this "
                                              "component missing (False)")
     max_retries: Optional[int] = Field(None, ge=0, le=10, description="retries of the rows that failed (None: 2, or "
-                                       "0 for `http`, which retries within its own deadline_s)")
+                                       "0 for `http` and `openai_judge`, which retry within their deadline_s)")
     retry_backoff_s: float = Field(0.0, ge=0.0, le=60.0, description="sleep between retries (doubles each time)")
     timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0, description="deadline of each attempt (None: none)")
     per_sample: bool = Field(False, description="fn takes one RewardSample, not a list")
@@ -65,8 +70,8 @@ class RewardFunctionConfig(BaseModel):
 
     @model_validator(mode="after")
     def _default_retries(self):
-        if self.max_retries is None:  # the http scorer retries itself; retrying it again would multiply its deadline
-            self.max_retries = 0 if self.fn == "http" else 2
+        if self.max_retries is None:  # the http scorers retry themselves; retrying again would multiply the deadline
+            self.max_retries = 0 if self.fn in ("http", "openai_judge") else 2
         return self
 
     @model_validator(mode="after")
@@ -86,6 +91,12 @@ class RewardConfig(BaseModel):
     functions: dict[str, RewardFunctionConfig] = Field(..., min_length=1)
     max_batch_size: int = Field(16, ge=1, le=4096, description="RewardLoopWorker micro-batch size")
     max_wait_ms: float = Field(5.0, ge=0.0, le=10_000.0, description="RewardLoopWorker micro-batch wait")
+    aggregation: Literal[AGGREGATIONS] = Field(  # type: ignore[valid-type]
+        "sum", description="sum: the weighted sum of the functions' scores, which the algorithm's advantages "
+        "normalise per prompt group (trainer.global_std); gdpo: each function's score normalised within its prompt "
+        "group (population std + 1e-4), their weighted sum whitened over the batch, and that is the advantage "
+        "(clipped at trainer.adv_clip_max; not group-normalised again, trainer.global_std not read); every row "
+        "needs every component (omniroll/reward/aggregation.py)")
 
     @field_validator("functions")
     @classmethod
@@ -263,7 +274,8 @@ class RewardManager:
                 extra[f"{name}/{k}"] = v
             if err is not None:
                 extra[f"{name}/error"] = err
-                (fatal if self.config.functions[name].required else missing).append(name)
+                needed = self.config.functions[name].required or self.config.aggregation == "gdpo"
+                (fatal if needed else missing).append(name)
             else:
                 total += self.weights[name] * value
         ok_names = [n for n in outcomes if components[n] is not None]
@@ -277,6 +289,9 @@ class RewardManager:
             error = "; ".join(f"{n}: {extra[f'{n}/error']}" for n in why)
             if not fatal:
                 error = "every reward function failed: " + error
+            elif self.config.aggregation == "gdpo" and not all(self.config.functions[n].required for n in fatal
+                                                                 if n in self.config.functions):
+                error = "reward function failed (reward.aggregation gdpo needs every component): " + error
             else:
                 error = "required reward function failed: " + error
             return RewardResult(sample.sample_id, None, components, extra, "failed", error, started, finished)

@@ -1,5 +1,6 @@
 """Scoring a sample: what a scorer sees and returns (`RewardSample`, `RewardResult`), the builtin rewards (JPEG,
-prompt colour), user functions (`"module:function"`), the HTTP scorer, and the name registry.
+prompt colour), user functions (`"module:function"`), the HTTP scorer, a VLM judge over an OpenAI-compatible API
+(`openai_judge`), and the name registry.
 
 A *scorer* is a sync or async callable `fn(samples: list[RewardSample]) -> list[float | dict]` returning one value per
 sample, in order. A dict value must hold `"score"`; its other keys are copied into the row's `extra_info` as
@@ -32,6 +33,7 @@ from omniroll.reward.clip import AestheticScorer, ClipScoreScorer, PickScoreScor
 from omniroll.reward.http import HttpScorer, decode_png_batch, decode_safetensors_batch
 from omniroll.reward.moving_shapes import MOVING_SHAPES_SCORERS
 from omniroll.reward.ocr import OcrScorer
+from omniroll.reward.openai_judge import OpenAIJudge
 from omniroll.reward.shapes import SHAPES_SCORERS
 
 # ------------------------------------------------------------------------------------------------ the contract
@@ -290,6 +292,7 @@ SCORER_REGISTRY: dict[str, Callable[..., Scorer]] = {
     "jpeg_compressibility": _no_kwargs("jpeg_compressibility", jpeg_compressibility),
     "jpeg_incompressibility": _no_kwargs("jpeg_incompressibility", jpeg_incompressibility),
     "http": HttpScorer,
+    "openai_judge": OpenAIJudge,
     "prompt_colour": _no_kwargs("prompt_colour", prompt_colour),
     "ocr": OcrScorer,
     "pickscore": PickScoreScorer,

@@ -1,6 +1,6 @@
 """Rewards into advantages: GRPO's per-group standardisation (flow_grpo's `PerPromptStatTracker`), with the group's
-std or the whole batch's (`global_std`, DiffusionNFT's default), clipped; and how many groups tie (they teach
-nothing)."""
+std or the whole batch's (`global_std`, DiffusionNFT's default), clipped; GDPO's per-function normalisation
+(`reward.aggregation: gdpo`, `gdpo_advantages`); and how many groups tie (they teach nothing)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from omniroll.reward.aggregation import EPS, check_components, gdpo_scores, group_rows
+
 
 @dataclass
 class Advantages:
@@ -16,6 +18,7 @@ class Advantages:
     tied_groups: int  # groups whose rewards all tie (zero advantage: they teach nothing)
     num_groups: int
     tied_rewards: list[float] = field(default_factory=list)  # each tied group's common reward
+    metrics: dict = field(default_factory=dict)  # what the estimator adds to the step's record (gdpo: per function)
 
 
 def group_advantages(rewards: torch.Tensor, groups: Sequence, global_std: bool = False, adv_clip_max: float = 5.0,
@@ -42,3 +45,35 @@ def group_advantages(rewards: torch.Tensor, groups: Sequence, global_std: bool =
         adv[idx] = (vals - vals.mean()) / (sd + eps)
     adv = adv.clamp(-adv_clip_max, adv_clip_max).float()
     return Advantages(adv, len(tied), len(ids), tied)
+
+
+def batch_components(batch, names: Sequence[str]) -> dict[str, list[float]]:
+    """Each reward function's own score per row of a rollout batch (its rows' `reward_extra_info["components"]`),
+    as function -> [B]; a row without one of `names` is a ValueError naming the function and the sample
+    (`omniroll.reward.aggregation.check_components`)."""
+    infos = batch.non_tensor_batch.get("reward_extra_info")
+    n = len(batch)
+    infos = list(infos) if infos is not None else [None] * n
+    ids = list(batch.non_tensor_batch.get("request_id", [f"row {i}" for i in range(n)]))
+    rows = [dict((info or {}).get("components") or {}) if isinstance(info, dict) else {} for info in infos]
+    return check_components(rows, list(names), [str(i) for i in ids])
+
+
+def gdpo_advantages(components: dict[str, Sequence[float]], weights: dict[str, float], groups: Sequence,
+                    rewards: torch.Tensor, adv_clip_max: float = 5.0, eps: float = EPS) -> Advantages:
+    """`reward.aggregation: gdpo`: GDPO's aggregated score (`omniroll.reward.aggregation.gdpo_scores`: each
+    function normalised within its group, weighted sum, whitened over the batch) IS the advantage, clipped to
+    [-adv_clip_max, adv_clip_max]. It is not group-normalised again: each group's weighted sum already has mean 0, and
+    dividing it by its own group's std would re-couple the components (a group where only a low-spread function
+    varies would be blown up to the same scale as one where every function varies), the drowning GDPO removes.
+    tied groups: groups where every function ties (all zeros: they teach nothing); `metrics`: each function's
+    `gdpo/<fn>/group_std` (its mean within-group std) and `gdpo/<fn>/tied_groups`."""
+    if len(groups) != len(rewards):
+        raise ValueError(f"groups has {len(groups)} entries for {len(rewards)} rewards")
+    out = gdpo_scores(components, weights, groups, eps)
+    tied = [float(rewards[rows[0]]) for rows in group_rows(groups)
+            if all(len(set(components[k][i] for i in rows)) == 1 for k in components)]
+    adv = torch.from_numpy(out.scores).clamp(-adv_clip_max, adv_clip_max).float()
+    metrics = {**{f"gdpo/{k}/group_std": v for k, v in out.group_std.items()},
+               **{f"gdpo/{k}/tied_groups": v for k, v in out.tied_groups.items()}}
+    return Advantages(adv, len(tied), len(group_rows(groups)), tied, metrics)

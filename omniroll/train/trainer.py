@@ -41,6 +41,7 @@ from omniroll.train.micro_batches import group_index
 from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
 from omniroll.train.policy import Policy
 from omniroll.train.report import tracking
+from omniroll.train.report.held_out import HeldOutRewards
 from omniroll.train.report.reward_curve import plot_rewards
 from omniroll.train.report.step_record import StepClock, step_record
 from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
@@ -85,6 +86,7 @@ class Trainer:
         self.tracker: Optional[Tracker] = None
         self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
         self.task_eval = TaskEvaluation(self.config, out_dir) if self.tc.evaluation is not None else None
+        self.held_out = HeldOutRewards(self.config.reward.held_out, out_dir) if self.config.reward.held_out else None
         self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window)  # the meter's last readings
         rep = self.config.replicas  # replicas on the trainer's device sleep during its update (train/colocation.py)
         self.colocation = Colocation(rep.sleep_level, self.tc.sync_timeout_s) if rep.colocate else None
@@ -158,13 +160,11 @@ class Trainer:
         return self.cluster.replicas if self.cluster is not None else []
 
     @property
-    def manager(self):
-        """The cluster's `AgentLoopManager` (None before start and after close)."""
+    def manager(self):  # the cluster's `AgentLoopManager` (None before start and after close)
         return self.cluster.manager if self.cluster is not None else None
 
     @property
-    def sender(self):
-        """The `WeightSender` to the replicas (None before start)."""
+    def sender(self):  # the `WeightSender` to the replicas (None before start)
         return self.push.sender if self.push is not None else None
 
     def close(self) -> None:
@@ -275,7 +275,7 @@ class Trainer:
         self.memory.add_replicas(self.replicas)  # the rollout's peak memory, in the replicas' processes
         rewards = out.batch["rm_scores"][:, 0].float()
         uids = list(out.non_tensor_batch["uid"])
-        adv = self.algorithm.advantages(rewards, uids)
+        adv = self.algorithm.advantages(rewards, uids, out)  # reward.aggregation gdpo reads out's components
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
         traj, advantages = traj.to(self.device), adv.advantages.to(self.device)
         if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
@@ -315,6 +315,7 @@ class Trainer:
             m = step_record(step, rewards, adv, res, signal, versions, synced_version=self.version,
                             prox_version=prox_version, max_staleness=K, partial_rollout=tc.partial_rollout,
                             stale=stale, clock=clock, sleep_s=sleep_s, wake_s=wake_s, memory=self.memory.metrics())
+            m.update(self.held_out.step_metrics() if self.held_out is not None else {})  # its warning, if any
             self.pipeline.forget_before(t0)
             self.history.append(m)
             self.tracker.log_step(m, out, total=self._last)  # trainer.logger
@@ -360,7 +361,7 @@ class Trainer:
         `trainer.evaluation`, the task evaluation too (`train/report/task_eval.py`)."""
         sampling, cfg_scale = validation_guidance(self.config, self.algorithm)  # the regime it trains
         rec = run_validation(self.manager, self.val_prompts, self.config.val_kwargs.n, self.out_dir, tag,
-                             self.step_done, self.tracker, self.log, sampling, cfg_scale)
+                             self.step_done, self.tracker, self.log, sampling, cfg_scale, self.held_out)
         if self.task_eval is not None:
             rec.update(self.task_eval.run(self.manager, self.tracker, tag, self.step_done, self.replicas))
         return rec

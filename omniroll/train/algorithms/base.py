@@ -5,7 +5,7 @@ A step, as the loop drives it:
 
     overrides = algo.sampling_overrides(step)           # what its rollout asks the engine for
     rows      = algo.rows(batch, policy.adapter)          # TrajectoryBatch (SDE window) or CleanBatch (clean x0)
-    adv       = algo.advantages(rewards, groups)
+    adv       = algo.advantages(rewards, groups, batch)   # batch: its reward components (reward.aggregation gdpo)
     anchors   = algo.prepare(policy, rows, plan)          # its declared `Anchors`, computed before the inner epochs
     for each epoch, for each micro-batch of algo.micro_batches(rows, plan, epoch),
         for term in range(algo.num_terms(mb, anchors)):
@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Iterator, Optional
 import torch
 
 from omniroll.sampling.seeds import noise_term_seed, shuffle_seed
-from omniroll.train.advantages import Advantages, group_advantages
+from omniroll.train.advantages import Advantages, batch_components, gdpo_advantages, group_advantages
 from omniroll.train.algorithms.ppo import LossTerms
 from omniroll.train.micro_batches import EpochPlan, epoch_micro_batches
 
@@ -112,7 +112,19 @@ class Algorithm(ABC):
         """The batch's rows as the loss needs them (TrajectoryBatch or CleanBatch)."""
 
     # ------------------------------------------------------------------ advantages
-    def advantages(self, rewards: torch.Tensor, groups) -> Advantages:
+    def advantages(self, rewards: torch.Tensor, groups, batch=None) -> Advantages:
+        """`reward.aggregation: sum`: the weighted sums `rewards` standardised per group (`group_advantages`);
+        `gdpo`: each reward function's score (read from `batch`, the rollout's DataBatch) normalised within its
+        group, weighted, whitened over the batch: that is the advantage (`gdpo_advantages` says why it is not
+        group-normalised again)."""
+        reward = self.config.reward
+        if reward.aggregation == "gdpo":
+            if batch is None:
+                raise ValueError("reward.aggregation gdpo: the advantages need the rollout batch (each reward "
+                                 "function's score per row)")
+            names = list(reward.functions)
+            return gdpo_advantages(batch_components(batch, names), {k: f.weight for k, f in reward.functions.items()},
+                                   groups, rewards, self.tc.adv_clip_max)
         return group_advantages(rewards, groups, self.tc.global_std, self.tc.adv_clip_max)
 
     # ------------------------------------------------------------------ the update

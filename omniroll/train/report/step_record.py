@@ -42,7 +42,7 @@ def step_record(step: int, rewards: torch.Tensor, adv, update: dict, signal: dic
     wall = clock.t3 - clock.t0
     m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
          "reward_max": float(rewards.max()), "tied_groups": adv.tied_groups, "tied_rewards": adv.tied_rewards,
-         "num_groups": adv.num_groups, "num_samples": n,
+         "num_groups": adv.num_groups, "num_samples": n, **adv.metrics,
          "ratio_max_abs_dev": stats.ratio_max_abs_dev, "clip_frac": stats.clip_frac,
          "approx_kl": stats.approx_kl, "loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
          "grad_norm": stats.grad_norm, "optimizer_steps": stats.optimizer_steps, **signal, **update["move"],

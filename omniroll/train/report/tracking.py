@@ -16,8 +16,9 @@ dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` (each reward function's ow
 `reward/<fn>/<key>` (each numeric extra a scorer returned; both also in metrics.jsonl, `reward_breakdown.py`), and
 the histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a few training samples
 (`train/samples`, one per prompt group, captioned `prompt | reward`); at every validation the samples
-(`val/samples`), the grid (`val/grid`), `val/reward_mean` and `val/reward/<fn>/...`. Videos go as video where the
-backend has it.
+(`val/samples`), the grid (`val/grid`), `val/reward_mean` and `val/reward/<fn>/...`, and with `reward.held_out` the
+held-out functions' `val/held_out/<fn>/score`, `.../z`, `.../falling` (`held_out.py`; also in metrics.jsonl). Videos
+go as video where the backend has it.
 
 Console is the step line; jsonl is `metrics.jsonl` in the output directory. The other backends are optional extras
 (`pip install 'omniroll[tensorboard]'`, ...), imported only when named; `check_loggers` names a missing one with
@@ -239,6 +240,15 @@ class Tracker:
         for b in self.backends.values():
             b.log_scalars(dict(metrics), step)
 
+    def log_held_out(self, tag: str, step: int, metrics: dict[str, float]) -> None:
+        """A validation's held-out rewards (`omniroll.train.report.held_out`): one metrics.jsonl record
+        `{"step", "validation": tag, "val/held_out/...": ...}` (no `reward_mean`: not a training step) and the scalars
+        to every backend."""
+        if "jsonl" in self.names:
+            append_jsonl(os.path.join(self.out_dir, "metrics.jsonl"), {"step": step, "validation": tag, **metrics})
+        for b in self.backends.values():
+            b.log_scalars(dict(metrics), step)
+
     def state(self, step: int) -> dict:
         """What a checkpoint keeps so that a resumed run continues the same tracker runs."""
         out: dict[str, Any] = {"project_name": self.project, "experiment_name": self.experiment, "step": step}
@@ -280,7 +290,8 @@ def format_step(m: dict, total: int) -> str:
             f"akl {m['approx_kl']:.1e}  kl {m['kl']:.1e}  loss {m['loss']:+.4f}  gnorm {m['grad_norm']:.3f}  "
             f"{_signal_part(m)}{_move_part(m)}v{m['weight_version']}  "
             f"rollout {m['rollout_s']:.1f}s  reward_wait {m['reward_wait_s']:.2f}s  train {m['train_s']:.1f}s  "
-            f"sync {m['sync_s']:.2f}s  {_device_part(m)}step {m['step_s']:.1f}s" + _async_part(m))
+            f"sync {m['sync_s']:.2f}s  {_device_part(m)}step {m['step_s']:.1f}s" + _async_part(m)
+            + (f"  WARNING {m['held_out_warning']}" if m.get("held_out_warning") else ""))
 
 
 def _device_part(m: dict) -> str:

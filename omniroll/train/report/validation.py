@@ -9,7 +9,8 @@ for NFT and AWM, which roll out and train the CFG-free policy; the pipeline's CF
 `run_validation` writes the captioned grid `val_<tag>.png` (`val_grid.py`), appends a record to `validation.jsonl`
 (`val_reward_mean`, the weighted reward the trainer optimises, `cfg_scale`, and `reward/<fn>/mean` /
 `reward/<fn>/<key>`: each reward function's own mean and each numeric scorer extra, `reward_breakdown.py`), hands the
-batch to the trackers (`Tracker.log_validation`) and logs one line:
+batch to the trackers (`Tracker.log_validation`) and logs one line (with `reward.held_out`, `held_out.py` scores the
+same pictures with the held-out functions and adds its lines, metrics and per-sample scores):
 
     validation after (CFG off): reward 0.1103 (colour 0.1103, strict 0.2500) -> out/val_after.png
 """
@@ -45,9 +46,10 @@ def validation_guidance(config: Any, algorithm: Any) -> tuple[dict, float]:
 
 def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: str, step: int, tracker: Any,
                    log: Callable[[str], None], sampling: Optional[dict] = None,
-                   cfg_scale: Optional[float] = None) -> dict:
+                   cfg_scale: Optional[float] = None, held_out: Any = None) -> dict:
     """Generate, score and report one validation (module doc) with `sampling` over `val_kwargs`'s sampling
-    (`validation_guidance`); returns its validation.jsonl record."""
+    (`validation_guidance`); with `held_out` (a `HeldOutRewards`), its functions scored on the same pictures; returns
+    its validation.jsonl record."""
     meta = {"validate": True, **({"sampling_params": dict(sampling)} if sampling else {})}
     batch = prompt_batch(prompts, n, lambda i: f"val{i:04d}", data_source="val", meta_info=meta)
     out = asyncio.run(manager.generate_sequences_async(batch))
@@ -61,9 +63,11 @@ def run_validation(manager: Any, prompts: list[str], n: int, out_dir: str, tag: 
     parts = reward_breakdown(out)
     rec = {"tag": tag, "step": step, "val_reward_mean": score, **{f"reward/{k}": v for k, v in parts.items()},
            "grid": path, **({"cfg_scale": cfg_scale} if cfg_scale is not None else {})}
-    append_jsonl(os.path.join(out_dir, "validation.jsonl"), rec)
     tracker.log_validation(tag, step, out, score, path)
     detail = f" ({breakdown_text(parts)})" if parts else ""
     label = f"validation {tag}" + (f" ({guidance_label(cfg_scale)})" if cfg_scale is not None else "")
     log(f"{label}: reward {score:.4f}{detail} -> {path}" if score is not None else label)
+    if held_out is not None:  # reward.held_out: scored on these pictures only (held_out.py)
+        rec.update(held_out.observe(out, tag, step, tracker, log))
+    append_jsonl(os.path.join(out_dir, "validation.jsonl"), rec)
     return rec
