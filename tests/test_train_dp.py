@@ -1,4 +1,4 @@
-"""The data-parallel trainer (`trainer.world_size`, issue 30) on CPU: real Ray actors, a real gloo process group, the
+"""The data-parallel trainer (`trainer.world_size`) on CPU: real Ray actors, a real gloo process group, the
 tiny SD3 model. N = 2 against N = 1 on the same global batch, ranks on two Ray nodes, a rank killed mid-run, and the
 config's refusals (docs/training/data_parallel.md)."""
 
