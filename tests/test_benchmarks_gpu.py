@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the benchmark script in a subprocess
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_train.py")
 
 
