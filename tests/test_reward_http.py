@@ -76,7 +76,7 @@ def _make_app(state: dict) -> FastAPI:
     @app.post("/sleepy/{key}")
     async def sleepy(key: str):
         hits[key] += 1
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(2.0)
         return {"scores": [1.0]}
 
     @app.post("/drip/{key}")
@@ -93,16 +93,19 @@ def _make_app(state: dict) -> FastAPI:
         return StreamingResponse(body(), media_type="application/json")
 
     @app.post("/hang/{key}")
-    async def hang(key: str):  # never answers in time (bounded, so the server can stop)
+    async def hang(key: str):  # never answers in time (at most 5 s, until the server stops: state["release"])
         hits[key] += 1
-        await asyncio.sleep(5)
+        for _ in range(100):
+            if state["release"]:
+                break
+            await asyncio.sleep(0.05)
         return {"scores": [1.0]}
 
     @app.post("/hangon/{key}")
     async def hangon(key: str, request: Request):  # hangs on a batch holding the prompt "hang", scores the others
         hits[key] += 1
         images, prompts, _ = decode_png_batch(await request.json())
-        for _ in range(100):  # at most 5 s, until the test has what it needs (state["release"])
+        for _ in range(100):  # at most 5 s, until the server stops (state["release"])
             if "hang" not in prompts or state["release"]:
                 break
             await asyncio.sleep(0.05)
@@ -131,6 +134,7 @@ def server():
         assert time.time() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     yield f"http://127.0.0.1:{port}", state
+    state["release"] = True  # requests still hanging answer now, so the server stops at once
     srv.should_exit = True
     thread.join(timeout=5)
     sock.close()
@@ -192,8 +196,9 @@ def test_connection_refused_is_retried_then_reported():
 
 def test_timeout_is_retried_then_reported(server):
     url, state = server
-    scorer = HttpScorer(f"{url}/sleepy/d", timeout_s=0.05, backoff_s=0.01, max_retries=1)
-    with pytest.raises(RewardHTTPError, match=r"after 2 attempt\(s\): status=None: timeout after 0.05s"):
+    # an attempt long enough for the request to reach the server on a busy machine, far shorter than its answer
+    scorer = HttpScorer(f"{url}/sleepy/d", timeout_s=0.5, backoff_s=0.01, max_retries=1)
+    with pytest.raises(RewardHTTPError, match=r"after 2 attempt\(s\): status=None: timeout after 0.5s"):
         _run(scorer, _samples(1))
     assert state["hits"]["d"] == 2
 
@@ -386,7 +391,6 @@ def test_every_reward_call_has_a_total_deadline_named_in_the_row_error(server):
 
     t0 = time.monotonic()
     hung_results, fine_results = asyncio.run(go())
-    state["release"] = True  # the server lets the hung request go
     for r in hung_results:
         assert r.status == "failed" and r.score is None
         assert ("no answer within the total deadline of 0.6 s (reward.functions.h.deadline_s" in r.error), r.error
