@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model shapes-model-evaluations shapes-model-distilled test docs docs-generate docs-serve docs-screenshots bench clean
+.PHONY: install demo shapes-model shapes-model-evaluations shapes-model-distilled test test-fast docs docs-generate docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -97,14 +97,22 @@ shapes-model-evaluations: $(STAMP)
 shapes-model-distilled: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes --from shapes --distill 600 --out out/shapes-distilled
 
-# The suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (`--dist loadfile`: a file's
-# blocks and session fixtures stay in order, and each worker has its own Ray cluster and model cache). On the 2-core
-# VM the suite took 18.7 min on 2 workers against 25.4 in one process (2026-11-28); later that day 19.5 on 2 and 21.8
-# on 3 (the suite is CPU-bound: its tests ran 1.7x slower each); TEST_WORKERS=0 runs it in one.
+# The suite on TEST_WORKERS processes (pytest-xdist), each group of tests whole on one of them (`--dist loadgroup`: a
+# group's tests and fixtures stay in order, and each worker has its own Ray cluster and model cache). A test file is
+# one group (tests/conftest.py) unless it splits itself: test_readme.py by docs page (pages that share files are one),
+# test_train_dp.py by mode, so that both workers stay busy. On the 2-core VM the suite took 18.7 min on 2 workers
+# against 25.4 in one process (2026-11-28; one group per file then); TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
+
+# The inner loop: lint, then every test not marked `slow` (what starts Ray, a server process, a training or CLI
+# subprocess or the docs build: tests/conftest.py marks a test from its fixtures, a file that starts its own says so),
+# the layer test included, in one process. CONTRIBUTING.md says when to run which.
+test-fast: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest tests -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/rollout_throughput.py

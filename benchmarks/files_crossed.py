@@ -1,4 +1,5 @@
-"""Which omniroll files one `omniroll rollout` sample and one training step enter (docs/design.md, issue 16).
+"""Which omniroll files one `omniroll rollout` sample and one training step enter (docs/design.md, "Files a sample
+crosses").
 
     .venv/bin/python benchmarks/files_crossed.py          # ~2 min on 2 CPUs; a table by layer, then one JSON line
 

@@ -34,3 +34,21 @@ def ray_cluster():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+#: fixtures that start Ray: a test using one, directly or through another fixture (its whole closure), is
+#: `slow` without having to say so. `ray_cluster` is the session's local cluster (replicas, workers, trainers build on
+#: it); `nodes` (test_multinode.py) and `two_nodes` (test_train_dp.py) are multi-raylet clusters of their own.
+SLOW_FIXTURES = frozenset({"ray_cluster", "nodes", "two_nodes"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` every test whose fixtures (their whole closure) start Ray. Put every test without an `xdist_group`
+    in its file's: `make test` runs `--dist loadgroup`, so a file runs whole on one worker, in order, with its module
+    fixtures, unless it splits itself into groups (test_readme.py by page, test_train_dp.py by mode)."""
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))

@@ -218,6 +218,10 @@ def test_batch_level_errors(cfg, replicas):
         asyncio.run(worker.generate_sequences(DataBatch.from_dict(non_tensors={"raw_prompt": ["a"]})))
     with pytest.raises(ValueError, match="meta_info.sampling_params.noise_level"):
         asyncio.run(worker.generate_sequences(make_batch([("a", "x")], sampling_params={"noise_level": -1})))
+    with pytest.raises(ValueError, match=r"meta_info\['sampling_params'\]\.height must be a positive multiple of "
+                                         r"16 .*got 72 \(nothing was sent\)"):  # the engine's check, before any call
+        asyncio.run(worker.generate_sequences(make_batch([("a", "x"), ("b", "y")], sampling_params={"height": 72})))
+    assert sum(worker.client.served) == 0
     with pytest.raises(ValueError, match="same \\(uid, _group_index\\)"):
         asyncio.run(worker.generate_sequences(make_batch([{"uid": "a", "raw_prompt": "x", "_group_index": 0}] * 2)))
 
@@ -290,6 +294,8 @@ def test_agent_loop_error_carries_the_rows_that_succeeded(cfg, replicas, baselin
         with pytest.raises(AgentLoopError, match="row 1 .*sampling_params.width gives width=128"):
             mgr.generate_sequences(make_batch([("a", "x"), {"uid": "b", "raw_prompt": "y",
                                                             "sampling_params": {"width": 128}}]))
+        with pytest.raises(ValueError, match=r"meta_info\['sampling_params'\]\.width must be a positive multiple"):
+            mgr.generate_sequences(make_batch([("a", "x")], sampling_params={"width": 40}))
         assert sum(ray_cluster.get(r.stats.remote())["served"] for r in replicas) == served
     finally:
         mgr.shutdown()

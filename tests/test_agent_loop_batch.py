@@ -95,3 +95,24 @@ def test_manager_chunks_cut_only_at_group_boundaries():
     assert sum(group_chunk_sizes(uids, 5)) == 12
     assert group_chunk_sizes(["a", "a", "b", "c", "c"], 2) == [2, 3]  # uneven, never splitting a group
     assert group_chunk_sizes(["a"] * 5, 2) == [5, 0]  # one group stays whole
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"height": 72}, r"meta_info\['sampling_params'\]\.height must be a positive multiple of 16 \(vae_scale_factor x "
+                     r"patch_size\), got 72"),
+    ({"width": 2048}, r"meta_info\['sampling_params'\]\.width must be <= 1024 \(pos_embed_max_size x 16\), got 2048"),
+])
+def test_batch_sampling_the_model_refuses_is_refused_where_the_batch_is_planned(tiny_sd3_path, override, message):
+    """The engine's own check of resolution and text length (`ModelLimits`, from the checkpoint's files) runs on
+    `meta_info["sampling_params"]` when the batch is planned, before any client call; the config's values pass."""
+    from omniroll.agent_loop.rows import plan_batch
+    from omniroll.config import load_config
+
+    cfg = load_config({"engine": {"model": tiny_sd3_path}, "pipeline": {"height": 64, "width": 64,
+                                                                        "max_sequence_length": 16}})
+    rows = DataBatch.from_dict(non_tensors={"raw_prompt": ["a cat", "a dog"]},
+                               meta_info={"global_steps": 1, "sampling_params": override})
+    with pytest.raises(ValueError, match=message):
+        plan_batch(cfg, rows)
+    rows.meta_info["sampling_params"] = {"height": 32, "width": 48}  # multiples of 16: planned
+    assert plan_batch(cfg, rows).base_sampling["width"] == 48

@@ -1,4 +1,4 @@
-"""Each training algorithm against its reference, as pure functions (issue 27): DiffusionNFT's loss, advantage map and
+"""Each training algorithm against its reference, as pure functions: DiffusionNFT's loss, advantage map and
 old-weight decay; GRPO-Guard's normalised ratio; DanceGRPO's step noise and step draw; AWM's weighting; MixGRPO's
 sliding window; and the configuration rules of `trainer.algorithm`."""
 

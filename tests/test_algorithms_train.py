@@ -1,4 +1,4 @@
-"""Every `trainer.algorithm` end to end on the tiny model and a local Ray cluster (issue 27): 3 steps with a finite
+"""Every `trainer.algorithm` end to end on the tiny model and a local Ray cluster: 3 steps with a finite
 loss that move the weights, each algorithm's exactness, its rollout contract, and a resume that is bitwise the
 straight run (weights, optimizer, the algorithm's own state)."""
 

@@ -156,6 +156,7 @@ def _limit_file_size(max_bytes: int):
     return apply
 
 
+@pytest.mark.slow  # slow: the CLI in a subprocess
 def test_generate_on_a_full_disk_names_the_file_and_what_was_kept(tiny_sd3_path, tmp_path):
     root = os.path.dirname(tiny_sd3_path)  # "tiny" resolves to the session's tiny checkpoint (as in test_cli)
     if not os.path.exists(os.path.join(root, "tiny-sd3")):
@@ -178,6 +179,7 @@ def test_generate_on_a_full_disk_names_the_file_and_what_was_kept(tiny_sd3_path,
     assert sorted(p.name for p in out.iterdir()) == ["prompt_000.png", "prompt_001.png"]  # no partial file left
 
 
+@pytest.mark.slow  # slow: the CLI in a subprocess
 def test_a_sample_file_that_cannot_be_written_is_named_and_removed(tmp_path):
     """Images and videos (PIL / PyAV write them, not `write_bytes`) fail the same way, leaving no partial file."""
     code = ("import sys, torch; from pathlib import Path; from omniroll.media import save_sample\n"

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_train.py, the trainer's device check (issue 36), on the CPU: `--smoke` runs the script end to end
+"""benchmarks/gpu_train.py, the trainer's device check, on the CPU: `--smoke` runs the script end to end
 on a tiny model (the LoRA and colocated modes and the rollout comparison; one table, one JSON line), and without a GPU
 the script says so in one line and exits 0."""
 
@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the benchmark script in a subprocess
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_train.py")
 
 

@@ -21,6 +21,7 @@ import omniroll
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # slow: builds the site
 def test_docs_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from omniroll.cli import main
 from omniroll.cli.doctor import STATUSES, dependency_checks, shapes_model_check
 
@@ -69,6 +71,7 @@ def test_a_failed_check_exits_1_naming_it(tmp_path, monkeypatch, capsys):
     assert f"omniroll doctor: error: cache: {blocker / 'cache'} cannot be created: {blocker} is a file" in err
 
 
+@pytest.mark.slow  # slow: starts Ray in a subprocess
 def test_ray_flag_runs_a_task_on_a_local_cluster(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     command = [os.path.join(os.path.dirname(sys.executable), "omniroll"), "doctor", "--ray", "--json"]

@@ -159,6 +159,7 @@ EXITS_MID_STEP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # slow: a script in a subprocess
 def test_script_that_never_calls_shutdown_exits_cleanly(tiny_sd3_path):
     root = os.path.dirname(os.path.dirname(omniroll.__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

@@ -211,7 +211,7 @@ def test_wake_failure_and_hang_reach_the_caller(tiny_sd3_path, monkeypatch):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["shm", "ray"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("ray", marks=pytest.mark.slow)])  # ray: starts it
 def test_sync_through_shm_and_object_refs(tiny_sd3_path, perturbed_checkpoint, transport, request):
     if transport == "ray":
         request.getfixturevalue("ray_cluster")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import yaml
 
 from omniroll.library_warnings import LOG_RECORDS, silence_library_warnings
@@ -55,6 +56,7 @@ def test_only_the_named_records_of_the_named_loggers_are_dropped():
     assert seen == ["`CLIPImageProcessor` is deprecated: a warning the user can act on", TORCHVISION]
 
 
+@pytest.mark.slow  # slow: a training in a subprocess
 def test_the_train_command_prints_no_silenced_warning_in_the_driver_or_the_actors(tiny_sd3_path, tmp_path):
     cfg = train_config(tiny_sd3_path, steps=5)
     cfg_file = tmp_path / "train.yaml"

@@ -208,9 +208,9 @@ def test_a_receivers_node_removed_in_the_middle_of_a_sync_fails_it_naming_replic
 
 def test_a_node_removed_mid_rollout_every_sample_comes_back_bitwise_the_trainer_goes_on_with_the_survivors(
         nodes, tiny_sd3_path, tmp_path):
-    """The removed node holds a replica, the only reward worker and the only agent-loop worker (the case the issue 38
-    run hit: with a second worker of each role on another node, as this test had, a node loss never needed more
-    than the survivors). Ray restarts the two workers on other nodes; every sample comes back bitwise."""
+    """The removed node holds a replica, the only reward worker and the only agent-loop worker (the case a real
+    multi-node run hit: with a second worker of each role on another node, as this test had, a node loss never needed
+    more than the survivors). Ray restarts the two workers on other nodes; every sample comes back bitwise."""
     from omniroll.train import Trainer
     from omniroll.weights import WeightSender, WeightSyncError
 

@@ -5,8 +5,11 @@ Convention (also stated in CONTRIBUTING.md):
 - Each ```bash / ```sh / ```shell and ```python block is run as it stands: shell blocks with `bash -eo pipefail`,
   Python blocks each in a fresh interpreter (so every Python block must be self-contained). Lines that run `make`
   are left out (`make demo` / `make test` install things; CI runs them separately).
-- The files run in DOC_FILES' order and each file's blocks top to bottom, in one scratch directory: a block may read
-  what an earlier block wrote (the README's shapes run, which the evaluation page evaluates).
+- The files run in DOC_FILES' order and each file's blocks top to bottom. A page runs in its group's scratch
+  directory: pages that read what another page wrote (a path one writes with `--out` or `cat >`, that the other
+  names: the README's shapes run, which the evaluation page evaluates) or that repeat its commands are one group,
+  every other page a group of its own (`page_groups`). The groups are independent: under `make test` (`--dist
+  loadgroup`) they run on whichever worker is free, each group's blocks in order on one.
 - Blocks run in a scratch directory that holds a link to the repository's `examples/`, with the console scripts of
   this interpreter on PATH, `OMNIROLL_CACHE` pointing at the session's tiny model, Ray commands attached to the
   test session's Ray cluster (`RAY_ADDRESS`, never a second cluster), and the environment variable CONTRIBUTING.md
@@ -153,9 +156,38 @@ def where_each_ran_before(blocks: list[dict]) -> dict[int, str]:
     return repeats
 
 
+def page_groups(blocks: list[dict]) -> dict[str, str]:
+    """{page: its group, named by its first page}: a page joins the group of a page it repeats a command of
+    (`ran_in`) or whose written path (`--out PATH`, `cat > PATH`) one of its run blocks names."""
+    files = list(dict.fromkeys(b["file"] for b in blocks))
+    parent = {f: f for f in files}
+
+    def root(f: str) -> str:
+        while parent[f] != f:
+            f = parent[f]
+        return f
+
+    def join(a: str, b: str) -> None:
+        ra, rb = sorted((root(a), root(b)), key=files.index)
+        parent[rb] = ra
+
+    run = [b for b in blocks if b["skip"] is None]
+    for b in run:
+        if "ran_in" in b:
+            join(b["file"], b["ran_in"].rsplit(":", 1)[0])
+    written = {(m, b["file"]) for b in run for m in re.findall(r"(?:--out\s+|\bcat\s*>\s*)([\w./-]+)", b["code"])}
+    for path, writer in written:
+        named = re.compile(rf"(?<![\w./-]){re.escape(path)}(?![\w.-])")
+        for b in run:
+            if b["file"] != writer and named.search(b["code"]):
+                join(b["file"], writer)
+    return {f: root(f) for f in files}
+
+
 BLOCKS = [dict(b, file=str(path.relative_to(ROOT))) for path in DOC_FILES for b in readme_blocks(path.read_text())]
 for _i, _where in where_each_ran_before(BLOCKS).items():
     BLOCKS[_i]["ran_in"] = _where
+GROUPS = page_groups(BLOCKS)
 
 
 def test_readme_has_blocks_and_every_skip_gives_a_reason():
@@ -194,9 +226,42 @@ def test_a_shell_block_whose_every_command_ran_before_is_not_run_again():
     assert where_each_ran_before(blocks) == {1: "a.md:1", 5: "a.md:9"}
 
 
+def test_pages_that_share_files_are_one_group():
+    """What the docs need today (the README's shapes run is evaluated on the evaluation page and repeated on getting
+    started; two pages train into out/train), found from the blocks; the rule on made-up pages."""
+    assert GROUPS["docs/evaluation.md"] == GROUPS["docs/getting-started.md"] == GROUPS["README.md"] == "README.md"
+    assert GROUPS["docs/training/index.md"] == GROUPS["docs/export.md"]
+    assert GROUPS["docs/serving.md"] == "docs/serving.md" and GROUPS["docs/howto/reward.md"] == "docs/howto/reward.md"
+    for b in BLOCKS:
+        if "ran_in" in b:
+            assert GROUPS[b["file"]] == GROUPS[b["ran_in"].rsplit(":", 1)[0]], b["file"]
+
+    def sh(file, code, **kw):
+        return {"lang": "sh", "code": code, "line": 1, "skip": None, "file": file, **kw}
+
+    pages = [sh("a.md", "omniroll train --out out/run"), sh("b.md", "cat > my.yaml <<'EOF'\nx: 1\nEOF"),
+             sh("c.md", "omniroll eval --checkpoint out/run/checkpoints/latest --config my.yaml"),
+             sh("d.md", "omniroll eval --checkpoint out/run2"), sh("e.md", "ls my.yaml.bak"),
+             sh("f.md", "omniroll train --out out/run", ran_in="a.md:1")]
+    assert page_groups(pages) == {"a.md": "a.md", "b.md": "a.md", "c.md": "a.md", "d.md": "d.md", "e.md": "e.md",
+                                  "f.md": "a.md"}
+
+
 @pytest.fixture(scope="module")
-def readme_env(tiny_sd3_path, ray_cluster, tmp_path_factory):
-    work = tmp_path_factory.mktemp("readme")
+def readme_envs(tiny_sd3_path, ray_cluster, tmp_path_factory):
+    """Each group's scratch directory and environment, made when its first block runs (Ray's address as it is then)."""
+    envs: dict[str, tuple] = {}
+
+    def env_of(group: str) -> tuple:
+        if group not in envs:
+            envs[group] = readme_env(tmp_path_factory.mktemp("readme"), tiny_sd3_path, ray_cluster)
+        return envs[group]
+
+    return env_of
+
+
+def readme_env(work: Path, tiny_sd3_path: str, ray_cluster) -> tuple:
+    """(`work`, the environment its blocks run in): examples/ linked, the tiny model in its cache, SMALL settings."""
     (work / "examples").symlink_to(ROOT / "examples")
     cache = work / "cache"
     cache.mkdir()
@@ -213,13 +278,14 @@ def readme_env(tiny_sd3_path, ray_cluster, tmp_path_factory):
     return work, env
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b['file']}:{b['line']}-{b['lang']}" for b in BLOCKS])
-def test_readme_block_runs_verbatim(block, readme_env):
+@pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.xdist_group(f"readme:{GROUPS[b['file']]}"),
+                                                id=f"{b['file']}:{b['line']}-{b['lang']}") for b in BLOCKS])
+def test_readme_block_runs_verbatim(block, readme_envs):
     if block["skip"] is not None:
         pytest.skip(f"{block['file']}:{block['line']}: {block['skip']}")
     if "ran_in" in block:
         pytest.skip(f"{block['file']}:{block['line']}: every command ran verbatim in {block['ran_in']}")
-    work, env = readme_env
+    work, env = readme_envs(GROUPS[block["file"]])
     if block["lang"] == "sh":
         if not shell_commands(block["code"]):
             pytest.skip("only make lines")

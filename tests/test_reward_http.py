@@ -76,7 +76,7 @@ def _make_app(state: dict) -> FastAPI:
     @app.post("/sleepy/{key}")
     async def sleepy(key: str):
         hits[key] += 1
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(2.0)
         return {"scores": [1.0]}
 
     @app.post("/drip/{key}")
@@ -93,10 +93,23 @@ def _make_app(state: dict) -> FastAPI:
         return StreamingResponse(body(), media_type="application/json")
 
     @app.post("/hang/{key}")
-    async def hang(key: str):  # never answers in time (bounded, so the server can stop)
+    async def hang(key: str):  # never answers in time (at most 5 s, until the server stops: state["release"])
         hits[key] += 1
-        await asyncio.sleep(5)
+        for _ in range(100):
+            if state["release"]:
+                break
+            await asyncio.sleep(0.05)
         return {"scores": [1.0]}
+
+    @app.post("/hangon/{key}")
+    async def hangon(key: str, request: Request):  # hangs on a batch holding the prompt "hang", scores the others
+        hits[key] += 1
+        images, prompts, _ = decode_png_batch(await request.json())
+        for _ in range(100):  # at most 5 s, until the server stops (state["release"])
+            if "hang" not in prompts or state["release"]:
+                break
+            await asyncio.sleep(0.05)
+        return {"scores": _mean_scores(images)}
 
     @app.post("/notnumbers/{key}")
     async def notnumbers(key: str):
@@ -108,7 +121,7 @@ def _make_app(state: dict) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def server():
-    state = {"hits": collections.Counter(), "batches": collections.defaultdict(list), "st": {}}
+    state = {"hits": collections.Counter(), "batches": collections.defaultdict(list), "st": {}, "release": False}
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -121,6 +134,7 @@ def server():
         assert time.time() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     yield f"http://127.0.0.1:{port}", state
+    state["release"] = True  # requests still hanging answer now, so the server stops at once
     srv.should_exit = True
     thread.join(timeout=5)
     sock.close()
@@ -182,8 +196,9 @@ def test_connection_refused_is_retried_then_reported():
 
 def test_timeout_is_retried_then_reported(server):
     url, state = server
-    scorer = HttpScorer(f"{url}/sleepy/d", timeout_s=0.05, backoff_s=0.01, max_retries=1)
-    with pytest.raises(RewardHTTPError, match=r"after 2 attempt\(s\): status=None: timeout after 0.05s"):
+    # an attempt long enough for the request to reach the server on a busy machine, far shorter than its answer
+    scorer = HttpScorer(f"{url}/sleepy/d", timeout_s=0.5, backoff_s=0.01, max_retries=1)
+    with pytest.raises(RewardHTTPError, match=r"after 2 attempt\(s\): status=None: timeout after 0.5s"):
         _run(scorer, _samples(1))
     assert state["hits"]["d"] == 2
 
@@ -349,3 +364,36 @@ def test_a_hanging_server_fails_the_batch_at_its_deadline(server):
     (result,) = asyncio.run(go())
     assert result.status == "failed" and "deadline_s=0.5 reached" in result.error
     assert result.extra_info["h/attempts"] == 1 and time.monotonic() - t0 < 2.5
+
+
+def test_every_reward_call_has_a_total_deadline_named_in_the_row_error(server):
+    """With the manager's defaults every function has a total deadline (120 s); at 0.6 s here, a server hanging on one
+    batch fails that batch's rows at the deadline, the error naming it and its key, while a batch scored at the same
+    time by the same function comes back whole, long before it."""
+    from omniroll.reward.manager import DEFAULT_DEADLINE_S, RewardFunctionConfig
+
+    url, state = server
+    assert RewardFunctionConfig(fn="http", kwargs={"url": url}).deadline_s == DEFAULT_DEADLINE_S == 120.0
+    manager = RewardManager({"h": {"fn": "http", "kwargs": {"url": f"{url}/hangon/w"}, "deadline_s": 0.6}})
+    hung = [RewardSample(f"hung{i}", np.full((3, 8, 8), 0, np.uint8), "hang") for i in range(2)]
+    done: dict[str, float] = {}
+
+    async def timed(key, samples):
+        results = await manager.score(samples)
+        done[key] = time.monotonic() - t0
+        return results
+
+    async def go():
+        try:
+            return await asyncio.gather(timed("hung", hung), timed("fine", _samples(3)))
+        finally:
+            await manager.aclose()
+
+    t0 = time.monotonic()
+    hung_results, fine_results = asyncio.run(go())
+    for r in hung_results:
+        assert r.status == "failed" and r.score is None and r.extra_info["h/attempts"] == 1
+        assert "no answer within the total deadline of 0.6 s (reward.functions.h.deadline_s" in r.error, r.error
+    assert 0.5 < done["hung"] < 3.0 and [r.status for r in fine_results] == ["ok"] * 3  # at the deadline, not 5 s
+    assert [r.score for r in fine_results] == pytest.approx([0.0, 10 / 255, 20 / 255])
+    assert done["fine"] < done["hung"] and state["hits"]["w"] == 2

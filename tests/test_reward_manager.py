@@ -145,6 +145,25 @@ def test_timeout_is_a_failure():
     assert "timed out after 0.05s" in results[0].extra_info["slow/error"]
 
 
+def test_the_total_deadline_ends_retries_and_backoffs_together():
+    """A function that answers after 1 s, given 0.3 s an attempt and 3 retries, fails its rows at its 0.5 s total
+    deadline (one attempt cut at 0.3 s, the second at the deadline), the error naming the key; the other function's
+    component is kept on the same rows."""
+    t0 = time.perf_counter()
+    _, results = _score({"slow": {"fn": f"{FNS}:slow_async", "timeout_s": 0.3, "max_retries": 3, "deadline_s": 0.5,
+                                  "required": False},
+                         "ok": {"fn": f"{FNS}:const_one"}})
+    assert time.perf_counter() - t0 < 0.9
+    for r in results:
+        assert r.status == "flagged" and r.score == 1.0 and r.extra_info["slow/attempts"] == 2
+        assert r.extra_info["slow/error"].startswith("no answer within the total deadline of 0.5 s "
+                                                     "(reward.functions.slow.deadline_s")
+    _, results = _score({"down": {"fn": f"{FNS}:always_fail", "max_retries": 5, "retry_backoff_s": 0.2,
+                                  "deadline_s": 0.5}})
+    assert results[0].extra_info["down/attempts"] == 2  # a third attempt's backoff (0.4 s) would end past 0.5 s
+    assert "(no time for a retry within the total deadline of 0.5 s" in results[0].error
+
+
 def test_empty_batch_and_bad_samples():
     manager = RewardManager({"c": {"fn": f"{FNS}:const_one"}})
     assert asyncio.run(manager.score([])) == []
@@ -171,6 +190,9 @@ def test_config_forms():
                                                                     r"equal to 10"),
         ({"a": {"fn": "jpeg_compressibility", "weight": float("nan")}}, r"functions\.a\.weight\n.*finite number"),
         ({"a": {"fn": "jpeg_compressibility", "timeout_s": 0}}, r"functions\.a\.timeout_s\n.*greater than 0"),
+        ({"a": {"fn": "jpeg_compressibility", "deadline_s": 0}}, r"functions\.a\.deadline_s\n.*greater than 0"),
+        ({"a": {"fn": "http", "kwargs": {"url": "http://127.0.0.1:1/x", "deadline_s": 300}}},
+         r"functions\.a\n.*kwargs\.deadline_s=300 \(the http scorer's own deadline\) is past deadline_s=120"),
         ({"a": {"weight": 1.0}}, r"functions\.a\.fn\n  Field required"),
         ({"a": {"fn": "  "}}, r"functions\.a\.fn\n.*non-empty"),
         ({"a/b": {"fn": "jpeg_compressibility"}}, r"function name 'a/b' must match"),

@@ -67,7 +67,7 @@ def test_full_key_does_not_block_another_key_in_the_queue():
 
 
 def test_short_request_of_another_shape_is_not_held_behind_a_long_one(tiny_sd3_path):
-    """The issue's case, on the engine: a 2-step request of another shape arrives while a long request runs; it
+    """Head-of-line blocking, on the engine: a 2-step request of another shape arrives while a long request runs; it
     sits out at most one step per step it runs and finishes long before the long one."""
     engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=4)
     base = dict(width=32, max_sequence_length=16, guidance_scale=4.5)

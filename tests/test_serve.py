@@ -241,6 +241,7 @@ def test_status_codes_are_classified_in_one_place():
     assert classify(ApiError(404, "x")).status == 404
 
 
+@pytest.mark.slow  # slow: the server in a subprocess
 def test_cli_serve_binds_127_0_0_1_and_serves(tiny_sd3_path, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     cli = "import sys; from omniroll.cli import main; sys.exit(main())"  # what the `omniroll` script runs

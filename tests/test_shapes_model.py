@@ -72,6 +72,7 @@ def test_the_shipped_model_generates_the_worlds_pictures_in_the_engine():
     assert out.extra_fields["all_latents"].shape[1:] == (4, 16, 16)
 
 
+@pytest.mark.slow  # slow: trains a model
 def test_pretrain_runs_the_whole_recipe_in_miniature_and_eval_scores_its_checkpoint(tmp_path, capsys):
     from omniroll.cli import main
 
@@ -156,6 +157,7 @@ def test_distillation_fits_the_teachers_guided_velocity_and_leaves_the_teacher_u
     assert losses[4.5] == pytest.approx(float(((4.5 - 1) * (v_c - v_u)).pow(2).mean()), rel=1e-4)
 
 
+@pytest.mark.slow  # slow: trains a model
 def test_pretrain_from_a_checkpoint_distils_it_into_a_cfg_free_model(tmp_path, capsys):
     """`omniroll pretrain shapes --from shapes --distill N` (in miniature): a verified checkpoint whose default guidance
     is 1.0, whose transformer moved and whose VAE and text encoders are the source's; --from without --distill is

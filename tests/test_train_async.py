@@ -1,4 +1,4 @@
-"""The asynchronous trainer (issue 18, trainer side; its objective's pure pieces: test_train_objective.py):
+"""The asynchronous trainer (the trainer side; its objective's pure pieces: test_train_objective.py):
 max_staleness 0 through the decoupled path equals today's synchronous path bitwise (weights and
 metrics); with max_staleness 1 the rollout of step t+1 runs while step t trains, every sample is exactly one version
 old, the behaviour replay and the proximal ratio are exact, and a Ctrl-C'd run resumes to the same weights bitwise;

@@ -1,4 +1,4 @@
-"""The trainer on its device (issue 36), on the CPU through the same code: `trainer.device` / `trainer.dtype` and what
+"""The trainer on its device, on the CPU through the same code: `trainer.device` / `trainer.dtype` and what
 they refuse (naming the key, before anything starts), the compute dtype (the frozen base in it, trainable weights,
 optimizer state and log-probs in fp32), colocated replicas asleep around every update (samples, log-probs and
 ratios bitwise what they are without colocation), and the peak memory per stage where the device reports it. A GPU

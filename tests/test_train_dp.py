@@ -1,4 +1,4 @@
-"""The data-parallel trainer (`trainer.world_size`, issue 30) on CPU: real Ray actors, a real gloo process group, the
+"""The data-parallel trainer (`trainer.world_size`) on CPU: real Ray actors, a real gloo process group, the
 tiny SD3 model. N = 2 against N = 1 on the same global batch, ranks on two Ray nodes, a rank killed mid-run, and the
 config's refusals (docs/training/data_parallel.md)."""
 
@@ -21,6 +21,9 @@ PROMPTS = ["a blue car", "a green bird", "a green car", "a blue bird"]
 #: move, and ranks that did not share their gradients would differ from each other (asserted bitwise). The gradient's
 #: scale, which Adam hides in the weights, is compared through the first step's grad_norm (rel 1e-6).
 RTOL_OF_MOVE = 1e-2
+#: the file's trainings by mode, as groups `make test` (`--dist loadgroup`) may run on different workers: LoRA, full
+#: weights (replicated and FSDP), the two-node cluster; the quick tests stay in the file's own group
+LORA, FULL, NODES = (pytest.mark.xdist_group(f"test_train_dp:{mode}") for mode in ("lora", "full", "nodes"))
 
 
 def dp_config(model, world_size=1, algorithm="flow_grpo", **trainer):
@@ -85,7 +88,9 @@ def step_weights(run_dir, step: int, mode: str) -> dict:
     return load_file(os.path.join(ckpt, name))
 
 
-@pytest.mark.parametrize("mode,max_staleness", [("lora", 0), ("lora", 1), ("full", 0)])
+@pytest.mark.parametrize("mode,max_staleness", [pytest.param("lora", 0, marks=LORA),
+                                                pytest.param("lora", 1, marks=LORA),
+                                                pytest.param("full", 0, marks=FULL)])
 def test_two_ranks_train_what_one_process_trains(ray_cluster, tiny_sd3_path, tmp_path, mode, max_staleness):
     """Step 1 runs 3 optimizer updates (3 inner epochs) on one batch, the same at N = 1 and N = 2: its weights agree
     to RTOL_OF_MOVE. Steps 2 and 3 roll out with those weights (1e-6 apart), so their samples differ in the last bits
@@ -175,6 +180,7 @@ def two_nodes():
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
+@NODES
 def test_ranks_on_two_nodes_a_killed_rank_ends_the_run_in_one_line_naming_it(two_nodes, tiny_sd3_path, tmp_path):
     """Ranks spread over two worker nodes train a step; rank 1 is killed after step 1: step 2's update (rank 0 then
     waits in the all-reduce for a dead peer) ends the run with one line naming rank 1 and its node, within seconds,
@@ -244,6 +250,7 @@ def test_uneven_shards_with_accumulation_step_together(ray_cluster, tiny_sd3_pat
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
 
 
+@FULL
 def test_fsdp_trains_what_the_replicated_all_reduce_trains_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path):
     """trainer.sharding fsdp (FSDP2's fully_shard on gloo, full fine-tuning, N = 2) against the replicated all-reduce:
     prompts of different token lengths (a micro-batch scores in one or two forwards) and uneven shards (4 and 8 rows,

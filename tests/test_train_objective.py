@@ -1,4 +1,4 @@
-"""The asynchronous trainer's off-policy objective (decoupled PPO, issue 18), as pure functions: it reduces bitwise to
+"""The asynchronous trainer's off-policy objective (decoupled PPO), as pure functions: it reduces bitwise to
 PPO-clip when nothing is stale, truncates the behaviour weight at its cap, and that weight is the ratio of the two
 policies' densities of the window step (not of the recorded mean log-probs)."""
 

@@ -199,15 +199,37 @@ _STACKED = {
 
 def base_sampling(config: Any, meta: dict, validate: bool) -> dict:
     """The batch's sampling dict: the config's (training or validation), then `meta_info["sampling_params"]`.
-    Raises ValueError naming the field when it is not valid."""
-    sp = overlay_sampling(config.sampling_params(validate=validate), meta.get("sampling_params") or None, validate,
+    Raises ValueError naming the field when it is not valid, or when the model cannot take it (`model_problems`),
+    before any request of the batch is sent."""
+    override = meta.get("sampling_params") or None
+    sp = overlay_sampling(config.sampling_params(validate=validate), override, validate,
                           name="meta_info['sampling_params']")
     try:
-        SamplingParams.model_validate(sp)
+        p = SamplingParams.model_validate(sp)
     except ValidationError as e:
         raise ValueError("bad sampling params: " + format_validation_error(
             e, "meta_info.sampling_params", with_input=False, empty_loc="meta_info.sampling_params")) from None
+    problems = model_problems(config.engine.model, p, set(override or ()), prefix="meta_info['sampling_params'].")
+    if problems:
+        raise ValueError("bad sampling params for the model: " + "; ".join(problems) + " (nothing was sent)")
     return sp
+
+
+def model_problems(model: str, params: SamplingParams, fields: set[str], prefix: str) -> list[str]:
+    """What of `fields` (resolution, text length) `model` cannot take, by the engine's own check (`ModelLimits`,
+    read from the checkpoint's config files, no weights): the config's own values were checked when it loaded. Empty
+    when the model's files cannot say here (an agent-loop worker on a node without the checkpoint): then the engine
+    refuses such rows itself."""
+    wanted = {k: getattr(params, k) if k in fields else None for k in ("height", "width", "max_sequence_length")}
+    if not any(v is not None for v in wanted.values()):
+        return []
+    from omniroll.models import model_limits
+
+    try:
+        limits = model_limits(model)
+    except (OSError, ValueError):
+        return []
+    return [] if limits is None else limits.problems(**wanted, prefix=prefix)
 
 
 def row_sampling(base_sp: dict, override: Any, validate: bool) -> dict:

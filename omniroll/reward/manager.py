@@ -18,6 +18,9 @@ Failure policy, per row (never a silent 0):
 - a function that raises, times out, returns the wrong number of values, or a value that is not a finite number
   (NaN, Inf, `True` / `False`, a string, or an exception instance: that row's own error) is
   retried (only on the rows that failed) up to `max_retries` times;
+- one call of a function on a batch (every attempt and backoff sleep together) ends at its `deadline_s` (default
+  `DEFAULT_DEADLINE_S`, 120 s): rows still unscored then carry an error naming the deadline and its key, so a reward
+  server or function that hangs holds its rows two minutes at most, never for good;
 - still failing and `required` -> the row is `status="failed"`, `score=None`, `error` names the function;
 - still failing and not required -> the row is `status="flagged"`, that component is `None`, its error is in
   `extra_info["{name}/error"]`, `extra_info["reward/missing"]` lists such names, and `score` is the weighted sum of the
@@ -42,10 +45,14 @@ from omniroll.reward.aggregation import AGGREGATIONS
 from omniroll.reward.scorers import RewardResult, RewardSample, build_scorer, is_async_callable, scorer_problems
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: A reward function's total time on one batch, attempts and backoffs together: a reward model scores a micro-batch
+#: in seconds, and the `http` scorer gives up on its own after its `deadline_s` (60 s) by default.
+DEFAULT_DEADLINE_S = 120.0
 
 
 class RewardFunctionConfig(BaseModel):
-    """One reward function. `timeout_s` bounds each attempt (a sync function's thread cannot be interrupted)."""
+    """One reward function. `timeout_s` bounds each attempt, `deadline_s` all attempts and backoffs of one call
+    together (a sync function's thread cannot be interrupted: its rows fail at the deadline, the thread runs on)."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
@@ -56,7 +63,10 @@ class RewardFunctionConfig(BaseModel):
     max_retries: Optional[int] = Field(None, ge=0, le=10, description="retries of the rows that failed (None: 2, or "
                                        "0 for `http` and `openai_judge`, which retry within their deadline_s)")
     retry_backoff_s: float = Field(0.0, ge=0.0, le=60.0, description="sleep between retries (doubles each time)")
-    timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0, description="deadline of each attempt (None: none)")
+    timeout_s: Optional[float] = Field(None, gt=0.0, le=3600.0, description="deadline of each attempt (None: only "
+                                       "deadline_s)")
+    deadline_s: float = Field(DEFAULT_DEADLINE_S, gt=0.0, le=86400.0, description="total deadline of one call on a "
+                              "batch, every attempt and backoff together: rows not scored by then fail naming it")
     per_sample: bool = Field(False, description="fn takes one RewardSample, not a list")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="the scorer's own arguments (model_dir, url, "
                                     "device, ...)")
@@ -72,6 +82,16 @@ class RewardFunctionConfig(BaseModel):
     def _default_retries(self):
         if self.max_retries is None:  # the http scorers retry themselves; retrying again would multiply the deadline
             self.max_retries = 0 if self.fn in ("http", "openai_judge") else 2
+        return self
+
+    @model_validator(mode="after")
+    def _check_http_deadline(self):
+        """An `http` function's own deadline (kwargs.deadline_s) fits in the manager's, or its retries never run."""
+        inner = self.kwargs.get("deadline_s") if self.fn == "http" else None
+        if isinstance(inner, (int, float)) and inner > self.deadline_s:
+            raise ValueError(f"kwargs.deadline_s={inner:g} (the http scorer's own deadline) is past deadline_s="
+                             f"{self.deadline_s:g} (the function's total deadline): raise deadline_s to at least "
+                             f"{inner:g}")
         return self
 
     @model_validator(mode="after")
@@ -187,18 +207,14 @@ class RewardManager:
             if close is not None and inspect.iscoroutinefunction(close):
                 await close()
 
-    async def _call(self, name: str, fn: Callable, samples: list[RewardSample]) -> list:
-        fc = self.config.functions[name]
-        if is_async_callable(fn):
-            coro = fn(samples)
-        else:
-            coro = asyncio.to_thread(fn, samples)
-        if fc.timeout_s is not None:
-            out = await asyncio.wait_for(coro, fc.timeout_s)
-        else:
-            out = await coro
-        if inspect.isawaitable(out):
-            out = await (asyncio.wait_for(out, fc.timeout_s) if fc.timeout_s is not None else out)
+    @staticmethod
+    async def _answer(fn: Callable, samples: list[RewardSample]) -> Any:
+        out = await (fn(samples) if is_async_callable(fn) else asyncio.to_thread(fn, samples))
+        return await out if inspect.isawaitable(out) else out
+
+    async def _call(self, fn: Callable, samples: list[RewardSample], limit: float) -> list:
+        """One attempt of `fn` on `samples`, its answer checked for length; `asyncio.TimeoutError` after `limit` s."""
+        out = await asyncio.wait_for(self._answer(fn, samples), limit)
         if hasattr(out, "tolist") and not isinstance(out, list):
             out = out.tolist()
         if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
@@ -213,15 +229,29 @@ class RewardManager:
         res = _Outcome(len(samples))
         pending = list(range(len(samples)))
         t0 = time.perf_counter()
+        deadline = t0 + fc.deadline_s
+        past = (f"the total deadline of {fc.deadline_s:g} s (reward.functions.{name}.deadline_s, every attempt and "
+                "backoff together)")
         for attempt in range(fc.max_retries + 1):
-            if attempt and fc.retry_backoff_s:
-                await asyncio.sleep(fc.retry_backoff_s * 2 ** (attempt - 1))
+            backoff = fc.retry_backoff_s * 2 ** (attempt - 1) if attempt else 0.0
+            if attempt and time.perf_counter() + backoff >= deadline:
+                for i in pending:
+                    res.errors[i] += f" (no time for a retry within {past})"
+                break
+            if backoff:
+                await asyncio.sleep(backoff)
             res.attempts += 1
+            remaining = deadline - time.perf_counter()
+            limit = remaining if fc.timeout_s is None else min(fc.timeout_s, remaining)
             try:
-                out = await self._call(name, fn, [samples[i] for i in pending])
+                out = await self._call(fn, [samples[i] for i in pending], limit)
             except asyncio.CancelledError:
                 raise
             except asyncio.TimeoutError:
+                if limit == remaining:
+                    for i in pending:
+                        res.errors[i] = f"no answer within {past}; {res.attempts} attempt(s)"
+                    break
                 for i in pending:
                     res.errors[i] = f"timed out after {fc.timeout_s}s (attempt {attempt + 1})"
                 continue

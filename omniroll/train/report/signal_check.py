@@ -8,8 +8,9 @@ zero-weight reward), or when the groups are too small (`n`). Fed every step's me
 
 - tells solved groups from the others: a group tied at (or above) the best reward any sample of the run has had so
   far (`reward_max` of the steps, `tied_rewards` of this one), in a run whose mean reward has been below that best,
-  has every sample right; it teaches nothing either, but that is success, not collapse. When at least `tied_warn_frac` of a step's groups are solved it says so once (the
-  prompts are learned: harder prompts or a larger `n` give more signal);
+  has every sample right; it teaches nothing either, but that is success, not collapse. When at least
+  `tied_warn_frac` of a step's groups are solved it says so once (the prompts are learned: harder prompts or a larger
+  `n` give more signal);
 - warns, one line through the trainer's `log`, when at least `tied_warn_frac` of a step's groups are tied below
   the best reward, once per episode (again only after the share fell below it);
 - warns when the reward has fallen far below its start: the mean of the step rewards of the last `reward_window`
@@ -180,9 +181,9 @@ class LearningSignalCheck:
             f"no learning signal: every prompt group had tied rewards (all equal within the group: zero advantage) "
             f"for {len(steps)} consecutive steps, {first}-{last}: tied_groups/num_groups {ties}; reward mean +- std "
             f"{rewards}" + (f"; {drop}" if drop else ""),
-            f"likely cause: a learning rate too high that collapsed the policy to one output"
+            "likely cause: a learning rate too high that collapsed the policy to one output"
             + (f" (trainer.lr={lr:g})" if lr is not None else "") + ", a reward that cannot tell the samples apart "
-            f"(constant, saturated or weighted 0), or a group size too small" + (f" (n={n})" if n is not None else ""),
+            "(constant, saturated or weighted 0), or a group size too small" + (f" (n={n})" if n is not None else ""),
             "what to change: lower trainer.lr (e.g. 10x) and start again (or --resume a checkpoint from before the "
             "reward fell); check that the reward differs between samples of one prompt; raise n; "
             "trainer.signal_check.stop_after_tied_steps=0 trains on regardless",
