@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 
-HELP = "train the shapes model from scratch (VAE, transformer) and evaluate it"
+HELP = "train the shapes model (or the shapes-video model) from scratch (VAE, transformer)"
 
 
 def add_arguments(parser) -> None:
