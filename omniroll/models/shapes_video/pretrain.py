@@ -206,8 +206,9 @@ def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log
 
         # 5. the checkpoint, the curves, the record
         ckpt = save_model(ema.module, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
-        plot_losses([(vae_hist, "VAE (L1 + MSE + KL, unclamped)"), (dit_hist, "transformer (flow)")],
-                    os.path.join(out_dir, "loss_curve.png"), title="omniroll pretrain shapes-video: training losses")
+        plot_losses([(vae_hist, f"VAE (unclamped): frames to step {recipe.vae.image_steps}, then clips"),
+                     (dit_hist, "transformer (flow)")], os.path.join(out_dir, "loss_curve.png"),
+                    title="omniroll pretrain shapes-video: training losses")
         times["total_s"] = time.time() - t_start
         record = {
             "recipe": recipe.to_dict(), "checkpoint": ckpt, "times": times, "vae_check": vae_check,
