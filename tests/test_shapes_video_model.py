@@ -39,11 +39,11 @@ def test_decode_unclamped_is_diffusers_decode_before_its_clamp_and_passes_gradie
     from omniroll.models.shapes_video.vae import build_vae, decode_unclamped
 
     vae = build_vae(TOY.vae)
-    z = torch.randn(1, TOY.vae.z_dim, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 50
+    z = torch.randn(1, TOY.vae.z_dim, 2, 8, 8, generator=torch.Generator().manual_seed(0)) * 50
     with torch.no_grad():
         raw = decode_unclamped(vae, z)
         assert torch.equal(raw.clamp(-1, 1), vae.decode(z).sample)
-    assert raw.shape == (1, 3, 9, 64, 64)  # 1 + 4k frames from 1 + k latent frames
+    assert raw.shape == (1, 3, 5, 32, 32)  # 1 + 4k frames from 1 + k latent frames
     beyond = raw.abs() > 1
     assert beyond.any(), "the test needs pixels beyond the clamp"
     z.requires_grad_(True)
@@ -91,9 +91,14 @@ def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(unint
         pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(("vae", 3)))
     assert not (out / "checkpoint").exists()
     seen.clear()
+    first = pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(None), until="vae")
+    assert seen == [("vae", 3), ("vae", 4)]  # step 3 was not saved: it is run again, steps 1-2 are not
+    assert first["checkpoint"] is None and first["vae_check"]["clips"] == TOY.check_clips
+    assert json.loads((out / "pretrain.json").read_text())["until"] == "vae" and not (out / "checkpoint").exists()
+    seen.clear()
     with pytest.raises(KeyboardInterrupt):  # in the transformer, one step after a save
         pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(("transformer", 3)))
-    assert seen[0] == ("vae", 3)  # step 3 was not saved: it is run again, steps 1-2 are not
+    assert seen[0] == ("transformer", 1)  # the VAE's phase is done: no step of it runs again
     seen.clear()
     record = pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(None))
     assert seen == [("transformer", 3), ("transformer", 4)]
@@ -103,6 +108,8 @@ def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(unint
     assert sorted(ta) == sorted(tb) and len(ta) > 50
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
     assert json.loads(json.dumps(record["recipe"])) == json.loads((a / "recipe.json").read_text())
+    assert record["vae_check"] == first["vae_check"]
+    assert len(record["steps_seconds_all_runs"]) == 2 and record["steps_seconds_all_runs"]["vae"] > 0
     with pytest.raises(ValueError, match="dit"):  # another recipe in the same directory is refused
         pretrain(dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=5)), str(out), progress=False)
 
@@ -138,4 +145,6 @@ def test_the_cli_refuses_what_shapes_video_does_not_have_before_any_work(tmp_pat
     assert "--install" in capsys.readouterr().err
     assert main(["pretrain", "shapes-video", "--out", str(tmp_path / "x"), "--override", "vae.clip_steps=-1"]) != 0
     assert "vae.clip_steps" in capsys.readouterr().err
+    assert main(["pretrain", "shapes", "--out", str(tmp_path / "x"), "--until", "vae"]) != 0
+    assert "shapes-video only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

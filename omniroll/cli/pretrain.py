@@ -31,6 +31,9 @@ def add_arguments(parser) -> None:
                                                     "out/shapes-video-model)")
     parser.add_argument("--toy", action="store_true", help="shapes-video only: a few steps of tiny parts (a smoke "
                                                           "test of the pipeline, not a model)")
+    parser.add_argument("--until", choices=["vae", "checkpoint"], default="checkpoint",
+                        help="shapes-video only: stop after the VAE and its check (vae; rerun without it to go on), "
+                             "or run to the checkpoint (default)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe field, e.g. dit.steps=2000 or vae.lr=0.001 (repeatable; default: none, the "
                              "shipped model's recipe)")
@@ -105,8 +108,8 @@ def run(args) -> int:
 
     if args.model == "shapes-video":
         return run_video(args)
-    if args.toy:
-        raise UserError("--toy is for shapes-video only (shapes: --override dit.steps=N and the like)")
+    if args.toy or args.until != "checkpoint":
+        raise UserError("--toy and --until are for shapes-video only (shapes: --override dit.steps=N and the like)")
     args.out = args.out or "out/shapes-model"
     if args.distill is not None and args.distill < 0:
         raise UserError(f"--distill must be >= 0 steps, got {args.distill}")
@@ -188,13 +191,14 @@ def run_video(args) -> int:
     quiet_libraries()
     resumed = os.path.isdir(os.path.join(out, "resume"))
     try:
-        record = pretrain(recipe, out, progress=not args.quiet and sys.stderr.isatty())
+        record = pretrain(recipe, out, progress=not args.quiet and sys.stderr.isatty(), until=args.until)
     except ValueError as e:
         raise UserError(str(e)) from None
     t, sps = record["times"], record["seconds_per_step"]
-    print(f"omniroll pretrain shapes-video: {'resumed and ' if resumed else ''}finished in {t['total_s'] / 60:.1f} min "
-          f"this run (vae {t['vae_s']:.0f} s, latents {t['latents_s']:.0f} s, transformer {t['transformer_s']:.0f} s); "
-          f"seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in sps.items() if v is not None))
+    print(f"omniroll pretrain shapes-video: {'resumed and ' if resumed else ''}finished {args.until} in "
+          f"{t['total_s'] / 60:.1f} min this run (" + ", ".join(f"{k} {t[k + '_s']:.0f} s" for k in (
+              "vae", "latents", "transformer") if k + "_s" in t) + "); seconds per step: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sps.items() if v is not None))
     print(f"VAE check on held-out clips: PSNR {record['vae_check']['psnr_db']:.1f} dB, checker strict "
           f"{100 * record['vae_check']['strict_overall']:.1f} %; checkpoint {record['checkpoint']}")
     for name in sorted(os.listdir(out)):

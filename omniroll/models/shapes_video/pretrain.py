@@ -11,6 +11,9 @@ continues and ends bitwise where an uninterrupted run ends).
 5. Save a `WanPipeline` checkpoint with the EMA transformer (+ `omniroll_defaults.json`, `recipe.json`,
    `SHA256SUMS`), the loss curves (`loss_curve.png`) and `pretrain.json` (recipe, timings, seconds per step, the VAE
    check).
+
+`until="vae"` stops after step 1 (the VAE, its check, `pretrain.json` and the curve): judge the VAE's ceiling before
+the transformer's hours are spent; a later run without it continues from there.
 """
 
 from __future__ import annotations
@@ -149,11 +152,17 @@ def save_model(transformer, vae, text: dict, recipe: ShapesVideoRecipe, path: st
     return path
 
 
+#: where a run may stop: after the VAE and its check (judge the ceiling before the transformer's hours), or at the end
+UNTIL = ("vae", "checkpoint")
+
+
 def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log: Callable[[str], None] = print,
-             on_step: Optional[Callable[[str, int], None]] = None) -> dict:
-    """Run (or resume) the recipe into `out_dir` (see the module doc); returns the `pretrain.json` record.
-    `on_step(phase, step)` runs after each step's state is safe (an exception it raises interrupts the run
-    resumably)."""
+             on_step: Optional[Callable[[str, int], None]] = None, until: str = "checkpoint") -> dict:
+    """Run (or resume) the recipe into `out_dir` (see the module doc) up to `until` (`UNTIL`); returns the
+    `pretrain.json` record. `on_step(phase, step)` runs after each step's state is safe (an exception it raises
+    interrupts the run resumably)."""
+    if until not in UNTIL:
+        raise ValueError(f"until must be one of {list(UNTIL)}, got {until!r}")
     recipe.check()
     resume = os.path.join(out_dir, "resume")
     check_recipe(resume, recipe.to_dict())
@@ -168,11 +177,15 @@ def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log
         vae.eval()
         times["vae_s"] = time.time() - t0
         t0 = time.time()
-        vae_check = check_vae(vae, recipe)
+        vae_check = cached_json(os.path.join(resume, "vae_check.json"), lambda: check_vae(vae, recipe))
         times["vae_check_s"] = time.time() - t0
         log(f"vae: PSNR {vae_check['psnr_db']:.1f} dB, checker on held-out reconstructions "
             f"{100 * vae_check['strict_overall']:.1f} % " + str({k: round(100 * v, 1)
                                                                 for k, v in vae_check["strict"].items()}))
+        record = {"recipe": recipe.to_dict(), "until": until, "checkpoint": None, "times": times,
+                  "vae_check": vae_check, "params": {"vae": sum(p.numel() for p in vae.parameters())}}
+        if until == "vae":
+            return write_record(record, out_dir, recipe, t_start, vae_hist, [])
 
         # 2. latents, 3. caption embeddings
         t0 = time.time()
@@ -205,27 +218,46 @@ def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log
         times["transformer_s"] = time.time() - t0
 
         # 5. the checkpoint, the curves, the record
-        ckpt = save_model(ema.module, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
-        plot_losses([(vae_hist, f"VAE (unclamped): frames to step {recipe.vae.image_steps}, then clips"),
-                     (dit_hist, "transformer (flow)")], os.path.join(out_dir, "loss_curve.png"),
-                    title="omniroll pretrain shapes-video: training losses")
-        times["total_s"] = time.time() - t_start
-        record = {
-            "recipe": recipe.to_dict(), "checkpoint": ckpt, "times": times, "vae_check": vae_check,
-            "seconds_per_step": seconds_per_step(vae_hist, recipe.vae.image_steps, dit_hist),
-            "final_loss": {"vae": float(np.mean([h["loss"] for h in vae_hist[-100:]])),
-                           "transformer": float(np.mean([h["loss"] for h in dit_hist[-100:]]))},
-            "params": {"transformer": sum(p.numel() for p in transformer.parameters()),
-                       "vae": sum(p.numel() for p in vae.parameters()),
-                       "text_encoder": sum(p.numel() for p in text["text_encoder"].parameters())},
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "threads": recipe.torch_threads, "load_average": list(os.getloadavg())}}
-        with open(os.path.join(out_dir, "pretrain.json"), "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-        return record
+        record["checkpoint"] = save_model(ema.module, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
+        record["params"].update(transformer=sum(p.numel() for p in transformer.parameters()),
+                                text_encoder=sum(p.numel() for p in text["text_encoder"].parameters()))
+        return write_record(record, out_dir, recipe, t_start, vae_hist, dit_hist)
     finally:
         torch.set_num_threads(threads)
+
+
+def cached_json(path: str, compute: Callable[[], dict]) -> dict:
+    """The JSON at `path`, or `compute()` written there (a resumed run does not redo a finished check)."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    value = compute()
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(path + ".tmp", path)
+    return value
+
+
+def write_record(record: dict, out_dir: str, recipe: ShapesVideoRecipe, t_start: float, vae_hist: list[dict],
+                 dit_hist: list[dict]) -> dict:
+    """Complete `record` (this run's total time; the steps' seconds over every run, resumed ones included; the last
+    100 steps' mean losses; the machine), write it as `pretrain.json` and the loss curves as `loss_curve.png`;
+    returns it."""
+    plot_losses([(vae_hist, f"VAE (unclamped): frames to step {recipe.vae.image_steps}, then clips"),
+                 (dit_hist, "transformer (flow)")], os.path.join(out_dir, "loss_curve.png"),
+                title="omniroll pretrain shapes-video: training losses")
+    record["times"]["total_s"] = time.time() - t_start
+    record["steps_seconds_all_runs"] = {"vae": float(sum(h["seconds"] for h in vae_hist)),
+                                        "transformer": float(sum(h["seconds"] for h in dit_hist))}
+    record["seconds_per_step"] = seconds_per_step(vae_hist, recipe.vae.image_steps, dit_hist)
+    record["final_loss"] = {name: float(np.mean([h["loss"] for h in hist[-100:]]))
+                            for name, hist in (("vae", vae_hist), ("transformer", dit_hist)) if hist}
+    record["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                         "threads": recipe.torch_threads, "load_average": list(os.getloadavg())}
+    with open(os.path.join(out_dir, "pretrain.json"), "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    return record
 
 
 def seconds_per_step(vae_hist: list[dict], image_steps: int, dit_hist: list[dict]) -> dict:
