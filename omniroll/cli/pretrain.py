@@ -103,6 +103,15 @@ def source_recipe(source: str):
         return path, ShapesRecipe.from_dict(json.load(f))
 
 
+def default_out(out, default: str) -> str:
+    """`--out`, or the model's default directory, checked as the CLI checks a given one (before any work)."""
+    if out is None:
+        from omniroll.cli.common import check_out_dir
+
+        check_out_dir(default, "--out")
+    return out or default
+
+
 def run(args) -> int:
     from omniroll.cli import UserError
 
@@ -110,7 +119,7 @@ def run(args) -> int:
         return run_video(args)
     if args.toy or args.until != "checkpoint":
         raise UserError("--toy and --until are for shapes-video only (shapes: --override dit.steps=N and the like)")
-    args.out = args.out or "out/shapes-model"
+    args.out = default_out(args.out, "out/shapes-model")
     if args.distill is not None and args.distill < 0:
         raise UserError(f"--distill must be >= 0 steps, got {args.distill}")
     source, base = source_recipe(args.source) if args.source is not None else (None, None)
@@ -185,7 +194,7 @@ def run_video(args) -> int:
         raise UserError(f"{', '.join(unused)}: not available for shapes-video (no trained model ships yet; its "
                         f"evaluation comes with `omniroll eval --model shapes-video`)")
     recipe = recipe_with(args.override, TOY if args.toy else FULL)
-    out = args.out or "out/shapes-video-model"
+    out = default_out(args.out, "out/shapes-video-model")
     from omniroll.models.shapes_video.pretrain import pretrain
 
     quiet_libraries()
