@@ -116,6 +116,7 @@ def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(unint
 
 def test_the_pretrained_checkpoint_is_a_wan_pipeline_the_engine_samples_clips_from(uninterrupted):
     from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
+    from omniroll.config import load_config
 
     ckpt = uninterrupted / "checkpoint"
     assert verified(str(ckpt)) == str(ckpt)
@@ -127,8 +128,8 @@ def test_the_pretrained_checkpoint_is_a_wan_pipeline_the_engine_samples_clips_fr
     assert record["seconds_per_step"]["transformer"] > 0 and (uninterrupted / "loss_curve.png").is_file()
     engine = DiffusionEngine.from_pretrained(str(ckpt), max_batch_size=2)
     try:
-        sp = SamplingParams(height=64, width=64, num_frames=9, num_inference_steps=2, max_sequence_length=12,
-                            guidance_scale=4.5)
+        cfg = load_config({"engine": {"model": str(ckpt)}})  # the checkpoint's defaults: 9 frames, 64 px, 12 tokens
+        sp = SamplingParams(**{**cfg.sampling_params(), "num_inference_steps": 2})
         out = engine.generate([GenerationRequest(request_id="r", prompt="a red circle moving left", seed=0,
                                                  sampling_params=sp)])[0]
     finally:
