@@ -41,10 +41,10 @@ from omniroll.models.shapes_video.vae import (build_vae, encode_means, normalise
                                               vae_batch, vae_step)
 
 
-def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "step"):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, disable=not enabled)
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not enabled)
 
 
 def assemble(transformer, vae, text: dict, shift: float):
@@ -99,14 +99,19 @@ def phase(name, steps, step_fn, parts, resume, recipe, progress, on_step) -> lis
     """`run_phase` with a progress bar (the loss as its postfix) and the caller's `on_step(phase, step)`."""
     bar = progress_bar(steps, name, progress)
 
+    def start(s: int) -> None:  # a resumed phase's bar starts where it stopped (its rate counts this run's steps)
+        bar.reset(total=steps)
+        bar.n = bar.last_print_n = bar.initial = s
+        bar.refresh()
+
     def after(s: int, rec: dict) -> None:
-        bar.n = s
+        bar.update(1)
         bar.set_postfix(loss=f"{rec['loss']:.4f}")
         if on_step is not None:
             on_step(name, s)
 
     try:
-        return run_phase(name, steps, step_fn, parts, resume, recipe.resume_every, after)
+        return run_phase(name, steps, step_fn, parts, resume, recipe.resume_every, after, start)
     finally:
         bar.close()
 
@@ -119,7 +124,7 @@ def encode_latents(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool) 
         return list(saved["captions"]), saved["means"]
     data, chunk, n = TrainingClips(recipe.category_weights), 32, recipe.dit.num_latents
     caps, means = [], []
-    bar = progress_bar(n, "latents", progress)
+    bar = progress_bar(n, "latents", progress, unit="clip")
     for i, start in enumerate(range(0, n, chunk)):
         c, clips = data.batch(recipe.latent_data_seed, i, min(chunk, n - start))
         caps += c

@@ -50,12 +50,14 @@ def check_recipe(resume_dir: str, recipe: dict) -> None:
 
 
 def run_phase(name: str, steps: int, step_fn: Callable[[int], dict], parts: dict, resume_dir: str, every: int,
-              on_step: Optional[Callable[[int, dict], None]] = None) -> list[dict]:
+              on_step: Optional[Callable[[int, dict], None]] = None,
+              on_start: Optional[Callable[[int], None]] = None) -> list[dict]:
     """Run steps [start, steps) of phase `name`, `step_fn(step)` doing one (it returns the step's record); returns
     the history of every step (the loaded one's included). `parts`: {name: object with state_dict /
     load_state_dict} (modules, optimizers, EMAs). The state is saved after every `every`-th step and after the last;
     `on_step(step, record)` (step counted from 1) runs after the save, so an exception it raises loses no saved step.
-    A finished phase's file stays: a rerun loads it and runs no step."""
+    `on_start(start)` runs once with the step it starts at (0, or the loaded one). A finished phase's file stays: a
+    rerun loads it and runs no step."""
     if every < 1:
         raise ValueError(f"resume_every must be >= 1 step, got {every}")
     path = os.path.join(resume_dir, f"{name}.pt")
@@ -69,6 +71,8 @@ def run_phase(name: str, steps: int, step_fn: Callable[[int], dict], parts: dict
             obj.load_state_dict(state["parts"][key])
         torch.set_rng_state(state["torch_rng"])
         history, start = list(state["history"]), int(state["step"])
+    if on_start is not None:
+        on_start(start)
     for step in range(start, steps):
         record = {"step": step + 1, **step_fn(step)}
         history.append(record)
