@@ -79,6 +79,8 @@ def check_vae(vae, recipe: ShapesVideoRecipe) -> dict:
 
 
 def train_vae(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool, on_step) -> list[dict]:
+    """Train (or resume training) `vae` in place for `vae.steps` steps (AdamW, the shapes model's warm-up and
+    gradient clipping); returns every step's record."""
     r = recipe.vae
     data = TrainingClips(recipe.category_weights)
     opt = torch.optim.AdamW(vae.parameters(), lr=r.lr, weight_decay=0.0)
