@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model shapes-model-evaluations shapes-model-distilled test test-fast docs docs-generate docs-serve docs-screenshots bench clean
+.PHONY: install demo shapes-model shapes-model-evaluations shapes-model-distilled shapes-video-model test test-fast docs docs-generate docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -96,6 +96,12 @@ shapes-model-evaluations: $(STAMP)
 # 4.5, into out/shapes-distilled/checkpoint (`--model out/shapes-distilled/checkpoint`). About 20 minutes on 2 cores.
 shapes-model-distilled: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes --from shapes --distill 600 --out out/shapes-distilled
+
+# The shapes-video model from scratch (omniroll/models/shapes_video/recipe.py: FULL) into out/shapes-video-model.
+# Hours on 2 cores; resumable: run it again after an interruption and it continues (out/shapes-video-model/resume/),
+# ending with the bitwise same checkpoint as an uninterrupted run.
+shapes-video-model: $(STAMP)
+	$(VENV)/bin/omniroll pretrain shapes-video --out out/shapes-video-model
 
 # The suite on TEST_WORKERS processes (pytest-xdist), each group of tests whole on one of them (`--dist loadgroup`: a
 # group's tests and fixtures stay in order, and each worker has its own Ray cluster and model cache). A test file is

@@ -65,6 +65,14 @@ class EMA:
         for e, p in zip(self.module.parameters(), module.parameters()):
             e.lerp_(p.detach(), 1 - d)
 
+    def state_dict(self) -> dict:
+        """The averaged weights and the update count (what a resumed run needs to continue the average exactly)."""
+        return {"module": self.module.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])
+        self.updates = int(state["updates"])
+
 
 @dataclass
 class NoisedBatch:
@@ -81,8 +89,8 @@ class NoisedBatch:
 
 def noised_batch(latents: torch.Tensor, caption_ids: torch.Tensor, batch_size: int, cfg_dropout: float, empty: int,
                  g: torch.Generator) -> NoisedBatch:
-    """`batch_size` latents drawn with `g`, `cfg_dropout` of their captions replaced by the empty prompt, noised at
-    logit-normal t (drawn in this order: indices, dropout, t, eps)."""
+    """`batch_size` latents (any [N, C, ...]: pictures or video) drawn with `g`, `cfg_dropout` of their captions
+    replaced by the empty prompt, noised at logit-normal t (drawn in this order: indices, dropout, t, eps)."""
     idx = torch.randint(len(latents), (batch_size,), generator=g)
     x0 = latents[idx]
     cap = caption_ids[idx].clone()
@@ -90,18 +98,21 @@ def noised_batch(latents: torch.Tensor, caption_ids: torch.Tensor, batch_size: i
     cap[drop] = empty
     t = torch.sigmoid(torch.randn(batch_size, generator=g))
     eps = torch.randn(x0.shape, generator=g)
-    x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+    t_ = t.view(-1, *(1,) * (x0.dim() - 1))  # [B, 1, ...]: pictures [B, C, h, w] and video latents [B, C, t, h, w]
+    x_t = (1 - t_) * x0 + t_ * eps
     return NoisedBatch(x0, eps, t, x_t, cap, drop)
 
 
-def optimizer_step(module: torch.nn.Module, opt, ema: EMA, loss: torch.Tensor, step: int, t0: float) -> dict:
-    """One step of `module` on `loss`: backward, the gradient clipped at norm 1, the optimizer, the EMA; returns the
-    step's record (`step` counted from 1, `loss`, `grad_norm`, `seconds` since `t0`)."""
+def optimizer_step(module: torch.nn.Module, opt, ema: Optional[EMA], loss: torch.Tensor, step: int,
+                   t0: float) -> dict:
+    """One step of `module` on `loss`: backward, the gradient clipped at norm 1, the optimizer, the EMA (if any);
+    returns the step's record (`step` counted from 1, `loss`, `grad_norm`, `seconds` since `t0`)."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
     opt.step()
-    ema.update(module)
+    if ema is not None:
+        ema.update(module)
     return {"step": step + 1, "loss": loss.item(), "grad_norm": float(norm), "seconds": time.time() - t0}
 
 

@@ -93,7 +93,8 @@ def caption_embeddings(pipeline, caps: list[str]) -> tuple[torch.Tensor, torch.T
     return embeds, pooled, torch.tensor([index[c] for c in caps]), index[""]
 
 
-def plot_losses(panels: list[tuple[list[dict], str]], path: str) -> None:
+def plot_losses(panels: list[tuple[list[dict], str]], path: str,
+                title: str = "omniroll pretrain shapes: training losses") -> None:
     """loss_curve.png: one panel per (history, name) with a history (the VAE, the transformer, the distillation)."""
     import matplotlib
 
@@ -115,7 +116,7 @@ def plot_losses(panels: list[tuple[list[dict], str]], path: str) -> None:
         ax.set_xlabel("step")
         ax.set_title(name)
         ax.legend()
-    fig.suptitle("omniroll pretrain shapes: training losses")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

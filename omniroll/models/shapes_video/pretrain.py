@@ -1,0 +1,276 @@
+"""`omniroll pretrain shapes-video`: the shapes-video model from scratch, in phases, each with a progress bar, each
+resumable (`resume.py`: state saved to `<out>/resume/` every `resume_every` steps; a rerun with the same `out`
+continues and ends bitwise where an uninterrupted run ends).
+
+1. Train the VAE (single frames, then clips; decoded without the clamp); check it on held-out clips (PSNR, and the
+   moving-shapes checker's strict accuracy per category on reconstructions: the ceiling of any generator with it).
+2. Encode `dit.num_latents` training clips to posterior means; their per-channel mean and std become the VAE's
+   `latents_mean` / `latents_std` (saved to `resume/latents.pt`).
+3. Embed every training caption and the empty prompt through the Wan adapter's own prompt encoding.
+4. Train the transformer (rectified flow, logit-normal t, CFG dropout, EMA).
+5. Save a `WanPipeline` checkpoint with the EMA transformer (+ `omniroll_defaults.json`, `recipe.json`,
+   `SHA256SUMS`), the loss curves (`loss_curve.png`) and `pretrain.json` (recipe, timings, seconds per step, the VAE
+   check).
+
+`until="vae"` stops after step 1 (the VAE, its check, `pretrain.json` and the curve): judge the VAE's ceiling before
+the transformer's hours are spent; a later run without it continues from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from omniroll.models.shapes import write_sums
+from omniroll.models.shapes.assemble import save_checkpoint
+from omniroll.models.shapes.dit import EMA, optimizer_step
+from omniroll.models.shapes.pretrain import plot_losses
+from omniroll.models.shapes.vae import lr_at
+from omniroll.models.shapes_video.data import TrainingClips
+from omniroll.models.shapes_video.dit import build_transformer, flow_loss
+from omniroll.models.shapes_video.recipe import ShapesVideoRecipe
+from omniroll.models.shapes_video.resume import check_recipe, run_phase, save_atomic, step_generator
+from omniroll.models.shapes_video.text import TEXT_LENGTH, build_text
+from omniroll.models.shapes_video.vae import (build_vae, encode_means, normalise, reconstruct, set_latent_stats,
+                                              vae_batch, vae_step)
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "step"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not enabled)
+
+
+def assemble(transformer, vae, text: dict, shift: float):
+    """A `WanPipeline` of the given modules and a `FlowMatchEulerDiscreteScheduler(shift=shift)`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    return WanPipeline(transformer=transformer.eval(), vae=vae.eval(), scheduler=FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=shift), **text)
+
+
+def check_vae(vae, recipe: ShapesVideoRecipe) -> dict:
+    """PSNR and the checker's strict accuracy per category on reconstructions of `check_clips` held-out clips (the
+    prompts in turn, each clip's seed from `check_seed`)."""
+    from omniroll.tasks.moving_shapes.grammar import parse_prompt
+    from omniroll.tasks.moving_shapes.judge import score_clip
+    from omniroll.tasks.moving_shapes.render import render_prompt
+    from omniroll.tasks.moving_shapes.splits import split_prompts
+
+    held = split_prompts("heldout")
+    prompts = [held[i % len(held)] for i in range(recipe.check_clips)]
+    seeds = np.random.default_rng(recipe.check_seed).integers(0, 2 ** 62, size=len(prompts))
+    clips = np.stack([render_prompt(p, int(s)) for p, s in zip(prompts, seeds)])
+    rec = reconstruct(vae, clips)
+    psnr = float(10 * np.log10(255.0 ** 2 / np.mean((rec.astype(np.float64) - clips) ** 2)))
+    by_tag: dict[str, list[bool]] = {}
+    for p, clip in zip(prompts, rec):
+        spec = parse_prompt(p)
+        by_tag.setdefault(spec.tag, []).append(score_clip(spec, clip).strict)
+    strict = {t: float(np.mean(v)) for t, v in sorted(by_tag.items())}
+    return {"clips": len(prompts), "psnr_db": psnr, "strict": strict,
+            "strict_overall": float(np.mean([x for v in by_tag.values() for x in v]))}
+
+
+def train_vae(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool, on_step) -> list[dict]:
+    """Train (or resume training) `vae` in place for `vae.steps` steps (AdamW, the shapes model's warm-up and
+    gradient clipping); returns every step's record."""
+    r = recipe.vae
+    data = TrainingClips(recipe.category_weights)
+    opt = torch.optim.AdamW(vae.parameters(), lr=r.lr, weight_decay=0.0)
+    vae.train()
+
+    def step(s: int) -> dict:
+        t0 = time.time()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(s, r)
+        loss, parts = vae_step(vae, vae_batch(data, r, recipe.vae_data_seed, s), r, step_generator(r.seed, s))
+        rec = optimizer_step(vae, opt, None, loss, s, t0)
+        return {**parts, "loss": rec["loss"], "grad_norm": rec["grad_norm"], "seconds": time.time() - t0}
+
+    return phase("vae", r.steps, step, {"vae": vae, "optimizer": opt}, resume, recipe, progress, on_step)
+
+
+def phase(name, steps, step_fn, parts, resume, recipe, progress, on_step) -> list[dict]:
+    """`run_phase` with a progress bar (the loss as its postfix) and the caller's `on_step(phase, step)`."""
+    bar = progress_bar(steps, name, progress)
+
+    def start(s: int) -> None:  # a resumed phase's bar starts where it stopped (its rate counts this run's steps)
+        bar.reset(total=steps)
+        bar.n = bar.last_print_n = bar.initial = s
+        bar.refresh()
+
+    def after(s: int, rec: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}")
+        if on_step is not None:
+            on_step(name, s)
+
+    try:
+        return run_phase(name, steps, step_fn, parts, resume, recipe.resume_every, after, start)
+    finally:
+        bar.close()
+
+
+def encode_latents(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool) -> tuple[list[str], torch.Tensor]:
+    """(captions, posterior means [N, C, t, h, w]) of `dit.num_latents` training clips, cached in resume/latents.pt."""
+    path = os.path.join(resume, "latents.pt")
+    if os.path.isfile(path):
+        saved = torch.load(path, weights_only=True)
+        return list(saved["captions"]), saved["means"]
+    data, chunk, n = TrainingClips(recipe.category_weights), 32, recipe.dit.num_latents
+    caps, means = [], []
+    bar = progress_bar(n, "latents", progress, unit="clip")
+    for i, start in enumerate(range(0, n, chunk)):
+        c, clips = data.batch(recipe.latent_data_seed, i, min(chunk, n - start))
+        caps += c
+        means.append(encode_means(vae, clips))
+        bar.update(len(c))
+    bar.close()
+    means = torch.cat(means)
+    save_atomic({"captions": caps, "means": means}, path)
+    return caps, means
+
+
+def caption_embeddings(pipeline, caps: list[str]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(prompt embeds [P, L, D], caption ids [N], the empty prompt's index) through the Wan adapter's encoding."""
+    from omniroll.models.wan import WanAdapter
+
+    prompts = sorted(set(caps)) + [""]
+    embeds = torch.stack([c.tensors["prompt_embeds"] for c in WanAdapter(pipeline).encode_prompts(prompts,
+                                                                                                  TEXT_LENGTH)])
+    index = {p: i for i, p in enumerate(prompts)}
+    return embeds, torch.tensor([index[c] for c in caps]), index[""]
+
+
+def save_model(transformer, vae, text: dict, recipe: ShapesVideoRecipe, path: str) -> str:
+    """The pipeline as a checkpoint directory with its sampling defaults, `recipe.json` and `SHA256SUMS`."""
+    save_checkpoint(assemble(transformer, vae, text, recipe.sampling.shift), path, recipe.sampling_defaults())
+    with open(os.path.join(path, "recipe.json"), "w") as f:
+        json.dump(recipe.to_dict(), f, indent=2, sort_keys=True)
+        f.write("\n")
+    write_sums(path)
+    return path
+
+
+#: where a run may stop: after the VAE and its check (judge the ceiling before the transformer's hours), or at the end
+UNTIL = ("vae", "checkpoint")
+
+
+def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log: Callable[[str], None] = print,
+             on_step: Optional[Callable[[str, int], None]] = None, until: str = "checkpoint") -> dict:
+    """Run (or resume) the recipe into `out_dir` (see the module doc) up to `until` (`UNTIL`); returns the
+    `pretrain.json` record. `on_step(phase, step)` runs after each step's state is safe (an exception it raises
+    interrupts the run resumably)."""
+    if until not in UNTIL:
+        raise ValueError(f"until must be one of {list(UNTIL)}, got {until!r}")
+    recipe.check()
+    resume = os.path.join(out_dir, "resume")
+    check_recipe(resume, recipe.to_dict())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.torch_threads)
+    times, t_start = {}, time.time()
+    try:
+        # 1. the VAE and its check
+        t0 = time.time()
+        vae = build_vae(recipe.vae)
+        vae_hist = train_vae(vae, recipe, resume, progress, on_step)
+        vae.eval()
+        times["vae_s"] = time.time() - t0
+        t0 = time.time()
+        vae_check = cached_json(os.path.join(resume, "vae_check.json"), lambda: check_vae(vae, recipe))
+        times["vae_check_s"] = time.time() - t0
+        log(f"vae: PSNR {vae_check['psnr_db']:.1f} dB, checker on held-out reconstructions "
+            f"{100 * vae_check['strict_overall']:.1f} % " + str({k: round(100 * v, 1)
+                                                                for k, v in vae_check["strict"].items()}))
+        record = {"recipe": recipe.to_dict(), "until": until, "checkpoint": None, "times": times,
+                  "vae_check": vae_check, "params": {"vae": sum(p.numel() for p in vae.parameters())}}
+        if until == "vae":
+            return write_record(record, out_dir, recipe, t_start, vae_hist, [])
+
+        # 2. latents, 3. caption embeddings
+        t0 = time.time()
+        caps, means = encode_latents(vae, recipe, resume, progress)
+        set_latent_stats(vae, means)
+        latents = normalise(vae, means)
+        text = build_text(recipe.text)
+        transformer = build_transformer(recipe.dit, recipe.vae.z_dim, recipe.text.d_model)
+        embeds, caption_ids, empty = caption_embeddings(assemble(transformer, vae, text, recipe.sampling.shift), caps)
+        times["latents_s"] = time.time() - t0
+
+        # 4. the transformer
+        t0 = time.time()
+        r = recipe.dit
+        opt = torch.optim.AdamW(transformer.parameters(), lr=r.lr, weight_decay=r.weight_decay)
+        ema = EMA(transformer, r.ema_decay)
+        transformer.train()
+
+        def dit_step(s: int) -> dict:
+            t1 = time.time()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(s, r)
+            loss = flow_loss(transformer, r, latents, caption_ids, embeds, empty, step_generator(r.seed, s))
+            rec = optimizer_step(transformer, opt, ema, loss, s, t1)
+            return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "seconds": time.time() - t1}
+
+        dit_hist = phase("transformer", r.steps, dit_step, {"transformer": transformer, "optimizer": opt, "ema": ema},
+                         resume, recipe, progress, on_step)
+        transformer.eval()
+        times["transformer_s"] = time.time() - t0
+
+        # 5. the checkpoint, the curves, the record
+        record["checkpoint"] = save_model(ema.module, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
+        record["params"].update(transformer=sum(p.numel() for p in transformer.parameters()),
+                                text_encoder=sum(p.numel() for p in text["text_encoder"].parameters()))
+        return write_record(record, out_dir, recipe, t_start, vae_hist, dit_hist)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cached_json(path: str, compute: Callable[[], dict]) -> dict:
+    """The JSON at `path`, or `compute()` written there (a resumed run does not redo a finished check)."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    value = compute()
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(path + ".tmp", path)
+    return value
+
+
+def write_record(record: dict, out_dir: str, recipe: ShapesVideoRecipe, t_start: float, vae_hist: list[dict],
+                 dit_hist: list[dict]) -> dict:
+    """Complete `record` (this run's total time; the steps' seconds over every run, resumed ones included; the last
+    100 steps' mean losses; the machine), write it as `pretrain.json` and the loss curves as `loss_curve.png`;
+    returns it."""
+    plot_losses([(vae_hist, f"VAE (unclamped): frames to step {recipe.vae.image_steps}, then clips"),
+                 (dit_hist, "transformer (flow)")], os.path.join(out_dir, "loss_curve.png"),
+                title="omniroll pretrain shapes-video: training losses")
+    record["times"]["total_s"] = time.time() - t_start
+    record["steps_seconds_all_runs"] = {"vae": float(sum(h["seconds"] for h in vae_hist)),
+                                        "transformer": float(sum(h["seconds"] for h in dit_hist))}
+    record["seconds_per_step"] = seconds_per_step(vae_hist, recipe.vae.image_steps, dit_hist)
+    record["final_loss"] = {name: float(np.mean([h["loss"] for h in hist[-100:]]))
+                            for name, hist in (("vae", vae_hist), ("transformer", dit_hist)) if hist}
+    record["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                         "threads": recipe.torch_threads, "load_average": list(os.getloadavg())}
+    with open(os.path.join(out_dir, "pretrain.json"), "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    return record
+
+
+def seconds_per_step(vae_hist: list[dict], image_steps: int, dit_hist: list[dict]) -> dict:
+    """Median seconds of a VAE image step, a VAE clip step and a transformer step (None where none ran)."""
+    def median(hist):
+        return float(np.median([h["seconds"] for h in hist])) if hist else None
+
+    return {"vae_image": median(vae_hist[:image_steps]), "vae_clip": median(vae_hist[image_steps:]),
+            "transformer": median(dit_hist)}

@@ -1,0 +1,151 @@
+"""The shapes-video model's pretraining at toy size: the decode without the clamp, data drawn per step from the
+seed, a run interrupted twice and resumed ending bitwise where an uninterrupted run ends, and its checkpoint running
+in the engine through the Wan adapter."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from omniroll.models.shapes import verified
+from omniroll.models.shapes_video.recipe import TOY
+
+TOY_EVERY_2 = ["--override", "resume_every=2"]
+
+
+def tensors_of(ckpt) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(ckpt.rglob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            out[f"{f.relative_to(ckpt)}:{k}"] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The toy recipe (state saved every 2 steps) run once through the CLI."""
+    from omniroll.cli import main
+
+    out = tmp_path_factory.mktemp("sv") / "a"
+    assert main(["pretrain", "shapes-video", "--toy", "--out", str(out), "--quiet", *TOY_EVERY_2]) == 0
+    return out
+
+
+def test_decode_unclamped_is_diffusers_decode_before_its_clamp_and_passes_gradient_beyond_it():
+    from omniroll.models.shapes_video.vae import build_vae, decode_unclamped
+
+    vae = build_vae(TOY.vae)
+    z = torch.randn(1, TOY.vae.z_dim, 2, 8, 8, generator=torch.Generator().manual_seed(0)) * 50
+    with torch.no_grad():
+        raw = decode_unclamped(vae, z)
+        assert torch.equal(raw.clamp(-1, 1), vae.decode(z).sample)
+    assert raw.shape == (1, 3, 5, 32, 32)  # 1 + 4k frames from 1 + k latent frames
+    beyond = raw.abs() > 1
+    assert beyond.any(), "the test needs pixels beyond the clamp"
+    z.requires_grad_(True)
+    decode_unclamped(vae, z)[beyond].sum().backward()
+    assert z.grad.abs().sum() > 0  # diffusers' clamped decode gives these pixels zero gradient
+    z.grad = None
+    vae.decode(z).sample[beyond].sum().backward()
+    assert z.grad is None or z.grad.abs().sum() == 0
+
+
+def test_a_training_batch_is_a_function_of_seed_and_step_and_the_curriculum_starts_with_single_frames():
+    from omniroll.models.shapes_video.data import TrainingClips
+    from omniroll.models.shapes_video.vae import vae_batch
+    from omniroll.tasks.moving_shapes.splits import split_prompts
+
+    data = TrainingClips()
+    caps, clips = data.batch(5, 7, 3)
+    caps2, clips2 = TrainingClips().batch(5, 7, 3)
+    assert caps == caps2 and np.array_equal(clips, clips2) and clips.shape == (3, 9, 3, 64, 64)
+    other_caps, other = data.batch(5, 8, 3)
+    assert other_caps != caps or not np.array_equal(other, clips)
+    assert set(caps) | set(other_caps) <= set(split_prompts("train"))
+    first = vae_batch(data, TOY.vae, 5, 0)
+    last = vae_batch(data, TOY.vae, 5, TOY.vae.steps - 1)
+    assert first.shape == (TOY.vae.image_batch, 3, 1, 64, 64) and last.shape == (TOY.vae.clip_batch, 3, 9, 64, 64)
+    assert float(first.min()) >= -1 and float(first.max()) <= 1
+
+
+def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(uninterrupted, tmp_path):
+    from omniroll.models.shapes_video.pretrain import pretrain
+
+    recipe = dataclasses.replace(TOY, resume_every=2)
+    out = tmp_path / "b"
+    seen = []
+
+    def stop_at(where):
+        def on_step(phase, step):
+            seen.append((phase, step))
+            if (phase, step) == where:
+                raise KeyboardInterrupt
+
+        return on_step
+
+    with pytest.raises(KeyboardInterrupt):  # in the VAE's clip steps, one step after a save
+        pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(("vae", 3)))
+    assert not (out / "checkpoint").exists()
+    seen.clear()
+    first = pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(None), until="vae")
+    assert seen == [("vae", 3), ("vae", 4)]  # step 3 was not saved: it is run again, steps 1-2 are not
+    assert first["checkpoint"] is None and first["vae_check"]["clips"] == TOY.check_clips
+    assert json.loads((out / "pretrain.json").read_text())["until"] == "vae" and not (out / "checkpoint").exists()
+    seen.clear()
+    with pytest.raises(KeyboardInterrupt):  # in the transformer, one step after a save
+        pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(("transformer", 3)))
+    assert seen[0] == ("transformer", 1)  # the VAE's phase is done: no step of it runs again
+    seen.clear()
+    record = pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(None))
+    assert seen == [("transformer", 3), ("transformer", 4)]
+    a, b = uninterrupted / "checkpoint", out / "checkpoint"
+    assert (a / "SHA256SUMS").read_text() == (b / "SHA256SUMS").read_text()
+    ta, tb = tensors_of(a), tensors_of(b)
+    assert sorted(ta) == sorted(tb) and len(ta) > 50
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert json.loads(json.dumps(record["recipe"])) == json.loads((a / "recipe.json").read_text())
+    assert record["vae_check"] == first["vae_check"]
+    assert len(record["steps_seconds_all_runs"]) == 2 and record["steps_seconds_all_runs"]["vae"] > 0
+    with pytest.raises(ValueError, match="dit"):  # another recipe in the same directory is refused
+        pretrain(dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=5)), str(out), progress=False)
+
+
+def test_the_pretrained_checkpoint_is_a_wan_pipeline_the_engine_samples_clips_from(uninterrupted):
+    from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
+    from omniroll.config import load_config
+
+    ckpt = uninterrupted / "checkpoint"
+    assert verified(str(ckpt)) == str(ckpt)
+    assert json.loads((ckpt / "model_index.json").read_text())["_class_name"] == "WanPipeline"
+    defaults = json.loads((ckpt / "omniroll_defaults.json").read_text())["pipeline"]
+    assert (defaults["num_frames"], defaults["height"], defaults["max_sequence_length"]) == (9, 64, 12)
+    record = json.loads((uninterrupted / "pretrain.json").read_text())
+    assert record["vae_check"]["clips"] == TOY.check_clips and 0 <= record["vae_check"]["strict_overall"] <= 1
+    assert record["seconds_per_step"]["transformer"] > 0 and (uninterrupted / "loss_curve.png").is_file()
+    engine = DiffusionEngine.from_pretrained(str(ckpt), max_batch_size=2)
+    try:
+        cfg = load_config({"engine": {"model": str(ckpt)}})  # the checkpoint's defaults: 9 frames, 64 px, 12 tokens
+        sp = SamplingParams(**{**cfg.sampling_params(), "num_inference_steps": 2})
+        out = engine.generate([GenerationRequest(request_id="r", prompt="a red circle moving left", seed=0,
+                                                 sampling_params=sp)])[0]
+    finally:
+        engine.shutdown()
+    assert out.diffusion_output.shape == (9, 3, 64, 64) and out.diffusion_output.dtype == torch.uint8
+    assert out.log_probs.shape == (1,) and torch.isfinite(out.log_probs).all()
+    assert out.extra_fields["all_latents"].shape[1:] == (TOY.vae.z_dim, 3, 16, 16)
+
+
+def test_the_cli_refuses_what_shapes_video_does_not_have_before_any_work(tmp_path, capsys):
+    from omniroll.cli import main
+
+    assert main(["pretrain", "shapes-video", "--toy", "--out", str(tmp_path / "x"), "--install"]) != 0
+    assert "--install" in capsys.readouterr().err
+    assert main(["pretrain", "shapes-video", "--out", str(tmp_path / "x"), "--override", "vae.clip_steps=-1"]) != 0
+    assert "vae.clip_steps" in capsys.readouterr().err
+    assert main(["pretrain", "shapes", "--out", str(tmp_path / "x"), "--until", "vae"]) != 0
+    assert "shapes-video only" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
