@@ -72,6 +72,7 @@ def test_a_training_batch_is_a_function_of_seed_and_step_and_the_curriculum_star
     assert float(first.min()) >= -1 and float(first.max()) <= 1
 
 
+@pytest.mark.slow  # slow: trains a model (the toy recipe, twice)
 def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(uninterrupted, tmp_path):
     from omniroll.models.shapes_video.pretrain import pretrain
 
@@ -114,6 +115,7 @@ def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(unint
         pretrain(dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=5)), str(out), progress=False)
 
 
+@pytest.mark.slow  # slow: trains a model (the toy recipe)
 def test_the_pretrained_checkpoint_is_a_wan_pipeline_the_engine_samples_clips_from(uninterrupted):
     from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
     from omniroll.config import load_config
