@@ -8,7 +8,8 @@ step but the last recorded (`algo.sde_window_size=null`: steps 0 to 8 of 10, the
 synchronously, and several optimizer updates per step (`micro_batches_per_update=1` over the 48 samples' 3
 micro-batches, `num_inner_epochs`), so that the ratios of every micro-batch after the first depart from 1; no
 evaluation. The table pools every step's terms per timestep (the first micro-batch's terms included: their ratio is
-exactly 1). Ends with one JSON line.
+exactly 1); z is the mean's distance from 1 in standard errors, each (sample, timestep) counted once (the inner epochs
+score it again, correlated). Ends with one JSON line.
 
     python benchmarks/ratio_per_timestep.py --out out/ratio_per_timestep                 # train both, tabulate
     python benchmarks/ratio_per_timestep.py --out out/ratio_per_timestep --read-only     # tabulate existing runs
@@ -68,15 +69,21 @@ def pooled(records: list[dict]) -> dict:
     return ratio_step_metrics(sums)
 
 
-def table(name: str, m: dict) -> list[str]:
+def z_score(mean: float, std: float, terms: int, epochs: int) -> float:
+    """(mean - 1) over its standard error, counting each (sample, timestep) once (the epochs score it again)."""
+    return (mean - 1) / (std / (terms / epochs) ** 0.5) if std > 0 else 0.0
+
+
+def table(name: str, m: dict, epochs: int) -> list[str]:
     steps = sorted({split_step_key(k)[1] for k in m if split_step_key(k) is not None})
     lines = [f"{name}: ratio per denoising step (pooled over the run's steps; 0 = the noisiest)", "",
-             "| step | ratio mean - 1 | ratio std | clipped above | clipped below | mean \\|logp diff\\| | terms |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| step | ratio mean - 1 | z | ratio std | clipped above | clipped below | mean \\|logp diff\\| | terms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in steps + [None]:
         def g(n):
             return m[n] if t is None else m[step_key(n, t)]
-        lines.append(f"| {'all' if t is None else t} | {g('ratio_mean') - 1:+.2e} | {g('ratio_std'):.2e} | "
+        z = z_score(g("ratio_mean"), g("ratio_std"), g("ratio_samples"), epochs)
+        lines.append(f"| {'all' if t is None else t} | {g('ratio_mean') - 1:+.2e} | {z:+.2f} | {g('ratio_std'):.2e} | "
                      f"{g('clip_frac_higher'):.3f} | {g('clip_frac_lower'):.3f} | {g('log_prob_abs_diff'):.2e} | "
                      f"{g('ratio_samples')} |")
     return lines
@@ -98,7 +105,7 @@ def main() -> int:
         path = os.path.join(args.out, algorithm, "metrics.jsonl")
         records = [json.loads(x) for x in open(path) if x.strip()]
         m = pooled([r for r in records if "reward_mean" in r])
-        print("\n".join(table(algorithm, m)) + "\n", flush=True)
+        print("\n".join(table(algorithm, m, args.epochs)) + "\n", flush=True)
         result[algorithm] = {k: v for k, v in m.items() if split_step_key(k) is not None and
                              split_step_key(k)[0] in ("ratio_mean", "ratio_std")} | {
             "ratio_mean": m["ratio_mean"], "ratio_std": m["ratio_std"]}
