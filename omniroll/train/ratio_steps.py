@@ -25,7 +25,8 @@ ratio within 1e-7 of 1 keeps its digits). The record (`ratio_step_metrics`), for
 keyed `<name>_ts_<t>` per step and `<name>` over all steps (trackers: `actor/ratio_mean_ts_3`, ...;
 omniroll/train/report/tracking.py). Not `<name>/ts_<t>`: a tracker that keeps a metric as a file (MLflow's file store)
 cannot hold `actor/ratio_mean` and `actor/ratio_mean/ts_3`, a file and a folder of one name. Every term before the
-step's first optimizer update has r == 1 exactly, so with one optimizer update per step the means are 1 and the stds 0.
+step's first optimizer update has r == 1 exactly (a sample of the weights that train it; GRPO-Guard's ratio of a stale
+sample also carries the policy's move since), so with one optimizer update per step the means are 1 and the stds 0.
 """
 
 from __future__ import annotations

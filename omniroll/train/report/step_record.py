@@ -62,5 +62,5 @@ def step_record(step: int, rewards: torch.Tensor, adv, update: dict, signal: dic
              **memory)  # peak_mem_<stage>_gb where the device reports memory
     # the ratio's mean, std, clip fractions and |log-prob difference|, overall and per denoising step index (`..._ts_3`;
     # omniroll/train/ratio_steps.py): none for an algorithm without a ratio
-    m.update(ratio_step_metrics(getattr(stats, "ratio_steps", None) or {}))
+    m.update(ratio_step_metrics(stats.ratio_steps))
     return m
