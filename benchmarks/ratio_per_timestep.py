@@ -13,6 +13,7 @@ score it again, correlated). Ends with one JSON line.
 
     python benchmarks/ratio_per_timestep.py --out out/ratio_per_timestep                 # train both, tabulate
     python benchmarks/ratio_per_timestep.py --out out/ratio_per_timestep --read-only     # tabulate existing runs
+    python benchmarks/ratio_per_timestep.py --out out/ratio_lr3e-3 --algorithms flow_grpo --override trainer.lr=0.003
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def overrides(args) -> list[str]:
     return ["algo.sde_window_size=null", "algo.sde_window_range=null", "trainer.max_staleness=0",
             "trainer.evaluation=null", "trainer.checkpoint_every=0", "trainer.micro_batches_per_update=1",
             f"trainer.num_inner_epochs={args.epochs}", "trainer.policy_move_rows=0", "trainer.signal_every=0",
-            f"trainer.seed={args.seed}", f"seed={args.seed}"]
+            f"trainer.seed={args.seed}", f"seed={args.seed}"] + list(args.override or [])
 
 
 def train(algorithm: str, args) -> float:
@@ -97,8 +98,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
     ap.add_argument("--read-only", action="store_true", help="tabulate the runs already in --out")
+    ap.add_argument("--override", action="append", help="a further config override for both runs, e.g. "
+                                                         "trainer.lr=0.003 (repeatable)")
     args = ap.parse_args()
-    result = {"steps": args.steps, "epochs": args.epochs, "seed": args.seed}
+    result = {"steps": args.steps, "epochs": args.epochs, "seed": args.seed, "overrides": list(args.override or [])}
     for algorithm in args.algorithms.split(","):
         if not args.read_only:
             result[f"{algorithm}_wall_s"] = round(train(algorithm, args), 1)
