@@ -62,6 +62,13 @@ def test_each_algorithm_trains_exactly_and_resumes_bitwise(ray_cluster, tiny_sd3
             [0.001, 0.002, 0.003]
     else:  # the ratio of the trained weights to the sampling ones is exactly 1 before the first update
         assert devs == [0.0] * 3
+    per_step = [k for m in hist for k in m if "_ts_" in k]  # the per-timestep ratio statistics (test_ratio_steps.py)
+    if algorithm in ("nft", "awm"):  # no importance ratio, no ratio statistics
+        assert not per_step and not any("ratio_mean" in m for m in hist)
+    else:  # one optimizer update per step scores every term before it: every ratio is exactly 1, at every timestep
+        assert per_step and all(m[k] == 1.0 for m in hist for k in m if k.startswith("ratio_mean"))
+        assert all(m[k] == 0.0 for m in hist for k in m
+                   if k.startswith(("ratio_std", "clip_frac_higher", "clip_frac_lower", "log_prob_abs_diff")))
 
     # resume from step 2: bitwise the straight run's step 3
     resumed = str(tmp_path / "resumed")
@@ -98,6 +105,50 @@ def test_grpo_guard_with_stale_rows_logs_the_exactness_check_and_the_move_under_
     moved = [m["behaviour_ratio_max_abs_dev"] for m in hist if m["staleness_max"] >= 1]
     assert moved and all(x > 0 for x in moved)  # older weights sampled those rows: the policy moved since
     assert all(m["behaviour_ratio_max_abs_dev"] == 0.0 for m in hist if m["staleness_max"] == 0)
+
+
+RATIO_NAMES = ("ratio_mean", "ratio_std", "clip_frac_higher", "clip_frac_lower", "log_prob_abs_diff", "ratio_samples")
+
+
+@pytest.mark.parametrize("algorithm", ["flow_grpo", "grpo_guard", "dance_grpo"])
+def test_the_ratio_statistics_per_timestep_add_up_to_the_steps_own(ray_cluster, tiny_sd3_path, tmp_path, algorithm):
+    """Two optimizer updates per step (`micro_batches_per_update: 1` over two micro-batches): the second micro-batch's
+    ratios depart from 1. metrics.jsonl has every statistic per denoising step index (`..._ts_<t>`, the trajectory's
+    step, not the window's: the windows start at step 0 or 1), and the per-step numbers weighted by their samples give
+    the step's overall ratio mean, its variance (within plus between the timesteps), its clip_frac (above plus below)
+    and its mean |log-prob difference|."""
+    from omniroll.train import Trainer
+    from omniroll.train.report.tracking import step_records
+
+    out = str(tmp_path / "run")
+    with Trainer(config(tiny_sd3_path, algorithm, steps=2, micro_batches_per_update=1, checkpoint_every=0), out,
+                 log=lambda s: None) as tr:
+        tr.train()
+    records = step_records(out)
+    trained = {"dance_grpo": 1}.get(algorithm, 2)  # trained window steps per row
+    seen = set()
+    for m in records:
+        assert m["ratio_max_abs_dev"] == 0.0 and m["optimizer_steps"] == 2
+        ts = sorted(int(k.split("_ts_")[1]) for k in m if k.startswith("ratio_mean_ts_"))
+        assert ts and all(f"{name}_ts_{t}" in m for name in RATIO_NAMES for t in ts)
+        seen |= set(ts)
+        n = {t: m[f"ratio_samples_ts_{t}"] for t in ts}
+        N = sum(n.values())
+        assert N == m["ratio_samples"] == 8 * trained  # every (row, trained step) once: one inner epoch
+
+        def over_steps(name):
+            return sum(n[t] * m[f"{name}_ts_{t}"] for t in ts) / N
+
+        assert over_steps("ratio_mean") == pytest.approx(m["ratio_mean"], rel=1e-12)
+        assert over_steps("log_prob_abs_diff") == pytest.approx(m["log_prob_abs_diff"], rel=1e-9)
+        assert over_steps("clip_frac_higher") + over_steps("clip_frac_lower") == pytest.approx(m["clip_frac"],
+                                                                                              abs=1e-12)
+        between = sum(n[t] * (m[f"ratio_mean_ts_{t}"] - m["ratio_mean"]) ** 2 for t in ts) / N
+        within = sum(n[t] * m[f"ratio_std_ts_{t}"] ** 2 for t in ts) / N
+        assert within + between == pytest.approx(m["ratio_std"] ** 2, rel=1e-6)
+        assert m["ratio_std"] > 0  # the second micro-batch's ratios moved ...
+        assert all(m[f"log_prob_abs_diff_ts_{t}"] > 0 for t in ts if m[f"ratio_std_ts_{t}"] > 0)  # ... and so its logp
+    assert seen <= {0, 1, 2} and (algorithm == "dance_grpo" or seen == {0, 1, 2})
 
 
 def check_rollout_contract(tr, algorithm, batch):

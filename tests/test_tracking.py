@@ -88,6 +88,13 @@ def test_two_steps_to_tensorboard_wandb_mlflow_read_back_and_resume_continues_th
             "timing/rollout_s", "timing/step_s", "reward/colour/mean", "reward/jpeg/mean", "val/reward_mean"}
     assert want <= set(tags["scalars"]), want - set(tags["scalars"])
     assert [e.value for e in tb.Scalars("actor/ratio_max_abs_dev")] == [0.0, 0.0]
+    # the ratio statistics per denoising step (every window of 2 in steps [0, 3) holds step 1), VeRL-Omni's names:
+    # one optimizer update per step, so every ratio is exactly 1
+    per_step = {f"actor/{name}_ts_1" for name in ("ratio_mean", "ratio_std", "pg_clipfrac_higher", "pg_clipfrac_lower",
+                                                  "logprob_abs_diff", "ratio_samples")}
+    assert per_step | {"actor/ratio_mean", "actor/ratio_std"} <= set(tags["scalars"])
+    assert [e.value for e in tb.Scalars("actor/ratio_mean_ts_1")] == [1.0, 1.0]
+    assert [e.value for e in tb.Scalars("actor/pg_clipfrac_higher_ts_1")] == [0.0, 0.0]
     assert [e.step for e in tb.Histograms("reward/hist")] == [1, 2]
     assert [e.step for e in tb.Images("train/samples/0")] == [1, 2]
     assert tb.Images("val/grid/0") and tb.Images("val/samples/0")
@@ -97,6 +104,7 @@ def test_two_steps_to_tensorboard_wandb_mlflow_read_back_and_resume_continues_th
     rows = wandb_history(wb_dir)
     by_step = {r["_step"]: r for r in rows if "reward/mean" in r}
     assert sorted(by_step) == [1, 2] and "actor/clipfrac" in by_step[2] and "reward/jpeg/mean" in by_step[2]
+    assert by_step[2]["actor/ratio_mean_ts_1"] == 1.0
     hist = [r for r in rows if r.get("reward/hist/_type") == "histogram"]
     assert len(hist) >= 2 and sum(hist[0]["reward/hist/values"]) == 4  # one prompt x n=4 samples
     images = [r for r in rows if r.get("train/samples/_type") == "images/separated"]

@@ -108,6 +108,16 @@ def test_two_ranks_train_what_one_process_trains(ray_cluster, tiny_sd3_path, tmp
     for k in ("reward_mean", "reward_std", "reward_max", "tied_groups", "num_samples"):
         assert one[0][k] == two[0][k], k
     assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-6, abs=0)
+    # the ratio statistics per timestep are the whole batch's: every rank's terms summed (omniroll/train/ratio_steps.py)
+    per_step = sorted(k for k in one[0] if k.startswith("ratio_samples_ts_"))
+    assert per_step and [two[0][k] for k in per_step] == [one[0][k] for k in per_step]
+    # and their values agree as the weights do (the ranks' summation order; measured: std within 3e-5 relative, means
+    # within 5e-5 of the step's std): a mean of the ranks' stds, or one rank's, would not
+    for k in per_step:
+        t = k.removeprefix("ratio_samples_ts_")
+        std = one[0][f"ratio_std_ts_{t}"]
+        assert std > 0 and two[0][f"ratio_std_ts_{t}"] == pytest.approx(std, rel=1e-3)
+        assert abs(two[0][f"ratio_mean_ts_{t}"] - one[0][f"ratio_mean_ts_{t}"]) <= 1e-3 * std
     # exact at every rank, every step; 3 updates a step on every rank
     assert [m["ratio_max_abs_dev"] for m in two] == [0.0] * 3
     assert [m["optimizer_steps"] for m in two] == [3] * 3

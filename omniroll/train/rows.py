@@ -28,7 +28,7 @@ def take_rows(batch, idx: Sequence[int] | torch.Tensor):
 
 #: per-row fields the trainer reads on the host (prompt-length groups, CFG scales, experts: Python numbers); they stay
 #: on the CPU when the rows move to the trainer's device
-HOST_FIELDS = ("lengths", "cfg_scale", "experts", "weight_version", "execution", "sde_type")
+HOST_FIELDS = ("lengths", "cfg_scale", "experts", "weight_version", "execution", "sde_type", "step_indices")
 
 
 def rows_to(batch, device: str | torch.device):

@@ -66,7 +66,8 @@ class TrajectoryBatch:
     step, multi-expert families only); sde_type: B names; cond / uncond:
     conditioning tensors [B, ...] with `lengths` [B] of real tokens for the padded sequence ones (uncond None when no
     row uses CFG); weight_version: B ints; execution: the engine's mode (`batch_invariant`, `invariant_block_rows`,
-    `dtype`), the same for every row."""
+    `dtype`), the same for every row; step_indices [B, W] long: the denoising step index of each window step (None:
+    the batch does not record it; window step k then counts as step k)."""
 
     latents: torch.Tensor
     timesteps: torch.Tensor
@@ -84,6 +85,7 @@ class TrajectoryBatch:
     experts: Optional[torch.Tensor] = None
     weight_version: list[int] = field(default_factory=list)
     execution: dict = field(default_factory=dict)
+    step_indices: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -96,6 +98,14 @@ class TrajectoryBatch:
     def rows(self, idx: Sequence[int] | torch.Tensor) -> "TrajectoryBatch":
         """A sub-batch (row order as given)."""
         return take_rows(self, idx)
+
+    def denoising_steps(self, steps: torch.Tensor) -> torch.Tensor:
+        """[B] long (CPU): the denoising step index of each row's window step `steps[i]` (the step itself when the batch
+        does not record `step_indices`)."""
+        steps = torch.as_tensor(steps, dtype=torch.long).reshape(-1).cpu()
+        if self.step_indices is None:
+            return steps
+        return self.step_indices.cpu().long()[torch.arange(len(self)), steps]
 
     def to(self, device: str | torch.device) -> "TrajectoryBatch":
         """The rows on `device` (`rows_to`)."""
@@ -110,7 +120,8 @@ class TrajectoryBatch:
         return replace(self, latents=self.latents[i[:, None], pair], timesteps=self.timesteps[i, steps][:, None],
                        sigmas=self.sigmas[i, steps][:, None], sigmas_next=self.sigmas_next[i, steps][:, None],
                        log_probs=self.log_probs[i, steps][:, None],
-                       experts=self.experts[i, steps][:, None] if self.experts is not None else None)
+                       experts=self.experts[i, steps][:, None] if self.experts is not None else None,
+                       step_indices=self.denoising_steps(steps)[:, None] if self.step_indices is not None else None)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -126,7 +137,8 @@ class TrajectoryBatch:
                    cond=cond, uncond=uncond or None, lengths=lengths,
                    experts=td["expert_indices"] if "expert_indices" in td.keys() else None,
                    weight_version=[int(v) for v in nt["weight_version"]],
-                   execution=one_execution(list(nt["execution"])), **vals)
+                   execution=one_execution(list(nt["execution"])),
+                   step_indices=td["step_indices"].long() if "step_indices" in td.keys() else None, **vals)
 
     @classmethod
     def from_outputs(cls, outputs: Sequence[Any]) -> "TrajectoryBatch":
@@ -158,7 +170,8 @@ class TrajectoryBatch:
                    experts=stack("expert_indices") if "expert_indices" in efs[0] else None,
                    sde_type=[str(e["sde_type"]) for e in efs], cond=cond, uncond=uncond,
                    weight_version=[int(e.get("weight_version", 0)) for e in efs],
-                   execution=one_execution([e.get("execution") for e in efs]))
+                   execution=one_execution([e.get("execution") for e in efs]),
+                   step_indices=stack("step_indices").long() if all("step_indices" in e for e in efs) else None)
 
 
 def one_execution(values: list) -> dict:

@@ -3,7 +3,8 @@ window steps, training timesteps), gradient accumulation, grad-norm clip, optimi
 
 The loop is the same for every algorithm (omniroll/train/algorithms/); it measures `ratio_max_abs_dev` (the maximum
 of the terms' `deviation` before the first optimizer update: 0.0 when the trained weights compute exactly what the
-sampler computed) and averages the terms' metrics.
+sampler computed), averages the terms' metrics and sums, per denoising step index, the ratios of the terms that
+report their steps (`ratio_steps`: omniroll/train/ratio_steps.py; the loss's own ratios, no extra forward).
 
 Each micro-batch's loss (a mean over its rows) is scaled by its rows' share of its optimizer step (rows / (the step's
 rows x terms)), so every optimizer step follows the mean over its rows however the micro-batches were cut
@@ -18,13 +19,14 @@ on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan
 from omniroll.train.grad_signal import HalfGradient
+from omniroll.train.ratio_steps import add_step_sums, ratio_step_sums
 
 
 @dataclass
@@ -47,6 +49,9 @@ class UpdateStats:
     grad_cos: Optional[float] = None  # the gradient-signal meter's reading (omniroll/train/grad_signal.py), or None
     signal_rows_a: int = 0  # the rows of each half the reading compares (all ranks)
     signal_rows_b: int = 0
+    # per denoising step index, the sums of the ratios of every (row, term, epoch) that reports its step
+    # (omniroll/train/ratio_steps.py; summed over the ranks): {} for an algorithm without a ratio
+    ratio_steps: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +79,7 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     params = policy.parameters()
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
     b_sum, b_dev, capped, b_total = 0.0, 0.0, 0, 0
+    step_sums: dict = {}
     updates = 0
     meter = None
     if plan.signal and plan.halves is not None:
@@ -119,6 +125,9 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                         b_sum += float(terms.behaviour_ratio.double().sum())
                         b_dev = max(b_dev, float((terms.behaviour_ratio - 1.0).abs().max()))
                         capped += int(terms.behaviour_capped.sum())
+                    if terms.steps is not None and terms.ratio is not None:
+                        add_step_sums(step_sums, ratio_step_sums(terms.steps, terms.log_ratio, terms.log_prob_diff,
+                                                                 terms.ratio, terms.clipped))
                     total += len(terms.clipped)  # (row, timestep) pairs: a term may stack several timesteps
                     approx.append(float(terms.approx_kl))
                     losses.append(float(terms.loss.detach()))
@@ -142,4 +151,4 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                        behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(b_total, 1),
                        scored=total, behaviour_scored=b_total, grad_cos=cos,
                        signal_rows_a=meter.rows_a if meter is not None else 0,
-                       signal_rows_b=meter.rows_b if meter is not None else 0)
+                       signal_rows_b=meter.rows_b if meter is not None else 0, ratio_steps=step_sums)

@@ -118,11 +118,14 @@ class FlowGRPO(Algorithm):
         tc = self.tc
         if anchors.prox is None:
             old = view.log_probs[:, 0] if anchors.behaviour is None else anchors.behaviour[idx, steps]
-            return ppo_clip_loss(out.log_prob, old, adv, tc.clip_range, kl, tc.kl_beta)
-        p = anchors.prox[idx, steps]
-        if first_update:  # before the first update: unset rows take this very pass's value
-            p = torch.where(torch.isnan(p), out.log_prob.detach().float(), p)
-            anchors.prox[idx, steps] = p
-        return decoupled_ppo_loss(out.log_prob, p, anchors.behaviour[idx, steps], adv, tc.clip_range,
-                                  tc.behaviour_weight_cap, kl, tc.kl_beta,
-                                  density_log_ratio_scale(out.std, view.sde_type, view.latents[0, 0].numel()))
+            terms = ppo_clip_loss(out.log_prob, old, adv, tc.clip_range, kl, tc.kl_beta)
+        else:
+            p = anchors.prox[idx, steps]
+            if first_update:  # before the first update: unset rows take this very pass's value
+                p = torch.where(torch.isnan(p), out.log_prob.detach().float(), p)
+                anchors.prox[idx, steps] = p
+            terms = decoupled_ppo_loss(out.log_prob, p, anchors.behaviour[idx, steps], adv, tc.clip_range,
+                                       tc.behaviour_weight_cap, kl, tc.kl_beta,
+                                       density_log_ratio_scale(out.std, view.sde_type, view.latents[0, 0].numel()))
+        terms.steps = mb.denoising_steps(steps)  # the per-timestep statistics (omniroll/train/ratio_steps.py)
+        return terms

@@ -49,7 +49,7 @@ def guard_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: fl
     loss, kl_term = with_kl(policy_loss, kl, kl_beta)
     d = log_ratio.detach()
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
-                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
+                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d), log_ratio=d)
 
 
 @dataclass
@@ -80,6 +80,8 @@ class GRPOGuard(FlowGRPO):
         log_ratio = guard_log_ratio(out.log_prob, old, out.mean, anchors.old_mean[idx, steps], out.std)
         sqrt_dt = torch.sqrt(torch.clamp(view.sigmas[:, 0] - view.sigmas_next[:, 0], min=0.0))
         terms = guard_loss(log_ratio, adv, self.tc.clip_range, sqrt_dt, self.kl(policy, view, out), self.tc.kl_beta)
+        terms.steps = mb.denoising_steps(steps)  # the per-timestep statistics (omniroll/train/ratio_steps.py)
+        terms.log_prob_diff = (out.log_prob - old).detach()  # the un-normalised difference its ratio is built from
         if anchors.behaviour is not None:
             # Stale rows: the ratio's anchor is the behaviour, so before the first update (theta = the step's proximal
             # weights) the ratio is the policy's move since the behaviour: logged under its own name,

@@ -44,10 +44,16 @@ class LossTerms:
     behaviour_ratio: torch.Tensor | None = None  # [B] pi_prox / pi_behaviour before truncation (decoupled PPO only)
     behaviour_capped: torch.Tensor | None = None  # [B] bool: behaviour_ratio > behaviour_weight_cap (truncated)
     deviation: torch.Tensor | None = None  # [B]; None: |ratio - 1|
+    # the per-timestep ratio statistics (omniroll/train/ratio_steps.py), for an algorithm whose terms have a ratio:
+    steps: torch.Tensor | None = None  # [B] long: each row's denoising step index (None: not reported per step)
+    log_ratio: torch.Tensor | None = None  # [B] detached log of `ratio` (None: log(ratio))
+    log_prob_diff: torch.Tensor | None = None  # [B] detached logp_theta - logp_anchor (None: log_ratio)
 
     def __post_init__(self):
         if self.deviation is None:
             self.deviation = (self.ratio - 1.0).abs()
+        if self.log_ratio is None and self.ratio is not None:
+            self.log_ratio = torch.log(self.ratio)
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
@@ -73,7 +79,7 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     loss, kl_term = with_kl(policy_loss, kl, kl_beta)
     d = (log_prob - old_log_prob).detach()
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
-                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d))
+                     clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d), log_ratio=d)
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, dt: torch.Tensor,
@@ -106,7 +112,8 @@ def decoupled_ppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, beha
     d = (log_prob - prox_log_prob).detach()
     return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio.detach(),
                      clipped=(ratio.detach() - 1.0).abs() > clip_range, approx_kl=0.5 * torch.mean(d * d),
-                     behaviour_ratio=behaviour_ratio, behaviour_capped=behaviour_ratio > behaviour_weight_cap)
+                     behaviour_ratio=behaviour_ratio, behaviour_capped=behaviour_ratio > behaviour_weight_cap,
+                     log_ratio=d)
 
 
 def density_log_ratio_scale(std: torch.Tensor, sde_type: list[str], numel: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import fields
 from typing import Optional, Sequence
 
 from omniroll.train.micro_batches import group_rows
+from omniroll.train.ratio_steps import add_step_sums
 from omniroll.train.update import UpdateStats
 
 
@@ -46,8 +47,9 @@ def rows_per_update(shard_sizes: Sequence[int], micro_batch_size: int, per_updat
 def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
     """One step's metrics from every rank's: maxima for the deviations, rank 0's gradient norm, optimizer steps and
     gradient-signal reading (the same on every rank: they act on all-reduced gradients), the behaviour ratio's mean
-    and capped share weighted by each rank's (row, term) pairs that reported it, the other fractions and means by
-    each rank's scored (row, term) count."""
+    and capped share weighted by each rank's (row, term) pairs that reported it, the per-timestep ratio sums added up
+    (a step's mean is over every rank's samples at that step, its std from their sums of squares), the other
+    fractions and means by each rank's scored (row, term) count."""
     rows = [s.scored for s in stats]
     total = max(sum(rows), 1)
     behaviour = [s.behaviour_scored for s in stats]
@@ -61,6 +63,10 @@ def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
             out[f.name] = vals[0]
         elif f.name in ("scored", "behaviour_scored"):
             out[f.name] = sum(vals)
+        elif f.name == "ratio_steps":
+            out[f.name] = {}
+            for v in vals:
+                add_step_sums(out[f.name], v)
         elif f.name in ("behaviour_ratio_mean", "behaviour_weight_capped_frac"):  # over the terms that reported one
             out[f.name] = (sum(v * n for v, n in zip(vals, behaviour)) / behaviour_total if behaviour_total
                            else vals[0])

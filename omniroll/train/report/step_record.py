@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from omniroll.train.async_rollout import overlap_seconds
+from omniroll.train.ratio_steps import ratio_step_metrics
 from omniroll.train.versions import off_policy_metrics
 
 
@@ -59,4 +60,7 @@ def step_record(step: int, rewards: torch.Tensor, adv, update: dict, signal: dic
         m.update(sleep_s=sleep_s, wake_s=wake_s, sync_s=m["sync_s"] - wake_s)
     m.update(recompute_s=update["recompute_s"],  # the anchors (in train_s)
              **memory)  # peak_mem_<stage>_gb where the device reports memory
+    # the ratio's mean, std, clip fractions and |log-prob difference|, overall and per denoising step index (`..._ts_3`;
+    # omniroll/train/ratio_steps.py): none for an algorithm without a ratio
+    m.update(ratio_step_metrics(stats.ratio_steps))
     return m

@@ -11,14 +11,14 @@ grids by `val_grid.py`.
       log_images_count: 4
 
 What each step logs: every metric of the step line under a tracker name (`tracker_name`: `reward/mean`,
-`actor/clipfrac`, `timing/rollout_s`, ...; a key this table does not know keeps a prefix by its shape, never
-dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` (each reward function's own score, whatever its weight) and
-`reward/<fn>/<key>` (each numeric extra a scorer returned; both also in metrics.jsonl, `reward_breakdown.py`), and
-the histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a few training samples
-(`train/samples`, one per prompt group, captioned `prompt | reward`); at every validation the samples
-(`val/samples`), the grid (`val/grid`), `val/reward_mean` and `val/reward/<fn>/...`, and with `reward.held_out` the
-held-out functions' `val/held_out/<fn>/score`, `.../z`, `.../falling` (`held_out.py`; also in metrics.jsonl). Videos
-go as video where the backend has it.
+`actor/clipfrac`, `actor/ratio_mean_ts_3`, `timing/rollout_s`, ...; a key this table does not know keeps a prefix
+by its shape, never dropped), `reward/zero_std_ratio`, `reward/<fn>/mean` (each reward function's own score, whatever
+its weight) and `reward/<fn>/<key>` (each numeric extra a scorer returned; both also in metrics.jsonl,
+`reward_breakdown.py`), and the histogram `reward/hist` of the step's sample rewards. Every `log_images_every` steps a
+few training samples (`train/samples`, one per prompt group, captioned `prompt | reward`); at every validation the
+samples (`val/samples`), the grid (`val/grid`), `val/reward_mean` and `val/reward/<fn>/...`, and with
+`reward.held_out` the held-out functions' `val/held_out/<fn>/score`, `.../z`, `.../falling` (`held_out.py`; also in
+metrics.jsonl). Videos go as video where the backend has it.
 
 Console is the step line; jsonl is `metrics.jsonl` in the output directory. The other backends are optional extras
 (`pip install 'omniroll[tensorboard]'`, ...), imported only when named; `check_loggers` names a missing one with
@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from omniroll.train.ratio_steps import split_step_key, step_key
 from omniroll.train.report.reward_breakdown import reward_breakdown
 
 
@@ -62,6 +63,10 @@ NAMES = {
     "synced_version": "rollout/synced_version",
     "grad_cos": "actor/grad_cos", "grad_cos_rows": "actor/grad_cos_rows", "grad_snr": "actor/grad_snr",
     "grad_samples_for_cos50": "actor/grad_samples_for_cos50",
+    # the ratio statistics (train/ratio_steps.py), VeRL-Omni's names; per denoising step index with `_ts_<t>` after
+    "ratio_mean": "actor/ratio_mean", "ratio_std": "actor/ratio_std", "clip_frac_higher": "actor/pg_clipfrac_higher",
+    "clip_frac_lower": "actor/pg_clipfrac_lower", "log_prob_abs_diff": "actor/logprob_abs_diff",
+    "ratio_samples": "actor/ratio_samples",
 }
 #: a key these do not name gets a prefix by its shape (see `tracker_name`)
 _ASYNC_PREFIXES = ("staleness", "off_policy", "stale", "async", "partial", "min_weight_version",
@@ -77,11 +82,14 @@ def check_loggers(names: list[str]) -> None:
 
 
 def tracker_name(key: str) -> str:
-    """The tracker name of a step-line key: the table above; else kept if it already has a '/'; `*_s` under timing/;
-    `peak_mem_*` under perf/; staleness / off-policy / async keys under async/; `val_*` under val/; anything else
-    under train/."""
+    """The tracker name of a step-line key: the table above (a per-timestep ratio statistic `<name>_ts_<t>` as its
+    name's, with `_ts_<t>` after); else kept if it already has a '/'; `*_s` under timing/; `peak_mem_*` under perf/;
+    staleness / off-policy / async keys under async/; `val_*` under val/; anything else under train/."""
     if key in NAMES:
         return NAMES[key]
+    per_step = split_step_key(key)
+    if per_step is not None:
+        return step_key(NAMES[per_step[0]], per_step[1])
     if "/" in key:
         return key
     if key.endswith("_s"):
