@@ -1,4 +1,4 @@
-"""`reward.aggregation` (issue 57, section 1): GDPO's per-function group normalisation against hand-computed numbers,
+"""`reward.aggregation`: GDPO's per-function group normalisation against hand-computed numbers,
 a missing component failing its sample by name, `sum` left exactly as it was, and a real training step on the tiny
 model with two reward functions under `gdpo` that logs both components and the aggregated reward."""
 

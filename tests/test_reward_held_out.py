@@ -1,4 +1,4 @@
-"""`reward.held_out` (issue 57, section 3): functions scored at validation only, never on a training sample, logged
+"""`reward.held_out`: functions scored at validation only, never on a training sample, logged
 beside the trained reward; the paired decision that warns when the trained reward rises while a held-out one falls
 (fires on a constructed pair of validations, not on noise), and the warning in a real run's step line."""
 

@@ -1,6 +1,7 @@
-"""`openai_judge` (issue 57, section 4) end to end against a real server on 127.0.0.1 that speaks OpenAI's
-chat-completions API (FastAPI + uvicorn): the picture as a PNG data URL, yes / no scored by the answer's
-log-probabilities, a 1-5 grade, retries, deadlines, concurrency, and a failed call failing its own sample by name."""
+"""`openai_judge`, the VLM judge behind an OpenAI-compatible server, end to end against a real server on 127.0.0.1
+that speaks OpenAI's chat-completions API (FastAPI + uvicorn): the picture as a PNG data URL, yes / no scored by the
+answer's log-probabilities, a 1-5 grade, retries, deadlines, concurrency, and a failed call failing its own sample by
+name."""
 
 from __future__ import annotations
 
