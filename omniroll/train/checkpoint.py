@@ -1,7 +1,8 @@
 """A training run's checkpoints: `checkpoints/step_NNNNNN/` with the trained weights (`Policy.save`), the kept
 versions (`VersionStore.save`), and `trainer_state.pt` (step, version, optimizer, the algorithm's own state such as
-NFT's old weights, the config, the trackers' run ids), plus `checkpoints/latest`; finding one (`find_checkpoint`) and
-reading its state without unpickling code (`read_trainer_state`). With `trainer.sharding: fsdp` the optimizer state
+NFT's old weights, the config, the trackers' run ids: `run_state`), plus `checkpoints/latest`; finding one
+(`find_checkpoint`), reading its state without unpickling code (`read_trainer_state`) and loading it into a trainer's
+parts (`restore`). With `trainer.sharding: fsdp` the optimizer state
 is a torch.distributed.checkpoint directory `optimizer/` beside it (each rank's shard, written by the ranks), and
 trainer_state.pt's "optimizer" is {"sharded": "optimizer"}.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -99,3 +101,46 @@ def read_trainer_state(ckpt: str, flag: str = "--resume") -> dict:
     if missing:
         raise ValueError(f"{flag} {path}: not an omniroll trainer state (missing {missing}): start a fresh run")
     return state
+
+
+def run_state(trainer: Any, optimizer: Any) -> dict:
+    """trainer_state.pt of a `Trainer` after `trainer.step_done` steps: step, weight version, the optimizer's state
+    (`optimizer`: its state dict, or what the ranks wrote, `parallel/`), the run's mode, algorithm and sharding (checked
+    on resume: `check_resumable`), the samples discarded at Ctrl-C, the config, the algorithm's own state and the
+    trackers' run ids."""
+    tc = trainer.tc
+    return {"step": trainer.step_done, "version": trainer.version, "optimizer": optimizer, "sharding": tc.sharding,
+            "discarded_samples": trainer.discarded_samples, "mode": tc.mode,
+            "config": trainer.config.model_dump(mode="json"), "algorithm": tc.algorithm,
+            "algorithm_state": trainer.algorithm.state_dict(),
+            "tracking": trainer.tracker.state(trainer.step_done) if trainer.tracker else None}
+
+
+@dataclass
+class Restored:
+    """What a resume reads besides the weights: the steps done, the samples discarded so far, the trackers' run ids,
+    and with `trainer.sharding: fsdp` the optimizer's directory, which the ranks load (None: the optimizer's state
+    is in `state`, loaded by `restore`)."""
+
+    step: int
+    discarded_samples: int
+    tracking: Optional[dict]
+    sharded_optimizer: Optional[str]
+
+
+def restore(path: str, tc: Any, policy: Any, algorithm: Any, optimizer: Any, store: Any) -> Restored:
+    """Load checkpoint `path` into a trainer's parts (the weights, the algorithm's state, the optimizer unless it is
+    sharded, the kept versions), after checking it was trained in this run's mode, algorithm and sharding."""
+    state = read_trainer_state(path)  # weights_only: a resume directory cannot run code
+    check_resumable(state, tc, path)
+    policy.load(path)
+    algorithm.load_state_dict(state.get("algorithm_state") or {})
+    sharded = None
+    if tc.sharding == "fsdp":  # the ranks load their shards themselves
+        sharded = state["optimizer"]["sharded"]
+        sharded = os.path.join(path, sharded) if sharded else None
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    step = int(state["step"])
+    store.load(path, step)
+    return Restored(step, int(state.get("discarded_samples", 0)), state.get("tracking"), sharded)

@@ -369,27 +369,13 @@ class Trainer:
     def save_checkpoint(self) -> str:
         optimizer, files = ((self.optimizer.state_dict(), None) if self.ranks is None  # or the ranks' (parallel/)
                             else self.ranks.optimizer_state(self.step_done))
-        return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store, state={
-            "step": self.step_done, "version": self.version, "optimizer": optimizer, "sharding": self.tc.sharding,
-            "discarded_samples": self.discarded_samples, "mode": self.tc.mode,
-            "config": self.config.model_dump(mode="json"), "algorithm": self.tc.algorithm,
-            "algorithm_state": self.algorithm.state_dict(),
-            "tracking": self.tracker.state(self.step_done) if self.tracker else None}, files=files)
+        return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store,
+                                           state=checkpoint.run_state(self, optimizer), files=files)
 
     def _load(self, path: str) -> None:
-        state = checkpoint.read_trainer_state(path)  # weights_only: a resume directory cannot run code
-        checkpoint.check_resumable(state, self.tc, path)  # its mode, algorithm and sharding are this run's
-        self.policy.load(path)
-        self.algorithm.load_state_dict(state.get("algorithm_state") or {})
-        if self.tc.sharding == "fsdp":  # the ranks load their shards themselves
-            sharded = state["optimizer"]["sharded"]
-            self._sharded_optimizer = os.path.join(path, sharded) if sharded else None
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.step_done = int(state["step"])
-        self.store.load(path, self.step_done)
-        self.discarded_samples = int(state.get("discarded_samples", 0))
-        self._tracking_state = state.get("tracking")
+        got = checkpoint.restore(path, self.tc, self.policy, self.algorithm, self.optimizer, self.store)
+        self.step_done, self.discarded_samples = got.step, got.discarded_samples
+        self._tracking_state, self._sharded_optimizer = got.tracking, got.sharded_optimizer
         self.log(f"resumed from {path} (step {self.step_done})")
 
     def history_all(self) -> list[dict]:
