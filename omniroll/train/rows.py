@@ -26,9 +26,9 @@ def take_rows(batch, idx: Sequence[int] | torch.Tensor):
     return replace(batch, **out)
 
 
-#: per-row fields the trainer reads on the host (prompt-length groups, CFG scales, experts: Python numbers); they stay
-#: on the CPU when the rows move to the trainer's device
-HOST_FIELDS = ("lengths", "cfg_scale", "experts", "weight_version", "execution", "sde_type")
+#: per-row fields the trainer reads on the host (prompt-length groups, CFG scales, experts, step indices: Python
+#: numbers); they stay on the CPU when the rows move to the trainer's device
+HOST_FIELDS = ("lengths", "cfg_scale", "experts", "step_indices", "weight_version", "execution", "sde_type")
 
 
 def rows_to(batch, device: str | torch.device):

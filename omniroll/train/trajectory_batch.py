@@ -63,7 +63,8 @@ class TrajectoryBatch:
     """B rows. latents [B, W+1, ...] fp32 (the state before each window step, then after the last); timesteps, sigmas,
     sigmas_next, log_probs [B, W]; noise_level, sigma_max, guidance_scale [B] (fp32; a distilled-guidance model's
     input); cfg_scale [B] (fp64, the CFG mix's scale, 0: no unconditional row); experts [B, W] (the denoiser of each
-    step, multi-expert families only); sde_type: B names; cond / uncond:
+    step, multi-expert families only); step_indices [B, W] (the denoising step of each window step, when the batch
+    carries them: a tree-trained algorithm finds a step's node by it); sde_type: B names; cond / uncond:
     conditioning tensors [B, ...] with `lengths` [B] of real tokens for the padded sequence ones (uncond None when no
     row uses CFG); weight_version: B ints; execution: the engine's mode (`batch_invariant`, `invariant_block_rows`,
     `dtype`), the same for every row."""
@@ -82,6 +83,7 @@ class TrajectoryBatch:
     uncond: Optional[dict[str, torch.Tensor]]
     lengths: dict[str, torch.Tensor] = field(default_factory=dict)
     experts: Optional[torch.Tensor] = None
+    step_indices: Optional[torch.Tensor] = None
     weight_version: list[int] = field(default_factory=list)
     execution: dict = field(default_factory=dict)
 
@@ -110,7 +112,8 @@ class TrajectoryBatch:
         return replace(self, latents=self.latents[i[:, None], pair], timesteps=self.timesteps[i, steps][:, None],
                        sigmas=self.sigmas[i, steps][:, None], sigmas_next=self.sigmas_next[i, steps][:, None],
                        log_probs=self.log_probs[i, steps][:, None],
-                       experts=self.experts[i, steps][:, None] if self.experts is not None else None)
+                       experts=self.experts[i, steps][:, None] if self.experts is not None else None,
+                       step_indices=self.step_indices[i, steps][:, None] if self.step_indices is not None else None)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -125,6 +128,7 @@ class TrajectoryBatch:
         return cls(log_probs=td["rollout_log_probs"].float(), sde_type=[str(s) for s in nt["sde_type"]],
                    cond=cond, uncond=uncond or None, lengths=lengths,
                    experts=td["expert_indices"] if "expert_indices" in td.keys() else None,
+                   step_indices=td["step_indices"].long() if "step_indices" in td.keys() else None,
                    weight_version=[int(v) for v in nt["weight_version"]],
                    execution=one_execution(list(nt["execution"])), **vals)
 
@@ -156,6 +160,7 @@ class TrajectoryBatch:
                    guidance_scale=torch.tensor([float(e["guidance_scale"]) for e in efs]),
                    cfg_scale=torch.tensor([float(e["cfg_scale"]) for e in efs], dtype=torch.float64),
                    experts=stack("expert_indices") if "expert_indices" in efs[0] else None,
+                   step_indices=stack("step_indices").long() if "step_indices" in efs[0] else None,
                    sde_type=[str(e["sde_type"]) for e in efs], cond=cond, uncond=uncond,
                    weight_version=[int(e.get("weight_version", 0)) for e in efs],
                    execution=one_execution([e.get("execution") for e in efs]))
