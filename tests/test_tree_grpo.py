@@ -108,3 +108,31 @@ def test_configs_tree_grpo_refuses_at_load():
     for trainer, algo, top, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             cfg(trainer, algo, **top)
+
+
+
+def test_asynchronous_tree_grpo_trains_only_the_fork_steps_exactly(ray_cluster, tiny_sd3_path, tmp_path):
+    """trained_steps forks with one fork at step 1 of the window's steps 0-2: one loss term per row (window step 1,
+    its leaf's own advantage), asynchronous (max_staleness 1): finite, the weights move, every ratio exactly 1.0
+    before the first update."""
+    import asyncio
+
+    from omniroll.train import Trainer
+    from tests.test_algorithms_train import SDE, config
+
+    base = config(tiny_sd3_path, "flow_grpo").model_dump(mode="json")
+    base["algo"] = {**SDE, "sde_window_size": 3, "tree": {"fork_steps": [1], "widths": [4]}}
+    base["trainer"].update(algorithm="tree_grpo", algorithm_options={"trained_steps": "forks"}, max_staleness=1,
+                           checkpoint_every=0)
+    cfg = load_config(base)
+    with Trainer(cfg, str(tmp_path / "run"), log=lambda s: None) as tr:
+        hist = tr.train()
+        batch = asyncio.run(tr._rollout(4))
+    assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in hist)
+    assert max(m["staleness_max"] for m in hist) >= 1  # rows of a later step were sampled by older weights
+    assert [m["ratio_max_abs_dev"] for m in hist] == [0.0] * 3
+    rows = tr.algorithm.rows(batch, tr.policy.adapter)
+    assert tr.algorithm.train_steps(rows, None).tolist() == [[1]] * len(rows)  # the fork step only
+    adv = tr.algorithm.advantages(batch.batch["rm_scores"][:, 0].float(), list(batch.non_tensor_batch["uid"]), batch)
+    assert torch.equal(adv.advantages[:, 0], torch.zeros(len(rows)))  # step 0, before the fork: the root's, 0
+    assert torch.equal(adv.advantages[:, 1], adv.advantages[:, 2])  # one segment: the leaf's own advantage
