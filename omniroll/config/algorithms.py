@@ -85,7 +85,7 @@ class AlgorithmSpec:
     """rollout: "sde_window" (latents and log-probs of the SDE window) or "clean_latent" (only the final latent of a
     deterministic ODE, no log-probs). sde_types: the `algo.sde_type` values it accepts (sde_window only).
     same_latent: whether it needs `algo.same_latent: true`. tree: whether it needs a tree rollout (`algo.tree`).
-    defaults: its reference defaults of shared keys."""
+    defaults: its reference defaults of shared keys. unread: shared keys it does not read."""
 
     options: type
     rollout: Literal["sde_window", "clean_latent"]
@@ -93,17 +93,19 @@ class AlgorithmSpec:
     same_latent: Optional[bool] = None
     tree: bool = False
     defaults: dict = field(default_factory=dict)
+    unread: frozenset = frozenset()
 
     @property
     def keys(self) -> frozenset:
-        return COMMON_KEYS | (LOG_PROB_KEYS if self.rollout == "sde_window" else frozenset())
+        return (COMMON_KEYS | (LOG_PROB_KEYS if self.rollout == "sde_window" else frozenset())) - self.unread
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {  # each one's reference: its file's docstring (omniroll/train/algorithms/)
     "flow_grpo": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde", "cps", "dance_sde")),
     "grpo_guard": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde",), defaults={"clip_range": 2e-6}),
     "dance_grpo": AlgorithmSpec(DanceGRPOOptions, "sde_window", sde_types=("dance_sde",), same_latent=True),
-    "tree_grpo": AlgorithmSpec(TreeGRPOOptions, "sde_window", sde_types=("sde", "cps", "dance_sde"), tree=True),
+    "tree_grpo": AlgorithmSpec(TreeGRPOOptions, "sde_window", sde_types=("sde", "cps", "dance_sde"), tree=True,
+                               unread=frozenset({"global_std"})),  # its advantages are normalised per tree depth
     "nft": AlgorithmSpec(NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
     "awm": AlgorithmSpec(AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
 }
