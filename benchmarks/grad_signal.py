@@ -68,7 +68,7 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
             versions = step_versions(out, W)
             rewards = out.batch["rm_scores"][:, 0].float()
             uids = list(out.non_tensor_batch["uid"])
-            adv = tr.algorithm.advantages(rewards, uids)
+            adv = tr.algorithm.advantages(rewards, uids, out)  # tree_grpo and reward.aggregation gdpo read out
             rows = tr.algorithm.rows(out, tr.policy.adapter)
             plan = UpdatePlan(step=1, seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
                               versions=versions, store=tr.store)

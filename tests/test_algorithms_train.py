@@ -15,6 +15,7 @@ PROMPTS = ["a blue car", "a green bird"]
 SDE = {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 3]}
 ALGOS = {"flow_grpo": SDE, "grpo_guard": SDE,
          "dance_grpo": {"noise_level": 0.5, "sde_type": "dance_sde", "same_latent": True},
+         "tree_grpo": {**SDE, "sde_window_size": 3, "tree": {"fork_steps": [1, 2], "widths": [2, 2]}},
          "nft": {}, "awm": {}}
 
 
@@ -163,6 +164,15 @@ def check_rollout_contract(tr, algorithm, batch):
             replay_matches_rollout(tr, batch)
         return
     assert batch.batch["rollout_log_probs"].shape[1] >= 1
+    if algorithm == "tree_grpo":  # each group a tree: leaves share the latents up to the fork their paths part at
+        lat, uids = batch.batch["all_latents"], list(batch.non_tensor_batch["uid"])
+        paths = [tuple(p) for p in batch.non_tensor_batch["tree_path"]]
+        assert batch.batch["step_indices"].tolist() == [[0, 1, 2]] * len(uids)
+        for i in range(len(uids)):
+            for j in range(len(uids)):
+                if uids[i] == uids[j] and i != j:
+                    shared = 2 + (paths[i][0] == paths[j][0])  # states before steps 0, 1 (and 2 for siblings)
+                    assert torch.equal(lat[i, :shared], lat[j, :shared]) and not torch.equal(lat[i], lat[j])
     if algorithm == "dance_grpo":  # a group shares its initial noise (the window starts at step 0), groups differ
         first = batch.batch["all_latents"][:, 0]
         uids = list(batch.non_tensor_batch["uid"])

@@ -224,8 +224,8 @@ def test_the_step_line_shows_the_total_it_is_given_and_the_curve_names_the_algor
         "DanceGRPO on tiny (omniroll train, async K=1, staleness max 1)"
     from omniroll.train.algorithms import REGISTRY  # each algorithm names itself in its runs' titles
     assert {k: a.title for k, a in REGISTRY.items()} == {
-        "flow_grpo": "Flow-GRPO", "grpo_guard": "GRPO-Guard", "dance_grpo": "DanceGRPO", "nft": "DiffusionNFT",
-        "awm": "AWM"}
+        "flow_grpo": "Flow-GRPO", "grpo_guard": "GRPO-Guard", "dance_grpo": "DanceGRPO", "tree_grpo": "Tree-GRPO",
+        "nft": "DiffusionNFT", "awm": "AWM"}
 
 
 def test_swanlab_offline_run_holds_the_scalars_and_a_captioned_image(tmp_path, monkeypatch, tiny_sd3_path):

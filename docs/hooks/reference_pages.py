@@ -139,6 +139,7 @@ def algorithm_table(name: str) -> str:
     lines = [f"`trainer.algorithm: {name}`: rollout `{spec.rollout}`"
              + (f" (`algo.sde_type`: {', '.join(f'`{t}`' for t in spec.sde_types)})" if spec.sde_types else "")
              + (f", `algo.same_latent: {str(spec.same_latent).lower()}`" if spec.same_latent is not None else "")
+             + (", a tree rollout (`algo.tree`)" if spec.tree else "")
              + "."]
     if spec.defaults:
         lines.append("Its reference defaults of shared keys (used unless the key is set): "

@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from omniroll.config.algorithms import ALGORITHMS, cfg_free_rollout, check_algorithm
+from omniroll.config.algorithms import ALGORITHMS, cfg_free_rollout, check_algorithm, check_tree_training
 from omniroll.config.device import check_trainer_device
 from omniroll.config.sections import (AgentSection, AlgoSection, ConfigError, EngineSection, PipelineSection,
                                       Placement, ReplicasSection, Resources, RewardSection, ValKwargs, PartialAlgo,
@@ -141,7 +141,10 @@ class OmniRollConfig(_Strict):
         if self.algo.tree is not None:
             from omniroll.engine.tree import check_tree
 
-            check_tree(self.algo.tree, SamplingParams.model_validate(self.sampling_params()), self.n, "algo.tree")
+            params = SamplingParams.model_validate(self.sampling_params())
+            check_tree(self.algo.tree, params, self.n, "algo.tree")
+            if self.trainer is not None:
+                check_tree_training(self.trainer, self.reward, params)  # what a tree-trained algorithm needs
         return self
 
     def evaluation_guidances(self) -> list[float]:

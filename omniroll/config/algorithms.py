@@ -28,6 +28,13 @@ class DanceGRPOOptions(_Strict):
                                      "drawn per sample (DanceGRPO's timestep_fraction)")
 
 
+class TreeGRPOOptions(_Strict):
+    trained_steps: Literal["all", "forks"] = Field("all", description="which recorded steps of a leaf train: all, "
+                                                   "every step from the first fork on (each with the advantage of "
+                                                   "the node whose noise it drew); forks, only the fork steps "
+                                                   "(pruning: one loss term per fork)")
+
+
 class ForwardProcessOptions(_Strict):
     """What NFT and AWM share: their rollout's guidance and how their training timesteps are batched."""
 
@@ -77,23 +84,28 @@ LOG_PROB_KEYS = frozenset({"clip_range", "old_log_prob", "behaviour_weight_cap",
 class AlgorithmSpec:
     """rollout: "sde_window" (latents and log-probs of the SDE window) or "clean_latent" (only the final latent of a
     deterministic ODE, no log-probs). sde_types: the `algo.sde_type` values it accepts (sde_window only).
-    same_latent: whether it needs `algo.same_latent: true`. defaults: its reference defaults of shared keys."""
+    same_latent: whether it needs `algo.same_latent: true`. tree: whether it needs a tree rollout (`algo.tree`).
+    defaults: its reference defaults of shared keys. unread: shared keys it does not read."""
 
     options: type
     rollout: Literal["sde_window", "clean_latent"]
     sde_types: tuple[str, ...] = ()
     same_latent: Optional[bool] = None
+    tree: bool = False
     defaults: dict = field(default_factory=dict)
+    unread: frozenset = frozenset()
 
     @property
     def keys(self) -> frozenset:
-        return COMMON_KEYS | (LOG_PROB_KEYS if self.rollout == "sde_window" else frozenset())
+        return (COMMON_KEYS | (LOG_PROB_KEYS if self.rollout == "sde_window" else frozenset())) - self.unread
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {  # each one's reference: its file's docstring (omniroll/train/algorithms/)
     "flow_grpo": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde", "cps", "dance_sde")),
     "grpo_guard": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde",), defaults={"clip_range": 2e-6}),
     "dance_grpo": AlgorithmSpec(DanceGRPOOptions, "sde_window", sde_types=("dance_sde",), same_latent=True),
+    "tree_grpo": AlgorithmSpec(TreeGRPOOptions, "sde_window", sde_types=("sde", "cps", "dance_sde"), tree=True,
+                               unread=frozenset({"global_std"})),  # its advantages are normalised per tree depth
     "nft": AlgorithmSpec(NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
     "awm": AlgorithmSpec(AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
 }
@@ -143,3 +155,26 @@ def check_algorithm(trainer, algo) -> None:
     if spec.same_latent is not None and algo.same_latent != spec.same_latent:
         raise ValueError(f"algo.same_latent: trainer.algorithm {name} needs {str(spec.same_latent).lower()} (the "
                          f"samples of a group share their initial noise)")
+    if spec.tree and algo.tree is None:
+        raise ValueError(f"algo.tree: trainer.algorithm {name} trains the step-level advantages of a tree rollout; "
+                         f"set algo.tree: {{fork_steps: [...], widths: [...]}} (docs/training/tree_grpo.md)")
+
+
+def check_tree_training(trainer, reward, params) -> None:
+    """The rules of an algorithm that trains a tree rollout (`AlgorithmSpec.tree`, with `algo.tree` set; `params`: the
+    training `SamplingParams`), ValueError naming the key: the node values are mean leaf rewards of the summed reward
+    (`reward.aggregation: sum`), and when every step after the first fork trains (`trained_steps: all`), every sample
+    has the same SDE window (so every row trains as many steps)."""
+    if not ALGORITHMS[trainer.algorithm].tree:
+        return
+    name = trainer.algorithm
+    if reward.aggregation != "sum":
+        raise ValueError(f"reward.aggregation: trainer.algorithm {name} credits each tree node with its leaves' mean "
+                         f"reward: it needs sum, got {reward.aggregation!r}")
+    lo, hi = params.window_range()
+    size = params.sde_window_size
+    if trainer.options().trained_steps == "all" and size is not None and hi - lo > size:
+        raise ValueError(f"algo.sde_window_range: trainer.algorithm {name} with trained_steps all trains every "
+                         f"recorded step from the first fork on, so every sample needs the same SDE window: a range "
+                         f"of sde_window_size ({size}) steps, got [{lo}, {hi}); or set "
+                         f"trainer.algorithm_options.trained_steps: forks")

@@ -21,7 +21,7 @@ import re
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 #: the algorithms `trainer.sharding: fsdp` runs: the SDE-window ones (their rows are what its zero-weight micro-batch
 #: scores; nft would also keep a second, unsharded copy of the trained weights)
-FSDP_ALGORITHMS = ("flow_grpo", "grpo_guard", "dance_grpo")
+FSDP_ALGORITHMS = ("flow_grpo", "grpo_guard", "dance_grpo", "tree_grpo")
 
 
 def trainer_device(config) -> str:

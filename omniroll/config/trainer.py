@@ -114,8 +114,9 @@ class TrainerSection(_Strict):
     rewards from `reward`; validation images from `val_kwargs` (ODE). `algorithm` picks the objective
     (omniroll/train/algorithms/); omniroll/config/algorithms.py says which keys each one reads."""
 
-    algorithm: AlgorithmName = Field("flow_grpo", description="flow_grpo, grpo_guard, dance_grpo (SDE window, "
-                                     "log-probs) or nft, awm (forward process: the clean latent of an ODE rollout)")
+    algorithm: AlgorithmName = Field("flow_grpo", description="flow_grpo, grpo_guard, dance_grpo, tree_grpo "
+                                     "(SDE window, log-probs) or nft, awm (forward process: the clean latent of an ODE "
+                                     "rollout)")
     algorithm_options: dict[str, Any] = Field(default_factory=dict, description="the chosen algorithm's own options "
                                               "(omniroll/config/algorithms.py), with its reference defaults")
     steps: int = Field(20, ge=1, le=10**7, description="training steps (--steps overrides it)")

@@ -14,7 +14,7 @@ from omniroll.reward.aggregation import EPS, check_components, gdpo_scores, grou
 
 @dataclass
 class Advantages:
-    advantages: torch.Tensor  # [B] fp32, clipped to +-adv_clip_max
+    advantages: torch.Tensor  # [B] fp32 ([B, W]: one per window step, tree_grpo's), clipped to +-adv_clip_max
     tied_groups: int  # groups whose rewards all tie (zero advantage: they teach nothing)
     num_groups: int
     tied_rewards: list[float] = field(default_factory=list)  # each tied group's common reward

@@ -67,7 +67,8 @@ class TrajectoryBatch:
     conditioning tensors [B, ...] with `lengths` [B] of real tokens for the padded sequence ones (uncond None when no
     row uses CFG); weight_version: B ints; execution: the engine's mode (`batch_invariant`, `invariant_block_rows`,
     `dtype`), the same for every row; step_indices [B, W] long: the denoising step index of each window step (None:
-    the batch does not record it; window step k then counts as step k)."""
+    the batch does not record it; window step k then counts as step k): the ratio statistics per timestep key by it,
+    and a tree-trained algorithm finds a step's node by it."""
 
     latents: torch.Tensor
     timesteps: torch.Tensor

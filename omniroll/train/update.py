@@ -74,8 +74,9 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     with `plan.halves`, omniroll/train/micro_batches.py), and with `plan.signal` the gradient-signal meter reads the
     two halves' gradients at the first optimizer step (omniroll/train/grad_signal.py)."""
     B = len(rows)
-    if advantages.shape != (B,):
-        raise ValueError(f"advantages must be [{B}], got {tuple(advantages.shape)}")
+    if advantages.shape[:1] != (B,) or advantages.dim() > 2:
+        raise ValueError(f"advantages must be [{B}] or [{B}, window steps] (a step-level algorithm's), got "
+                         f"{tuple(advantages.shape)}")
     params = policy.parameters()
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
     b_sum, b_dev, capped, b_total = 0.0, 0.0, 0, 0

@@ -1,6 +1,7 @@
 """The training algorithms, one file each (omniroll/train/algorithms/base.py says what the trainer asks of them):
-`flow_grpo`, `grpo_guard`, `dance_grpo` (SDE window, exact log-probs) and `nft`, `awm` (forward process, clean
-latents). Their configuration is declared in omniroll/config/algorithms.py; `make_algorithm` builds the chosen one.
+`flow_grpo`, `grpo_guard`, `dance_grpo`, `tree_grpo` (SDE window, exact log-probs) and `nft`, `awm` (forward
+process, clean latents). Their configuration is declared in omniroll/config/algorithms.py; `make_algorithm` builds
+the chosen one.
 """
 
 from omniroll.train.algorithms.awm import AWM
@@ -9,9 +10,10 @@ from omniroll.train.algorithms.dance_grpo import DanceGRPO
 from omniroll.train.algorithms.flow_grpo import FlowGRPO
 from omniroll.train.algorithms.grpo_guard import GRPOGuard
 from omniroll.train.algorithms.nft import NFT
+from omniroll.train.algorithms.tree_grpo import TreeGRPO
 
 #: trainer.algorithm -> its class
-REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, GRPOGuard, DanceGRPO, NFT, AWM)}
+REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, GRPOGuard, DanceGRPO, TreeGRPO, NFT, AWM)}
 
 
 def make_algorithm(config, adapter) -> Algorithm:
@@ -26,5 +28,5 @@ def make_algorithm(config, adapter) -> Algorithm:
     return cls(config, adapter)
 
 
-__all__ = ["AWM", "Algorithm", "DanceGRPO", "FlowGRPO", "GRPOGuard", "NFT", "REGISTRY", "UpdatePlan",
+__all__ = ["AWM", "Algorithm", "DanceGRPO", "FlowGRPO", "GRPOGuard", "NFT", "REGISTRY", "TreeGRPO", "UpdatePlan",
            "make_algorithm"]

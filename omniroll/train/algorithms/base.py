@@ -116,7 +116,8 @@ class Algorithm(ABC):
         """`reward.aggregation: sum`: the weighted sums `rewards` standardised per group (`group_advantages`);
         `gdpo`: each reward function's score (read from `batch`, the rollout's DataBatch) normalised within its
         group, weighted, whitened over the batch: that is the advantage (`gdpo_advantages` says why it is not
-        group-normalised again)."""
+        group-normalised again). The advantages are [B]; a step-level algorithm returns [B, W], one per recorded window
+        step (`tree_grpo`: its `loss` picks each term's step)."""
         reward = self.config.reward
         if reward.aggregation == "gdpo":
             if batch is None:
