@@ -9,6 +9,12 @@ Writes DIR/checkpoint/ (a diffusers SD3 checkpoint: `--model DIR/checkpoint`), D
 CFG-free what it drew at CFG `distill.guidance`, and the checkpoint's default guidance becomes 1.0. With `--from MODEL`
 (`shapes`, or a checkpoint directory) only that stage runs, on MODEL's modules and recipe (`make
 shapes-model-distilled`: the shipped model, 600 steps).
+
+`omniroll pretrain shapes-proxy --out DIR` trains the shapes proxy instead (`omniroll.evaluation.shapes_proxy`, the
+learned reward `fn: shapes_proxy`): DIR/weights/ (model.safetensors, config.json, SHA256SUMS, train.json with the
+recipe, timings and the agreement with the checker) and DIR/generated_*.npz (the generator's pictures, reused by a
+second run); `--override steps=100` changes a field of its recipe (`ProxyRecipe`), `--install` copies the weights
+over the shipped ones (`make shapes-proxy`).
 """
 
 from __future__ import annotations
@@ -18,15 +24,18 @@ import os
 import shutil
 import sys
 
-HELP = "train the shapes model from scratch (VAE, transformer) and evaluate it"
+HELP = "train the shapes model from scratch (VAE, transformer) and evaluate it, or the shapes proxy reward"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", choices=["shapes"], help="the model to pretrain")
-    parser.add_argument("--out", default="out/shapes-model", help="output directory")
+    parser.add_argument("model", choices=["shapes", "shapes-proxy"],
+                        help="the model to pretrain: the shapes model, or the shapes proxy (the learned reward "
+                             "`shapes_proxy`)")
+    parser.add_argument("--out", default=None, help="output directory (default: out/shapes-model, out/shapes-proxy "
+                                                    "for shapes-proxy)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe field, e.g. dit.steps=2000 or vae.lr=0.001 (repeatable; default: none, the "
-                             "shipped model's recipe)")
+                        help="a recipe field, e.g. dit.steps=2000 or vae.lr=0.001, for shapes-proxy e.g. steps=100 "
+                             "(repeatable; default: none, the shipped model's recipe)")
     parser.add_argument("--distill", type=int, default=None, metavar="STEPS",
                         help="guidance-distil the transformer for STEPS steps after training it (distill.steps; "
                              "default: the recipe's, 0: none)")
@@ -92,9 +101,71 @@ def source_recipe(source: str):
         return path, ShapesRecipe.from_dict(json.load(f))
 
 
+def proxy_recipe_with(overrides: list[str]):
+    """The shipped proxy's recipe (`ProxyRecipe` defaults) with `field=value` overrides (values parsed as JSON)."""
+    from omniroll.cli import UserError
+    from omniroll.models.shapes_proxy.train import ProxyRecipe
+
+    d = ProxyRecipe().to_dict()
+    for o in overrides:
+        key, sep, text = o.partition("=")
+        if not sep or key not in d:
+            raise UserError(f"--override {o!r}: expected FIELD=VALUE with a field of the proxy recipe {sorted(d)}")
+        try:
+            d[key] = json.loads(text)
+        except ValueError:
+            d[key] = text
+    try:
+        return ProxyRecipe.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"--override: {e}") from None
+
+
+def run_proxy(args) -> int:
+    """`omniroll pretrain shapes-proxy`: train, measure and (with --install) install the shapes proxy."""
+    from omniroll.cli import UserError
+
+    unused = [flag for flag, v in (("--distill", args.distill), ("--from", args.source)) if v is not None]
+    unused += ["--snapshot-every"] if args.snapshot_every else []
+    unused += ["--no-eval"] if args.no_eval else []
+    if unused:
+        raise UserError(f"{', '.join(unused)}: only for `omniroll pretrain shapes`, not shapes-proxy")
+    recipe = proxy_recipe_with(args.override)
+    from omniroll.cli.common import quiet_libraries
+    from omniroll.evaluation.shapes_proxy import train_proxy
+
+    quiet_libraries()
+    record = train_proxy(recipe, args.out, progress=not args.quiet and sys.stderr.isatty())
+    t, a = record["times"], record["agreement"].get("heldout_generated")
+    print(f"omniroll pretrain shapes-proxy: {record['parameters']} parameters, "
+          + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in t.items()))
+    if a is not None:
+        c = a["confusion"]
+        print(f"  agreement with the checker on {a['n']} held-out generated pictures: {100 * a['accuracy']:.1f} % "
+              f"(checker passes {100 * a['checker_pass_rate']:.1f} %; balanced {100 * a['balanced_accuracy']:.1f} "
+              f"%; pass->pass {c['pass_pass']}, pass->fail {c['pass_fail']}, fail->pass {c['fail_pass']}, "
+              f"fail->fail {c['fail_fail']}; ECE {a['calibration']['ece']:.3f})")
+    weights = os.path.join(args.out, "weights")
+    if args.install:
+        from omniroll.models.shapes_proxy import WEIGHTS, load_proxy, verified
+
+        shutil.rmtree(WEIGHTS, ignore_errors=True)
+        shutil.copytree(weights, WEIGHTS)
+        load_proxy.cache_clear()
+        verified(WEIGHTS)
+        print(f"installed as the shipped shapes proxy: {WEIGHTS}")
+    for name in sorted(os.listdir(weights)):
+        print(f"  {os.path.join(os.path.abspath(weights), name)}")
+    return 0
+
+
 def run(args) -> int:
     from omniroll.cli import UserError
 
+    if args.out is None:
+        args.out = "out/shapes-proxy" if args.model == "shapes-proxy" else "out/shapes-model"
+    if args.model == "shapes-proxy":
+        return run_proxy(args)
     if args.distill is not None and args.distill < 0:
         raise UserError(f"--distill must be >= 0 steps, got {args.distill}")
     source, base = source_recipe(args.source) if args.source is not None else (None, None)
