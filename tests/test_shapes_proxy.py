@@ -91,7 +91,7 @@ def test_a_changed_or_missing_file_fails_the_load_naming_it(tmp_path):
     (copy / "SHA256SUMS").unlink()
     with pytest.raises(FileNotFoundError, match="missing its SHA256SUMS"):
         verified(str(copy))
-    with pytest.raises(ValueError, match="SHA256SUMS"):
+    with pytest.raises(FileNotFoundError, match="SHA256SUMS"):  # the scorer loads (and checks) before any sample
         build_scorer("shapes_proxy", {"path": str(copy)})
 
 

@@ -50,13 +50,13 @@ def proxy_scores(samples, path: str = WEIGHTS) -> list:
     return out
 
 
-def shapes_proxy_factory(path: str | None = None):
-    """The scorer for `reward.functions.<name>: {fn: shapes_proxy, kwargs: {path: DIR}}` (the proxy is loaded and
-    its files checked here, before any sample)."""
-    problems = check_kwargs({} if path is None else {"path": path})
+def shapes_proxy_factory(**kwargs):
+    """The scorer for `reward.functions.<name>: {fn: shapes_proxy, kwargs: {path: DIR}}` (`path` optional; the proxy
+    is loaded and its files checked here, before any sample)."""
+    problems = check_kwargs(kwargs)
     if problems:
         raise ValueError("; ".join(problems))
-    where = os.path.abspath(path) if path is not None else WEIGHTS
+    where = os.path.abspath(kwargs["path"]) if kwargs.get("path") is not None else WEIGHTS
     load_proxy(where)
 
     def shapes_proxy(samples) -> list:

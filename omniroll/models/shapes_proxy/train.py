@@ -166,8 +166,9 @@ def save(net: ProxyNet, recipe: ProxyRecipe, out_dir: str) -> str:
     from omniroll.models.shapes import write_sums
 
     os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()},
-              os.path.join(out_dir, "model.safetensors"))
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, weights)
+    os.chmod(weights, 0o644)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump({"net": net.config, "vocabulary": vocabulary(), "recipe": recipe.to_dict()}, f, indent=1)
         f.write("\n")
