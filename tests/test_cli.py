@@ -174,7 +174,8 @@ def test_bad_input_fails_before_starting_one_line_per_error(tiny_cache, tmp_path
 WRITING_COMMANDS = [
     ["demo"], ["generate", "--prompt", "a red car"], ["eval", "--model", "shapes", "--prompts", "heldout"],
     ["rollout", "--config", "examples/rollout.yaml", "--prompts", "examples/prompts.txt"],
-    ["train", "--config", "examples/train.yaml"], ["pretrain", "shapes"], ["export", "no-checkpoint"]]
+    ["train", "--config", "examples/train.yaml"], ["pretrain", "shapes"], ["pretrain", "shapes-proxy"],
+    ["export", "no-checkpoint"]]
 
 
 @pytest.mark.parametrize("argv", WRITING_COMMANDS)

@@ -162,8 +162,11 @@ def run_proxy(args) -> int:
 def run(args) -> int:
     from omniroll.cli import UserError
 
-    if args.out is None:
+    if args.out is None:  # the default depends on the model: checked here as `main` checks a given one
+        from omniroll.cli.common import check_out_dir
+
         args.out = "out/shapes-proxy" if args.model == "shapes-proxy" else "out/shapes-model"
+        check_out_dir(args.out, "--out")
     if args.model == "shapes-proxy":
         return run_proxy(args)
     if args.distill is not None and args.distill < 0:
