@@ -100,7 +100,7 @@ shapes-model-distilled: $(STAMP)
 # Retrain the shapes proxy reward (`fn: shapes_proxy`, omniroll/models/shapes_proxy/) and install it over the shipped
 # one: ~1,150 pictures of the shipped shapes model judged by the checker (kept in out/shapes-proxy/generated_*.npz),
 # 12,000 rendered examples, a small CNN fitted on them; the agreement with the checker in out/shapes-proxy/weights/
-# train.json. About 20 minutes on 2 cores.
+# train.json. About 15-25 minutes on 2 cores.
 shapes-proxy: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes-proxy --out out/shapes-proxy --install
 

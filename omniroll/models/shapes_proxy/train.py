@@ -36,8 +36,8 @@ class ProxyRecipe:
     generator_base_seed: int = 1001  # not the evaluation's seed (fresh pictures)
     heldout_base_seed: int = 2002  # the held-out generated set: held-out prompts, and train prompts at 1 seed
     heldout_seeds: int = 4
-    generated_weight: float = 3.0  # how often a generated example is drawn, relative to a rendered one
-    steps: int = 2500
+    generated_weight: float = 1.0  # how often a generated example is drawn, relative to a rendered one
+    steps: int = 2000
     batch_size: int = 128
     lr: float = 3e-3
     weight_decay: float = 1e-4
