@@ -175,6 +175,7 @@ WRITING_COMMANDS = [
     ["demo"], ["generate", "--prompt", "a red car"], ["eval", "--model", "shapes", "--prompts", "heldout"],
     ["rollout", "--config", "examples/rollout.yaml", "--prompts", "examples/prompts.txt"],
     ["train", "--config", "examples/train.yaml"], ["pretrain", "shapes"], ["pretrain", "shapes-video"],
+    ["pretrain", "shapes-proxy"],
     ["export", "no-checkpoint"]]
 
 

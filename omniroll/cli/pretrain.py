@@ -13,6 +13,12 @@ shapes-model-distilled`: the shipped model, 600 steps).
 `omniroll pretrain shapes-video --out DIR` trains the shapes-video model (a small Wan 2.1 on the moving-shapes world:
 `omniroll.models.shapes_video`), resumably: a rerun with the same DIR continues where it stopped (DIR/resume/) and
 ends with the bitwise same checkpoint. `--toy` runs a few steps of tiny parts (a smoke test of the whole pipeline).
+
+`omniroll pretrain shapes-proxy --out DIR` trains the shapes proxy instead (`omniroll.evaluation.shapes_proxy`, the
+learned reward `fn: shapes_proxy`): DIR/weights/ (model.safetensors, config.json, SHA256SUMS, train.json with the
+recipe, timings and the agreement with the checker) and DIR/generated_*.npz (the generator's pictures, reused by a
+second run); `--override steps=100` changes a field of its recipe (`ProxyRecipe`), `--install` copies the weights
+over the shipped ones (`make shapes-proxy`).
 """
 
 from __future__ import annotations
@@ -22,21 +28,23 @@ import os
 import shutil
 import sys
 
-HELP = "train the shapes model (or the shapes-video model) from scratch (VAE, transformer)"
+HELP = "train the shapes model (or the shapes-video model) from scratch (VAE, transformer), or the shapes proxy reward"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", choices=["shapes", "shapes-video"], help="the model to pretrain")
+    parser.add_argument("model", choices=["shapes", "shapes-video", "shapes-proxy"],
+                        help="the model to pretrain: the shapes model, the shapes-video model, or the shapes proxy "
+                             "(the learned reward `shapes_proxy`)")
     parser.add_argument("--out", default=None, help="output directory (default: out/shapes-model, "
-                                                    "out/shapes-video-model)")
+                                                    "out/shapes-video-model, out/shapes-proxy)")
     parser.add_argument("--toy", action="store_true", help="shapes-video only: a few steps of tiny parts (a smoke "
                                                           "test of the pipeline, not a model)")
     parser.add_argument("--until", choices=["vae", "checkpoint"], default="checkpoint",
                         help="shapes-video only: stop after the VAE and its check (vae; rerun without it to go on), "
                              "or run to the checkpoint (default)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe field, e.g. dit.steps=2000 or vae.lr=0.001 (repeatable; default: none, the "
-                             "shipped model's recipe)")
+                        help="a recipe field, e.g. dit.steps=2000 or vae.lr=0.001, for shapes-proxy e.g. steps=100 "
+                             "(repeatable; default: none, the shipped model's recipe)")
     parser.add_argument("--distill", type=int, default=None, metavar="STEPS",
                         help="guidance-distil the transformer for STEPS steps after training it (distill.steps; "
                              "default: the recipe's, 0: none)")
@@ -112,6 +120,64 @@ def default_out(out, default: str) -> str:
     return out or default
 
 
+def proxy_recipe_with(overrides: list[str]):
+    """The shipped proxy's recipe (`ProxyRecipe` defaults) with `field=value` overrides (values parsed as JSON)."""
+    from omniroll.cli import UserError
+    from omniroll.models.shapes_proxy.train import ProxyRecipe
+
+    d = ProxyRecipe().to_dict()
+    for o in overrides:
+        key, sep, text = o.partition("=")
+        if not sep or key not in d:
+            raise UserError(f"--override {o!r}: expected FIELD=VALUE with a field of the proxy recipe {sorted(d)}")
+        try:
+            d[key] = json.loads(text)
+        except ValueError:
+            d[key] = text
+    try:
+        return ProxyRecipe.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"--override: {e}") from None
+
+
+def run_proxy(args) -> int:
+    """`omniroll pretrain shapes-proxy`: train, measure and (with --install) install the shapes proxy."""
+    from omniroll.cli import UserError
+
+    unused = [flag for flag, v in (("--distill", args.distill), ("--from", args.source)) if v is not None]
+    unused += ["--snapshot-every"] if args.snapshot_every else []
+    unused += ["--no-eval"] if args.no_eval else []
+    if unused:
+        raise UserError(f"{', '.join(unused)}: only for `omniroll pretrain shapes`, not shapes-proxy")
+    recipe = proxy_recipe_with(args.override)
+    from omniroll.cli.common import quiet_libraries
+    from omniroll.evaluation.shapes_proxy import train_proxy
+
+    quiet_libraries()
+    record = train_proxy(recipe, args.out, progress=not args.quiet and sys.stderr.isatty())
+    t, a = record["times"], record["agreement"].get("heldout_generated")
+    print(f"omniroll pretrain shapes-proxy: {record['parameters']} parameters, "
+          + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in t.items()))
+    if a is not None:
+        c = a["confusion"]
+        print(f"  agreement with the checker on {a['n']} held-out generated pictures: {100 * a['accuracy']:.1f} % "
+              f"(checker passes {100 * a['checker_pass_rate']:.1f} %; balanced {100 * a['balanced_accuracy']:.1f} "
+              f"%; pass->pass {c['pass_pass']}, pass->fail {c['pass_fail']}, fail->pass {c['fail_pass']}, "
+              f"fail->fail {c['fail_fail']}; ECE {a['calibration']['ece']:.3f})")
+    weights = os.path.join(args.out, "weights")
+    if args.install:
+        from omniroll.models.shapes_proxy import WEIGHTS, load_proxy, verified
+
+        shutil.rmtree(WEIGHTS, ignore_errors=True)
+        shutil.copytree(weights, WEIGHTS)
+        load_proxy.cache_clear()
+        verified(WEIGHTS)
+        print(f"installed as the shipped shapes proxy: {WEIGHTS}")
+    for name in sorted(os.listdir(weights)):
+        print(f"  {os.path.join(os.path.abspath(weights), name)}")
+    return 0
+
+
 def run(args) -> int:
     from omniroll.cli import UserError
 
@@ -119,6 +185,9 @@ def run(args) -> int:
         return run_video(args)
     if args.toy or args.until != "checkpoint":
         raise UserError("--toy and --until are for shapes-video only (shapes: --override dit.steps=N and the like)")
+    if args.model == "shapes-proxy":
+        args.out = default_out(args.out, "out/shapes-proxy")
+        return run_proxy(args)
     args.out = default_out(args.out, "out/shapes-model")
     if args.distill is not None and args.distill < 0:
         raise UserError(f"--distill must be >= 0 steps, got {args.distill}")

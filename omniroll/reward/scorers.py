@@ -35,6 +35,7 @@ from omniroll.reward.moving_shapes import MOVING_SHAPES_SCORERS
 from omniroll.reward.ocr import OcrScorer
 from omniroll.reward.openai_judge import OpenAIJudge
 from omniroll.reward.shapes import SHAPES_SCORERS
+from omniroll.reward.shapes_proxy import SHAPES_PROXY_SCORERS
 
 # ------------------------------------------------------------------------------------------------ the contract
 RewardStatus = Literal["ok", "flagged", "failed"]
@@ -299,6 +300,7 @@ SCORER_REGISTRY: dict[str, Callable[..., Scorer]] = {
     "clip_score": ClipScoreScorer,
     "aesthetic": AestheticScorer,
     **SHAPES_SCORERS,
+    **SHAPES_PROXY_SCORERS,
     **MOVING_SHAPES_SCORERS,
 }
 
