@@ -13,6 +13,7 @@ others are scored; never a reward of 0); `check_prompts` finds such prompts befo
 
 from __future__ import annotations
 
+from omniroll.reward.task_scorers import task_scorer
 from omniroll.tasks.moving_shapes.grammar import PromptError, check_prompts, parse_prompt
 from omniroll.tasks.moving_shapes.judge import score_clip
 
@@ -55,19 +56,7 @@ def moving_shapes_strict(samples) -> list[dict]:
     return _values(samples, "strict")
 
 
-def _factory(fn):
-    def factory(**kwargs):
-        if kwargs:
-            raise ValueError(f"reward scorer {fn.__name__!r} takes no kwargs, got {sorted(kwargs)}")
-        return fn
-
-    factory.check_kwargs = lambda kwargs: ([f"kwargs: the moving-shapes rewards take no kwargs, got "
-                                            f"{sorted(kwargs)}"] if kwargs else [])
-    factory.check_prompts = check_prompts
-    return factory
-
-
 #: registry name -> factory (added to `omniroll.reward.scorers.SCORER_REGISTRY`)
-MOVING_SHAPES_SCORERS = {"moving_shapes": _factory(moving_shapes_partial),
-                         "moving_shapes_continuous": _factory(moving_shapes_continuous),
-                         "moving_shapes_strict": _factory(moving_shapes_strict)}
+MOVING_SHAPES_SCORERS = {name: task_scorer(fn, check_prompts, "the moving-shapes rewards") for name, fn in (
+    ("moving_shapes", moving_shapes_partial), ("moving_shapes_continuous", moving_shapes_continuous),
+    ("moving_shapes_strict", moving_shapes_strict))}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from omniroll.tasks.shapes.grammar import check_prompts as grammar_problems
 from omniroll.tasks.shapes.grammar import PromptError, parse_prompt
+from omniroll.reward.task_scorers import task_scorer
 from omniroll.tasks.shapes.report import score_picture
 
 
@@ -54,18 +55,6 @@ def shapes_strict(samples) -> list[dict]:
     return _values(samples, "strict")
 
 
-def _factory(fn):
-    def factory(**kwargs):
-        if kwargs:
-            raise ValueError(f"reward scorer {fn.__name__!r} takes no kwargs, got {sorted(kwargs)}")
-        return fn
-
-    factory.check_kwargs = lambda kwargs: ([f"kwargs: the shapes rewards take no kwargs, got {sorted(kwargs)}"]
-                                           if kwargs else [])
-    factory.check_prompts = grammar_problems
-    return factory
-
-
 #: registry name -> factory (added to `omniroll.reward.scorers.SCORER_REGISTRY`)
-SHAPES_SCORERS = {"shapes": _factory(shapes_partial), "shapes_continuous": _factory(shapes_continuous),
-                  "shapes_strict": _factory(shapes_strict)}
+SHAPES_SCORERS = {name: task_scorer(fn, grammar_problems, "the shapes rewards") for name, fn in (
+    ("shapes", shapes_partial), ("shapes_continuous", shapes_continuous), ("shapes_strict", shapes_strict))}

@@ -17,11 +17,10 @@ moving down and A moving up" share one key).
 
 from __future__ import annotations
 
-import difflib
-import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from omniroll.tasks import grammars
 from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD, OPPOSITE, MovingWorld
 
 #: the categories, in the grammar's order
@@ -201,35 +200,14 @@ def parse_prompt(prompt: str, world: MovingWorld = DEFAULT_MOVING_WORLD) -> Clip
 
 def nearest_prompt(text: str, world: MovingWorld = DEFAULT_MOVING_WORLD) -> str:
     """The grammar prompt closest to `text` (by difflib's similarity of their words, then of their characters)."""
-    words = _normalise(text).split()
-    joined = " ".join(words)
-
-    def score(p: str) -> tuple[float, float]:
-        q = _normalise(p)
-        return (difflib.SequenceMatcher(None, words, q.split()).ratio(),
-                difflib.SequenceMatcher(None, joined, q).ratio())
-
-    return max(all_prompts(world), key=score)
+    return grammars.nearest_prompt(text, all_prompts(world), _normalise)
 
 
 def check_prompts(prompts, world: MovingWorld = DEFAULT_MOVING_WORLD) -> list[str]:
     """One line per prompt outside the grammar (with its nearest valid form and its position in the list)."""
-    out = []
-    for i, p in enumerate(prompts):
-        try:
-            parse_prompt(p, world)
-        except (PromptError, TypeError) as e:
-            out.append(f"prompt {i}: {e}")
-    return out
-
-
-_WORD = re.compile(r"[a-z]+")
+    return grammars.prompt_problems(prompts, lambda p: parse_prompt(p, world), (PromptError, TypeError))
 
 
 def grammar_words(world: MovingWorld = DEFAULT_MOVING_WORLD) -> list[str]:
     """Every word the grammar uses (what a model's tokenizers must know as whole tokens)."""
-    seen: dict[str, None] = {}
-    for p in all_prompts(world):
-        for w in _WORD.findall(p):
-            seen.setdefault(w, None)
-    return list(seen)
+    return grammars.words_of(all_prompts(world))

@@ -16,11 +16,10 @@ twins together, and a chance baseline must not pair them).
 
 from __future__ import annotations
 
-import difflib
-import re
 from dataclasses import dataclass
 from typing import Optional
 
+from omniroll.tasks import grammars
 from omniroll.tasks.shapes.world import DEFAULT_WORLD, INVERSE_RELATION, NUMBER_WORDS, World
 
 #: GenEval's category tags, in GenEval's order
@@ -164,33 +163,14 @@ def parse_prompt(prompt: str, world: World = DEFAULT_WORLD) -> PromptSpec:
 
 def nearest_prompt(text: str, world: World = DEFAULT_WORLD) -> str:
     """The grammar prompt closest to `text` (by difflib's similarity of their words, then of their characters)."""
-    words = _normalise(text).split()
-
-    def score(p: str) -> tuple[float, float]:
-        return (difflib.SequenceMatcher(None, words, p.split()).ratio(),
-                difflib.SequenceMatcher(None, " ".join(words), p).ratio())
-
-    return max(all_prompts(world), key=score)
+    return grammars.nearest_prompt(text, all_prompts(world), _normalise)
 
 
 def check_prompts(prompts, world: World = DEFAULT_WORLD) -> list[str]:
     """One line per prompt outside the grammar (with its nearest valid form and its position in the list)."""
-    out = []
-    for i, p in enumerate(prompts):
-        try:
-            parse_prompt(p, world)
-        except (PromptError, TypeError) as e:
-            out.append(f"prompt {i}: {e}")
-    return out
-
-
-_WORD = re.compile(r"[a-z]+")
+    return grammars.prompt_problems(prompts, lambda p: parse_prompt(p, world), (PromptError, TypeError))
 
 
 def grammar_words(world: World = DEFAULT_WORLD) -> list[str]:
     """Every word the grammar uses (what the shapes model's tokenizers must know as whole tokens)."""
-    seen: dict[str, None] = {}
-    for p in all_prompts(world):
-        for w in _WORD.findall(p):
-            seen.setdefault(w, None)
-    return list(seen)
+    return grammars.words_of(all_prompts(world))
