@@ -110,15 +110,16 @@ shapes-video-model: $(STAMP)
 shapes-proxy: $(STAMP)
 	$(VENV)/bin/omniroll pretrain shapes-proxy --out out/shapes-proxy --install
 
-# The suite on TEST_WORKERS processes (pytest-xdist), each group of tests whole on one of them (`--dist loadgroup`: a
-# group's tests and fixtures stay in order, and each worker has its own Ray cluster and model cache). A test file is
-# one group (tests/conftest.py) unless it splits itself: test_readme.py by docs page (pages that share files are one),
-# test_train_dp.py by mode, so that both workers stay busy. On the 2-core VM the suite took 18.7 min on 2 workers
-# against 25.4 in one process (2026-11-28; one group per file then); TEST_WORKERS=0 runs it in one.
+# The suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (`--dist loadfile`: a file's
+# tests and module fixtures stay in order, and each worker has its own Ray cluster and model cache). Not `--dist
+# loadgroup`: with pytest 9.2 and pytest-xdist 3.8 it does not group (the group suffix xdist adds to a test's id is
+# not what pytest reports), so a file's tests were spread over both workers and test_readme.py's pages lost the files
+# their earlier blocks wrote (2026-12-02). On the 2-core VM the suite took 18.7 min on 2 workers against 25.4 in one
+# process (2026-11-28); TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop: lint, then every test not marked `slow` (what starts Ray, a server process, a training or CLI
 # subprocess or the docs build: tests/conftest.py marks a test from its fixtures, a file that starts its own says so),

@@ -42,13 +42,8 @@ def ray_cluster():
 SLOW_FIXTURES = frozenset({"ray_cluster", "nodes", "two_nodes"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Mark `slow` every test whose fixtures (their whole closure) start Ray. Put every test without an `xdist_group`
-    in its file's: `make test` runs `--dist loadgroup`, so a file runs whole on one worker, in order, with its module
-    fixtures, unless it splits itself into groups (test_readme.py by page, test_train_dp.py by mode)."""
+    """Mark `slow` every test whose fixtures (their whole closure) start Ray (`make test-fast` leaves them out)."""
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))

@@ -8,8 +8,9 @@ Convention (also stated in CONTRIBUTING.md):
 - The files run in DOC_FILES' order and each file's blocks top to bottom. A page runs in its group's scratch
   directory: pages that read what another page wrote (a path one writes with `--out` or `cat >`, that the other
   names: the README's shapes run, which the evaluation page evaluates) or that repeat its commands are one group,
-  every other page a group of its own (`page_groups`). The groups are independent: under `make test` (`--dist
-  loadgroup`) they run on whichever worker is free, each group's blocks in order on one.
+  every other page a group of its own (`page_groups`). The groups are independent, and marked as such
+  (`xdist_group`), but `make test` runs this file whole on one worker (`--dist loadfile`: with pytest 9.2 and
+  pytest-xdist 3.8, `--dist loadgroup` does not keep a group on one worker).
 - Blocks run in a scratch directory that holds a link to the repository's `examples/`, with the console scripts of
   this interpreter on PATH, `OMNIROLL_CACHE` pointing at the session's tiny model, Ray commands attached to the
   test session's Ray cluster (`RAY_ADDRESS`, never a second cluster), and the environment variable CONTRIBUTING.md

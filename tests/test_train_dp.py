@@ -21,8 +21,8 @@ PROMPTS = ["a blue car", "a green bird", "a green car", "a blue bird"]
 #: move, and ranks that did not share their gradients would differ from each other (asserted bitwise). The gradient's
 #: scale, which Adam hides in the weights, is compared through the first step's grad_norm (rel 1e-6).
 RTOL_OF_MOVE = 1e-2
-#: the file's trainings by mode, as groups `make test` (`--dist loadgroup`) may run on different workers: LoRA, full
-#: weights (replicated and FSDP), the two-node cluster; the quick tests stay in the file's own group
+#: the file's trainings by mode, as groups that `--dist loadgroup` could run on different workers: LoRA, full weights
+#: (replicated and FSDP), the two-node cluster (`make test` runs the file whole: `--dist loadfile`, see the Makefile)
 LORA, FULL, NODES = (pytest.mark.xdist_group(f"test_train_dp:{mode}") for mode in ("lora", "full", "nodes"))
 
 

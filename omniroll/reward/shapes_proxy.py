@@ -15,15 +15,18 @@ import os
 
 import numpy as np
 
-from omniroll.models.shapes_proxy import WEIGHTS, load_proxy
 from omniroll.tasks.shapes.grammar import PromptError, parse_prompt
 from omniroll.tasks.shapes.grammar import check_prompts as grammar_problems
 
 SIZE = 64
 
 
-def proxy_scores(samples, path: str = WEIGHTS) -> list:
-    """One dict per sample (or its error instance, which fails that row alone)."""
+def proxy_scores(samples, path: str | None = None) -> list:
+    """One dict per sample (or its error instance, which fails that row alone); `path`: a proxy directory (default:
+    the shipped one). The proxy (and torch) is imported here, not when the registry is (`omniroll --help` stays
+    light)."""
+    from omniroll.models.shapes_proxy import WEIGHTS, load_proxy
+
     out: list = [None] * len(samples)
     rows, pictures, prompts = [], [], []
     for i, s in enumerate(samples):
@@ -43,7 +46,7 @@ def proxy_scores(samples, path: str = WEIGHTS) -> list:
         pictures.append(s.hwc())
         prompts.append(spec.prompt)
     if rows:
-        probs = load_proxy(path).scores(np.stack(pictures), prompts)
+        probs = load_proxy(path or WEIGHTS).scores(np.stack(pictures), prompts)
         for (i, tag), p in zip(rows, probs):
             verdict = float(p >= 0.5)
             out[i] = {"score": float(p), "strict_pred": verdict, tag: verdict}
@@ -56,6 +59,8 @@ def shapes_proxy_factory(**kwargs):
     problems = check_kwargs(kwargs)
     if problems:
         raise ValueError("; ".join(problems))
+    from omniroll.models.shapes_proxy import WEIGHTS, load_proxy
+
     where = os.path.abspath(kwargs["path"]) if kwargs.get("path") is not None else WEIGHTS
     load_proxy(where)
 
