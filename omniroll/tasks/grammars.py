@@ -1,5 +1,6 @@
 """What every world's grammar shares: the valid prompt nearest a text (`nearest_prompt`), one line per prompt of a
-list outside the grammar (`prompt_problems`), and the words a grammar uses (`words_of`). Each world's `grammar.py`
+list outside the grammar (`prompt_problems`), the words a grammar uses (`words_of`), and a file of prompts read and
+checked (`read_prompt_file`). Each world's `grammar.py`
 binds them to its own prompts, parser and normalisation."""
 
 from __future__ import annotations
@@ -44,3 +45,22 @@ def words_of(prompts: Iterable[str]) -> list[str]:
         for w in _WORD.findall(p):
             seen.setdefault(w, None)
     return list(seen)
+
+
+def read_prompt_file(path: str, parse: Callable[[str], object], errors: tuple[type, ...]) -> list[str]:
+    """The prompts of a file of one grammar prompt per line (blank lines skipped), each as `parse` returns it (its
+    `.prompt`: the canonical form); ValueError naming every line `parse` refuses (with its nearest valid prompt), or
+    a file with no prompt."""
+    prompts, problems = [], []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    prompts.append(parse(line.rstrip("\r\n")).prompt)  # an error shows the line as written
+                except errors as e:
+                    problems.append(f"{path} line {i}: {e}")
+    if problems:
+        raise ValueError("\n".join(problems))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt (one grammar prompt a line)")
+    return prompts

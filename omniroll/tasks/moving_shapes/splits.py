@@ -67,22 +67,11 @@ def prompts_of(which: str, world: MovingWorld = DEFAULT_MOVING_WORLD) -> list[st
     valid prompt)."""
     import os
 
+    from omniroll.tasks import grammars
     from omniroll.tasks.moving_shapes.grammar import PromptError, parse_prompt
 
     if which in SPLITS:
         return split_prompts(which, world)
     if not os.path.isfile(which):
         raise FileNotFoundError(f"expected one of {list(SPLITS)} or a file of prompts, got {which!r} (no such file)")
-    prompts, problems = [], []
-    with open(which, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    prompts.append(parse_prompt(line.rstrip("\r\n"), world).prompt)
-                except PromptError as e:
-                    problems.append(f"{which} line {i}: {e}")
-    if problems:
-        raise ValueError("\n".join(problems))
-    if not prompts:
-        raise ValueError(f"{which} holds no prompt (one grammar prompt a line)")
-    return prompts
+    return grammars.read_prompt_file(which, lambda line: parse_prompt(line, world), (PromptError,))
