@@ -210,3 +210,32 @@ def test_a_training_run_logs_each_components_reading_and_its_negative_share(ray_
     tags = acc.Tags()["scalars"]
     assert "signal/component/down/neg_share" in tags and "signal/component/up/cos_total" in tags
     assert math.isclose(acc.Scalars("signal/component/down/cos_total")[-1].value, -1.0, abs_tol=1e-4)
+
+
+def test_two_ranks_read_what_one_process_reads(ray_cluster, tiny_sd3_path, tmp_path):
+    """Data-parallel (`trainer.world_size: 2`): each rank adds its shard's component gradients, the all-reduce sums
+    them, and the readings are the whole batch's, as one process reads them (up to the summation order)."""
+    from omniroll.train import Trainer
+
+    def cfg(world_size):
+        return load_config({
+            "replicas": {"count": 1, "num_cpus": 1},
+            "engine": {"model": tiny_sd3_path, "max_batch_size": 16, "num_threads": 1},
+            "pipeline": {"height": 32, "width": 32, "num_inference_steps": 4, "max_sequence_length": 8},
+            "algo": {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 3]},
+            "agent": {"num_workers": 1},
+            "reward": {"num_workers": 1, "aggregation": "gdpo",
+                       "functions": {"colour": {"fn": "prompt_colour"}, "jpeg": {"fn": "jpeg_compressibility"}}},
+            "n": 4, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 1},
+            "trainer": {"prompts": ["a blue car", "a green bird", "a green car", "a blue bird"],
+                        "prompts_per_step": 2, "lr": 0.01, "micro_batch_size": 2, "steps": 1, "num_threads": 1,
+                        "checkpoint_every": 0, "world_size": world_size, "resources": {"num_cpus": 0},
+                        "signal_components": True}})
+
+    got = {}
+    for n in (1, 2):
+        with Trainer(cfg(n), str(tmp_path / f"n{n}"), log=lambda s: None) as tr:
+            got[n] = tr.train()[0]
+    for name in ("colour", "jpeg"):
+        key = component_key(name, "cos_total")
+        assert abs(got[1][key]) > 1e-3 and got[2][key] == pytest.approx(got[1][key], abs=1e-4), name
