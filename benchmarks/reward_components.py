@@ -123,7 +123,13 @@ def roll_out_and_differentiate(config: str, n: int, per_category: int | None, ve
         V = torch.stack([grads[i] for i in range(B)])
         gram = V @ V.T
     log(f"{B} samples: rollout {t_roll:.0f} s, gradients {time.time() - t0 - t_roll:.0f} s")
+    from omniroll.tasks.shapes.grammar import parse_prompt
+
+    per_cat: dict[str, int] = {}
+    for p in prompts:
+        per_cat[parse_prompt(p).tag] = per_cat.get(parse_prompt(p).tag, 0) + 1
     return {"uids": uids, "components": comps, "gram": gram, "samples": B, "prompts": len(set(uids)),
+            "prompts_per_category": per_cat,
             "rollout_s": t_roll, "seconds": time.time() - t0, "trainable": int(V.shape[1])}
 
 
@@ -158,6 +164,20 @@ def readings(batch: dict, weights: dict, aggregation: str, global_std: bool, per
     return out
 
 
+def spreads(batch: dict) -> dict:
+    """Per function: the prompt groups where it varies, and its mean within-group (population) std over them."""
+    import numpy as np
+
+    groups = list(dict.fromkeys(batch["uids"]))
+    out = {}
+    for k, values in batch["components"].items():
+        sds = [float(np.std([values[i] for i, u in enumerate(batch["uids"]) if u == g])) for g in groups]
+        varying = [sd for sd in sds if sd > 0]
+        out[k] = {"varying_groups": len(varying), "groups": len(groups),
+                  "group_std": sum(varying) / len(varying) if varying else 0.0}
+    return out
+
+
 def summarise(cos: dict) -> dict:
     return {k: {"readings": len(v), "neg_share": sum(c < 0 for c in v) / len(v) if v else None,
                 "cos_mean": sum(v) / len(v) if v else None, "cos_min": min(v) if v else None} for k, v in cos.items()}
@@ -185,6 +205,9 @@ def main(argv=None) -> int:
     results = []
     print(f"{batch['samples']} samples ({batch['prompts']} prompts x {args.n}), steps of {per_step} prompt groups, "
           f"{args.readings} steps each ({batch['seconds']:.0f} s to roll out and differentiate)")
+    spread = spreads(batch)
+    print("within-group spread: " + ", ".join(f"{k} {v['group_std']:.2g} in {v['varying_groups']}/{v['groups']} "
+                                              f"groups" for k, v in spread.items()))
     print(f"{'functions':<22} {'aggregation':<15} {'function':<14} {'readings':>8} {'cos < 0':>8} {'mean cos':>9} "
           f"{'min cos':>8}")
     for set_name, weights in function_sets(args.jpeg_weight).items():
@@ -199,7 +222,8 @@ def main(argv=None) -> int:
            "per_category": args.per_category,
            "samples": batch["samples"], "prompts": batch["prompts"], "per_step": per_step,
            "readings": args.readings, "seconds": batch["seconds"], "rollout_s": batch["rollout_s"],
-           "mean_reward": {k: sum(v) / len(v) for k, v in batch["components"].items()},
+           "mean_reward": {k: sum(v) / len(v) for k, v in batch["components"].items()}, "spread": spread,
+           "prompts_per_category": batch["prompts_per_category"],
            "results": results, "machine": machine_info(torch.get_num_threads()), "date": time.strftime("%Y-%m-%d")}
     if args.out:
         with open(args.out, "w") as f:
