@@ -72,9 +72,9 @@ COMMON_KEYS = frozenset({
     "adv_clip_max", "global_std", "kl_beta", "num_inner_epochs", "micro_batch_size", "micro_batches_per_update",
     "max_grad_norm", "mode", "lora", "gradient_checkpointing", "checkpoint_every", "val_every", "evaluation", "seed",
     "weight_transport", "sync_timeout_s", "num_threads", "max_staleness", "partial_rollout", "on_stale",
-    "signal_check", "signal_every", "logger", "project_name", "experiment_name", "log_images_every",
-    "log_images_count", "algorithm", "algorithm_options", "world_size", "resources", "placement", "device", "dtype",
-    "sharding"})
+    "signal_check", "signal_every", "signal_components", "logger", "project_name", "experiment_name",
+    "log_images_every", "log_images_count", "algorithm", "algorithm_options", "world_size", "resources", "placement",
+    "device", "dtype", "sharding"})
 #: shared keys only the log-prob (SDE window) algorithms read
 LOG_PROB_KEYS = frozenset({"clip_range", "old_log_prob", "behaviour_weight_cap", "window_schedule",
                            "window_advance_every", "policy_move_rows"})
@@ -105,7 +105,8 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {  # each one's reference: its file's doc
     "grpo_guard": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde",), defaults={"clip_range": 2e-6}),
     "dance_grpo": AlgorithmSpec(DanceGRPOOptions, "sde_window", sde_types=("dance_sde",), same_latent=True),
     "tree_grpo": AlgorithmSpec(TreeGRPOOptions, "sde_window", sde_types=("sde", "cps", "dance_sde"), tree=True,
-                               unread=frozenset({"global_std"})),  # its advantages are normalised per tree depth
+                               # its advantages are per tree depth (and step), not per reward function
+                               unread=frozenset({"global_std", "signal_components"})),
     "nft": AlgorithmSpec(NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
     "awm": AlgorithmSpec(AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
 }
