@@ -142,8 +142,9 @@ def check_algorithm(trainer, algo) -> None:
     name = trainer.algorithm
     extra = sorted(k for k in _changed(trainer) if k not in spec.keys)
     if extra:
-        raise ValueError(f"trainer.{extra[0]} does not apply to trainer.algorithm {name} (its rollout is "
-                         f"{spec.rollout.replace('_', ' ')}); remove it")
+        why = ("it does not read it" if extra[0] in spec.unread
+               else f"its rollout is {spec.rollout.replace('_', ' ')}")
+        raise ValueError(f"trainer.{extra[0]} does not apply to trainer.algorithm {name} ({why}); remove it")
     if spec.rollout == "clean_latent":
         set_algo = [k for k in SDE_ALGO_KEYS if k in _changed(algo)]
         if set_algo:
