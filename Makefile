@@ -99,9 +99,10 @@ shapes-model-distilled: $(STAMP)
 
 # The shapes-video model from scratch (omniroll/models/shapes_video/recipe.py: FULL) into out/shapes-video-model.
 # Hours on 2 cores; resumable: run it again after an interruption and it continues (out/shapes-video-model/resume/),
-# ending with the bitwise same checkpoint as an uninterrupted run.
+# ending with the bitwise same checkpoint as an uninterrupted run; then installs it as the shipped model
+# (omniroll/models/shapes_video/checkpoint/, what --model shapes-video loads).
 shapes-video-model: $(STAMP)
-	$(VENV)/bin/omniroll pretrain shapes-video --out out/shapes-video-model
+	$(VENV)/bin/omniroll pretrain shapes-video --out out/shapes-video-model --install
 
 # Retrain the shapes proxy reward (`fn: shapes_proxy`, omniroll/models/shapes_proxy/) and install it over the shipped
 # one: ~1,150 pictures of the shipped shapes model judged by the checker (kept in out/shapes-proxy/generated_*.npz),

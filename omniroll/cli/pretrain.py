@@ -13,6 +13,7 @@ shapes-model-distilled`: the shipped model, 600 steps).
 `omniroll pretrain shapes-video --out DIR` trains the shapes-video model (a small Wan 2.1 on the moving-shapes world:
 `omniroll.models.shapes_video`), resumably: a rerun with the same DIR continues where it stopped (DIR/resume/) and
 ends with the bitwise same checkpoint. `--toy` runs a few steps of tiny parts (a smoke test of the whole pipeline).
+`--install` copies the finished checkpoint to where `--model shapes-video` finds it (`make shapes-video-model`).
 
 `omniroll pretrain shapes-proxy --out DIR` trains the shapes proxy instead (`omniroll.evaluation.shapes_proxy`, the
 learned reward `fn: shapes_proxy`): DIR/weights/ (model.safetensors, config.json, SHA256SUMS, train.json with the
@@ -56,7 +57,7 @@ def add_arguments(parser) -> None:
                         "every N steps as DIR/snapshots/step_N (the checkpoint this recipe makes with dit.steps=N); "
                         "0: none")
     parser.add_argument("--install", action="store_true", help="copy the new checkpoint over the shipped one "
-                                                               "(what --model shapes loads)")
+                                                               "(what --model shapes, or shapes-video, loads)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -257,11 +258,13 @@ def run_video(args) -> int:
     from omniroll.models.shapes_video.recipe import FULL, TOY
 
     unused = [flag for flag, used in (("--distill", args.distill is not None), ("--from", args.source is not None),
-                                      ("--snapshot-every", args.snapshot_every != 0), ("--install", args.install))
-              if used]
+                                      ("--snapshot-every", args.snapshot_every != 0)) if used]
     if unused:
-        raise UserError(f"{', '.join(unused)}: not available for shapes-video (no trained model ships yet; its "
-                        f"evaluation comes with `omniroll eval --model shapes-video`)")
+        raise UserError(f"{', '.join(unused)}: not available for shapes-video (evaluate its checkpoint with "
+                        f"`omniroll eval --model DIR/checkpoint`)")
+    if args.install and (args.toy or args.until != "checkpoint"):
+        raise UserError("--install: only a full run to the checkpoint is installed as the shipped shapes-video model "
+                        "(not --toy, not --until vae)")
     recipe = recipe_with(args.override, TOY if args.toy else FULL)
     out = default_out(args.out, "out/shapes-video-model")
     from omniroll.models.shapes_video.pretrain import pretrain
@@ -279,6 +282,14 @@ def run_video(args) -> int:
           + ", ".join(f"{k} {v:.3f}" for k, v in sps.items() if v is not None))
     print(f"VAE check on held-out clips: PSNR {record['vae_check']['psnr_db']:.1f} dB, checker strict "
           f"{100 * record['vae_check']['strict_overall']:.1f} %; checkpoint {record['checkpoint']}")
+    if args.install:
+        from omniroll.models.shapes_video import CHECKPOINT, install
+
+        try:
+            install(record["checkpoint"], CHECKPOINT)
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(f"--install: {e}") from None
+        print(f"installed as the shipped shapes-video model: {CHECKPOINT} (`--model shapes-video`)")
     for name in sorted(os.listdir(out)):
         print(f"  {os.path.join(os.path.abspath(out), name)}")
     return 0

@@ -25,7 +25,7 @@ ADAPTERS: dict[str, type[DiffusionAdapter]] = {
 #: the `--model` names that build a tiny random checkpoint ("tiny" is the SD3 one)
 TINY_MODELS = {"tiny": "sd3", **{f"tiny-{f}": f for f in FAMILIES}}
 #: the `--model` names of checkpoints shipped with the package
-SHIPPED_MODELS = ("shapes",)
+SHIPPED_MODELS = ("shapes", "shapes-video")
 
 
 def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionAdapter:
@@ -39,7 +39,9 @@ def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
 
 
 def resolve_model(model: str, cache_dir: str | None = None) -> str:
-    """A checkpoint directory for `model`: "shapes" is the shipped shapes model (`omniroll.models.shapes`); "tiny"
+    """A checkpoint directory for `model`: "shapes" is the shipped shapes model (`omniroll.models.shapes`),
+    "shapes-video" the shipped shapes-video model (`omniroll.models.shapes_video`; FileNotFoundError saying how to
+    make it while none is shipped); "tiny"
     (SD3) or "tiny-<family>" (sd3, flux, qwen-image, wan, wan2.2) builds (once, cached) that family's deterministic
     tiny checkpoint under `cache_dir` (default: $OMNIROLL_CACHE or .omniroll_cache); anything else must be a local
     diffusers checkpoint directory (nothing is downloaded)."""
@@ -47,6 +49,10 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
         from omniroll.models.shapes import checkpoint_dir
 
         return checkpoint_dir()
+    if model == "shapes-video":
+        from omniroll.models import shapes_video
+
+        return shapes_video.checkpoint_dir()
     if model in TINY_MODELS:
         family = TINY_MODELS[model]
         from omniroll.files import tiny_model_cache_dir
