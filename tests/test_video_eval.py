@@ -81,3 +81,108 @@ def test_install_copies_a_verified_moving_shapes_checkpoint_and_refuses_others(t
     with pytest.raises(FileNotFoundError, match="does not match its SHA256SUMS"):
         install(str(changed), str(dest))
     assert checkpoint_dir(str(dest)) == str(dest)  # a refused install leaves the installed one as it was
+
+
+# the four forms, one per category (a prompts file for the CLI)
+FORMS = ("a red circle moving left", "a square moving up and a triangle moving down",
+         "a red circle appears, then a blue square", "a square turning from blue to green")
+
+
+def rendered(seeds=(0, 1)):
+    """(prompts, clips [T, H, W, 3], seeds): the renderer's own clips of FORMS."""
+    from omniroll.tasks.moving_shapes.judge import frames_hwc
+    from omniroll.tasks.moving_shapes.render import render_prompt
+
+    rows = [(p, frames_hwc(render_prompt(p, s)), s) for p in FORMS for s in seeds]
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+
+def test_score_clips_is_the_checker_with_the_twin_as_chance_and_the_frames_frozen_and_shuffled_as_baselines():
+    import numpy as np
+
+    from omniroll.tasks.moving_shapes.cheats import apply_order, cheat_order
+    from omniroll.tasks.moving_shapes.grammar import parse_prompt, twin_prompt
+    from omniroll.tasks.moving_shapes.judge import score_clip
+    from omniroll.tasks.moving_shapes.report import score_clips
+
+    prompts, clips, seeds = rendered()
+    rows = score_clips(prompts, clips, seeds)
+    assert [r.tag for r in rows] == [t for t in ("direction", "two_motions", "order", "change") for _ in range(2)]
+    for p, clip, s, r in zip(prompts, clips, seeds, rows):
+        j = score_clip(parse_prompt(p), clip)
+        assert (r.strict, r.partial, r.reasons) == (j.strict, j.partial, j.reasons)
+        assert r.chance == score_clip(parse_prompt(twin_prompt(p)), clip).strict
+        base = dict(r.baselines)
+        assert base["frozen"] == score_clip(parse_prompt(p), apply_order(clip, cheat_order("frozen", len(clip)))).strict
+        assert base["frozen"] is False  # a static clip satisfies no prompt of the world
+        shuffled = cheat_order("shuffled", len(clip), np.random.default_rng([s, 7]))
+        assert base["shuffled"] == score_clip(parse_prompt(p), apply_order(clip, shuffled)).strict
+    assert score_clips(prompts, clips, seeds) == rows  # the shuffles are the seeds'
+    with pytest.raises(ValueError, match="clip 0"):
+        score_clips(prompts[:1], [clips[0][0]])  # a picture is not a clip
+
+
+def test_a_clip_evaluation_writes_film_strips_its_baselines_and_a_flips_picture(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from omniroll.evaluation.paired import flips, paired
+    from omniroll.evaluation.shapes import flips_picture, scored, write_evaluation
+    from omniroll.tasks.moving_shapes.report import film_strip
+
+    prompts, clips, seeds = rendered()
+    new = scored(clips, prompts, seeds, "moving_shapes")
+    frozen = scored([np.repeat(c[:1], len(c), axis=0) for c in clips], prompts, seeds, "moving_shapes")
+    assert list(new.report.categories) == ["direction", "two_motions", "order", "change"]
+    assert frozen.report.overall["strict"] == 0.0  # static clips pass nothing
+    b = new.baselines()
+    for tag, c in b["frozen"]["categories"].items():
+        passed = sum(r.strict for r in new.rows if r.tag == tag)
+        assert (c["strict"], c["n"], c["up"], c["down"]) == (0.0, 2, passed, 0)
+    files = write_evaluation(new, str(tmp_path), title="rendered")
+    saved = json.loads(open(files["json"]).read())
+    assert saved["task"] == "moving_shapes" and saved["baselines"]["frozen"]["overall"]["strict"] == 0.0
+    assert len(saved["pictures"]) == len(clips)
+    grid = np.asarray(Image.open(files["grid"]).convert("RGB"))
+    strip = film_strip(clips[0])
+    assert strip.shape == (64, 9 * 64 + 8 * 2, 3)
+    assert grid.shape[1] == 4 * (strip.shape[1] + 6)  # one row per category: 4 strips at their own size
+    assert np.array_equal(grid[:64, :strip.shape[1]], strip)  # the first clip, frames left to right
+    flipped = flips(frozen.picture_records(), new.picture_records())
+    assert paired(frozen.picture_records(), new.picture_records())["overall"]["up"] == sum(r.strict for r in new.rows)
+    path = flips_picture(frozen, new, flipped, str(tmp_path / "flips.png"), title="frozen -> rendered",
+                         labels=("frozen", "rendered"))
+    with Image.open(path) as im:  # up to 4 strips a row: the frozen clip above the rendered one
+        assert im.width == 4 * (strip.shape[1] + 6) and im.height > 2 * 64
+
+
+def test_omniroll_eval_on_a_video_checkpoint_judges_clips_in_the_moving_shapes_world_paired_with_a_baseline(
+        toy_video, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(FORMS) + "\n")
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", toy_video, "--prompts", str(prompts), "--seeds", "2", "--steps", "2",
+                 "--baseline-guidance", "1.0", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    line = json.loads(next(x for x in printed.splitlines() if x.startswith("{")))
+    assert line["task"] == "moving_shapes" and line["images"] == 8 and "frozen_strict" in line
+    assert "frozen" in printed and "McNemar" in printed  # the frame baselines' table and the paired verdict
+    ev, base = (json.loads((out / f"{n}.json").read_text()) for n in ("eval", "baseline"))
+    assert ev["task"] == base["task"] == "moving_shapes"
+    assert {t: c["n"] for t, c in ev["categories"].items()} == {"direction": 2, "two_motions": 2, "order": 2,
+                                                                  "change": 2}
+    assert set(ev["baselines"]) == {"frozen", "shuffled"} and ev["paired"]["overall"]["n"] == 8
+    assert (ev["guidance_scale"], base["guidance_scale"]) == (4.5, 1.0)
+    assert ev["sampling"]["num_frames"] == 9 and (out / "eval_grid.png").is_file()
+
+
+def test_omniroll_eval_refuses_a_world_that_does_not_fit_what_the_model_draws_before_any_work(toy_video, tmp_path,
+                                                                                              capsys):
+    out = tmp_path / "o"
+    assert main(["eval", "--model", toy_video, "--override", "pipeline.num_frames=1", "--out", str(out)]) == 2
+    assert "judges clips" in capsys.readouterr().err
+    assert main(["eval", "--model", toy_video, "--baseline-model", "shapes", "--out", str(out)]) == 2
+    assert "not judged in the moving_shapes world" in capsys.readouterr().err
+    assert main(["eval", "--model", toy_video, "--prompts", "a red circle moving sideways.txt", "--out", str(out)]) == 2
+    assert "--prompts" in capsys.readouterr().err
+    assert not out.exists()
