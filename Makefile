@@ -17,12 +17,13 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # The ocr extra is in: tests/test_reward_models.py reads rendered text with it (about 10 s, 280 MB: OpenCV 190 MB,
-# onnxruntime 80 MB, the PP-OCRv4 models 16 MB). torch==2.13.0 first: an unpinned torch could pull a multi-GB CUDA
-# build on a CPU box.
+# onnxruntime 80 MB, the PP-OCRv4 models 16 MB). The video extra too (PyAV with its own FFmpeg, about 100 MB
+# installed): videos are then written as MP4, and tests/test_video_eval.py reads one back. torch==2.13.0 first: an
+# unpinned torch could pull a multi-GB CUDA build on a CPU box.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,ocr]"
+	$(PIP) install -q -e ".[dev,ocr,video]"
 	touch $(STAMP)
 
 $(VERL_STAMP): $(PY)
