@@ -237,3 +237,68 @@ def test_the_video_extra_writes_an_mp4_that_reads_back_with_its_frames_size_and_
         assert near < np.abs(back.astype(int) - other).mean()  # H.264 is lossy: nearer the clip written than another
         spec = parse_prompt(prompt)
         assert score_clip(spec, back).strict == score_clip(spec, written).strict  # and it shows what was written
+
+
+def video_trainer_config(model: str, prompts_file, task: str = "moving_shapes", splits=None):
+    from omniroll.config import load_config
+
+    return load_config({
+        "replicas": {"count": 1, "num_cpus": 1},
+        "engine": {"model": model, "max_batch_size": 8, "num_threads": 1},
+        "pipeline": {"num_inference_steps": 2},
+        "agent": {"num_workers": 1},
+        "reward": {"num_workers": 1, "functions": {"ms": {"fn": "moving_shapes"}}},
+        "n": 2, "seed": 0, "val_kwargs": {"n": 1},
+        "trainer": {"algorithm": "awm", "prompts_file": str(prompts_file), "prompts_per_step": 2, "lr": 0.003,
+                    "micro_batch_size": 4, "steps": 1, "num_threads": 1,
+                    "evaluation": {"task": task, "splits": splits or [str(prompts_file)], "seeds": 1,
+                                   "guidance_scales": [1.0]}},
+    })
+
+
+def test_the_trainer_evaluation_task_must_be_the_models_world_and_its_splits_that_worlds(toy_video, tmp_path):
+    from omniroll.config import ConfigError
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(FORMS) + "\n")
+    assert video_trainer_config(toy_video, prompts, splits=["heldout"]).trainer.evaluation.task == "moving_shapes"
+    with pytest.raises(ConfigError, match="trainer.evaluation.task: .* draws for the moving_shapes world"):
+        video_trainer_config(toy_video, prompts, task="shapes", splits=["heldout"])
+    shapes_file = tmp_path / "s.txt"
+    shapes_file.write_text("a red circle\n")  # a shapes prompt is outside the moving-shapes grammar
+    with pytest.raises(ConfigError, match="moving-shapes grammar"):
+        video_trainer_config(toy_video, prompts, splits=[str(shapes_file)])
+
+
+def test_the_trainer_evaluates_a_video_model_before_and_after_on_its_clips(ray_cluster, toy_video, tmp_path):
+    from omniroll.train import Trainer
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(FORMS) + "\n")
+    with Trainer(video_trainer_config(toy_video, prompts), str(tmp_path / "run"), log=lambda _: None) as tr:
+        tr.train()
+    ev = tmp_path / "run" / "eval"
+    before, after = (json.loads((ev / f"{t}_p_cfg1.json").read_text()) for t in ("before", "after"))
+    assert before["task"] == after["task"] == "moving_shapes" and set(after["baselines"]) == {"frozen", "shuffled"}
+    assert {t: c["n"] for t, c in after["categories"].items()} == {t: 1 for t in ("direction", "two_motions",
+                                                                                   "order", "change")}
+    assert (ev / "after_p_cfg1_grid.png").is_file()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/p_cfg1/paired_z" in r for r in records)  # after paired with before, clip by clip
+
+
+def test_the_validation_grid_draws_a_video_as_its_film_strip(tmp_path):
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from omniroll.tasks.moving_shapes.report import film_strip
+    from omniroll.train.report.val_grid import save_val_grid
+
+    _, clips, _ = rendered(seeds=(0,))
+    videos = torch.from_numpy(np.stack([c.transpose(0, 3, 1, 2) for c in clips]))  # [4, T, 3, H, W]
+    save_val_grid(videos, 2, 2, str(tmp_path / "val.png"), captions=[[f"clip {i}", "reward +1.0000"] for i in range(4)])
+    grid = np.asarray(Image.open(tmp_path / "val.png").convert("RGB"))
+    strip = film_strip(clips[0])
+    assert grid.shape[1] == 2 * strip.shape[1]  # two strips a row, at their own size
+    assert np.array_equal(grid[:strip.shape[0], :strip.shape[1]], strip)

@@ -7,8 +7,8 @@ import os
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
-from omniroll.models.checkpoint import (INDEX_FILE, ModelLimits, pipeline_class_name, read_sampling_defaults,
-                                        require_checkpoint)
+from omniroll.models.checkpoint import (DEFAULT_TASK, INDEX_FILE, ModelLimits, pipeline_class_name,
+                                        read_sampling_defaults, read_task, require_checkpoint)
 from omniroll.models.flux import FluxAdapter
 from omniroll.models.qwen_image import QwenImageAdapter
 from omniroll.models.sd3 import SD3Adapter
@@ -114,6 +114,18 @@ def prompt_ids_length(model: str) -> int | None:
     return adapter.prompt_ids_length(model) if adapter is not None else None
 
 
+def model_task(model: str) -> str:
+    """The task world `model` (a name or a checkpoint directory) draws for (`read_task`): its checkpoint's
+    `omniroll_defaults.json` task; the tiny models and a path that is not a checkpoint (the config reports those):
+    the shapes world."""
+    if model in TINY_MODELS:
+        return DEFAULT_TASK
+    try:
+        return read_task(resolve_model(model))
+    except FileNotFoundError:
+        return DEFAULT_TASK
+
+
 def sampling_defaults(model: str) -> dict:
     """The sampling defaults `model` (a name or a checkpoint directory) states (`read_sampling_defaults`); {} for
     the tiny models and for paths that are not checkpoints (the config reports those)."""
@@ -126,6 +138,7 @@ def sampling_defaults(model: str) -> dict:
 
 
 __all__ = [
+    "model_task",
     "prompt_ids_length",
     "resolve_model",
     "sampling_defaults",
