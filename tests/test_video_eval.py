@@ -302,3 +302,17 @@ def test_the_validation_grid_draws_a_video_as_its_film_strip(tmp_path):
     strip = film_strip(clips[0])
     assert grid.shape[1] == 2 * strip.shape[1]  # two strips a row, at their own size
     assert np.array_equal(grid[:strip.shape[0], :strip.shape[1]], strip)
+
+
+def test_doctor_reports_the_shapes_video_model_off_until_shipped_then_checks_its_files(toy_video, tmp_path):
+    from omniroll.cli.doctor import shapes_video_model_check
+
+    assert shapes_video_model_check(str(tmp_path / "none")).status == "off"
+    assert "make shapes-video-model" in shapes_video_model_check(str(tmp_path / "none")).detail
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(toy_video, copy)
+    assert shapes_video_model_check(str(copy)).status == "ok"
+    (copy / "model_index.json").write_text((copy / "model_index.json").read_text() + " ")
+    check = shapes_video_model_check(str(copy))
+    assert check.status == "fail" and "model_index.json" in check.detail and "make shapes-video-model" in check.detail
+    assert shapes_video_model_check().status in ("off", "ok")  # this installation's: not shipped yet, or whole
