@@ -316,3 +316,16 @@ def test_doctor_reports_the_shapes_video_model_off_until_shipped_then_checks_its
     check = shapes_video_model_check(str(copy))
     assert check.status == "fail" and "model_index.json" in check.detail and "make shapes-video-model" in check.detail
     assert shapes_video_model_check().status in ("off", "ok")  # this installation's: not shipped yet, or whole
+
+
+def test_the_pretrain_evaluation_judges_a_video_checkpoint_in_its_world_split_by_split(toy_video, tmp_path, capsys):
+    from omniroll.cli.pretrain import evaluate_checkpoint
+
+    prompts = tmp_path / "four.txt"
+    prompts.write_text("\n".join(FORMS) + "\n")
+    out = evaluate_checkpoint(toy_video, str(tmp_path / "ev"), 1, progress=False, splits=(str(prompts),))
+    assert list(out) == ["four"] and out["four"]["task"] == "moving_shapes" and "evaluation" not in out["four"]
+    assert out["four"]["overall"]["n"] == 4 and set(out["four"]["baselines"]) == {"frozen", "shuffled"}
+    json.dumps(out)  # what pretrain.json records
+    assert json.loads((tmp_path / "ev" / "eval_four.json").read_text())["task"] == "moving_shapes"
+    assert "frozen" in capsys.readouterr().out  # the table, its frame baselines under it
