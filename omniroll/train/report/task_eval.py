@@ -186,7 +186,8 @@ def summary_line(tag: str, step: int, name: str, guidance: float, ev: Evaluation
     r = ev.report
     cats = "  ".join(f"{t} {100 * c['strict']:.0f}" for t, c in r.categories.items())
     return (f"eval {tag} (step {step}) {name} ({guidance_label(guidance)}): strict {100 * r.overall['strict']:.1f} "
-            f"+- {100 * r.overall['se']:.1f} % (chance {100 * r.overall['chance']:.1f} %, {r.overall['n']} pictures)"
+            f"+- {100 * r.overall['se']:.1f} % (chance {100 * r.overall['chance']:.1f} %, {r.overall['n']} "
+            f"{'clips' if ev.world.clips else 'pictures'})"
             f"  {cats}")
 
 
