@@ -17,12 +17,13 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # The ocr extra is in: tests/test_reward_models.py reads rendered text with it (about 10 s, 280 MB: OpenCV 190 MB,
-# onnxruntime 80 MB, the PP-OCRv4 models 16 MB). torch==2.13.0 first: an unpinned torch could pull a multi-GB CUDA
-# build on a CPU box.
+# onnxruntime 80 MB, the PP-OCRv4 models 16 MB). The video extra too (PyAV with its own FFmpeg, about 100 MB
+# installed): videos are then written as MP4, and tests/test_video_eval.py reads one back. torch==2.13.0 first: an
+# unpinned torch could pull a multi-GB CUDA build on a CPU box.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,ocr]"
+	$(PIP) install -q -e ".[dev,ocr,video]"
 	touch $(STAMP)
 
 $(VERL_STAMP): $(PY)
@@ -99,9 +100,10 @@ shapes-model-distilled: $(STAMP)
 
 # The shapes-video model from scratch (omniroll/models/shapes_video/recipe.py: FULL) into out/shapes-video-model.
 # Hours on 2 cores; resumable: run it again after an interruption and it continues (out/shapes-video-model/resume/),
-# ending with the bitwise same checkpoint as an uninterrupted run.
+# ending with the bitwise same checkpoint as an uninterrupted run; then installs it as the shipped model
+# (omniroll/models/shapes_video/checkpoint/, what --model shapes-video loads).
 shapes-video-model: $(STAMP)
-	$(VENV)/bin/omniroll pretrain shapes-video --out out/shapes-video-model
+	$(VENV)/bin/omniroll pretrain shapes-video --out out/shapes-video-model --install
 
 # Retrain the shapes proxy reward (`fn: shapes_proxy`, omniroll/models/shapes_proxy/) and install it over the shipped
 # one: ~1,150 pictures of the shipped shapes model judged by the checker (kept in out/shapes-proxy/generated_*.npz),

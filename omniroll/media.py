@@ -1,5 +1,5 @@
 """Writing generated samples to disk: PNG images, and video as MP4 (PyAV, when installed) or else animated WebP
-(Pillow), plus a PNG strip of the frames.
+(Pillow), plus a PNG strip of the frames; `read_video` reads either back.
 
 `omniroll generate` and `run_rollout` (`omniroll rollout`) use these; the format actually written is returned (and
 reported by the commands), never silently substituted. A leaf module: it imports no omniroll package but `errors`.
@@ -83,6 +83,23 @@ def _encode_mp4(av, path: Path, hwc: list, fps: int) -> None:
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+
+
+def read_video(path: Path) -> torch.Tensor:
+    """The frames of a video `save_video` wrote, uint8 [T, 3, H, W]: an MP4 (decoded with PyAV; lossy, so near the
+    frames written, not equal) or an animated WebP (lossless: the frames written)."""
+    path = Path(path)
+    if path.suffix == ".mp4":
+        import av
+
+        with av.open(str(path)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    else:
+        from PIL import Image, ImageSequence
+
+        with Image.open(path) as im:
+            frames = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(im)]
+    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()
 
 
 def save_sample(pixels: torch.Tensor, stem: Path, fps: int = 16) -> list[Path]:

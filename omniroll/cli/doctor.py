@@ -1,5 +1,6 @@
 """`omniroll doctor`: checks this installation before a long run (Python, omniroll's dependencies at the versions it
-accepts, its optional extras, torch and its devices, the shipped shapes model's files, the cache directories, Ray)
+accepts, its optional extras, torch and its devices, the shipped shapes and shapes-video models' files, the cache
+directories, Ray)
 and prints one line per check; exit 1 when one fails.
 
 A check is `ok`, `warn` (works, but read the line), `fail` (something omniroll needs is missing or broken) or `off`
@@ -137,6 +138,23 @@ def shapes_model_check(path: Optional[str] = None) -> Check:
     return Check("shapes model", "ok", f"{n} files match {SUMS_FILE} ({path})")
 
 
+def shapes_video_model_check(path: Optional[str] = None) -> Check:
+    """The shapes-video model's files against its SHA256SUMS (the shipped checkpoint unless `path`); `off` while none
+    is shipped (`make shapes-video-model` makes and installs it)."""
+    from omniroll.models.shapes import SUMS_FILE, verified
+    from omniroll.models.shapes_video import CHECKPOINT, REMAKE, WHAT
+
+    path = path or CHECKPOINT
+    if not os.path.isfile(os.path.join(path, SUMS_FILE)):
+        return Check("shapes-video model", "off", f"not shipped yet (--model shapes-video): `{REMAKE}` makes and "
+                                                  f"installs it; a checkpoint directory works as --model meanwhile")
+    try:
+        verified.__wrapped__(path, WHAT, REMAKE)  # not the per-process cache: a doctor reads the files now
+    except FileNotFoundError as e:
+        return Check("shapes-video model", "fail", str(e))
+    return Check("shapes-video model", "ok", f"its files match {SUMS_FILE} ({path})")
+
+
 def cache_checks() -> list[Check]:
     """The two cache directories: writable (or creatable: the nearest existing parent is), and their disk's free
     space. Nothing is created."""
@@ -189,7 +207,7 @@ def run_checks(start_ray: bool = False) -> list[Check]:
     checks = [Check("python", "ok" if sys.version_info >= (3, 10) else "fail", f"{py} (omniroll needs >= 3.10)"),
               omniroll_check()]
     checks += dependency_checks(requires("omniroll") or [], installed_version)
-    checks += [torch_check(), shapes_model_check(), *cache_checks(), ray_check(start_ray)]
+    checks += [torch_check(), shapes_model_check(), shapes_video_model_check(), *cache_checks(), ray_check(start_ray)]
     return checks
 
 

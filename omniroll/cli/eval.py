@@ -1,14 +1,19 @@
-"""`omniroll eval`: GenEval on the shapes world for a model and, optionally, a trainer checkpoint, with its standard
-errors, and paired with a baseline at the same prompts and seeds.
+"""`omniroll eval`: GenEval on the shapes world (or on the moving-shapes world, for a video model) for a model and,
+optionally, a trainer checkpoint, with its standard errors, and paired with a baseline at the same prompts and seeds.
 
-Every prompt of `--prompts` (a split: train, heldout, all; or a file, one grammar prompt a line) `--seeds` times
+The world is the model's (`omniroll.evaluation.worlds.world_of`: its checkpoint's `omniroll_defaults.json` task; a
+shapes-video checkpoint says moving_shapes, any other the shapes world). Every prompt of `--prompts` (a split of that
+world: train, heldout, all; or a file, one grammar prompt a line) `--seeds` times
 (default: the config's `trainer.evaluation.seeds`, else 16) at fixed seeds (the trainer's evaluation seeds:
 `omniroll.evaluation.shapes.eval_seed`, from `val_kwargs.seed`), sampled with the deterministic ODE (the config's
 validation sampling: `val_kwargs` over `pipeline`, noise level 0) at the guidance scale `--guidance` (default: the
 regime the checkpoint trained in, CFG off for NFT and AWM; else the validation sampling's), scored by the exact
 checker. Prints the table (strict accuracy per category with its standard error, partial credit, the chance
 baseline) and writes `eval.json` (the table and every picture's result) and `eval_grid.png` (pictures captioned with
-their prompt: a check mark and green when they pass, a cross and red when they fail) to `--out`.
+their prompt: a check mark and green when they pass, a cross and red when they fail) to `--out`. A clip is shown as
+its film strip (frames left to right, the verdict and a failure's reason under it), its chance baseline is its
+prompt's antithetic twin, and the table is followed by the frame baselines: the model's own clips frozen to their
+first frame and shuffled, per category, with the model's paired z against each (eval.json's `baselines`).
 
 `--baseline BASE` (a checkpoint, a run directory, or `none`: the model itself) evaluates BASE at the same prompts,
 seeds and guidance first (`baseline.json`, `baseline_grid.png`), then pairs the two (`omniroll.evaluation.paired`):
@@ -29,7 +34,8 @@ from typing import Optional
 
 from omniroll.cli.common import add_config_arguments, build_config, preflight, quiet_libraries
 
-HELP = "GenEval-style evaluation on the shapes world (strict accuracy per category, paired with a baseline)"
+HELP = ("GenEval-style evaluation on the shapes world, or the moving-shapes world for a video model (strict accuracy "
+        "per category, paired with a baseline)")
 DEFAULT_SEEDS = 16  # the demo's 37 training prompts: a standard error of about 2 points (docs/evaluation.md)
 
 
@@ -60,14 +66,13 @@ def add_arguments(parser) -> None:
                              "'none') is read from the evaluation cache when the same weights, sampling and seeds "
                              "drew it before and 8 of its pictures, drawn again, are bitwise equal or, drawn by "
                              "another CPU, have the same verdicts (else drawn and kept there: "
-                             "$OMNIROLL_CACHE_DIR/evaluations)")
+                             "$OMNIROLL_CACHE_DIR/evaluations; pictures only: clips are always drawn)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
     from omniroll.cli import UserError
     from omniroll.evaluation.checkpoints import checkpoint_kind
-    from omniroll.tasks.shapes.splits import prompts_of
 
     if args.seeds is not None and not 1 <= args.seeds <= 1000:
         raise UserError(f"--seeds must be an int in [1, 1000], got {args.seeds}")
@@ -77,8 +82,9 @@ def run(args) -> int:
         args.baseline = "none"  # the baseline model itself, at the baseline guidance
     cfg = build_config(args)
     args.seeds = eval_seeds(cfg, args.seeds)
+    world = eval_world(cfg)
     try:
-        prompts = prompts_of(args.prompts)
+        prompts = world.prompts_of(args.prompts)
     except (ValueError, FileNotFoundError) as e:
         raise UserError([f"--prompts: {line}" for line in str(e).splitlines()]) from None
     ckpt = checkpoint_arg(args.checkpoint, "--checkpoint")
@@ -90,6 +96,9 @@ def run(args) -> int:
         quiet_libraries()
     model = preflight(cfg, prompts)
     base_cfg, base_model = baseline_model(args, cfg, model, prompts)
+    if base_model != model and eval_world(base_cfg, "--baseline-model") != world:
+        raise UserError(f"--baseline-model: {args.baseline_model!r} is not judged in the {world.task} world of "
+                        f"--model {cfg.engine.model!r}: a paired comparison needs the same prompts and checker")
     base_guidance = guidance if args.baseline_guidance is None else float(args.baseline_guidance)
     print(f"guidance {guidance:g} ({'CFG off' if guidance <= 1 else 'CFG on'}): {why}")
     if merge and ckpt is not None and checkpoint_kind(ckpt) == "lora":
@@ -103,8 +112,9 @@ def run(args) -> int:
     result = evaluate_model(cfg, model, prompts, args.seeds, ckpt, args.out, progress=not args.quiet,
                             guidance=guidance, baseline=baseline, merge_lora=merge, cache=args.cache)
     print(result["table"])
-    line = {"overall_strict": result["overall"]["strict"], "se": result["overall"]["se"],
+    line = {"task": world.task, "overall_strict": result["overall"]["strict"], "se": result["overall"]["se"],
             "images": result["overall"]["n"], "guidance_scale": guidance, "seconds": round(result["seconds"], 1)}
+    line.update({f"{name}_strict": b["overall"]["strict"] for name, b in result["baselines"].items()})
     if baseline is not None:
         print(result["paired_table"])
         line.update({"baseline_strict": baseline["overall"]["strict"], "baseline_guidance_scale": base_guidance,
@@ -131,6 +141,27 @@ def baseline_model(args, cfg, model: str, prompts: list[str]) -> tuple:
     except UserError as e:  # its lines name --model, which here is --baseline-model
         lines = [p.replace("--model (engine.model)", "--baseline-model") for p in e.problems]
         raise UserError([p if p.startswith("--baseline-model") else f"--baseline-model: {p}" for p in lines]) from None
+
+
+def eval_world(cfg, flag: str = "--model"):
+    """The world (`omniroll.evaluation.worlds.EvalWorld`) the config's model is judged in: its checkpoint's task.
+    UserError naming `flag` when the task cannot be read, or when the model draws clips (pipeline.num_frames > 1)
+    and its world judges pictures, or the reverse."""
+    from omniroll.cli import UserError
+    from omniroll.evaluation.worlds import world_of
+    from omniroll.models import resolve_model
+
+    try:
+        world = world_of(resolve_model(cfg.engine.model))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"{flag} (engine.model): {e}") from None
+    frames = cfg.pipeline.num_frames
+    if (frames > 1) != world.clips:
+        draws = f"clips of {frames} frames" if frames > 1 else "pictures (num_frames 1)"
+        raise UserError(f"{flag} (engine.model): {cfg.engine.model!r} draws {draws} here, and its world ({world.task}: "
+                        f"its omniroll_defaults.json task) judges {'clips' if world.clips else 'pictures'}; evaluate "
+                        f"a shapes-video checkpoint (task moving_shapes) at its own frame count, or a picture model")
+    return world
 
 
 def eval_seeds(cfg, flag: Optional[int]) -> int:
@@ -212,7 +243,9 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     from omniroll.evaluation.cache import EvaluationCache, eligible, evaluate_kept
     from omniroll.evaluation.checkpoints import add_lora_checkpoint, checkpoint_kind, load_full_weights
     from omniroll.evaluation.paired import flips, paired, paired_table
+    from omniroll.evaluation.baselines import baseline_table
     from omniroll.evaluation.shapes import eval_sampling, evaluate, flips_picture, write_evaluation
+    from omniroll.evaluation.worlds import world_of
     from omniroll.models import load_adapter
 
     kwargs = cfg.engine.engine_kwargs()
@@ -227,14 +260,16 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     if guidance is not None:
         sampling["guidance_scale"] = float(guidance)
     engine = DiffusionEngine(adapter, EngineConfig(**kwargs))
+    task = world_of(model).task
     t0 = time.time()
     kept: dict = {}
     try:
         if kind == "lora":
             add_lora_checkpoint(engine, checkpoint)
-        identity = eligible([engine.sample_identity()]) if cache and checkpoint is None else None
+        pictures = not world_of(model).clips  # the cache keeps pictures
+        identity = eligible([engine.sample_identity()]) if cache and pictures and checkpoint is None else None
         if identity is None:
-            ev = evaluate(engine, prompts, seeds, sampling, cfg.val_kwargs.seed, progress=progress)
+            ev = evaluate(engine, prompts, seeds, sampling, cfg.val_kwargs.seed, progress=progress, task=task)
         else:
             ev, kept = evaluate_kept(
                 EvaluationCache.for_model(model), identity, sampling, prompts, seeds,
@@ -265,9 +300,12 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
                              title=f"{title} vs {baseline['title']}", labels=("base", "new"))
         if path is not None:
             files["flips"] = path
+    baselines = ev.baselines()
     table = ev.report.table(f"omniroll eval: {title} ({len(set(prompts))} prompts x {seeds} seeds)") + (
-        f"\n{kept['note']}" if kept else "")
+        f"\n{kept['note']}" if kept else "") + (f"\n{baseline_table(baselines, ev.report.to_dict())}" if baselines
+                                                else "")
     return {**ev.report.to_dict(), **out, "table": table, "seconds": seconds, "files": files, "evaluation": ev,
+            "task": task, "baselines": baselines,
             "cache": kept,
             "model": cfg.engine.model, "checkpoint": checkpoint, "guidance_scale": sampling["guidance_scale"],
             "title": title}

@@ -13,6 +13,9 @@ shapes-model-distilled`: the shipped model, 600 steps).
 `omniroll pretrain shapes-video --out DIR` trains the shapes-video model (a small Wan 2.1 on the moving-shapes world:
 `omniroll.models.shapes_video`), resumably: a rerun with the same DIR continues where it stopped (DIR/resume/) and
 ends with the bitwise same checkpoint. `--toy` runs a few steps of tiny parts (a smoke test of the whole pipeline).
+The finished checkpoint is evaluated on the moving-shapes world's train and heldout splits (`VIDEO_EVAL_SEEDS` clips
+a prompt: `eval_<split>.json`, its grid, and pretrain.json's `evaluation`; not with `--toy` or `--no-eval`).
+`--install` copies the finished checkpoint to where `--model shapes-video` finds it (`make shapes-video-model`).
 
 `omniroll pretrain shapes-proxy --out DIR` trains the shapes proxy instead (`omniroll.evaluation.shapes_proxy`, the
 learned reward `fn: shapes_proxy`): DIR/weights/ (model.safetensors, config.json, SHA256SUMS, train.json with the
@@ -51,12 +54,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--from", dest="source", default=None, metavar="MODEL",
                         help="distil MODEL (shapes, or a checkpoint directory) instead of training one: its modules "
                              "and recipe, only the distillation runs (needs --distill; default: none, train one)")
-    parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+    parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training (shapes-video: "
+                                                               "--toy skips it too)")
     parser.add_argument("--snapshot-every", type=int, default=0, help="also save and evaluate the EMA transformer "
                         "every N steps as DIR/snapshots/step_N (the checkpoint this recipe makes with dit.steps=N); "
                         "0: none")
     parser.add_argument("--install", action="store_true", help="copy the new checkpoint over the shipped one "
-                                                               "(what --model shapes loads)")
+                                                               "(what --model shapes, or shapes-video, loads)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress (a bar on a terminal; shapes-video in a log: one line a minute)")
 
@@ -179,6 +183,34 @@ def run_proxy(args) -> int:
     return 0
 
 
+#: clips per prompt of the shapes-video model's evaluation after pretraining (train and heldout: 1,752 clips)
+VIDEO_EVAL_SEEDS = 4
+
+
+def evaluate_checkpoint(ckpt: str, out_dir: str, seeds: int, progress: bool, final: bool = True,
+                        splits: tuple[str, ...] = ("train", "heldout")) -> dict:
+    """`omniroll eval`'s evaluation of `ckpt` on each split of its world (`eval_<split>.json` and its grid in
+    `out_dir`; a file's split is named by its stem), its table printed (`final`; else one line); returns {split: the
+    report, without the pictures themselves}."""
+    from omniroll.cli.eval import evaluate_model
+    from omniroll.config import load_config
+    from omniroll.evaluation.worlds import world_of
+
+    cfg = load_config({"engine": {"model": ckpt, "max_batch_size": 64}})
+    world = world_of(ckpt)
+    out = {}
+    for split in splits:
+        name = os.path.splitext(os.path.basename(split))[0]
+        res = evaluate_model(cfg, ckpt, world.prompts_of(split), seeds, None, out_dir, progress=progress,
+                             name=f"eval_{name}")
+        table = res.pop("table")
+        res.pop("evaluation")  # the pictures themselves: eval_<split>.json has their verdicts
+        print(table if final else f"{ckpt}: {name} strict {100 * res['overall']['strict']:.1f} % "
+                                  f"(chance {100 * res['overall']['chance']:.1f} %)")
+        out[name] = res
+    return out
+
+
 def run(args) -> int:
     from omniroll.cli import UserError
 
@@ -208,23 +240,9 @@ def run(args) -> int:
     progress = not args.quiet and sys.stderr.isatty()
 
     def evaluate(ckpt: str) -> dict:
-        from omniroll.cli.eval import evaluate_model
-        from omniroll.config import load_config
-        from omniroll.tasks.shapes.splits import prompts_of
-
-        cfg = load_config({"engine": {"model": ckpt, "max_batch_size": 64}})
         final = os.path.basename(ckpt) == "checkpoint"
         out_dir = args.out if final else ckpt + "_eval"  # snapshots/step_N_eval/
-        out = {}
-        for split in ("train", "heldout"):
-            res = evaluate_model(cfg, ckpt, prompts_of(split), recipe.eval_seeds, None, out_dir,
-                                 progress=progress, name=f"eval_{split}")
-            table = res.pop("table")
-            res.pop("evaluation")  # the pictures themselves: eval_<split>.json has their verdicts
-            print(table if final else f"{ckpt}: {split} strict {100 * res['overall']['strict']:.1f} % "
-                                      f"(chance {100 * res['overall']['chance']:.1f} %)")
-            out[split] = res
-        return out
+        return evaluate_checkpoint(ckpt, out_dir, recipe.eval_seeds, progress, final)
 
     if args.snapshot_every < 0:
         raise UserError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
@@ -258,11 +276,13 @@ def run_video(args) -> int:
     from omniroll.models.shapes_video.recipe import FULL, TOY
 
     unused = [flag for flag, used in (("--distill", args.distill is not None), ("--from", args.source is not None),
-                                      ("--snapshot-every", args.snapshot_every != 0), ("--install", args.install))
-              if used]
+                                      ("--snapshot-every", args.snapshot_every != 0)) if used]
     if unused:
-        raise UserError(f"{', '.join(unused)}: not available for shapes-video (no trained model ships yet; its "
-                        f"evaluation comes with `omniroll eval --model shapes-video`)")
+        raise UserError(f"{', '.join(unused)}: not available for shapes-video (evaluate its checkpoint with "
+                        f"`omniroll eval --model DIR/checkpoint`)")
+    if args.install and (args.toy or args.until != "checkpoint"):
+        raise UserError("--install: only a full run to the checkpoint is installed as the shipped shapes-video model "
+                        "(not --toy, not --until vae)")
     recipe = recipe_with(args.override, TOY if args.toy else FULL)
     out = default_out(args.out, "out/shapes-video-model")
     from omniroll.models.shapes_video.pretrain import pretrain
@@ -280,6 +300,20 @@ def run_video(args) -> int:
           + ", ".join(f"{k} {v:.3f}" for k, v in sps.items() if v is not None))
     print(f"VAE check on held-out clips: PSNR {record['vae_check']['psnr_db']:.1f} dB, checker strict "
           f"{100 * record['vae_check']['strict_overall']:.1f} %; checkpoint {record['checkpoint']}")
+    if record["checkpoint"] is not None and not (args.toy or args.no_eval):
+        record["evaluation"] = evaluate_checkpoint(record["checkpoint"], out, VIDEO_EVAL_SEEDS,
+                                                   not args.quiet and sys.stderr.isatty())
+        with open(os.path.join(out, "pretrain.json"), "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    if args.install:
+        from omniroll.models.shapes_video import CHECKPOINT, install
+
+        try:
+            install(record["checkpoint"], CHECKPOINT)
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(f"--install: {e}") from None
+        print(f"installed as the shipped shapes-video model: {CHECKPOINT} (`--model shapes-video`)")
     for name in sorted(os.listdir(out)):
         print(f"  {os.path.join(os.path.abspath(out), name)}")
     return 0

@@ -100,6 +100,14 @@ class OmniRollConfig(_Strict):
                              f"total's: reward.functions needs at least 2 of nonzero weight, got {weighted}")
         if self.n < 2:
             raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
+        if self.trainer.evaluation is not None:
+            from omniroll.models import model_task
+
+            task = model_task(self.engine.model)
+            if self.trainer.evaluation.task != task:
+                raise ValueError(f"trainer.evaluation.task: {self.engine.model!r} draws for the {task} world (its "
+                                 f"omniroll_defaults.json task), so its evaluation is task: {task}; got "
+                                 f"{self.trainer.evaluation.task!r}")
         if self.trainer.evaluation is not None and self.val_kwargs.seed_mode == "shared":
             raise ValueError("val_kwargs.seed_mode: trainer.evaluation draws every picture of a prompt at its own "
                              "fixed seed; 'shared' would make them one picture (use per_row)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
 from omniroll.config.sections import Placement, Resources, _Strict
@@ -24,8 +24,10 @@ class EvaluationSection(_Strict):
     """`trainer.evaluation`: a task evaluation before the first step, every `val_every` steps and after the last
     (`omniroll.train.report.task_eval`), beside the validation grids."""
 
-    task: Literal["shapes"] = Field("shapes", description="shapes: GenEval's strict accuracy per category on the "
-                                                          "shapes world (omniroll eval)")
+    task: Literal["shapes", "moving_shapes"] = Field(
+        "shapes", description="shapes: GenEval's strict accuracy per category on the shapes world (omniroll eval); "
+                              "moving_shapes: the same on the moving-shapes world's clips, for a shapes-video "
+                              "checkpoint (it must be the model's own task: its omniroll_defaults.json)")
     splits: list[str] = Field(default_factory=lambda: ["train", "heldout"], min_length=1,
                               description="each a split of the task's prompts (train, heldout, all) or a file of "
                                           "prompts, one a line")
@@ -47,8 +49,12 @@ class EvaluationSection(_Strict):
 
     @field_validator("splits")
     @classmethod
-    def _known_splits(cls, value):
-        from omniroll.tasks.shapes.splits import prompts_of
+    def _known_splits(cls, value, info: ValidationInfo):
+        """Each a split or a file of the task's world (`task` is checked first: its field comes before)."""
+        if info.data.get("task") == "moving_shapes":
+            from omniroll.tasks.moving_shapes.splits import prompts_of
+        else:
+            from omniroll.tasks.shapes.splits import prompts_of
 
         if len(set(value)) != len(value):
             raise ValueError(f"names a split twice: {value}")

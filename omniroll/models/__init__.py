@@ -7,8 +7,8 @@ import os
 import torch
 
 from omniroll.models.base import Conditioning, DiffusionAdapter, stack_conditioning
-from omniroll.models.checkpoint import (INDEX_FILE, ModelLimits, pipeline_class_name, read_sampling_defaults,
-                                        require_checkpoint)
+from omniroll.models.checkpoint import (DEFAULT_TASK, INDEX_FILE, ModelLimits, pipeline_class_name,
+                                        read_sampling_defaults, read_task, require_checkpoint)
 from omniroll.models.flux import FluxAdapter
 from omniroll.models.qwen_image import QwenImageAdapter
 from omniroll.models.sd3 import SD3Adapter
@@ -25,7 +25,7 @@ ADAPTERS: dict[str, type[DiffusionAdapter]] = {
 #: the `--model` names that build a tiny random checkpoint ("tiny" is the SD3 one)
 TINY_MODELS = {"tiny": "sd3", **{f"tiny-{f}": f for f in FAMILIES}}
 #: the `--model` names of checkpoints shipped with the package
-SHIPPED_MODELS = ("shapes",)
+SHIPPED_MODELS = ("shapes", "shapes-video")
 
 
 def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionAdapter:
@@ -39,7 +39,9 @@ def load_adapter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
 
 
 def resolve_model(model: str, cache_dir: str | None = None) -> str:
-    """A checkpoint directory for `model`: "shapes" is the shipped shapes model (`omniroll.models.shapes`); "tiny"
+    """A checkpoint directory for `model`: "shapes" is the shipped shapes model (`omniroll.models.shapes`),
+    "shapes-video" the shipped shapes-video model (`omniroll.models.shapes_video`; FileNotFoundError saying how to
+    make it while none is shipped); "tiny"
     (SD3) or "tiny-<family>" (sd3, flux, qwen-image, wan, wan2.2) builds (once, cached) that family's deterministic
     tiny checkpoint under `cache_dir` (default: $OMNIROLL_CACHE or .omniroll_cache); anything else must be a local
     diffusers checkpoint directory (nothing is downloaded)."""
@@ -47,6 +49,10 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
         from omniroll.models.shapes import checkpoint_dir
 
         return checkpoint_dir()
+    if model == "shapes-video":
+        from omniroll.models import shapes_video
+
+        return shapes_video.checkpoint_dir()
     if model in TINY_MODELS:
         family = TINY_MODELS[model]
         from omniroll.files import tiny_model_cache_dir
@@ -108,6 +114,18 @@ def prompt_ids_length(model: str) -> int | None:
     return adapter.prompt_ids_length(model) if adapter is not None else None
 
 
+def model_task(model: str) -> str:
+    """The task world `model` (a name or a checkpoint directory) draws for (`read_task`): its checkpoint's
+    `omniroll_defaults.json` task; the tiny models and a path that is not a checkpoint (the config reports those):
+    the shapes world."""
+    if model in TINY_MODELS:
+        return DEFAULT_TASK
+    try:
+        return read_task(resolve_model(model))
+    except FileNotFoundError:
+        return DEFAULT_TASK
+
+
 def sampling_defaults(model: str) -> dict:
     """The sampling defaults `model` (a name or a checkpoint directory) states (`read_sampling_defaults`); {} for
     the tiny models and for paths that are not checkpoints (the config reports those)."""
@@ -120,6 +138,7 @@ def sampling_defaults(model: str) -> dict:
 
 
 __all__ = [
+    "model_task",
     "prompt_ids_length",
     "resolve_model",
     "sampling_defaults",

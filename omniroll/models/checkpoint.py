@@ -127,14 +127,18 @@ def read_sd3_limits(path: str) -> ModelLimits:
                        max_sequence_length=seq)
 
 
-#: a checkpoint's own sampling defaults (optional): {"pipeline": {...}, "algo": {...}} in config keys
+#: a checkpoint's own sampling defaults (optional): {"pipeline": {...}, "algo": {...}} in config keys, and the task
+#: world it was trained on ({"task": "moving_shapes"}; `read_task`)
 SAMPLING_DEFAULTS_FILE = "omniroll_defaults.json"
+#: the task worlds a checkpoint can say it draws (`read_task`): the shapes world's pictures, the moving-shapes clips
+TASKS = ("shapes", "moving_shapes")
+#: the task of a checkpoint that states none (the shapes model, and every checkpoint made before `task` existed)
+DEFAULT_TASK = "shapes"
 
 
-def read_sampling_defaults(path: str) -> dict:
-    """The sampling defaults a checkpoint directory states in `omniroll_defaults.json` (e.g. the shapes model: its
-    64 x 64 resolution and 12-token text), as a dict of config sections; {} when it states none. Config loading puts
-    them under what the user sets, above the schema's defaults. ValueError naming the file when it is malformed."""
+def read_defaults_file(path: str) -> dict:
+    """`omniroll_defaults.json` of the checkpoint directory at `path`, checked ({} when it has none): config sections
+    ('pipeline', 'algo') as dicts, and 'task' one of TASKS. ValueError naming the file when it is malformed."""
     f = os.path.join(os.fspath(path), SAMPLING_DEFAULTS_FILE)
     if not os.path.isfile(f):
         return {}
@@ -142,10 +146,27 @@ def read_sampling_defaults(path: str) -> dict:
         data = _read_json(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {f}: {e}") from e
-    if not isinstance(data, dict) or not set(data) <= {"pipeline", "algo"} \
-            or not all(isinstance(v, dict) for v in data.values()):
+    sections = {k: v for k, v in data.items() if k != "task"} if isinstance(data, dict) else None
+    if sections is None or not set(sections) <= {"pipeline", "algo"} \
+            or not all(isinstance(v, dict) for v in sections.values()):
         raise ValueError(f"{f} must map 'pipeline' and / or 'algo' to dicts of config keys, got {data!r}")
+    if "task" in data and data["task"] not in TASKS:
+        raise ValueError(f"{f}: 'task' must be one of {list(TASKS)}, got {data['task']!r}")
     return data
+
+
+def read_sampling_defaults(path: str) -> dict:
+    """The sampling defaults a checkpoint directory states in `omniroll_defaults.json` (e.g. the shapes model: its
+    64 x 64 resolution and 12-token text), as a dict of config sections; {} when it states none. Config loading puts
+    them under what the user sets, above the schema's defaults. ValueError naming the file when it is malformed."""
+    return {k: v for k, v in read_defaults_file(path).items() if k != "task"}
+
+
+def read_task(path: str) -> str:
+    """The task world the checkpoint at `path` draws for, one of TASKS: `omniroll_defaults.json`'s `task` (written by
+    `omniroll pretrain shapes-video`: "moving_shapes"), DEFAULT_TASK when it states none. The one place evaluation
+    learns which prompts and checker a model is judged with."""
+    return read_defaults_file(path).get("task", DEFAULT_TASK)
 
 
 def read_component_configs(path: str, *components: str) -> list[dict]:

@@ -43,19 +43,20 @@ def write_sums(path: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def verified(path: str) -> str:
+def verified(path: str, what: str = "the shapes model", remake: str = "make shapes-model") -> str:
     """`path` when its files match its `SHA256SUMS`; FileNotFoundError naming what is missing or changed (a clone
-    without the weights, say, or a checkout that stored them as Git LFS pointers)."""
+    without the weights, say, or a checkout that stored them as Git LFS pointers), `what` the model is and the
+    command that makes it again (`remake`)."""
     sums = os.path.join(path, SUMS_FILE)
     if not os.path.isfile(sums):
-        raise FileNotFoundError(f"the shapes model is missing: no {sums} (retrain it with `make shapes-model`)")
+        raise FileNotFoundError(f"{what} is missing: no {sums} (retrain it with `{remake}`)")
     with open(sums) as f:
         want = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in f if line.strip())
     have = file_digests(path)
     bad = sorted(rel for rel, digest in want.items() if have.get(rel) != digest)
     if bad:
-        raise FileNotFoundError(f"the shapes model at {path} does not match its {SUMS_FILE}: {', '.join(bad[:4])} "
-                                f"missing or changed (restore them from git, or retrain with `make shapes-model`)")
+        raise FileNotFoundError(f"{what} at {path} does not match its {SUMS_FILE}: {', '.join(bad[:4])} "
+                                f"missing or changed (restore them from git, or retrain with `{remake}`)")
     return path
 
 

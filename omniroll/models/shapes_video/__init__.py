@@ -5,7 +5,51 @@ with no special path.
 
 `omniroll pretrain shapes-video --out DIR` (`make shapes-video-model`) trains one with the recipe in `recipe.py`,
 resumably (`resume.py`: a rerun with the same DIR continues where it stopped and ends bitwise where an uninterrupted
-run ends). One file per part: `data.py` (training clips, a pure function of seed and step), `text.py` (the tokenizer
-and frozen UMT5), `vae.py` (the video VAE, its decode without the clamp), `dit.py` (the transformer), `recipe.py`,
-`resume.py`, `pretrain.py` (the whole run). No trained model ships yet.
+run ends); `--install` copies it to `CHECKPOINT` (`install`), where `--model shapes-video` finds it
+(`checkpoint_dir`). One file per part: `data.py` (training clips, a pure function of seed and step), `text.py` (the
+tokenizer and frozen UMT5), `vae.py` (the video VAE, its decode without the clamp), `dit.py` (the transformer),
+`recipe.py`, `resume.py`, `pretrain.py` (the whole run).
 """
+
+from __future__ import annotations
+
+import os
+import shutil
+
+#: where the shipped checkpoint lives, inside the package (empty until `omniroll pretrain shapes-video --install`)
+CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint")
+#: what `verified` calls it, and the command that makes it
+WHAT, REMAKE = "the shapes-video model", "make shapes-video-model"
+
+
+def checkpoint_dir(path: str = CHECKPOINT) -> str:
+    """The shipped shapes-video checkpoint directory (`path`), verified against its SHA256SUMS. FileNotFoundError
+    saying how to make it while none is shipped (a checkpoint directory works as `--model` meanwhile)."""
+    from omniroll.models.shapes import SUMS_FILE, verified
+
+    if not os.path.isfile(os.path.join(path, SUMS_FILE)):
+        raise FileNotFoundError(
+            f"the shapes-video model is not shipped yet (no {os.path.join(path, SUMS_FILE)}): make it with `{REMAKE}` "
+            f"(hours on 2 cores, resumable; `omniroll pretrain shapes-video --out DIR --install` puts it here), or "
+            f"pass a checkpoint directory meanwhile, e.g. --model out/shapes-video-model/checkpoint (`omniroll "
+            f"pretrain shapes-video --toy --out DIR` makes a toy one in a minute)")
+    return verified(path, WHAT, REMAKE)
+
+
+def install(source: str, path: str = CHECKPOINT) -> str:
+    """Copy the checkpoint at `source` (verified; made by `omniroll pretrain shapes-video`: its task is the
+    moving-shapes world) over `path`, and verify the copy. ValueError naming what is wrong with `source`, before
+    anything at `path` changes."""
+    from omniroll.models.checkpoint import read_task
+    from omniroll.models.shapes import verified
+
+    verified(source, f"the checkpoint at {source}", REMAKE)
+    task = read_task(source)
+    if task != "moving_shapes":
+        raise ValueError(f"{source} says its task is {task!r}, not 'moving_shapes' (a checkpoint saved before "
+                         f"omniroll_defaults.json named its task: run `omniroll pretrain shapes-video --out` on its "
+                         f"run directory again, which re-saves a finished run's checkpoint with the current code)")
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(source, path)
+    verified.cache_clear()
+    return verified(path, WHAT, REMAKE)

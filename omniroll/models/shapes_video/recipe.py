@@ -75,11 +75,13 @@ class ShapesVideoRecipe:
                              f"{self.frames - 1}, got {self.vae.scale_factor_temporal}")
 
     def sampling_defaults(self) -> dict:
-        """`omniroll_defaults.json`: the config keys the model fixes (clip size, frames, text length) or prefers."""
+        """`omniroll_defaults.json`: the config keys the model fixes (clip size, frames, text length) or prefers, and
+        its task world (what `omniroll eval` judges it with: `omniroll.models.checkpoint.read_task`)."""
         s = self.sampling
-        return {"pipeline": {"height": self.size, "width": self.size, "num_frames": self.frames,
-                             "max_sequence_length": TEXT_LENGTH, "num_inference_steps": s.num_inference_steps,
-                             "guidance_scale": s.guidance_scale}}
+        pipeline = {"height": self.size, "width": self.size, "num_frames": self.frames,
+                    "max_sequence_length": TEXT_LENGTH, "num_inference_steps": s.num_inference_steps,
+                    "guidance_scale": s.guidance_scale}
+        return {"task": "moving_shapes", "pipeline": pipeline}
 
 
 FULL = ShapesVideoRecipe()

@@ -35,6 +35,7 @@ class Scored:
     partial: float
     chance: bool  # strict against the chance prompt
     reasons: tuple[str, ...] = ()
+    baselines: tuple[tuple[str, bool], ...] = ()  # (baseline, strict) pairs: a clip's frames frozen, shuffled
 
 
 def chance_prompt(spec: PromptSpec, world: World = DEFAULT_WORLD) -> str:
@@ -90,9 +91,11 @@ class Report:
     overall: dict = field(default_factory=dict)
 
     @classmethod
-    def from_rows(cls, rows: list[Scored]) -> "Report":
+    def from_rows(cls, rows: list[Scored], tags: tuple[str, ...] = TAGS) -> "Report":
+        """The report of `rows`, its categories in the order of `tags` (default: the shapes world's; the
+        moving-shapes world passes its own)."""
         cats = {}
-        for tag in TAGS:
+        for tag in tags:
             mine = [r for r in rows if r.tag == tag]
             if mine:
                 strict = float(np.mean([r.strict for r in mine]))

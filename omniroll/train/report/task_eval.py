@@ -1,4 +1,5 @@
-"""The trainer's task evaluation (`trainer.evaluation`): GenEval on the shapes world's splits at each guidance scale,
+"""The trainer's task evaluation (`trainer.evaluation`): GenEval on the task world's splits (`trainer.evaluation.task`:
+the shapes world's pictures, or the moving-shapes world's clips: `omniroll.evaluation.worlds`) at each guidance scale,
 drawn through the rollout replicas with the validation sampling (the ODE) at the fixed seeds `omniroll eval` uses,
 and every evaluation after the first compared, picture by picture, with the one before training.
 
@@ -17,7 +18,8 @@ training made guidance unnecessary). A resumed run reads the
 "before" verdicts from `eval/before_<name>.json` (the paired numbers; its pictures, and so the two PNGs, only exist
 in the process that drew them). The evaluation before training is read from the evaluation cache
 (`omniroll.evaluation.cache`, `trainer.evaluation.cache`) when a run with the same weights, sampling and seeds drew
-it before and the pictures drawn again to check it match bitwise; every file is then what drawing it would write.
+it before and the pictures drawn again to check it match bitwise; every file is then what drawing it would write
+(pictures only: clips are always drawn).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Optional
 from omniroll.agent_loop.batch import prompt_batch
 from omniroll.evaluation.cache import EvaluationCache, eligible, evaluate_kept
 from omniroll.evaluation.paired import common_pictures, flips, paired, verdict_line
-from omniroll.evaluation.shapes import Evaluation, eval_sampling, eval_uid, flips_picture, scored, write_evaluation
-from omniroll.tasks.shapes.splits import prompts_of
+from omniroll.evaluation.shapes import (Evaluation, eval_sampling, eval_uid, flips_picture, sample_array, scored,
+                                        write_evaluation)
+from omniroll.evaluation.worlds import world_for
 
 
 def evaluation_name(split: str, guidance: float) -> str:
@@ -60,6 +63,7 @@ class TaskEvaluation:
         metrics: dict = {}
         lines: list[str] = []
         identity = self.kept_identity(replicas) if tag == "before" else None
+        prompts_of = world_for(ev_cfg.task).prompts_of
         for k, guidance in enumerate(self.config.evaluation_guidances()):
             seeds = ev_cfg.seeds if k == 0 or ev_cfg.beside_seeds is None else ev_cfg.beside_seeds
             for split in ev_cfg.splits:
@@ -125,15 +129,16 @@ class TaskEvaluation:
                              indices=indices,
                              meta_info={"validate": True, "sampling_params": {"guidance_scale": guidance}})
         out = asyncio.run(manager.generate_sequences_async(batch))
-        pictures = [p.permute(1, 2, 0).contiguous().numpy() for p in out.batch["responses"]]
+        pictures = [sample_array(p) for p in out.batch["responses"]]
         return scored(pictures, list(out.non_tensor_batch["raw_prompt"]),
-                      [int(s) for s in out.non_tensor_batch["seed"]])
+                      [int(s) for s in out.non_tensor_batch["seed"]], self.config.trainer.evaluation.task)
 
     def kept_identity(self, replicas: list) -> Optional[dict]:
         """The replicas' common `sample_identity` when `trainer.evaluation.cache` is on and they draw
         batch-invariantly (`omniroll.evaluation.cache.eligible`); else None: the evaluation is drawn (also when a
         replica cannot say within 2 minutes: a dead one's samples are drawn by the others, as without the cache)."""
-        if not self.config.trainer.evaluation.cache or not replicas:
+        ev_cfg = self.config.trainer.evaluation
+        if not ev_cfg.cache or not replicas or world_for(ev_cfg.task).clips:  # the cache keeps pictures
             return None
         import ray
 
@@ -181,7 +186,8 @@ def summary_line(tag: str, step: int, name: str, guidance: float, ev: Evaluation
     r = ev.report
     cats = "  ".join(f"{t} {100 * c['strict']:.0f}" for t, c in r.categories.items())
     return (f"eval {tag} (step {step}) {name} ({guidance_label(guidance)}): strict {100 * r.overall['strict']:.1f} "
-            f"+- {100 * r.overall['se']:.1f} % (chance {100 * r.overall['chance']:.1f} %, {r.overall['n']} pictures)"
+            f"+- {100 * r.overall['se']:.1f} % (chance {100 * r.overall['chance']:.1f} %, {r.overall['n']} "
+            f"{'clips' if ev.world.clips else 'pictures'})"
             f"  {cats}")
 
 
