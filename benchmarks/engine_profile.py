@@ -14,7 +14,7 @@ up, then one profiled run. Parts (cumulative time of the functions named):
   step batching          `ModelRunner.step` less the above (stacking the rows' inputs, splitting the results)
   scheduling             `DiffusionEngine.step` less everything else (admission, schedule, finish)
   VAE decode             `ModelRunner.decode` (blocks of `decode_batch_size`)
-  output assembly        `build_output` (the trajectory's one copy to the host, uint8 pixels, the fields)
+  output assembly        `build_output` (engine/output_assembly.py: one copy to the host, uint8 pixels, fields)
 cProfile adds a cost per Python call, so the Python-heavy parts read larger than they are. Times are this
 process's CPU time (`time.process_time`, every thread: run it at 1 thread), so other jobs on a shared machine slow the
 run but do not move the shares. Then, without the profiler, the pieces of work both contenders do, timed the engine's
@@ -88,7 +88,7 @@ def shares(stats: pstats.Stats) -> dict[str, float]:
     engine_step = c("step", "omniroll/engine/engine")
     encode = c("attach_encodings", "omniroll/engine/admission")
     decode = c("decode", "omniroll/engine/runner")
-    output = c("build_output", "omniroll/engine/request")
+    output = c("build_output", "omniroll/engine/output_assembly")
     parts = {"prompt encoding": encode, "transformer forward": forward, "CFG rows and mix": guided - forward,
              "SDE step and log-prob": sde, "recording": record,
              "step batching": runner_step - guided - sde - record}

@@ -8,7 +8,7 @@ import torch
 
 from omniroll import GenerationRequest, SamplingParams
 from omniroll.engine.engine import DiffusionEngine
-from omniroll.engine.request import quantize_pixels
+from omniroll.engine.output_assembly import quantize_pixels
 from omniroll.sampling import make_generator, sde_step
 
 BASE = dict(height=64, width=64, num_inference_steps=4, max_sequence_length=16)

@@ -104,7 +104,8 @@ def test_configs_tree_grpo_refuses_at_load():
            ({}, None, {"reward": {"functions": {"g": {"fn": "shapes"}, "s": {"fn": "shapes_strict"}},
                                   "aggregation": "gdpo"}}, "reward.aggregation: trainer.algorithm tree_grpo"),
            ({"algorithm_options": {"trained_steps": "some"}}, None, {}, "algorithm_options.trained_steps"),
-           ({"global_std": True}, None, {}, r"trainer.global_std does not apply to trainer.algorithm tree_grpo \(it does not read it\)"),
+           ({"global_std": True}, None, {},
+            r"trainer.global_std does not apply to trainer.algorithm tree_grpo \(it does not read it\)"),
            ({}, {**WINDOW, "sde_type": "ode", "tree": TREE}, {}, "algo.sde_type: trainer.algorithm tree_grpo")]
     for trainer, algo, top, msg in bad:
         with pytest.raises(ConfigError, match=msg):

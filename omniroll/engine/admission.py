@@ -59,11 +59,11 @@ def build_state(adapter: DiffusionAdapter, config: EngineConfig, device, request
     return state
 
 
-def admit(adapter: DiffusionAdapter, config: EngineConfig, device, requests: list[GenerationRequest],
-          release) -> tuple[list[concurrent.futures.Future], list[RequestState]]:
-    """Every request's state (all checked first: an error raises before any is queued) and the future its caller
-    waits on. When a request is done its state frees its id (`release(request_id)`), then settles the future exactly
-    once."""
+def accept(adapter: DiffusionAdapter, config: EngineConfig, device, requests: list[GenerationRequest],
+           release) -> tuple[list[concurrent.futures.Future], list[RequestState]]:
+    """Accept `requests` (queued next, admitted to steps later by `Scheduler.admit`): every request's state (all
+    checked first: an error raises before any is queued) and the future its caller waits on. When a request is
+    done its state frees its id (`release(request_id)`), then settles the future exactly once."""
     futures, states = [], []
     for request in requests:
         future: concurrent.futures.Future = concurrent.futures.Future()

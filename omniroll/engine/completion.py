@@ -18,7 +18,8 @@ from omniroll.engine.decode_queue import DecodeQueue
 from omniroll.engine.errors import EngineError, EngineShutdownError
 from omniroll.engine.inbox import Inbox
 from omniroll.engine.output import DiffusionOutput
-from omniroll.engine.request import RequestState, aborted_output, build_output
+from omniroll.engine.output_assembly import aborted_output, build_output
+from omniroll.engine.request import RequestState
 from omniroll.engine.runner import ModelRunner
 from omniroll.engine.scheduler import Scheduler
 

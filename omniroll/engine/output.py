@@ -17,7 +17,7 @@ class DiffusionOutput(BaseModel):
     extra_fields: all_latents [W+1, ...] fp32, all_timesteps [W], sigmas [W], sigmas_next [W], noise_level,
         sde_type, sigma_max, window, seed, prompt embeddings, ...; the weight versions `weight_version` (the version
         that ran the first step), `step_weight_versions` ([W] ints: the version that ran each recorded step) and
-        `min_weight_version` / `max_weight_version` (see `omniroll.engine.request`); `expert_indices` [W] (the
+        `min_weight_version` / `max_weight_version` (see `omniroll.engine.output_assembly`); `expert_indices` [W] (the
         denoiser of each recorded step) for multi-expert models (Wan 2.2 A14B); `fps` for video.
     """
 

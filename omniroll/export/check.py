@@ -85,7 +85,7 @@ def check_export(source, export_dir: str, merged: bool) -> CheckResult:
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.engine.config import EngineConfig
     from omniroll.engine.engine import DiffusionEngine
-    from omniroll.engine.request import quantize_pixels
+    from omniroll.engine.output_assembly import quantize_pixels
     from omniroll.evaluation.checkpoints import add_lora_checkpoint, load_full_weights
     from omniroll.models import load_adapter
     from omniroll.models.base import load_pipeline
