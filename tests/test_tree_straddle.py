@@ -99,7 +99,7 @@ def test_a_tree_that_straddles_an_update_runs_again_whole_on_one_version(replica
     worker = DiffusionAgentLoopWorker(config(tiny_sd3_path), RolloutClient([h], timeout_s=120))
     v0 = stats(h)["weight_version"]
     v1 = v0 + 1
-    served = stats(h)["served"]
+    before = stats(h)
     with paused_after(h, 2) as pool:
         future = pool.submit(generate, worker, batch(step=1))
         first = paused_with_all_queued(h, len(ROWS) - 1)
@@ -112,8 +112,11 @@ def test_a_tree_that_straddles_an_update_runs_again_whole_on_one_version(replica
     assert sorted(tuple(p) for p in nt["tree_path"][:LEAVES]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert list(nt["weight_version"]) == [v1] * len(ROWS)
     assert all(list(v) == [v1] * 3 for v in nt["step_weight_versions"])  # the window's 3 steps
-    # the straddling tree ran twice (8 samples), the other once (4)
-    assert stats(h)["served"] - served == 3 * LEAVES and straddled in ("u0", "u1")
+    # the straddling tree ran twice (8 samples), the other once (4), each leaf every step (one CFG sample a forward)
+    after = stats(h)
+    assert after["served"] - before["served"] == 3 * LEAVES and straddled in ("u0", "u1")
+    assert (after["steps"] - before["steps"], after["forward_rows"] - before["forward_rows"]) == (3 * LEAVES * T,
+                                                                                                  3 * LEAVES * T * 2)
     # the same samples as a run of the same rows on v1 alone (same seeds): nothing of v0 is left in them
     again = generate(worker, batch(step=1))
     for k in ("all_latents", "rollout_log_probs"):
