@@ -112,6 +112,7 @@ def test_a_tree_that_straddles_an_update_runs_again_whole_on_one_version(replica
     assert sorted(tuple(p) for p in nt["tree_path"][:LEAVES]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert list(nt["weight_version"]) == [v1] * len(ROWS)
     assert all(list(v) == [v1] * 3 for v in nt["step_weight_versions"])  # the window's 3 steps
+    assert list(nt["tree_rerun"]) == [u == straddled for u, _ in ROWS]  # the rows say which tree ran again
     # the straddling tree ran twice (8 samples), the other once (4), each leaf every step (one CFG sample a forward)
     after = stats(h)
     assert after["served"] - before["served"] == 3 * LEAVES and straddled in ("u0", "u1")
@@ -122,6 +123,7 @@ def test_a_tree_that_straddles_an_update_runs_again_whole_on_one_version(replica
     for k in ("all_latents", "rollout_log_probs"):
         assert torch.equal(out.batch[k], again.batch[k]), k
     assert list(again.non_tensor_batch["weight_version"]) == [v1] * len(ROWS)
+    assert not any(again.non_tensor_batch["tree_rerun"])
 
 
 def test_a_tree_that_straddles_twice_fails_alone_each_row_naming_the_versions(replica, tiny_sd3_path):
@@ -153,4 +155,5 @@ def test_a_tree_that_straddles_twice_fails_alone_each_row_naming_the_versions(re
     kept = e.batch
     assert len(kept) == LEAVES and set(kept.non_tensor_batch["uid"]) == {u for u, _ in ROWS} - {straddled}
     assert list(kept.non_tensor_batch["weight_version"]) == [v1] * LEAVES
+    assert not any(kept.non_tensor_batch["tree_rerun"])  # the kept tree ran once
     assert sorted(e.succeeded_rows + [f["row"] for f in failed]) == list(range(len(ROWS)))
