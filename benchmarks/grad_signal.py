@@ -39,10 +39,38 @@ EXAMPLES = os.path.join(HERE, "..", "examples")
 BATCH_STEPS = (1_000_001, 1_000_002)
 
 
+class ForwardRows:
+    """Counts the rows a module's forwards run while entered (a forward hook: `rows`, `calls`)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.rows, self.calls, self.handle = module, 0, 0, None
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        self.rows += int(x.shape[0]) if isinstance(x, torch.Tensor) else 0
+        self.calls += 1
+
+    def __enter__(self) -> "ForwardRows":
+        self.handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def replica_forward_rows(replicas) -> int:
+    """The denoiser forward rows every replica has run (a CFG sample's step is 2 rows)."""
+    import ray
+
+    return sum(s["forward_rows"] for s in ray.get([r.stats.remote() for r in replicas]))
+
+
 def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: int, seed: int,
             verbose: bool) -> dict:
     """One config's curve: {"sizes": [{"samples", "cos_mean", "cos_std", "cos_se"}], "snr", "samples_for_cos50",
-    "seconds", ...}."""
+    "seconds", "rollout_rows_per_sample" (the replicas' denoiser forward rows per sample of the two batches: a tree's
+    shared prefixes counted once), "train_rows_per_sample" (the trainer's denoiser forward rows per sample of the
+    update's gradient: the algorithm's recompute and loss terms), ...}."""
     from omniroll.agent_loop.batch import prompt_batch
     from omniroll.config import load_config
     from omniroll.sampling.seeds import batch_prompt_uid
@@ -55,6 +83,7 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
     t0 = time.time()
     log = print if verbose else (lambda s: None)
     grads = []
+    rolled, rollout_rows, train_rows = 0, 0, 0  # samples rolled out, their forward rows, the gradients' rows
     with tempfile.TemporaryDirectory() as tmp, Trainer(cfg, tmp, log=log) as tr:
         prompts = tr.prompts
         for b, step in enumerate(BATCH_STEPS):
@@ -63,7 +92,10 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
             if overrides_sp:
                 meta["sampling_params"] = overrides_sp
             batch = prompt_batch(prompts, cfg.n, batch_prompt_uid, data_source="train", meta_info=meta)
+            before = replica_forward_rows(tr.replicas)
             out = asyncio.run(tr.manager.generate_sequences_async(batch))
+            rollout_rows += replica_forward_rows(tr.replicas) - before
+            rolled += len(out)
             W = int(out.batch["rollout_log_probs"].shape[1]) if "rollout_log_probs" in out.batch.keys() else 0
             versions = step_versions(out, W)
             rewards = out.batch["rm_scores"][:, 0].float()
@@ -72,7 +104,9 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
             rows = tr.algorithm.rows(out, tr.policy.adapter)
             plan = UpdatePlan(step=1, seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
                               versions=versions, store=tr.store)
-            grads.append(group_gradients(tr.policy, tr.algorithm, rows, adv.advantages, uids, plan))
+            with ForwardRows(tr.policy.denoiser) as counted:
+                grads.append(group_gradients(tr.policy, tr.algorithm, rows, adv.advantages, uids, plan))
+            train_rows += counted.rows
             log(f"batch {b}: {len(rows)} samples, reward {float(rewards.mean()):.3f}, {adv.tied_groups} tied groups")
     common = sorted(set(grads[0]) & set(grads[1]))
     rng = random.Random(seed)
@@ -93,7 +127,9 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
     s = fit_snr([c["samples"] for c in curve], [c["cos_mean"] for c in curve])
     return {"config": os.path.relpath(config_path), "overrides": overrides, "algorithm": cfg.trainer.algorithm,
             "n": cfg.n, "prompts": len(common), "sizes": curve, "snr": s,
-            "samples_for_cos50": samples_for_cos(s) if s > 0 else None, "seconds": time.time() - t0}
+            "samples_for_cos50": samples_for_cos(s) if s > 0 else None, "seconds": time.time() - t0,
+            "rollout_rows_per_sample": rollout_rows / max(rolled, 1),
+            "train_rows_per_sample": train_rows / max(rolled, 1)}
 
 
 def table(rec: dict) -> str:
@@ -106,6 +142,8 @@ def table(rec: dict) -> str:
     lines.append(f"per-sample signal-to-noise s = {rec['snr']:.2e}: "
                  + (f"about {need:,.0f} samples per update for cosine 0.5" if need else "no signal detected")
                  + f"  ({rec['seconds']:.0f} s)")
+    lines.append(f"denoiser forward rows per sample: {rec['rollout_rows_per_sample']:.1f} in the rollout, "
+                 f"{rec['train_rows_per_sample']:.1f} in the update's gradient")
     return "\n".join(lines)
 
 

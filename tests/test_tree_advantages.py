@@ -57,3 +57,7 @@ def test_bad_inputs_are_refused():
         node_advantages(torch.tensor([0.0, float("nan"), 0, 0]), ["u"] * 4, PATHS)
     with pytest.raises(ValueError, match="one entry per fork"):
         node_advantages(torch.zeros(4), ["u"] * 4, PATHS[:3] + [(1,)])
+    # two trees under one uid (e.g. a batch that repeats a prompt group's uid) would be credited as one tree
+    with pytest.raises(ValueError, match=r"tree_path: rows 0 and 4 of group 'u' are both leaf \[0, 0\]: a group"):
+        node_advantages(torch.zeros(8), ["u"] * 8, PATHS * 2)
+    assert node_advantages(torch.zeros(8), ["u"] * 4 + ["v"] * 4, PATHS * 2).shape == (8, 2)  # one tree each: fine

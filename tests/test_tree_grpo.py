@@ -47,6 +47,10 @@ def test_per_step_advantages_of_two_hand_built_trees():
     assert torch.allclose(adv.advantages, expected.float(), atol=1e-6)
     assert (adv.tied_groups, adv.num_groups, adv.tied_rewards) == (1, 2, [1.0])
     assert adv.metrics["tree/depth_0_adv_abs_mean"] == pytest.approx(d0 / 2, rel=1e-6)
+    assert "tree/rerun_leaves" not in adv.metrics  # a batch without the agent loop's tree_rerun column
+    batch = rollout_batch(groups, PATHS * 2, [0, 1, 2, 3])
+    batch.non_tensor_batch["tree_rerun"] = np.array([False] * 4 + [True] * 4, dtype=object)  # tree b ran again
+    assert algo.advantages(rewards, groups, batch).metrics["tree/rerun_leaves"] == 4
 
 
 def test_advantages_follow_each_row_through_a_shuffled_batch_and_clip():

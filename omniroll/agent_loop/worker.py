@@ -110,10 +110,11 @@ class DiffusionAgentLoopWorker:
         rows, mark = plan.rows, self.config.agent.on_failure == "mark"
         tasks = {i: asyncio.create_task(self._run_row(i, f, plan.base_sampling, plan.validate, rerun))
                  for i, f in enumerate(rows) if i not in plan.rejected}
+        reran: set[int] = set()  # rows whose tree ran again whole (it straddled a weight update)
         try:
             done = dict(zip(tasks, await asyncio.gather(*tasks.values())))
             if self.config.algo.tree is not None and not plan.validate:
-                await self._one_version_per_tree(done, plan, rerun)
+                reran = await self._one_version_per_tree(done, plan, rerun)
         except BaseException:
             for t in tasks.values():
                 t.cancel()
@@ -125,41 +126,47 @@ class DiffusionAgentLoopWorker:
         failed = {r.index: r.error for r in results if r.status == "failed"}
         if failed and not mark:
             ok = [r for r in results if r.status != "failed"]
-            partial = self._assemble(ok, batch[[r.index for r in ok]], [rows[r.index] for r in ok], False) if ok \
-                else None
+            partial = (self._assemble(ok, batch[[r.index for r in ok]], [rows[r.index] for r in ok], False, reran)
+                       if ok else None)
             raise AgentLoopError.from_rows(failed_entries(rows, failed), len(results), batch=partial,
                                            succeeded_rows=[r.index for r in ok])
-        out = self._assemble(results, batch, rows, mark)
+        out = self._assemble(results, batch, rows, mark, reran)
         out.meta_info["worker_seconds"] = time.perf_counter() - t0
         return out
 
-    async def _one_version_per_tree(self, done: dict, plan: RowPlan, rerun: int) -> None:
+    async def _one_version_per_tree(self, done: dict, plan: RowPlan, rerun: int) -> set[int]:
         """A tree's leaves run on one weight version: a tree whose leaves recorded different versions (a weight update
         landed between their admissions on the replica; `trees_on_several_versions`) runs again whole, once (request
         ids `~tree1`: the same seeds, the same samples on one version); one that straddles again fails each of its
-        rows, naming the versions. `done` (row index -> RowResult) is updated in place."""
+        rows, naming the versions. `done` (row index -> RowResult) is updated in place; returns the rows run again."""
+        again: list[int] = []
         for attempt in (1, 2):
             straddling = trees_on_several_versions(done, plan.rows)
             if not straddling:
-                return
+                return set(again)
             if attempt == 2:
                 for uid, (rows, versions) in straddling.items():
                     for i in rows:
                         done[i] = RowResult(index=i, request_id=plan.rows[i]["request_id"], seed=plan.rows[i]["seed"],
                                             error=f"tree rollout: the leaves of uid {uid!r} ran on different weight "
                                                   f"versions ({versions}) twice; a tree runs on one version")
-                return
+                return set(again)
             again = [i for rows, _ in straddling.values() for i in rows]
             results = await asyncio.gather(*[self._run_row(i, plan.rows[i], plan.base_sampling, plan.validate, rerun,
                                                            suffix="~tree1") for i in again])
             done.update(zip(again, results))
+        return set(again)
 
-    def _assemble(self, results: list[RowResult], inputs: DataBatch, rows: list[dict], mark: bool) -> DataBatch:
-        """`assemble` on the inputs with their planned uid and group index (a direct caller may have left them out)."""
+    def _assemble(self, results: list[RowResult], inputs: DataBatch, rows: list[dict], mark: bool,
+                  reran: set[int] = frozenset()) -> DataBatch:
+        """`assemble` on the inputs with their planned uid and group index (a direct caller may have left them out);
+        a tree rollout's rows also carry `tree_path` and `tree_rerun` (whether the row's tree ran again whole, in
+        `reran`: its first run straddled a weight update)."""
         nt = {**inputs.non_tensor_batch, "uid": to_object_array(f["uid"] for f in rows),
               "_group_index": to_object_array(f["_group_index"] for f in rows)}
         if any("tree_path" in f for f in rows):  # a tree rollout: each row's node path, so siblings can be found
             nt["tree_path"] = to_object_array(f.get("tree_path") for f in rows)
+            nt["tree_rerun"] = to_object_array(r.index in reran for r in results)
         return assemble(results, DataBatch(inputs.batch, nt, inputs.meta_info, len(inputs)),
                         prompt_length=self.config.prompt_length,
                         max_prompt_embed_length=self.config.max_prompt_embed_length, mark_failed=mark,

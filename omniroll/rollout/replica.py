@@ -135,6 +135,8 @@ class RolloutReplica:
             "asleep_level": int(s.get("asleep_level", 0)),
             "lora": s.get("lora"),
             "admission_paused": bool(s.get("admission_paused", False)),  # an update draining samples in flight
+            "steps": int(s.get("steps", 0)),  # denoiser forwards run, and the rows they ran (a CFG sample is 2)
+            "forward_rows": int(round(float(s.get("mean_rows_per_step", 0.0)) * int(s.get("steps", 0)))),
         }
 
     def shutdown(self) -> None:

@@ -19,7 +19,8 @@ def node_advantages(rewards: torch.Tensor, groups: Sequence, paths: Sequence[Seq
                     eps: float = 1e-4) -> torch.Tensor:
     """[B, D] fp32: row i's advantage at each fork depth d (its node at depth d + 1 against its parent), normalised
     per depth over the batch's nodes. `groups`: each row's tree (the prompt group's uid); `paths`: each row's
-    tree path, all of one length D. ValueError naming the argument on mismatched lengths or non-finite rewards."""
+    tree path, all of one length D. ValueError naming the argument on mismatched lengths, non-finite rewards or a
+    leaf path that occurs twice in one group."""
     r = rewards.detach().double().reshape(-1)
     B = r.numel()
     if len(groups) != B or len(paths) != B:
@@ -30,6 +31,13 @@ def node_advantages(rewards: torch.Tensor, groups: Sequence, paths: Sequence[Seq
     D = len(paths[0]) if paths else 0
     if any(len(p) != D for p in paths):
         raise ValueError(f"paths must all have one entry per fork ({D}), got lengths {sorted({len(p) for p in paths})}")
+    seen: dict[tuple, int] = {}
+    for i, (g, p) in enumerate(zip(groups, paths)):  # a group is one tree: a second leaf at a path is another tree's
+        if (g, p) in seen:
+            raise ValueError(f"tree_path: rows {seen[(g, p)]} and {i} of group {g!r} are both leaf {list(p)}: a group "
+                             f"(uid) must hold one tree, each leaf once (two trees under one uid would be credited as "
+                             f"one)")
+        seen[(g, p)] = i
     leaves: dict[tuple, list[int]] = {}  # (group, node path prefix) -> its leaves' rows
     for i, (g, p) in enumerate(zip(groups, paths)):
         for d in range(D + 1):

@@ -57,7 +57,8 @@ class TreeGRPO(FlowGRPO):
 
     def advantages(self, rewards: torch.Tensor, groups, batch=None) -> Advantages:
         """[B, W] advantages, one per recorded step (module doc), from the rollout batch's `tree_path` and
-        `step_indices` columns."""
+        `step_indices` columns; metrics: each depth's mean |advantage| and the leaves whose tree the agent loop ran
+        again whole (`tree/rerun_leaves`, from its `tree_rerun` column)."""
         if batch is None or "tree_path" not in batch.non_tensor_batch or "step_indices" not in batch.batch.keys():
             raise ValueError("trainer.algorithm tree_grpo: the advantages need the rollout batch's tree_path and "
                              "step_indices columns (a rollout with algo.tree and log-probs)")
@@ -70,6 +71,8 @@ class TreeGRPO(FlowGRPO):
             rows.setdefault(g, []).append(i)
         tied = [float(r[ix[0]]) for ix in rows.values() if bool((r[ix] == r[ix[0]]).all())]
         metrics = {f"tree/depth_{d}_adv_abs_mean": float(node[:, d].abs().mean()) for d in range(node.shape[1])}
+        if "tree_rerun" in batch.non_tensor_batch:  # leaves whose tree ran again whole: it straddled a weight update
+            metrics["tree/rerun_leaves"] = sum(bool(x) for x in batch.non_tensor_batch["tree_rerun"])
         return Advantages(steps, len(tied), len(rows), tied, metrics)
 
     def train_steps(self, rows: TrajectoryBatch, plan: UpdatePlan) -> torch.Tensor:
