@@ -205,18 +205,36 @@ def test_algorithm_options_are_validated_and_keys_that_do_not_apply_are_errors()
     assert load_config(dumped).trainer.algorithm == "awm" and not math.isnan(load_config(dumped).trainer.kl_beta)
 
 
-def test_every_registered_algorithm_is_configurable_trained_end_to_end_and_has_a_shapes_recipe(monkeypatch):
+def test_every_registered_algorithm_is_configurable_trained_end_to_end_and_has_a_shapes_recipe_and_a_docs_row(
+        monkeypatch):
+    """`ALGORITHMS` is the one list of algorithms: the config's choices, the trainer's classes (each in the file named
+    after it), the FSDP ones, the CLI's help and the config's description derive from it; each has a recipe under
+    examples/ and a row in the docs' algorithm table (tests/test_algorithms_train.py trains every one of them)."""
     import os
+    import re
     import typing
 
-    from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
-    from omniroll.train.algorithms import REGISTRY
-    from tests.test_algorithms_train import ALGOS
+    from omniroll.cli.train import HELP
+    from omniroll.config.algorithms import ALGORITHMS, AlgorithmName, fsdp_algorithms
+    from omniroll.config.trainer import TrainerSection
+    from omniroll.train.algorithms import REGISTRY, algorithm_class
 
     names = set(ALGORITHMS)
-    assert set(typing.get_args(AlgorithmName)) == names == set(REGISTRY) == set(ALGOS)
+    assert set(typing.get_args(AlgorithmName)) == names == set(REGISTRY)
+    assert all(REGISTRY[n].__module__ == f"omniroll.train.algorithms.{n}" and REGISTRY[n].name == n for n in names)
+    assert set(fsdp_algorithms()) == {n for n in names if ALGORITHMS[n].fsdp} <= names
+    description = TrainerSection.model_fields["algorithm"].description
+    assert all(ALGORITHMS[n].title in HELP and re.search(rf"\b{n}\b", description) for n in names)
+    with pytest.raises(ValueError, match="trainer.algorithm: one of"):
+        algorithm_class("ppo")
     root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "docs", "training", "algorithms.md")) as f:
+        rows = {m.group(1) for m in re.finditer(r"^\| `(\w+)` \|", f.read(), re.M)}
+    missing = sorted(names - rows)
+    assert not missing, f"docs/training/algorithms.md: no row of the algorithm table for {missing}"
     monkeypatch.chdir(root)  # the recipes name their prompt files from the repository's root
     for name in names:  # one recipe per algorithm, so trying another one is one file
-        cfg = load_config(os.path.join(root, "examples", f"shapes_{name}.yaml"))
+        path = os.path.join(root, "examples", f"shapes_{name}.yaml")
+        assert os.path.isfile(path), f"examples/shapes_{name}.yaml: registered algorithm {name} has no recipe"
+        cfg = load_config(path)
         assert cfg.trainer.algorithm == name and cfg.trainer.evaluation is not None

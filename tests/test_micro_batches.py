@@ -33,9 +33,8 @@ def test_whole_group_micro_batches_keep_groups_whole_and_halves_apart(per_update
 
 
 class WholeGroups(FlowGRPO):
-    """A group objective's cut (what online DPO or DGPO would declare), recording the rows each loss term saw."""
-
-    name = "whole_groups_test"
+    """A group objective's cut (what online DPO or DGPO would declare), recording the rows each loss term saw
+    (Flow-GRPO's loss and registration otherwise)."""
 
     def __init__(self, config, adapter):
         super().__init__(config, adapter)

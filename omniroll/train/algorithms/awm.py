@@ -47,7 +47,6 @@ def awm_policy_loss(v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, adv:
 
 class AWM(ForwardProcessAlgorithm):
     name = "awm"
-    title = "AWM"
     skip_first_timestep = True
 
     def timesteps_per_row(self, rows: CleanBatch) -> int:

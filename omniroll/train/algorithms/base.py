@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 
+from omniroll.config.algorithms import ALGORITHMS, AlgorithmSpec
 from omniroll.sampling.seeds import noise_term_seed, shuffle_seed
 from omniroll.train.advantages import Advantages, batch_components, gdpo_advantages, group_advantages
 from omniroll.train.algorithms.ppo import LossTerms
@@ -88,14 +89,19 @@ class Algorithm(ABC):
     """config: the whole OmniRollConfig (its `trainer` section chose this algorithm); adapter: the trainer's model
     (what its family takes, e.g. how CFG is turned off)."""
 
-    name: ClassVar[str]
-    title: ClassVar[str]  # as papers and plots write it, e.g. 'Flow-GRPO'
+    name: ClassVar[str]  # its `trainer.algorithm` name: the name of its file and of its `ALGORITHMS` entry
 
     def __init__(self, config, adapter):
         self.config = config
         self.adapter = adapter
         self.tc = config.trainer
         self.options = self.tc.options()
+        self.spec: AlgorithmSpec = ALGORITHMS[self.name]  # its declared facts (omniroll/config/algorithms.py)
+
+    @property
+    def title(self) -> str:
+        """Its name as papers and plots write it, e.g. 'Flow-GRPO' (`AlgorithmSpec.title`)."""
+        return self.spec.title
 
     # ------------------------------------------------------------------ the rollout
     @abstractmethod

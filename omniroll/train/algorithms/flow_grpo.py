@@ -44,7 +44,6 @@ class WindowAnchors(Anchors):
 
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
-    title = "Flow-GRPO"
     #: with stale samples (max_staleness >= 1), the decoupled PPO of ppo.py (GRPO-Guard anchors at the behaviour)
     uses_decoupled_loss = True
 

@@ -62,7 +62,6 @@ class GuardAnchors(WindowAnchors):
 
 class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
-    title = "GRPO-Guard"
     uses_decoupled_loss = False
 
     def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> GuardAnchors:

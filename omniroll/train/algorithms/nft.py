@@ -72,7 +72,6 @@ def nft_policy_loss(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0:
 
 class NFT(ForwardProcessAlgorithm):
     name = "nft"
-    title = "DiffusionNFT"
 
     def __init__(self, config, adapter):
         super().__init__(config, adapter)

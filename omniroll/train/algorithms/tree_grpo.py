@@ -53,7 +53,6 @@ def tree_trained_steps(step_indices: torch.Tensor, fork_steps, trained_steps: st
 
 class TreeGRPO(FlowGRPO):
     name = "tree_grpo"
-    title = "Tree-GRPO"
 
     def advantages(self, rewards: torch.Tensor, groups, batch=None) -> Advantages:
         """[B, W] advantages, one per recorded step (module doc), from the rollout batch's `tree_path` and
