@@ -237,6 +237,7 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
 
     from omniroll.train import CleanBatch, Trainer
     from omniroll.train.algorithms import UpdatePlan
+    from omniroll.train.algorithms.terms import LossInput
     from omniroll.train.update import train_on_batch
 
     with Trainer(config(tiny_sd3_path, algorithm, steps=1), str(tmp_path / "run"), log=lambda s: None) as tr:
@@ -254,7 +255,7 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
         anchors = algo.prepare(policy, rows, plan)
         assert anchors.t_of.shape[1] == 3 and algo.num_terms(rows, anchors) == {1: 3, 2: 2}[k]
         idx = torch.arange(4)
-        terms = [algo.noised(rows.rows(idx), idx, adv[idx], j, anchors, plan, 0, 0) for j in range(2)]
+        terms = [algo.noised(LossInput(policy, rows.rows(idx), idx, adv[idx], j, anchors, plan)) for j in range(2)]
         assert [len(x.rows) for x in terms] == {1: [4, 4], 2: [8, 4]}[k]
         assert [x.weight for x in terms] == {1: [1.0, 1.0], 2: [4 / 3, 2 / 3]}[k]
         stats = train_on_batch(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), algo, rows, adv, anchors,

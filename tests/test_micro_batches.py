@@ -44,9 +44,9 @@ class WholeGroups(FlowGRPO):
         return whole_group_micro_batches(plan.groups, plan.halves, plan.micro_batch_size, plan.per_update,
                                          shuffle_generator(plan.seed, plan.step, epoch))  # a resume shuffles the same
 
-    def loss(self, policy, mb, idx, adv, term, anchors, plan, **kw):
-        self.seen.append(idx.tolist())
-        return super().loss(policy, mb, idx, adv, term, anchors, plan, **kw)
+    def loss(self, inp):
+        self.seen.append(inp.idx.tolist())
+        return super().loss(inp)
 
 
 def test_the_update_loop_trains_on_the_algorithms_own_micro_batches(step_batch, tiny_sd3_path):  # noqa: F811

@@ -15,7 +15,8 @@ from omniroll.train.policy import Policy
 from omniroll.train.recompute import enable_gradient_checkpointing, recompute_log_probs, trajectory_velocity
 from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.advantages import Advantages, group_advantages
-from omniroll.train.algorithms.ppo import LossTerms, decoupled_ppo_loss, kl_to_reference, ppo_clip_loss
+from omniroll.train.algorithms.ppo import decoupled_ppo_loss, kl_to_reference, ppo_clip_loss
+from omniroll.train.algorithms.terms import LossTerms
 from omniroll.train.clean_batch import CleanBatch
 from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
 

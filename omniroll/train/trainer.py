@@ -290,7 +290,7 @@ class Trainer:
         t1 = time.time()
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
-                          decoupled=K > 0 or tc.old_log_prob == "recompute", halves=signal_halves(uids, tc.seed, step),
+                          halves=signal_halves(uids, tc.seed, step),
                           signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0, groups=group_index(uids))
         with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
             res = self.updater.update(traj, advantages, uids, plan)
