@@ -58,6 +58,25 @@ class UpdateStats:
 
 
 @dataclass
+class UpdateResult:
+    """What the step's update returns (`LocalUpdate.update` in the trainer's process, `RankGroup.update` merged over
+    the data-parallel ranks), read by the trainer and the step's record (omniroll/train/report/step_record.py).
+    stats: the inner epochs' `UpdateStats`; prepared: the metrics of the algorithm's anchors (`Anchors.metrics`);
+    after: its after-update metrics (NFT's old-weight decay); move: how far the update moved the policy
+    (omniroll/train/report/policy_move.py); recompute_s: the anchors' seconds; move_s: the policy-move snapshots'
+    seconds; peak_bytes: the largest rank's peak device memory in the update (None: the trainer's own `StageMemory`
+    measures its process, or the device reports none)."""
+
+    stats: UpdateStats
+    prepared: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    move: dict = field(default_factory=dict)
+    recompute_s: float = 0.0
+    move_s: float = 0.0
+    peak_bytes: Optional[int] = None
+
+
+@dataclass
 class GradientShare:
     """One data-parallel rank's part of the update (module doc). rows_per_update: the rows of every global optimizer
     step of an inner epoch (all ranks); all_reduce: sums the parameters' gradients over the ranks, in place;
