@@ -164,6 +164,30 @@ def reference_mixgrpo_windows(iters: int, iters_per_group: int, group_size: int,
     return out
 
 
+def test_online_dpo_pairs_each_groups_best_and_worst_and_its_gradient_at_the_reference_is_beta_half():
+    """The worked example of writing an algorithm (omniroll/train/algorithms/online_dpo.py): a group's winner is its
+    row of largest advantage and its loser its row of smallest (the first of equals), a tied group gives no pair; at
+    d = 0 (theta = ref) each pair's loss is log 2 and the gradient on d is +beta / 2 on the winner, -beta / 2 on the
+    loser, over the rows; without a pair the loss is 0 with a zero gradient."""
+    from omniroll.train.algorithms.online_dpo import dpo_loss, preference_pairs
+
+    adv = torch.tensor([0.5, -1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, -0.2, 0.3])
+    keys = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+    winners, losers = preference_pairs(adv, keys)
+    assert winners.tolist() == [2, 9] and losers.tolist() == [1, 8]
+    d = torch.zeros(10, requires_grad=True)
+    loss = dpo_loss(d, winners, losers, beta=100.0)
+    assert float(loss.detach()) == pytest.approx(2 * math.log(2) / 10, rel=1e-6)
+    loss.backward()
+    want = torch.zeros(10)
+    want[[2, 9]], want[[1, 8]] = 100.0 / 2 / 10, -100.0 / 2 / 10
+    assert torch.allclose(d.grad, want)
+    d.grad = None
+    none = dpo_loss(d, *preference_pairs(torch.zeros(10), keys), beta=100.0)
+    none.backward()
+    assert float(none.detach()) == 0.0 and not d.grad.any()
+
+
 def test_progressive_window_slides_as_mixgrpo():
     T, size, every = 10, 4, 3
     ref = reference_mixgrpo_windows(80, every, size, T - 1)

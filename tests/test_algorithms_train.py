@@ -238,6 +238,7 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
     from omniroll.train import CleanBatch, Trainer
     from omniroll.train.algorithms import UpdatePlan
     from omniroll.train.algorithms.terms import LossInput
+    from omniroll.train.micro_batches import group_index
     from omniroll.train.update import train_on_batch
 
     with Trainer(config(tiny_sd3_path, algorithm, steps=1), str(tmp_path / "run"), log=lambda s: None) as tr:
@@ -251,7 +252,7 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
         start = {n: p.detach().clone() for n, p in policy.named_parameters()}
         rows = CleanBatch.from_batch(batch, policy.adapter)
         adv = algo.advantages(rewards, uids).advantages
-        plan = UpdatePlan(step=1, seed=0, micro_batch_size=4)
+        plan = UpdatePlan(step=1, seed=0, micro_batch_size=4, groups=group_index(uids))  # online_dpo pairs by group
         anchors = algo.prepare(policy, rows, plan)
         assert anchors.t_of.shape[1] == 3 and algo.num_terms(rows, anchors) == {1: 3, 2: 2}[k]
         idx = torch.arange(4)

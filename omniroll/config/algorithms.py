@@ -67,6 +67,14 @@ class AWMOptions(ForwardProcessOptions):
     huber_eps: float = Field(1e-3, gt=0, le=1, description="e of the ghuber weighting")
 
 
+class OnlineDPOOptions(ForwardProcessOptions):
+    beta: float = Field(1000.0, gt=0, le=1e6, description="Diffusion-DPO's beta: the sharpness of the preference "
+                        "loss -log sigmoid(-beta (d_winner - d_loser)) on the velocity errors' differences to the "
+                        "reference (not tuned; the reference's 5000 is for SD 1.5's epsilon error)")
+    train_timesteps: int = Field(4, ge=1, le=1000, description="timesteps trained per sample, drawn without "
+                                 "replacement from its sampling timesteps after the first")
+
+
 # ------------------------------------------------------------------------------------------------------ the specs
 #: shared trainer keys every algorithm reads
 COMMON_KEYS = frozenset({
@@ -124,6 +132,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
                                unread=frozenset({"global_std"})),  # its advantages are normalised per tree depth
     "nft": AlgorithmSpec("DiffusionNFT", NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
     "awm": AlgorithmSpec("AWM", AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
+    "online_dpo": AlgorithmSpec("Online Diffusion-DPO", OnlineDPOOptions, "clean_latent"),
 }
 
 #: the `trainer.algorithm` values: the registered algorithms' names

@@ -1,6 +1,6 @@
 """`omniroll.train`: the trainer (layer 8: it builds on agent_loop, weights, sampling; nothing below imports it), with
-the algorithms of `trainer.algorithm` in `omniroll.train.algorithms` (flow_grpo, grpo_guard, dance_grpo, tree_grpo, nft,
-awm).
+the algorithms of `trainer.algorithm` in `omniroll.train.algorithms` (one file each; their list:
+`omniroll.config.algorithms.ALGORITHMS`).
 
 Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns), `CleanBatch` (the rows of a
 forward-process rollout), `recompute_log_probs` (the rollout's log-prob under the current weights, with autograd,

@@ -1,8 +1,9 @@
-"""The training algorithms, one file each (omniroll/train/algorithms/base.py says what the trainer asks of them):
-`flow_grpo`, `grpo_guard`, `dance_grpo`, `tree_grpo` (SDE window, exact log-probs) and `nft`, `awm` (forward
-process, clean latents). Their configuration is declared in omniroll/config/algorithms.py, whose `ALGORITHMS` is the
-one list of them: the class of `trainer.algorithm: NAME` is the `Algorithm` subclass named NAME in this package's
-module NAME (`algorithm_class`); `make_algorithm` builds the chosen one.
+"""The training algorithms, one file each (omniroll/train/algorithms/base.py says what the trainer asks of them), on
+the SDE window's exact log-probs (`flow_grpo` and the files built on it) or on the forward process's clean latents
+(forward.py's `ForwardProcessAlgorithm`: `nft`, `awm`, `online_dpo`). Their configuration is declared in
+omniroll/config/algorithms.py, whose `ALGORITHMS` is the one list of them: the class of `trainer.algorithm: NAME` is
+the `Algorithm` subclass named NAME in this package's module NAME (`algorithm_class`); `make_algorithm` builds the
+chosen one.
 """
 
 import importlib
