@@ -97,3 +97,24 @@ def test_no_package_imports_another_packages_private_names():
             if bad:
                 private.append(f"{'/'.join(rel)}:{line} imports {module}: {bad}")
     assert not private, private
+
+
+def module_name(rel: list[str]) -> str:
+    """`omniroll.a.b` for ["a", "b.py"], `omniroll.a` for ["a", "__init__.py"]."""
+    parts = [p.removesuffix(".py") for p in rel]
+    return ".".join(["omniroll", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def test_no_two_files_import_each_other():
+    """A loop between two files (say a package's `__init__` and one of its modules) is one the package edges cannot
+    see: the layers hold, yet neither file can be read or loaded without the other."""
+    names = {module_name(rel): rel for rel, _ in modules()}
+    edges = set()
+    for name, rel in names.items():
+        for _, module, imported in imports_of(os.path.join(ROOT, *rel)):
+            for target in [f"{module}.{n}" for n in imported] + [module]:
+                if target in names and target != name:
+                    edges.add((name, target))
+                    break
+    loops = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+    assert not loops, loops

@@ -151,3 +151,25 @@ def test_the_cli_refuses_what_shapes_video_does_not_have_before_any_work(tmp_pat
     assert main(["pretrain", "shapes", "--out", str(tmp_path / "x"), "--until", "vae"]) != 0
     assert "shapes-video only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_in_a_log_the_progress_is_a_line_per_interval_with_the_rate_and_what_is_left():
+    import io
+
+    from omniroll.models.shapes_video.progress import LogLines
+
+    out = io.StringIO()
+    bar = LogLines(total=10, desc="vae", every_s=0.0, file=out)
+    bar.reset(total=10)
+    bar.n = bar.last_print_n = bar.initial = 4  # a phase resumed at step 4
+    bar.refresh()
+    bar.set_postfix(loss="0.1234")
+    bar.update(1)
+    bar.every_s = 3600.0  # no more lines until close
+    bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "vae: 4/10 steps (40 %)"
+    assert lines[1].startswith("vae: 5/10 steps (50 %), ") and "s/step, ~" in lines[1] and lines[1].endswith(
+        "min left, loss 0.1234")
+    assert lines[2].startswith("vae: 6/10 steps (60 %)") and len(lines) == 3

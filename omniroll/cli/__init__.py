@@ -34,6 +34,7 @@ COMMANDS = {
     "train": "omniroll.cli.train",
 }
 
+from omniroll.cli.errors import CommandFailed, UserError  # noqa: E402,F401 - the commands' errors, re-exported
 from omniroll.errors import OutputWriteError  # noqa: E402 - no torch: `omniroll --help` stays fast
 from omniroll.library_warnings import silence_library_warnings  # noqa: E402 - the standard library only
 
@@ -43,22 +44,6 @@ RAY_COMMANDS = ("rollout", "train", "serve")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UserError(ValueError):
-    """A problem in what the user gave (flag, config key, file): printed one line per entry of `problems`, exit 2."""
-
-    def __init__(self, problems):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("; ".join(self.problems))
-
-
-class CommandFailed(RuntimeError):
-    """Some of the work failed (what finished was written): one line per entry of `problems`, exit 1."""
-
-    def __init__(self, problems):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("; ".join(self.problems))
 
 
 class _HelpFormatter(argparse.HelpFormatter):

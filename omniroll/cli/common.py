@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, get_args
 
-from omniroll.cli import UserError
+from omniroll.cli.errors import UserError
 
 ENV_OVERRIDES = "OMNIROLL_OVERRIDES"
 

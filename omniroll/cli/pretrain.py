@@ -57,7 +57,8 @@ def add_arguments(parser) -> None:
                         "0: none")
     parser.add_argument("--install", action="store_true", help="copy the new checkpoint over the shipped one "
                                                                "(what --model shapes loads)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress (a bar on a terminal; shapes-video in a log: one line a minute)")
 
 
 def recipe_with(overrides: list[str], base=None):
@@ -269,7 +270,7 @@ def run_video(args) -> int:
     quiet_libraries()
     resumed = os.path.isdir(os.path.join(out, "resume"))
     try:
-        record = pretrain(recipe, out, progress=not args.quiet and sys.stderr.isatty(), until=args.until)
+        record = pretrain(recipe, out, progress=not args.quiet, until=args.until)  # bars, or lines in a log
     except ValueError as e:
         raise UserError(str(e)) from None
     t, sps = record["times"], record["seconds_per_step"]

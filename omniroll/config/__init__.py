@@ -94,6 +94,10 @@ class OmniRollConfig(_Strict):
             raise ValueError(f"engine.merge_lora: trainer.algorithm {self.trainer.algorithm} takes the ratio of its "
                              f"recompute (the adapter unmerged) to the rollout's log-probs, which merged weights do "
                              f"not reproduce bitwise; set it false (it is for algorithms without a ratio: nft, awm)")
+        weighted = [k for k, f in self.reward.functions.items() if f.weight != 0]
+        if self.trainer.signal_components and len(weighted) < 2:
+            raise ValueError(f"trainer.signal_components compares each reward function's update direction with the "
+                             f"total's: reward.functions needs at least 2 of nonzero weight, got {weighted}")
         if self.n < 2:
             raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
         if self.trainer.evaluation is not None and self.val_kwargs.seed_mode == "shared":

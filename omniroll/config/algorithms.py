@@ -82,9 +82,9 @@ COMMON_KEYS = frozenset({
     "adv_clip_max", "global_std", "kl_beta", "num_inner_epochs", "micro_batch_size", "micro_batches_per_update",
     "max_grad_norm", "mode", "lora", "gradient_checkpointing", "checkpoint_every", "val_every", "evaluation", "seed",
     "weight_transport", "sync_timeout_s", "num_threads", "max_staleness", "partial_rollout", "on_stale",
-    "signal_check", "signal_every", "logger", "project_name", "experiment_name", "log_images_every",
-    "log_images_count", "algorithm", "algorithm_options", "world_size", "resources", "placement", "device", "dtype",
-    "sharding"})
+    "signal_check", "signal_every", "signal_components", "logger", "project_name", "experiment_name",
+    "log_images_every", "log_images_count", "algorithm", "algorithm_options", "world_size", "resources", "placement",
+    "device", "dtype", "sharding"})
 #: shared keys only the log-prob (SDE window) algorithms read
 LOG_PROB_KEYS = frozenset({"clip_range", "old_log_prob", "behaviour_weight_cap", "window_schedule",
                            "window_advance_every", "policy_move_rows"})
@@ -129,7 +129,8 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
                                 sde_types=("dance_sde",), same_latent=True),
     "tree_grpo": AlgorithmSpec("Tree-GRPO", TreeGRPOOptions, "sde_window", fsdp=True, decoupled=True,
                                sde_types=("sde", "cps", "dance_sde"), tree=True,
-                               unread=frozenset({"global_std"})),  # its advantages are normalised per tree depth
+                               # its advantages are per tree depth (and step), not per reward function
+                               unread=frozenset({"global_std", "signal_components"})),
     "nft": AlgorithmSpec("DiffusionNFT", NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
     "awm": AlgorithmSpec("AWM", AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
     "online_dpo": AlgorithmSpec("Online Diffusion-DPO", OnlineDPOOptions, "clean_latent"),

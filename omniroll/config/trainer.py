@@ -202,6 +202,13 @@ class TrainerSection(_Strict):
                               "(grad_cos: the cosine between the gradients of two halves of the step's prompt "
                               "groups; one extra copy of the trainable gradients; omniroll/train/grad_signal.py); "
                               "0: never")
+    signal_components: bool = Field(False, description="at every reading of the gradient-signal meter, the cosine "
+                                    "between each reward function's own update direction (its advantages alone, "
+                                    "normalised as reward.aggregation does) and the total's, and the share of "
+                                    "readings where it is negative (signal/component/<name>/cos_total, neg_share; "
+                                    "omniroll/train/component_signal.py); costs one more forward and backward per "
+                                    "function and one with zero advantages on the first accumulation group; needs "
+                                    "signal_every >= 1 and two reward functions of nonzero weight")
     # experiment tracking (verl's key names; omniroll.train.report.tracking)
     logger: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="any of console, jsonl, "
                               "tensorboard, wandb, swanlab, mlflow (the last four: optional extras)")
@@ -256,6 +263,9 @@ class TrainerSection(_Strict):
             raise ValueError("prompts: training needs at least one prompt (prompts or prompts_file)")
         if self.prompts_per_step > n:
             raise ValueError(f"prompts_per_step: must be <= the number of prompts ({n}), got {self.prompts_per_step}")
+        if self.signal_components and self.signal_every == 0:
+            raise ValueError("signal_components: the meter per component reads with the gradient-signal meter; set "
+                             "signal_every >= 1 (got 0: never)")
         if self.world_size > self.prompts_per_step:
             raise ValueError(f"world_size: must be in [1, prompts_per_step={self.prompts_per_step}] (each rank trains "
                              f"whole prompt groups), got {self.world_size}")

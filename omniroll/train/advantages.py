@@ -1,6 +1,8 @@
 """Rewards into advantages: GRPO's per-group standardisation (flow_grpo's `PerPromptStatTracker`), with the group's
 std or the whole batch's (`global_std`, DiffusionNFT's default), clipped; GDPO's per-function normalisation
-(`reward.aggregation: gdpo`, `gdpo_advantages`); and how many groups tie (they teach nothing)."""
+(`reward.aggregation: gdpo`, `gdpo_advantages`); how many groups tie (they teach nothing); and each reward function's
+own advantages, normalised as the aggregation normalises them (`component_advantages`, for the per-component
+gradient-signal meter)."""
 
 from __future__ import annotations
 
@@ -77,3 +79,27 @@ def gdpo_advantages(components: dict[str, Sequence[float]], weights: dict[str, f
     metrics = {**{f"gdpo/{k}/group_std": v for k, v in out.group_std.items()},
                **{f"gdpo/{k}/tied_groups": v for k, v in out.tied_groups.items()}}
     return Advantages(adv, len(tied), len(group_rows(groups)), tied, metrics)
+
+
+def component_advantages(components: dict[str, Sequence[float]], weights: dict[str, float], groups: Sequence,
+                         aggregation: str, global_std: bool = False,
+                         adv_clip_max: float = 5.0) -> dict[str, torch.Tensor]:
+    """Each reward function's own advantages [B] fp32, as if it were the only one, normalised the way `aggregation`
+    normalises the total: `sum`, its weighted score w_k r_k standardised per group (`group_advantages`, with
+    `global_std`); `gdpo`, `gdpo_advantages` of that one function (normalised within its group, weighted, whitened).
+    Clipped to +-adv_clip_max as the total is. The weight's sign is kept (a negative weight trains against the
+    score); a function of weight 0 is left out (it is logged, never trained)."""
+    if aggregation not in ("sum", "gdpo"):
+        raise ValueError(f"aggregation must be sum or gdpo, got {aggregation!r}")
+    out = {}
+    for name, values in components.items():
+        w = float(weights[name])
+        if w == 0.0:
+            continue
+        if aggregation == "gdpo":
+            r = torch.tensor(values, dtype=torch.float64)
+            out[name] = gdpo_advantages({name: values}, {name: w}, groups, r, adv_clip_max).advantages
+        else:
+            r = w * torch.tensor(values, dtype=torch.float64)
+            out[name] = group_advantages(r, groups, global_std, adv_clip_max).advantages
+    return out

@@ -33,6 +33,7 @@ from omniroll.train import checkpoint
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, regenerate_in_flight
 from omniroll.train.colocation import Colocation
+from omniroll.train.component_signal import ComponentWindow, step_components
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
 from omniroll.train.micro_batches import group_index
@@ -87,6 +88,7 @@ class Trainer:
         self.task_eval = TaskEvaluation(self.config, out_dir) if self.tc.evaluation is not None else None
         self.held_out = HeldOutRewards(self.config.reward.held_out, out_dir) if self.config.reward.held_out else None
         self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window)  # the meter's last readings
+        self.component_window = ComponentWindow()  # the meter per reward component (trainer.signal_components)
         rep = self.config.replicas  # replicas on the trainer's device sleep during its update (train/colocation.py)
         self.colocation = Colocation(rep.sleep_level, self.tc.sync_timeout_s) if rep.colocate else None
         self.memory: Optional[StageMemory] = None  # peak memory per stage, where the device reports it
@@ -211,6 +213,7 @@ class Trainer:
         earlier = self.history_all() or self.history
         check = LearningSignalCheck.for_config(self.config, self.log, earlier)
         self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window, earlier)  # a resumed run's too
+        self.component_window = ComponentWindow(earlier)
         old = signal.getsignal(signal.SIGINT)
         with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
             signal.signal(signal.SIGINT, self.interrupts.handler)
@@ -283,10 +286,11 @@ class Trainer:
         sleep_s = self.colocation.sleep(self.replicas) if self.colocation is not None else None
         self.memory.begin()  # the recompute stage: the trainer's passes before its first optimizer update
         t1 = time.time()
+        reads = tc.signal_every > 0 and (step - 1) % tc.signal_every == 0  # the meter reads this step
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
-                          halves=signal_halves(uids, tc.seed, step),
-                          signal=tc.signal_every > 0 and (step - 1) % tc.signal_every == 0, groups=group_index(uids))
+                          halves=signal_halves(uids, tc.seed, step), signal=reads, groups=group_index(uids),
+                          components=step_components(self.config, out, uids, self.device) if reads else None)
         with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
             res = self.updater.update(traj, advantages, uids, plan)  # the policy holds the trained weights after it
             self.memory.add("update", res.peak_bytes)
@@ -301,8 +305,9 @@ class Trainer:
             t3 = time.time()
             # 5. Report: the step's record (report/step_record.py), the step line, metrics.jsonl, the trackers.
             stats = res.stats
-            signal = self.signal_window.metrics(signal_metrics(stats.grad_cos, stats.signal_rows_a,
-                                                               stats.signal_rows_b))
+            signal = {**self.signal_window.metrics(signal_metrics(stats.grad_cos, stats.signal_rows_a,
+                                                                  stats.signal_rows_b)),
+                      **self.component_window.metrics(stats.component_cos)}
             clock = StepClock(t0=t0, back=t_back, rollout=span, last_generated=max(finished) if finished else span[1],
                               t1=t1, t2=t2, t3=t3, busy=self.pipeline.busy(t0, t3))
             m = step_record(step, rewards, adv, res, signal, versions, synced_version=self.version,

@@ -21,13 +21,14 @@ on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan
 from omniroll.train.algorithms.terms import LossInput
+from omniroll.train.component_signal import ZERO, ComponentGradients
 from omniroll.train.grad_signal import HalfGradient
 from omniroll.train.ratio_steps import add_step_sums, ratio_step_sums
 
@@ -52,6 +53,8 @@ class UpdateStats:
     grad_cos: Optional[float] = None  # the gradient-signal meter's reading (omniroll/train/grad_signal.py), or None
     signal_rows_a: int = 0  # the rows of each half the reading compares (all ranks)
     signal_rows_b: int = 0
+    # the meter per reward component (omniroll/train/component_signal.py): {function: cos with the total, or None}
+    component_cos: dict = field(default_factory=dict)
     # per denoising step index, the sums of the ratios of every (row, term, epoch) that reports its step
     # (omniroll/train/ratio_steps.py; summed over the ranks): {} for an algorithm without a ratio
     ratio_steps: dict = field(default_factory=dict)
@@ -94,7 +97,9 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     (None only for a rank without rows); with `share`, this rank's part of a data-parallel update (module doc). The
     micro-batches are the algorithm's (`Algorithm.micro_batches`; by default cut half by half of the prompt groups
     with `plan.halves`, omniroll/train/micro_batches.py), and with `plan.signal` the gradient-signal meter reads the
-    two halves' gradients at the first optimizer step (omniroll/train/grad_signal.py)."""
+    two halves' gradients at the first optimizer step (omniroll/train/grad_signal.py); with `plan.signal` and
+    `plan.components`, each component's direction is compared with the total's there too
+    (omniroll/train/component_signal.py)."""
     B = len(rows)
     if advantages.shape[:1] != (B,) or advantages.dim() > 2:
         raise ValueError(f"advantages must be [{B}] or [{B}, window steps] (a step-level algorithm's), got "
@@ -109,14 +114,20 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     if plan.signal and plan.halves is not None:
         meter = HalfGradient(params, share.all_reduce_tensors if share is not None else None)
     cos = None
+    parts, part_cos = None, {}
+    if plan.signal and plan.components:
+        parts = ComponentGradients(params, list(plan.components))
+        part_adv = {**plan.components, ZERO: torch.zeros_like(advantages)}
     optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step():
-        nonlocal cos
+        nonlocal cos, part_cos
         if share is not None:
             share.all_reduce(params)
         if meter is not None and updates == 0:
             cos = meter.reading()  # the step's first gradient, before the clip
+        if parts is not None and updates == 0:
+            part_cos = parts.readings(share.all_reduce_tensors if share is not None else None)
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -138,10 +149,16 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                 #    weighted by the micro-batch's share of its accumulation group's rows (all ranks').
                 T = algorithm.num_terms(mb, anchors)
                 for k in range(T):
-                    terms = algorithm.loss(LossInput(policy, mb, idx, adv, k, anchors, plan, epoch=epoch, chunk=c,
-                                                     first_update=updates == 0,
-                                                     first_pass=first_pass[k][idx] if k in first_pass else None))
-                    (terms.loss * (len(idx) / (group_rows[u] * T))).backward()
+                    inp = LossInput(policy, mb, idx, adv, k, anchors, plan, epoch=epoch, chunk=c,
+                                    first_update=updates == 0,
+                                    first_pass=first_pass[k][idx] if k in first_pass else None)
+                    terms = algorithm.loss(inp)
+                    scale = len(idx) / (group_rows[u] * T)
+                    (terms.loss * scale).backward()
+                    if parts is not None and updates == 0:  # the same term with each component's advantages
+                        for name, a in part_adv.items():
+                            parts.add(name, lambda a=a: (algorithm.loss(replace(inp, adv=a[idx])).loss
+                                                         * scale).backward())
                     if updates == 0:
                         dev = max(dev, float(terms.deviation.max()))
                         if terms.first_pass is not None:  # handed back to these rows' later passes of term k
@@ -179,4 +196,5 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                        behaviour_ratio_max_abs_dev=b_dev, behaviour_weight_capped_frac=capped / max(b_total, 1),
                        scored=total, behaviour_scored=b_total, grad_cos=cos,
                        signal_rows_a=meter.rows_a if meter is not None else 0,
-                       signal_rows_b=meter.rows_b if meter is not None else 0, ratio_steps=step_sums)
+                       signal_rows_b=meter.rows_b if meter is not None else 0, ratio_steps=step_sums,
+                       component_cos=part_cos)

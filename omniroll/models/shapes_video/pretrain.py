@@ -33,18 +33,13 @@ from omniroll.models.shapes.dit import EMA, optimizer_step
 from omniroll.models.shapes.pretrain import plot_losses
 from omniroll.models.shapes.vae import lr_at
 from omniroll.models.shapes_video.data import TrainingClips
+from omniroll.models.shapes_video.progress import progress_bar
 from omniroll.models.shapes_video.dit import build_transformer, flow_loss
 from omniroll.models.shapes_video.recipe import ShapesVideoRecipe
 from omniroll.models.shapes_video.resume import check_recipe, run_phase, save_atomic, step_generator
 from omniroll.models.shapes_video.text import TEXT_LENGTH, build_text
 from omniroll.models.shapes_video.vae import (build_vae, encode_means, normalise, reconstruct, set_latent_stats,
                                               vae_batch, vae_step)
-
-
-def progress_bar(total: int, desc: str, enabled: bool, unit: str = "step"):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not enabled)
 
 
 def assemble(transformer, vae, text: dict, shift: float):

@@ -49,7 +49,8 @@ class UpdatePlan:
     bool [B], the gradient-signal meter's half A (omniroll/train/grad_signal.py: micro-batches are cut half by half),
     None for no split; signal: whether the meter reads the halves' gradients this step; groups: long [B], each row's
     prompt group (`micro_batches.group_index`: the order of first appearance), for an algorithm that keeps a group in
-    one micro-batch (None: not known)."""
+    one micro-batch (None: not known); components: {reward function: its own advantages [B]} for the meter per
+    component (`trainer.signal_components`, omniroll/train/component_signal.py; read when `signal`), None: off."""
 
     step: int
     seed: int
@@ -60,6 +61,7 @@ class UpdatePlan:
     halves: Optional[torch.Tensor] = None
     signal: bool = False
     groups: Optional[torch.Tensor] = None
+    components: Optional[dict] = None
 
     def epoch(self, B: int, epoch: int) -> EpochPlan:
         """The default micro-batches of inner epoch `epoch` over B rows: shuffled one by one, cut half by half of the

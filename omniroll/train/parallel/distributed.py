@@ -166,13 +166,15 @@ class RankGroup:
         halves = plan.halves
         rows_a = [int(halves[torch.tensor(s, dtype=torch.long)].sum()) for s in shards] if halves is not None else None
         per = rows_per_update([len(s) for s in shards], plan.micro_batch_size, plan.per_update, rows_a)
-        base = replace(plan, versions=None, store=None, halves=None, groups=None)  # per row: the shard's, below
+        base = replace(plan, versions=None, store=None, halves=None, groups=None, components=None)  # per row: below
         # 2. Each rank its shard (object store), all at once; wait for all, stop every rank if one fails.
         refs = []
         for a, s in zip(self.actors, shards):
             idx = torch.tensor(s, dtype=torch.long)
             versions = plan.versions[idx] if plan.versions is not None else None
-            refs.append(a.update.remote(ray.put(rows.rows(idx)), advantages[idx], base, versions, per,
+            part = (replace(base, components={k: v[idx] for k, v in plan.components.items()})
+                    if plan.components is not None else base)
+            refs.append(a.update.remote(ray.put(rows.rows(idx)), advantages[idx], part, versions, per,
                                         halves[idx] if halves is not None else None))
         outs = self._gather(refs, f"step {plan.step}'s update")
         # 3. Rank 0's weights and algorithm state into the driver's (the optimizer state stays with the ranks).

@@ -172,12 +172,15 @@ class TrainerRank:
         """This rank's part of the step's update. Returns its `UpdateResult` (its stats, its policy move, its peak
         device memory); writes its optimizer state (`save_optimizer_state`); rank 0 adds the trained weights and the
         algorithm state (equal on every rank), which the driver adopts and pushes. `halves`: this shard's rows' half
-        for the gradient-signal meter (None: no reading; always None under fsdp, whose gradients are sharded)."""
+        for the gradient-signal meter (None: no reading; always None under fsdp, whose gradients are sharded, and so are
+        the plan's per-component advantages)."""
         tc = self.tc
         # 1. The shard on this rank's device; the plan with this rank's seed (its own draws), versions, store, halves.
         rows, advantages = rows.to(self.device), advantages.to(self.device)
         plan = replace(plan, seed=rank_seed(plan.seed, self.rank), versions=versions, store=self.store,
-                       halves=None if self.sharded else halves)
+                       halves=None if self.sharded else halves,
+                       components=None if self.sharded or plan.components is None else
+                       {k: v.to(self.device) for k, v in plan.components.items()})
         if self.checkpointing_due and len(rows):
             from omniroll.train.recompute import enable_gradient_checkpointing
 

@@ -46,10 +46,10 @@ def rows_per_update(shard_sizes: Sequence[int], micro_batch_size: int, per_updat
 
 def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
     """One step's metrics from every rank's: maxima for the deviations, rank 0's gradient norm, optimizer steps and
-    gradient-signal reading (the same on every rank: they act on all-reduced gradients), the behaviour ratio's mean
-    and capped share weighted by each rank's (row, term) pairs that reported it, the per-timestep ratio sums added up
-    (a step's mean is over every rank's samples at that step, its std from their sums of squares), the other
-    fractions and means by each rank's scored (row, term) count."""
+    gradient-signal readings (the meter's and its per-component ones, the same on every rank: they act on all-reduced
+    gradients), the behaviour ratio's mean and capped share weighted by each rank's (row, term) pairs that reported
+    it, the per-timestep ratio sums added up (a step's mean is over every rank's samples at that step, its std from
+    their sums of squares), the other fractions and means by each rank's scored (row, term) count."""
     rows = [s.scored for s in stats]
     total = max(sum(rows), 1)
     behaviour = [s.behaviour_scored for s in stats]
@@ -59,7 +59,8 @@ def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
         vals = [getattr(s, f.name) for s in stats]
         if f.name in ("ratio_max_abs_dev", "behaviour_ratio_max_abs_dev"):
             out[f.name] = max(vals)
-        elif f.name in ("grad_norm", "optimizer_steps", "grad_cos", "signal_rows_a", "signal_rows_b"):
+        elif f.name in ("grad_norm", "optimizer_steps", "grad_cos", "signal_rows_a", "signal_rows_b",
+                        "component_cos"):
             out[f.name] = vals[0]
         elif f.name in ("scored", "behaviour_scored"):
             out[f.name] = sum(vals)
