@@ -11,12 +11,9 @@ hands it to that later pass as `LossInput.first_pass`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from omniroll.train.algorithms.base import Anchors, UpdatePlan
 
 
 @dataclass(frozen=True)
@@ -34,8 +31,8 @@ class LossInput:
     idx: torch.Tensor
     adv: torch.Tensor
     term: int
-    anchors: "Anchors"
-    plan: "UpdatePlan"
+    anchors: Any  # the algorithm's `Anchors` (base.py, which imports this file)
+    plan: Any  # the step's `UpdatePlan` (base.py)
     epoch: int = 0
     chunk: int = 0
     first_update: bool = True
