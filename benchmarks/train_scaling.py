@@ -98,11 +98,13 @@ def main() -> None:
                     w1 = {k: p.detach().clone() for k, p in policy.named_parameters()}
                     restore()
                 else:
+                    restore()  # the ranks' update leaves rank 0's weights in the driver's policy
                     ranks.load(policy, trainer.optimizer, algo, trainer.store)
                     t0 = time.perf_counter()
                     res = ranks.update(traj, adv.advantages, list(out.non_tensor_batch["uid"]), plan)
                     times[2].append(time.perf_counter() - t0)
-                    stats, w2 = res["stats"], res["weights"]
+                    stats = res.stats  # the driver's policy holds rank 0's weights after it
+                    w2 = {k: p.detach().clone() for k, p in policy.named_parameters()}
                 devs[N] = max(devs[N], stats.ratio_max_abs_dev)
                 print(f"rep {rep} N={N} update {times[N][-1]:.2f}s ratio_max_abs_dev {stats.ratio_max_abs_dev}",
                       flush=True)

@@ -1,5 +1,5 @@
 """omniroll: online RL on flow-matching diffusion models, from the rollout (engine, Ray replicas, streaming rewards,
-weight sync) to its own trainer (Flow-GRPO, GRPO-Guard, DanceGRPO, DiffusionNFT, AWM)."""
+weight sync) to its own trainer (Flow-GRPO and the other algorithms of `omniroll.config.algorithms.ALGORITHMS`)."""
 
 from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams

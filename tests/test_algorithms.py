@@ -164,6 +164,30 @@ def reference_mixgrpo_windows(iters: int, iters_per_group: int, group_size: int,
     return out
 
 
+def test_online_dpo_pairs_each_groups_best_and_worst_and_its_gradient_at_the_reference_is_beta_half():
+    """The worked example of writing an algorithm (omniroll/train/algorithms/online_dpo.py): a group's winner is its
+    row of largest advantage and its loser its row of smallest (the first of equals), a tied group gives no pair; at
+    d = 0 (theta = ref) each pair's loss is log 2 and the gradient on d is +beta / 2 on the winner, -beta / 2 on the
+    loser, over the rows; without a pair the loss is 0 with a zero gradient."""
+    from omniroll.train.algorithms.online_dpo import dpo_loss, preference_pairs
+
+    adv = torch.tensor([0.5, -1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, -0.2, 0.3])
+    keys = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+    winners, losers = preference_pairs(adv, keys)
+    assert winners.tolist() == [2, 9] and losers.tolist() == [1, 8]
+    d = torch.zeros(10, requires_grad=True)
+    loss = dpo_loss(d, winners, losers, beta=100.0)
+    assert float(loss.detach()) == pytest.approx(2 * math.log(2) / 10, rel=1e-6)
+    loss.backward()
+    want = torch.zeros(10)
+    want[[2, 9]], want[[1, 8]] = 100.0 / 2 / 10, -100.0 / 2 / 10
+    assert torch.allclose(d.grad, want)
+    d.grad = None
+    none = dpo_loss(d, *preference_pairs(torch.zeros(10), keys), beta=100.0)
+    none.backward()
+    assert float(none.detach()) == 0.0 and not d.grad.any()
+
+
 def test_progressive_window_slides_as_mixgrpo():
     T, size, every = 10, 4, 3
     ref = reference_mixgrpo_windows(80, every, size, T - 1)
@@ -205,18 +229,36 @@ def test_algorithm_options_are_validated_and_keys_that_do_not_apply_are_errors()
     assert load_config(dumped).trainer.algorithm == "awm" and not math.isnan(load_config(dumped).trainer.kl_beta)
 
 
-def test_every_registered_algorithm_is_configurable_trained_end_to_end_and_has_a_shapes_recipe(monkeypatch):
+def test_every_registered_algorithm_is_configurable_trained_end_to_end_and_has_a_shapes_recipe_and_a_docs_row(
+        monkeypatch):
+    """`ALGORITHMS` is the one list of algorithms: the config's choices, the trainer's classes (each in the file named
+    after it), the FSDP ones, the CLI's help and the config's description derive from it; each has a recipe under
+    examples/ and a row in the docs' algorithm table (tests/test_algorithms_train.py trains every one of them)."""
     import os
+    import re
     import typing
 
-    from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
-    from omniroll.train.algorithms import REGISTRY
-    from tests.test_algorithms_train import ALGOS
+    from omniroll.cli.train import HELP
+    from omniroll.config.algorithms import ALGORITHMS, AlgorithmName, fsdp_algorithms
+    from omniroll.config.trainer import TrainerSection
+    from omniroll.train.algorithms import REGISTRY, algorithm_class
 
     names = set(ALGORITHMS)
-    assert set(typing.get_args(AlgorithmName)) == names == set(REGISTRY) == set(ALGOS)
+    assert set(typing.get_args(AlgorithmName)) == names == set(REGISTRY)
+    assert all(REGISTRY[n].__module__ == f"omniroll.train.algorithms.{n}" and REGISTRY[n].name == n for n in names)
+    assert set(fsdp_algorithms()) == {n for n in names if ALGORITHMS[n].fsdp} <= names
+    description = TrainerSection.model_fields["algorithm"].description
+    assert all(ALGORITHMS[n].title in HELP and re.search(rf"\b{n}\b", description) for n in names)
+    with pytest.raises(ValueError, match="trainer.algorithm: one of"):
+        algorithm_class("ppo")
     root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "docs", "training", "algorithms.md")) as f:
+        rows = {m.group(1) for m in re.finditer(r"^\| `(\w+)` \|", f.read(), re.M)}
+    missing = sorted(names - rows)
+    assert not missing, f"docs/training/algorithms.md: no row of the algorithm table for {missing}"
     monkeypatch.chdir(root)  # the recipes name their prompt files from the repository's root
     for name in names:  # one recipe per algorithm, so trying another one is one file
-        cfg = load_config(os.path.join(root, "examples", f"shapes_{name}.yaml"))
+        path = os.path.join(root, "examples", f"shapes_{name}.yaml")
+        assert os.path.isfile(path), f"examples/shapes_{name}.yaml: registered algorithm {name} has no recipe"
+        cfg = load_config(path)
         assert cfg.trainer.algorithm == name and cfg.trainer.evaluation is not None

@@ -10,13 +10,31 @@ import pytest
 import torch
 
 from omniroll.config import load_config
+from omniroll.config.algorithms import ALGORITHMS, algorithms_with
 
 PROMPTS = ["a blue car", "a green bird"]
 SDE = {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 3]}
-ALGOS = {"flow_grpo": SDE, "grpo_guard": SDE,
-         "dance_grpo": {"noise_level": 0.5, "sde_type": "dance_sde", "same_latent": True},
-         "tree_grpo": {**SDE, "sde_window_size": 3, "tree": {"fork_steps": [1, 2], "widths": [2, 2]}},
-         "nft": {}, "awm": {}}
+
+
+def algo_section(algorithm: str) -> dict:
+    """The `algo` section a registered algorithm's test run samples with, from what its spec needs: none for a
+    forward-process one; else its first SDE type (dance_sde at eta 0.5 on every step but the last; the others on a
+    2-step window), the shared initial noise and a tree (forking at steps 1 and 2, on a 3-step window) where it needs
+    them."""
+    spec = ALGORITHMS[algorithm]
+    if spec.rollout == "clean_latent":
+        return {}
+    sde_type = spec.sde_types[0]
+    out = {"noise_level": 0.5, "sde_type": sde_type} if sde_type == "dance_sde" else {**SDE, "sde_type": sde_type}
+    if spec.same_latent:
+        out["same_latent"] = True
+    if spec.tree:
+        out.update(sde_window_size=3, tree={"fork_steps": [1, 2], "widths": [2, 2]})
+    return out
+
+
+def clean_latent(algorithm: str) -> bool:
+    return ALGORITHMS[algorithm].rollout == "clean_latent"
 
 
 def config(model, algorithm, merge_lora=False, **trainer):
@@ -25,7 +43,7 @@ def config(model, algorithm, merge_lora=False, **trainer):
         "engine": {"model": model, "max_batch_size": 16, "num_threads": 1, "merge_lora": merge_lora},
         "pipeline": {"height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 4.5,
                      "max_sequence_length": 8},
-        "algo": ALGOS[algorithm], "agent": {"num_workers": 1},
+        "algo": algo_section(algorithm), "agent": {"num_workers": 1},
         "reward": {"num_workers": 1, "functions": {"colour": {"fn": "prompt_colour"}}},
         "n": 4, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 1},
         "trainer": {"algorithm": algorithm, "prompts": PROMPTS, "prompts_per_step": 2, "lr": 0.01,
@@ -43,7 +61,7 @@ def state(ckpt):
     return torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=True)
 
 
-@pytest.mark.parametrize("algorithm", list(ALGOS))
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_each_algorithm_trains_exactly_and_resumes_bitwise(ray_cluster, tiny_sd3_path, tmp_path, algorithm):
     from omniroll.train import Trainer
 
@@ -64,7 +82,7 @@ def test_each_algorithm_trains_exactly_and_resumes_bitwise(ray_cluster, tiny_sd3
     else:  # the ratio of the trained weights to the sampling ones is exactly 1 before the first update
         assert devs == [0.0] * 3
     per_step = [k for m in hist for k in m if "_ts_" in k]  # the per-timestep ratio statistics (test_ratio_steps.py)
-    if algorithm in ("nft", "awm"):  # no importance ratio, no ratio statistics
+    if clean_latent(algorithm):  # no importance ratio, no ratio statistics
         assert not per_step and not any("ratio_mean" in m for m in hist)
     else:  # one optimizer update per step scores every term before it: every ratio is exactly 1, at every timestep
         assert per_step and all(m[k] == 1.0 for m in hist for k in m if k.startswith("ratio_mean"))
@@ -154,7 +172,7 @@ def test_the_ratio_statistics_per_timestep_add_up_to_the_steps_own(ray_cluster, 
 
 def check_rollout_contract(tr, algorithm, batch):
     keys = set(batch.batch.keys())
-    if algorithm in ("nft", "awm"):
+    if clean_latent(algorithm):
         # no log-probs, no trajectory: the clean final latent beside the pixels, CFG off, the ODE
         assert "rollout_log_probs" not in keys and batch.batch["all_latents"].shape[1] == 0
         assert "latents" in keys and bool((batch.batch["cfg_scale"] == 0).all())
@@ -207,7 +225,7 @@ def _old_velocity(tr, rows, x):
         return rows.velocity(tr.policy.adapter, x, rows.sigmas[:, 0])
 
 
-@pytest.mark.parametrize("algorithm", ["nft", "awm"])
+@pytest.mark.parametrize("algorithm", algorithms_with("clean_latent"))
 def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_the_same_update(
         ray_cluster, tiny_sd3_path, tmp_path, algorithm):
     """`algorithm_options.timesteps_per_forward: 2` on a step of 3 training timesteps: terms of 2 and 1 timesteps (the
@@ -219,6 +237,8 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
 
     from omniroll.train import CleanBatch, Trainer
     from omniroll.train.algorithms import UpdatePlan
+    from omniroll.train.algorithms.terms import LossInput
+    from omniroll.train.micro_batches import group_index
     from omniroll.train.update import train_on_batch
 
     with Trainer(config(tiny_sd3_path, algorithm, steps=1), str(tmp_path / "run"), log=lambda s: None) as tr:
@@ -232,11 +252,11 @@ def test_timesteps_per_forward_stacks_a_terms_timesteps_into_one_forward_with_th
         start = {n: p.detach().clone() for n, p in policy.named_parameters()}
         rows = CleanBatch.from_batch(batch, policy.adapter)
         adv = algo.advantages(rewards, uids).advantages
-        plan = UpdatePlan(step=1, seed=0, micro_batch_size=4)
+        plan = UpdatePlan(step=1, seed=0, micro_batch_size=4, groups=group_index(uids))  # online_dpo pairs by group
         anchors = algo.prepare(policy, rows, plan)
         assert anchors.t_of.shape[1] == 3 and algo.num_terms(rows, anchors) == {1: 3, 2: 2}[k]
         idx = torch.arange(4)
-        terms = [algo.noised(rows.rows(idx), idx, adv[idx], j, anchors, plan, 0, 0) for j in range(2)]
+        terms = [algo.noised(LossInput(policy, rows.rows(idx), idx, adv[idx], j, anchors, plan)) for j in range(2)]
         assert [len(x.rows) for x in terms] == {1: [4, 4], 2: [8, 4]}[k]
         assert [x.weight for x in terms] == {1: [1.0, 1.0], 2: [4 / 3, 2 / 3]}[k]
         stats = train_on_batch(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), algo, rows, adv, anchors,

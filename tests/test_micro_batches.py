@@ -33,9 +33,8 @@ def test_whole_group_micro_batches_keep_groups_whole_and_halves_apart(per_update
 
 
 class WholeGroups(FlowGRPO):
-    """A group objective's cut (what online DPO or DGPO would declare), recording the rows each loss term saw."""
-
-    name = "whole_groups_test"
+    """A group objective's cut (what online DPO or DGPO would declare), recording the rows each loss term saw
+    (Flow-GRPO's loss and registration otherwise)."""
 
     def __init__(self, config, adapter):
         super().__init__(config, adapter)
@@ -45,9 +44,9 @@ class WholeGroups(FlowGRPO):
         return whole_group_micro_batches(plan.groups, plan.halves, plan.micro_batch_size, plan.per_update,
                                          shuffle_generator(plan.seed, plan.step, epoch))  # a resume shuffles the same
 
-    def loss(self, policy, mb, idx, adv, term, anchors, plan, **kw):
-        self.seen.append(idx.tolist())
-        return super().loss(policy, mb, idx, adv, term, anchors, plan, **kw)
+    def loss(self, inp):
+        self.seen.append(inp.idx.tolist())
+        return super().loss(inp)
 
 
 def test_the_update_loop_trains_on_the_algorithms_own_micro_batches(step_batch, tiny_sd3_path):  # noqa: F811

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from omniroll.config.algorithms import algorithms_with
+
 ROOT = Path(__file__).resolve().parent.parent
 #: the files whose blocks run: the README, the project files and every page of the docs site
 #: (generated pages are left out: docs/contributing.md and docs/changelog.md are copies of files that run already)
@@ -64,7 +66,7 @@ def small_overrides(code: str) -> str:
     for path in re.findall(r"--config\s+(\S+)", code):
         file = ROOT / path
         trainer = ((yaml.safe_load(file.read_text()) or {}).get("trainer") or {}) if file.is_file() else {}
-        if trainer.get("algorithm") in ("nft", "awm"):
+        if trainer.get("algorithm") in algorithms_with("clean_latent"):
             out = out.replace(SDE_KEYS, "")
         if (train or "omniroll eval" in code) and trainer.get("evaluation") and SMALL_EVAL not in out:
             out += SMALL_EVAL  # `omniroll eval --config` draws the config's trainer.evaluation.seeds too

@@ -53,7 +53,7 @@ def run(cfg, out, **kw):
 
     with Trainer(cfg, out, log=lambda s: None) as tr:
         hist = tr.train(**kw)
-        ranks = tr.ranks.rank_weights() if tr.ranks is not None else []
+        ranks = tr.updater.rank_weights() if tr.tc.world_size > 1 else []  # the RankGroup's
         final = {k: p.detach().clone() for k, p in tr.policy.named_parameters()}
     return hist, ranks, final
 
@@ -218,10 +218,11 @@ def test_ranks_on_two_nodes_a_killed_rank_ends_the_run_in_one_line_naming_it(two
                     checkpoint_every=0)
     out = tmp_path / "killed"
     with Trainer(cfg, str(out), log=lambda s: None) as tr:
-        assert set(tr.ranks.nodes) == two_nodes  # one rank on each worker node
-        files = ray.get([a.__ray_call__.remote(lambda self: __import__("omniroll").__file__) for a in tr.ranks.actors])
+        assert set(tr.updater.nodes) == two_nodes  # one rank on each worker node
+        files = ray.get([a.__ray_call__.remote(lambda self: __import__("omniroll").__file__)
+                         for a in tr.updater.actors])
         assert all(f == __import__("omniroll").__file__ for f in files)  # the ranks run this checkout's omniroll
-        victim, node = tr.ranks.actors[1], tr.ranks.nodes[1]
+        victim, node = tr.updater.actors[1], tr.updater.nodes[1]
         killed_at = []
 
         def kill_rank_1(m):
@@ -250,8 +251,8 @@ def test_a_forward_process_algorithm_trains_on_two_ranks_with_its_state_kept_equ
     cfg = dp_config(tiny_sd3_path, 2, "nft", steps=2)
     with Trainer(cfg, str(tmp_path / "nft"), log=lambda s: None) as tr:
         hist = tr.train()
-        ranks = tr.ranks.rank_weights()
-        olds = [r["old"] for r in tr.ranks.algorithm_states()]
+        ranks = tr.updater.rank_weights()
+        olds = [r["old"] for r in tr.updater.algorithm_states()]
         driver_old = tr.algorithm.state_dict()["old"]
         moved = max(float(p.detach().abs().max()) for n, p in tr.policy.named_parameters() if "lora_B" in n)
     assert hist[0]["ratio_max_abs_dev"] == 0.0 and all(m["optimizer_steps"] == 1 for m in hist)
@@ -268,7 +269,7 @@ def test_uneven_shards_with_accumulation_step_together(ray_cluster, tiny_sd3_pat
     cfg = dp_config(tiny_sd3_path, 2, steps=1, prompts_per_step=3, micro_batches_per_update=1)
     with Trainer(cfg, str(tmp_path / "uneven"), log=lambda s: None) as tr:
         (m,) = tr.train()
-        ranks = tr.ranks.rank_weights()
+        ranks = tr.updater.rank_weights()
     assert m["num_samples"] == 12 and m["optimizer_steps"] == 4 and m["ratio_max_abs_dev"] == 0.0
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
 

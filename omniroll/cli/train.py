@@ -1,5 +1,5 @@
 """`omniroll train --config CFG --out DIR [--steps N] [--resume DIR]`: `trainer.algorithm` (Flow-GRPO by default;
-GRPO-Guard, DanceGRPO, DiffusionNFT, AWM) on local Ray (`Trainer`).
+every algorithm of `omniroll.config.algorithms.ALGORITHMS`) on local Ray (`Trainer`).
 
 The config (with its `trainer` section) is validated before Ray starts: a bad key fails at once, named. One line per
 step above a progress bar over steps (the bar only on a terminal: in a log file, one clean line per step). Trackers:
@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import sys
 
-HELP = ("train with trainer.algorithm (Flow-GRPO, GRPO-Guard, DanceGRPO, DiffusionNFT, AWM): rollout replicas and "
-        "streaming rewards on Ray, exact ratios")
+from omniroll.config.algorithms import ALGORITHMS
+
+HELP = (f"train with trainer.algorithm ({', '.join(spec.title for spec in ALGORITHMS.values())}): rollout replicas "
+        "and streaming rewards on Ray, exact ratios")
 
 
 def add_arguments(p) -> None:

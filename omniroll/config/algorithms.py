@@ -1,7 +1,9 @@
 """`trainer.algorithm` and `trainer.algorithm_options`: what each training algorithm accepts (its options with the
 reference defaults, the shared `trainer.*` keys it reads, the rollout it needs). The algorithms' code is in
-`omniroll/train/algorithms/` (one file each); this file only declares their configuration, so the config package stays
-below the trainer.
+`omniroll/train/algorithms/` (one file each, named after the algorithm: `trainer.algorithm: nft` is the `Algorithm`
+subclass of `omniroll/train/algorithms/nft.py`); this file only declares their configuration, so the config package
+stays below the trainer. `ALGORITHMS` is the one list of algorithms: the config's choices, the FSDP ones
+(`fsdp_algorithms`), the CLI's help, the trainer's classes and the tests' parametrisations derive from it.
 
 A shared key an algorithm does not read (for example `trainer.clip_range` with `nft`) is an error naming it when it is
 set to anything but its default; a shared key whose reference default differs for an algorithm (`global_std`,
@@ -65,6 +67,14 @@ class AWMOptions(ForwardProcessOptions):
     huber_eps: float = Field(1e-3, gt=0, le=1, description="e of the ghuber weighting")
 
 
+class OnlineDPOOptions(ForwardProcessOptions):
+    beta: float = Field(1000.0, gt=0, le=1e6, description="Diffusion-DPO's beta: the sharpness of the preference "
+                        "loss -log sigmoid(-beta (d_winner - d_loser)) on the velocity errors' differences to the "
+                        "reference (not tuned; the reference's 5000 is for SD 1.5's epsilon error)")
+    train_timesteps: int = Field(4, ge=1, le=1000, description="timesteps trained per sample, drawn without "
+                                 "replacement from its sampling timesteps after the first")
+
+
 # ------------------------------------------------------------------------------------------------------ the specs
 #: shared trainer keys every algorithm reads
 COMMON_KEYS = frozenset({
@@ -82,13 +92,20 @@ LOG_PROB_KEYS = frozenset({"clip_range", "old_log_prob", "behaviour_weight_cap",
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """rollout: "sde_window" (latents and log-probs of the SDE window) or "clean_latent" (only the final latent of a
-    deterministic ODE, no log-probs). sde_types: the `algo.sde_type` values it accepts (sde_window only).
-    same_latent: whether it needs `algo.same_latent: true`. tree: whether it needs a tree rollout (`algo.tree`).
-    defaults: its reference defaults of shared keys. unread: shared keys it does not read."""
+    """title: its name as papers and plots write it (e.g. 'Flow-GRPO'). options: its options' model. rollout:
+    "sde_window" (latents and log-probs of the SDE window) or "clean_latent" (only the final latent of a deterministic
+    ODE, no log-probs). fsdp: whether `trainer.sharding: fsdp` runs it. decoupled: whether its loss with stale samples
+    (`trainer.max_staleness` >= 1, or `old_log_prob: recompute`) is the decoupled PPO anchored at the step's proximal
+    weights and weighted by pi_prox / pi_behaviour (False: its anchor is the behaviour itself). sde_types: the
+    `algo.sde_type` values it accepts (sde_window only). same_latent: whether it needs `algo.same_latent: true`. tree:
+    whether it needs a tree rollout (`algo.tree`). defaults: its reference defaults of shared keys. unread: shared keys
+    it does not read."""
 
+    title: str
     options: type
     rollout: Literal["sde_window", "clean_latent"]
+    fsdp: bool = False
+    decoupled: bool = False
     sde_types: tuple[str, ...] = ()
     same_latent: Optional[bool] = None
     tree: bool = False
@@ -100,19 +117,44 @@ class AlgorithmSpec:
         return (COMMON_KEYS | (LOG_PROB_KEYS if self.rollout == "sde_window" else frozenset())) - self.unread
 
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {  # each one's reference: its file's docstring (omniroll/train/algorithms/)
-    "flow_grpo": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde", "cps", "dance_sde")),
-    "grpo_guard": AlgorithmSpec(NoOptions, "sde_window", sde_types=("sde",), defaults={"clip_range": 2e-6}),
-    "dance_grpo": AlgorithmSpec(DanceGRPOOptions, "sde_window", sde_types=("dance_sde",), same_latent=True),
-    "tree_grpo": AlgorithmSpec(TreeGRPOOptions, "sde_window", sde_types=("sde", "cps", "dance_sde"), tree=True,
+#: every algorithm, by its `trainer.algorithm` name (its file: omniroll/train/algorithms/<name>.py, whose docstring
+#: names its reference). FSDP runs the SDE-window ones: their rows are what its zero-weight micro-batch scores (nft
+#: would also keep a second, unsharded copy of the trained weights).
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    "flow_grpo": AlgorithmSpec("Flow-GRPO", NoOptions, "sde_window", fsdp=True, decoupled=True,
+                               sde_types=("sde", "cps", "dance_sde")),
+    "grpo_guard": AlgorithmSpec("GRPO-Guard", NoOptions, "sde_window", fsdp=True, sde_types=("sde",),
+                                defaults={"clip_range": 2e-6}),
+    "dance_grpo": AlgorithmSpec("DanceGRPO", DanceGRPOOptions, "sde_window", fsdp=True, decoupled=True,
+                                sde_types=("dance_sde",), same_latent=True),
+    "tree_grpo": AlgorithmSpec("Tree-GRPO", TreeGRPOOptions, "sde_window", fsdp=True, decoupled=True,
+                               sde_types=("sde", "cps", "dance_sde"), tree=True,
                                # its advantages are per tree depth (and step), not per reward function
                                unread=frozenset({"global_std", "signal_components"})),
-    "nft": AlgorithmSpec(NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
-    "awm": AlgorithmSpec(AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
+    "nft": AlgorithmSpec("DiffusionNFT", NFTOptions, "clean_latent", defaults={"global_std": True, "kl_beta": 1e-4}),
+    "awm": AlgorithmSpec("AWM", AWMOptions, "clean_latent", defaults={"kl_beta": 0.003}),
+    "online_dpo": AlgorithmSpec("Online Diffusion-DPO", OnlineDPOOptions, "clean_latent"),
 }
 
 #: the `trainer.algorithm` values: the registered algorithms' names
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]
+
+
+def algorithms_with(rollout: str) -> list[str]:
+    """The registered algorithms whose rollout is `rollout` ("sde_window" or "clean_latent"), in registration order."""
+    return [name for name, spec in ALGORITHMS.items() if spec.rollout == rollout]
+
+
+def fsdp_algorithms() -> list[str]:
+    """The algorithms `trainer.sharding: fsdp` runs (`AlgorithmSpec.fsdp`)."""
+    return [name for name, spec in ALGORITHMS.items() if spec.fsdp]
+
+
+def algorithm_choices() -> str:
+    """The `trainer.algorithm` values by rollout, for the config's description."""
+    return (f"{', '.join(algorithms_with('sde_window'))} (SDE window, log-probs) or "
+            f"{', '.join(algorithms_with('clean_latent'))} (forward process: the clean latent of an ODE rollout)")
+
 
 def cfg_free_rollout(algorithm: str, options: dict) -> bool:
     """Whether `algorithm` with `options` (a `trainer.algorithm_options` dict) rolls out, and so trains, the CFG-free

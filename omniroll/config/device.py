@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import re
 
+from omniroll.config.algorithms import fsdp_algorithms
+
 #: trainer.device values: the CPU, CUDA's current device, or CUDA device N
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
-#: the algorithms `trainer.sharding: fsdp` runs: the SDE-window ones (their rows are what its zero-weight micro-batch
-#: scores; nft would also keep a second, unsharded copy of the trained weights)
-FSDP_ALGORITHMS = ("flow_grpo", "grpo_guard", "dance_grpo", "tree_grpo")
 
 
 def trainer_device(config) -> str:
@@ -75,8 +74,8 @@ def check_trainer_device(config) -> None:
     if tc.sharding == "fsdp":
         problems = [f"trainer.mode full (got {tc.mode})" if tc.mode != "full" else "",
                     f"trainer.world_size > 1 (got {tc.world_size})" if tc.world_size < 2 else "",
-                    f"trainer.algorithm in {list(FSDP_ALGORITHMS)} (got {tc.algorithm})"
-                    if tc.algorithm not in FSDP_ALGORITHMS else "",
+                    f"trainer.algorithm in {fsdp_algorithms()} (got {tc.algorithm})"
+                    if tc.algorithm not in fsdp_algorithms() else "",
                     f"trainer.max_staleness 0 (got {tc.max_staleness})" if tc.max_staleness else "",
                     f"trainer.old_log_prob rollout (got {tc.old_log_prob})" if tc.old_log_prob != "rollout" else ""]
         problems = [p for p in problems if p]

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from omniroll.config.algorithms import ALGORITHMS, AlgorithmName
+from omniroll.config.algorithms import ALGORITHMS, AlgorithmName, algorithm_choices
 from omniroll.config.sections import Placement, Resources, _Strict
 from omniroll.engine.params import DtypeName
 
@@ -120,9 +120,7 @@ class TrainerSection(_Strict):
     rewards from `reward`; validation images from `val_kwargs` (ODE). `algorithm` picks the objective
     (omniroll/train/algorithms/); omniroll/config/algorithms.py says which keys each one reads."""
 
-    algorithm: AlgorithmName = Field("flow_grpo", description="flow_grpo, grpo_guard, dance_grpo, tree_grpo "
-                                     "(SDE window, log-probs) or nft, awm (forward process: the clean latent of an ODE "
-                                     "rollout)")
+    algorithm: AlgorithmName = Field("flow_grpo", description=algorithm_choices())
     algorithm_options: dict[str, Any] = Field(default_factory=dict, description="the chosen algorithm's own options "
                                               "(omniroll/config/algorithms.py), with its reference defaults")
     steps: int = Field(20, ge=1, le=10**7, description="training steps (--steps overrides it)")

@@ -1,6 +1,6 @@
 """`omniroll.train`: the trainer (layer 8: it builds on agent_loop, weights, sampling; nothing below imports it), with
-the algorithms of `trainer.algorithm` in `omniroll.train.algorithms` (flow_grpo, grpo_guard, dance_grpo, tree_grpo, nft,
-awm).
+the algorithms of `trainer.algorithm` in `omniroll.train.algorithms` (one file each; their list:
+`omniroll.config.algorithms.ALGORITHMS`).
 
 Public pieces for a custom loop: `TrajectoryBatch` (the rows a rollout returns), `CleanBatch` (the rows of a
 forward-process rollout), `recompute_log_probs` (the rollout's log-prob under the current weights, with autograd,
@@ -15,7 +15,8 @@ from omniroll.train.policy import Policy
 from omniroll.train.recompute import enable_gradient_checkpointing, recompute_log_probs, trajectory_velocity
 from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.advantages import Advantages, group_advantages
-from omniroll.train.algorithms.ppo import LossTerms, decoupled_ppo_loss, kl_to_reference, ppo_clip_loss
+from omniroll.train.algorithms.ppo import decoupled_ppo_loss, kl_to_reference, ppo_clip_loss
+from omniroll.train.algorithms.terms import LossTerms
 from omniroll.train.clean_batch import CleanBatch
 from omniroll.train.report.signal_check import LearningSignalCheck, NoLearningSignal
 

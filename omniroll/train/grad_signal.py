@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from omniroll.sampling.seeds import signal_halves_seed
+from omniroll.train.algorithms.terms import LossInput
 
 
 def signal_halves(uids: Sequence, seed: int, step: int) -> Optional[torch.Tensor]:
@@ -148,8 +149,8 @@ def group_gradients(policy, algorithm, rows, advantages: torch.Tensor, uids: Seq
         mb = rows.rows(idx)
         T = algorithm.num_terms(mb, anchors)
         for k in range(T):
-            terms = algorithm.loss(policy, mb, idx, advantages[idx], k, anchors, plan, epoch=0, chunk=c,
-                                   first_update=True)
+            terms = algorithm.loss(LossInput(policy, mb, idx, advantages[idx], k, anchors, plan, epoch=0, chunk=c,
+                                             first_update=True))
             (terms.loss * (len(idx) / T)).backward()
         out[u] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
                             for p in params])

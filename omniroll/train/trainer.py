@@ -26,10 +26,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from omniroll.agent_loop.batch import DataBatch, prompt_batch
+from omniroll.agent_loop.batch import DataBatch
 from omniroll.config import OmniRollConfig, load_config
-from omniroll.config.device import check_device_here, gradient_checkpointing, trainer_device, trainer_dtype
-from omniroll.sampling.seeds import batch_prompt_uid, prompt_order_seed
+from omniroll.config.device import check_device_here, gradient_checkpointing, trainer_dtype
 from omniroll.train import checkpoint
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.async_rollout import RolloutPipeline, regenerate_in_flight
@@ -37,9 +36,9 @@ from omniroll.train.colocation import Colocation
 from omniroll.train.component_signal import ComponentWindow, step_components
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
-from omniroll.train.local_update import LocalUpdate
 from omniroll.train.micro_batches import group_index
-from omniroll.train.parallel.distributed import RankGroup, TrainerRankError, adopt_rank0
+from omniroll.train.parallel.distributed import TrainerRankError
+from omniroll.train.parallel.updater import driver_device, start_updater
 from omniroll.train.policy import Policy
 from omniroll.train.report import tracking
 from omniroll.train.report.held_out import HeldOutRewards
@@ -50,6 +49,7 @@ from omniroll.train.report.stage_memory import StageMemory
 from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
 from omniroll.train.report.validation import run_validation, validation_guidance
+from omniroll.train.step_prompts import step_prompt_batch
 from omniroll.train.versions import VersionStore, WeightVersionError, trainable_rows
 from omniroll.train.weight_push import WeightPush, WeightPushError
 
@@ -73,8 +73,7 @@ class Trainer:
         self.version = 0  # weights version on every replica
         self.cluster = None  # omniroll.agent_loop.cluster.RolloutCluster while started (its replicas, manager)
         self.push: Optional[WeightPush] = None  # the weights to the cluster's replicas (train/weight_push.py)
-        self.ranks: Optional[RankGroup] = None  # the data-parallel update's ranks (trainer.world_size > 1)
-        self.updater: Optional[LocalUpdate | RankGroup] = None  # who runs the step's update: this process or the ranks
+        self.updater = None  # who runs the step's update: this process or the ranks (train/parallel/updater.py)
         self.ray_address = ray_address  # a cluster to join (default: RAY_ADDRESS, else a local Ray)
         self.history: list[dict] = []
         self.interrupts = DeferredInterrupt()
@@ -108,8 +107,7 @@ class Trainer:
         from omniroll.agent_loop.cluster import RolloutCluster
 
         cfg = self.config
-        # the ranks compute on their own device (train/parallel/rank.py)
-        self.device = trainer_device(cfg) if self.tc.world_size == 1 else "cpu"
+        self.device = driver_device(cfg)  # the ranks compute on their own device (train/parallel/rank.py)
         check_device_here(self.device, trainer_dtype(cfg))  # before anything loads
         if self.tc.num_threads is not None:  # restored by close()
             self._threads_before = torch.get_num_threads()
@@ -137,11 +135,9 @@ class Trainer:
                                log=self.log)
         if self.colocation is not None:
             self.colocation.check(self.replicas, self.device)
-        if self.tc.world_size > 1:  # the driver's optimizer carries only the state the ranks start from
-            self.ranks = RankGroup(cfg, self.cluster.model, os.path.join(self.out_dir, "rank_state"), self.log).start(
-                self.policy, self.optimizer, self.algorithm, self.store, self._sharded_optimizer)
-        self.updater = (self.ranks if self.ranks is not None
-                        else LocalUpdate(self.policy, self.optimizer, self.algorithm, self.tc, self.memory))
+        self.updater = start_updater(cfg, self.cluster.model, self.out_dir, self.log, policy=self.policy,
+                                     optimizer=self.optimizer, algorithm=self.algorithm, store=self.store,
+                                     memory=self.memory, sharded_optimizer=self._sharded_optimizer)
         self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
@@ -173,10 +169,9 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
-        if self.ranks is not None:
-            self.ranks.close()
-            self.ranks = None
-        self.updater = None
+        if self.updater is not None:
+            self.updater.close()
+            self.updater = None
         if self.cluster is not None:
             self.cluster.close()  # the manager, reward workers, replicas, placement groups, Ray: in reverse
             self.cluster = None
@@ -294,14 +289,11 @@ class Trainer:
         reads = tc.signal_every > 0 and (step - 1) % tc.signal_every == 0  # the meter reads this step
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
-                          decoupled=K > 0 or tc.old_log_prob == "recompute", halves=signal_halves(uids, tc.seed, step),
-                          signal=reads, groups=group_index(uids),
+                          halves=signal_halves(uids, tc.seed, step), signal=reads, groups=group_index(uids),
                           components=step_components(self.config, out, uids, self.device) if reads else None)
         with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
-            res = self.updater.update(traj, advantages, uids, plan)
-            if "weights" in res:  # the ranks trained: this process adopts rank 0's weights and algorithm state
-                adopt_rank0(res, self.policy, self.algorithm)  # (the ranks keep the optimizer state)
-            self.memory.add("update", res["peak_bytes"])
+            res = self.updater.update(traj, advantages, uids, plan)  # the policy holds the trained weights after it
+            self.memory.add("update", res.peak_bytes)
             t2 = time.time()
             # 4. Sync: the new weights to the replicas (woken first when colocated).
             wake_s = self.colocation.wake(self.replicas) if self.colocation is not None else None
@@ -312,7 +304,7 @@ class Trainer:
             self.step_done = step
             t3 = time.time()
             # 5. Report: the step's record (report/step_record.py), the step line, metrics.jsonl, the trackers.
-            stats = res["stats"]
+            stats = res.stats
             signal = {**self.signal_window.metrics(signal_metrics(stats.grad_cos, stats.signal_rows_a,
                                                                   stats.signal_rows_b)),
                       **self.component_window.metrics(stats.component_cos)}
@@ -333,15 +325,8 @@ class Trainer:
                               lambda: asyncio.run(self._rollout(step)), self.log)
 
     async def _rollout(self, step: int) -> DataBatch:
-        n, P = self.config.n, self.tc.prompts_per_step
-        g = torch.Generator().manual_seed(prompt_order_seed(self.tc.seed, step))
-        picks = torch.randperm(len(self.prompts), generator=g)[:P].tolist()
-        meta = {"global_steps": step, "rollout_seed": self.config.seed or 0}
-        overrides = self.algorithm.sampling_overrides(step)  # its rollout contract, its SDE window this step
-        if overrides:
-            meta["sampling_params"] = overrides
-        # uid: the prompt's index in the training prompt list (the same function as the CLI's position uid)
-        batch = prompt_batch(self.prompts, n, batch_prompt_uid, indices=picks, data_source="train", meta_info=meta)
+        batch = step_prompt_batch(self.prompts, self.config.n, self.tc.prompts_per_step, self.tc.seed, step,
+                                  self.config.seed or 0, self.algorithm.sampling_overrides(step))
         return await self.manager.generate_sequences_async(batch)
 
     def _sync(self, version: int) -> None:
@@ -373,8 +358,7 @@ class Trainer:
         return rec
 
     def save_checkpoint(self) -> str:
-        optimizer, files = ((self.optimizer.state_dict(), None) if self.ranks is None  # or the ranks' (parallel/)
-                            else self.ranks.optimizer_state(self.step_done))
+        optimizer, files = self.updater.optimizer_state(self.step_done)  # this process's, or the ranks' files
         return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store,
                                            state=checkpoint.run_state(self, optimizer), files=files)
 

@@ -1,9 +1,11 @@
 """The update of one step: inner epochs over shuffled micro-batches, each micro-batch's loss terms (the algorithm's:
 window steps, training timesteps), gradient accumulation, grad-norm clip, optimizer steps.
 
-The loop is the same for every algorithm (omniroll/train/algorithms/); it measures `ratio_max_abs_dev` (the maximum
-of the terms' `deviation` before the first optimizer update: 0.0 when the trained weights compute exactly what the
-sampler computed), averages the terms' metrics and sums, per denoising step index, the ratios of the terms that
+The loop is the same for every algorithm (omniroll/train/algorithms/): each loss term's inputs are one `LossInput`
+(omniroll/train/algorithms/terms.py), and what a term scored before the first optimizer update returns as
+`LossTerms.first_pass` comes back to the same rows' later passes of that term. It measures `ratio_max_abs_dev` (the
+maximum of the terms' `deviation` before the first optimizer update: 0.0 when the trained weights compute exactly what
+the sampler computed), averages the terms' metrics and sums, per denoising step index, the ratios of the terms that
 report their steps (`ratio_steps`: omniroll/train/ratio_steps.py; the loss's own ratios, no extra forward).
 
 Each micro-batch's loss (a mean over its rows) is scaled by its rows' share of its optimizer step (rows / (the step's
@@ -19,12 +21,13 @@ on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan
+from omniroll.train.algorithms.terms import LossInput
 from omniroll.train.component_signal import ZERO, ComponentGradients
 from omniroll.train.grad_signal import HalfGradient
 from omniroll.train.ratio_steps import add_step_sums, ratio_step_sums
@@ -58,6 +61,25 @@ class UpdateStats:
 
 
 @dataclass
+class UpdateResult:
+    """What the step's update returns (`LocalUpdate.update` in the trainer's process, `RankGroup.update` merged over
+    the data-parallel ranks), read by the trainer and the step's record (omniroll/train/report/step_record.py).
+    stats: the inner epochs' `UpdateStats`; prepared: the metrics of the algorithm's anchors (`Anchors.metrics`);
+    after: its after-update metrics (NFT's old-weight decay); move: how far the update moved the policy
+    (omniroll/train/report/policy_move.py); recompute_s: the anchors' seconds; move_s: the policy-move snapshots'
+    seconds; peak_bytes: the largest rank's peak device memory in the update (None: the trainer's own `StageMemory`
+    measures its process, or the device reports none)."""
+
+    stats: UpdateStats
+    prepared: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    move: dict = field(default_factory=dict)
+    recompute_s: float = 0.0
+    move_s: float = 0.0
+    peak_bytes: Optional[int] = None
+
+
+@dataclass
 class GradientShare:
     """One data-parallel rank's part of the update (module doc). rows_per_update: the rows of every global optimizer
     step of an inner epoch (all ranks); all_reduce: sums the parameters' gradients over the ranks, in place;
@@ -86,6 +108,7 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
     dev, clipped, total, kls, approx, losses, plosses, norms = 0.0, 0, 0, [], [], [], [], []
     b_sum, b_dev, capped, b_total = 0.0, 0.0, 0, 0
     step_sums: dict = {}
+    first_pass: dict[int, torch.Tensor] = {}  # term -> [B]: what the terms scored before the first update return
     updates = 0
     meter = None
     if plan.signal and plan.halves is not None:
@@ -126,17 +149,21 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                 #    weighted by the micro-batch's share of its accumulation group's rows (all ranks').
                 T = algorithm.num_terms(mb, anchors)
                 for k in range(T):
-                    terms = algorithm.loss(policy, mb, idx, adv, k, anchors, plan, epoch=epoch, chunk=c,
-                                           first_update=updates == 0)
+                    inp = LossInput(policy, mb, idx, adv, k, anchors, plan, epoch=epoch, chunk=c,
+                                    first_update=updates == 0,
+                                    first_pass=first_pass[k][idx] if k in first_pass else None)
+                    terms = algorithm.loss(inp)
                     scale = len(idx) / (group_rows[u] * T)
                     (terms.loss * scale).backward()
                     if parts is not None and updates == 0:  # the same term with each component's advantages
                         for name, a in part_adv.items():
-                            parts.add(name, lambda a=a: (algorithm.loss(
-                                policy, mb, idx, a[idx], k, anchors, plan, epoch=epoch, chunk=c,
-                                first_update=True).loss * scale).backward())
+                            parts.add(name, lambda a=a: (algorithm.loss(replace(inp, adv=a[idx])).loss
+                                                         * scale).backward())
                     if updates == 0:
                         dev = max(dev, float(terms.deviation.max()))
+                        if terms.first_pass is not None:  # handed back to these rows' later passes of term k
+                            first_pass.setdefault(k, torch.full((B,), float("nan"), dtype=terms.first_pass.dtype,
+                                                                device=terms.first_pass.device))[idx] = terms.first_pass
                     clipped += int(terms.clipped.sum())
                     if terms.behaviour_ratio is not None:
                         b_total += len(idx)

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from omniroll.train.algorithms.base import UpdatePlan
-from omniroll.train.algorithms.forward import ForwardProcessAlgorithm, TimestepAnchors
-from omniroll.train.algorithms.ppo import LossTerms, with_kl
+from omniroll.train.algorithms.forward import ForwardProcessAlgorithm
+from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -47,16 +46,14 @@ def awm_policy_loss(v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, adv:
 
 class AWM(ForwardProcessAlgorithm):
     name = "awm"
-    title = "AWM"
     skip_first_timestep = True
 
     def timesteps_per_row(self, rows: CleanBatch) -> int:
         return self.options.train_timesteps
 
-    def loss(self, policy, mb: CleanBatch, idx, adv, term, anchors: TimestepAnchors, plan: UpdatePlan, *, epoch,
-             chunk, first_update) -> LossTerms:
-        o, tc = self.options, self.tc
-        n = self.noised(mb, idx, adv, term, anchors, plan, epoch, chunk)  # the term's rows: one forward
+    def loss(self, inp: LossInput) -> LossTerms:
+        o, tc, policy = self.options, self.tc, inp.policy
+        n = self.noised(inp)  # the term's rows: one forward
         mb, adv, t, x_t = n.rows, n.adv, n.t, n.x_t
         v = mb.velocity(policy.adapter, x_t, t)
         policy_loss, ratio = awm_policy_loss(v, n.eps - mb.x0, t, adv / tc.adv_clip_max, o.weighting, o.huber_p,

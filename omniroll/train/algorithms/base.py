@@ -9,17 +9,20 @@ A step, as the loop drives it:
     anchors   = algo.prepare(policy, rows, plan)          # its declared `Anchors`, computed before the inner epochs
     for each epoch, for each micro-batch of algo.micro_batches(rows, plan, epoch),
         for term in range(algo.num_terms(mb, anchors)):
-            algo.loss(policy, mb, idx, adv[idx], term, anchors, plan).loss.backward()   (omniroll/train/update.py)
+            algo.loss(LossInput(policy, mb, idx, adv[idx], term, anchors, plan, ...)).loss.backward()
+                                                                          (omniroll/train/update.py)
     metrics   = anchors.metrics | algo.after_update(policy, step)   # e.g. NFT's old-adapter decay
     with algo.sampling_weights(policy): sync              # the weights the replicas sample with
 
 `prepare` hands what it computes to `loss` only through the `Anchors` it returns (each algorithm declares its own
 subclass: Flow-GRPO's window steps and behaviour / proximal log-probs, the forward-process algorithms' training
-timesteps), never through attributes set on the algorithm; what an algorithm keeps across steps (NFT's old weights)
-is its state (`state_dict`).
+timesteps), never through attributes set on the algorithm; `loss` reads them and writes nothing (its inputs and
+result: omniroll/train/algorithms/terms.py). What an algorithm keeps across steps (NFT's old weights) is its state
+(`state_dict`).
 
-Its configuration (options with the reference defaults, which shared `trainer.*` keys it reads, the rollout it
-needs) is declared in omniroll/config/algorithms.py.
+Its configuration and facts (options with the reference defaults, which shared `trainer.*` keys it reads, the rollout
+it needs, whether FSDP runs it, whether its stale loss is decoupled) are declared in omniroll/config/algorithms.py
+(`self.spec`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 
+from omniroll.config.algorithms import ALGORITHMS, AlgorithmSpec
 from omniroll.sampling.seeds import noise_term_seed, shuffle_seed
 from omniroll.train.advantages import Advantages, batch_components, gdpo_advantages, group_advantages
-from omniroll.train.algorithms.ppo import LossTerms
+from omniroll.train.algorithms.terms import LossInput, LossTerms
 from omniroll.train.micro_batches import EpochPlan, epoch_micro_batches
 
 
@@ -54,7 +58,6 @@ class UpdatePlan:
     per_update: Optional[int] = None
     versions: Optional[torch.Tensor] = None
     store: Any = None
-    decoupled: bool = False
     halves: Optional[torch.Tensor] = None
     signal: bool = False
     groups: Optional[torch.Tensor] = None
@@ -90,14 +93,19 @@ class Algorithm(ABC):
     """config: the whole OmniRollConfig (its `trainer` section chose this algorithm); adapter: the trainer's model
     (what its family takes, e.g. how CFG is turned off)."""
 
-    name: ClassVar[str]
-    title: ClassVar[str]  # as papers and plots write it, e.g. 'Flow-GRPO'
+    name: ClassVar[str]  # its `trainer.algorithm` name: the name of its file and of its `ALGORITHMS` entry
 
     def __init__(self, config, adapter):
         self.config = config
         self.adapter = adapter
         self.tc = config.trainer
         self.options = self.tc.options()
+        self.spec: AlgorithmSpec = ALGORITHMS[self.name]  # its declared facts (omniroll/config/algorithms.py)
+
+    @property
+    def title(self) -> str:
+        """Its name as papers and plots write it, e.g. 'Flow-GRPO' (`AlgorithmSpec.title`)."""
+        return self.spec.title
 
     # ------------------------------------------------------------------ the rollout
     @abstractmethod
@@ -147,10 +155,9 @@ class Algorithm(ABC):
         """Loss terms per micro-batch (window steps, training timesteps)."""
 
     @abstractmethod
-    def loss(self, policy, mb, idx: torch.Tensor, adv: torch.Tensor, term: int, anchors: Anchors, plan: UpdatePlan,
-             *, epoch: int, chunk: int, first_update: bool) -> LossTerms:
-        """One loss term of micro-batch `mb` (rows `idx` of the step's batch, advantages `adv`, the step's
-        `anchors`)."""
+    def loss(self, inp: LossInput) -> LossTerms:
+        """Loss term `inp.term` of micro-batch `inp.mb` (rows `inp.idx` of the step's batch, advantages `inp.adv`, the
+        step's read-only `inp.anchors`)."""
 
     def after_update(self, policy, step: int) -> dict:
         """After the step's last optimizer update, before the sync. Returns metrics."""

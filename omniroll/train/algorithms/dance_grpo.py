@@ -33,7 +33,6 @@ def trained_steps(num_rows: int, num_steps: int, fraction: float, seed: int, ste
 
 class DanceGRPO(FlowGRPO):
     name = "dance_grpo"
-    title = "DanceGRPO"
 
     def train_steps(self, rows: TrajectoryBatch, plan: UpdatePlan) -> torch.Tensor:
         return trained_steps(len(rows), rows.num_steps, self.options.timestep_fraction, plan.seed, plan.step)

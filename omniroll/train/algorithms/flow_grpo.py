@@ -13,15 +13,15 @@ DanceGRPO and GRPO-Guard reuse this rollout and its anchors (dance_grpo.py, grpo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from omniroll.sampling.window import window_for_step
 from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan
-from omniroll.train.algorithms.ppo import (LossTerms, decoupled_ppo_loss, density_log_ratio_scale, kl_to_reference,
-                                           ppo_clip_loss)
+from omniroll.train.algorithms.ppo import decoupled_ppo_loss, density_log_ratio_scale, kl_to_reference, ppo_clip_loss
+from omniroll.train.algorithms.terms import LossInput, LossTerms
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.versions import behaviour_and_replay
@@ -34,8 +34,9 @@ REPLAY_ROWS = 2
 class WindowAnchors(Anchors):
     """Flow-GRPO's anchors (and DanceGRPO's). steps_of [B, terms]: the window step each loss term of a row trains;
     behaviour [B, W]: the behaviour log-probs recomputed under the versions that ran them (None: the recorded ones
-    are the anchor); prox [B, W]: the decoupled loss's proximal log-probs (None: not decoupled; NaN where the step's
-    first pass fills them in)."""
+    are the anchor); prox [B, W]: the decoupled loss's proximal log-probs (None: not decoupled; NaN for the rows the
+    step's first pass scores before its first optimizer update: their anchor is that pass's own log-prob, which the
+    update loop hands back to their later passes as `LossInput.first_pass`)."""
 
     steps_of: Optional[torch.Tensor] = None
     behaviour: Optional[torch.Tensor] = None
@@ -44,9 +45,6 @@ class WindowAnchors(Anchors):
 
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
-    title = "Flow-GRPO"
-    #: with stale samples (max_staleness >= 1), the decoupled PPO of ppo.py (GRPO-Guard anchors at the behaviour)
-    uses_decoupled_loss = True
 
     # ------------------------------------------------------------------ the rollout
     def sampling_overrides(self, step: int) -> dict:
@@ -61,15 +59,22 @@ class FlowGRPO(Algorithm):
         return TrajectoryBatch.from_batch(batch)
 
     # ------------------------------------------------------------------ the anchors
+    def off_policy(self) -> bool:
+        """Whether this run's behaviour log-probs are an anchor of their own: its rows may have been sampled by older
+        weights (`max_staleness` >= 1) or their log-probs are recomputed (`old_log_prob: recompute`). Then a
+        decoupled algorithm (`AlgorithmSpec.decoupled`) trains the decoupled PPO against proximal anchors; GRPO-Guard
+        anchors its ratio at the behaviour."""
+        return self.tc.max_staleness > 0 or self.tc.old_log_prob == "recompute"
+
     def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> WindowAnchors:
         """The behaviour log-probs (recorded, or recomputed under the versions that ran them), the decoupled loss's
         proximal anchors for rows scored after the first update, and which window step each term trains."""
         tc = self.tc
         behaviour, replay_dev = behaviour_and_replay(
-            plan.store, rows, plan.versions, old_log_prob=tc.old_log_prob, decoupled=plan.decoupled,
+            plan.store, rows, plan.versions, old_log_prob=tc.old_log_prob, decoupled=self.off_policy(),
             micro_batch_size=plan.micro_batch_size, replay_rows=REPLAY_ROWS)
         prox = None
-        if behaviour is not None and self.uses_decoupled_loss:
+        if behaviour is not None and self.spec.decoupled:
             prox = self._prox_anchors(policy, rows, plan)
         return WindowAnchors(metrics={"behaviour_replay_max_abs_dev": replay_dev},
                              steps_of=self.train_steps(rows, plan), behaviour=behaviour, prox=prox)
@@ -109,23 +114,25 @@ class FlowGRPO(Algorithm):
         return kl_to_reference(out.mean, ref_out.mean, out.std, view.sigmas_next[:, 0] - view.sigmas[:, 0],
                                view.sde_type)
 
-    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, anchors: WindowAnchors, plan, *, epoch, chunk,
-             first_update) -> LossTerms:
-        steps = anchors.steps_of[idx, term]
-        view = mb.at_steps(steps)
-        out = recompute_log_probs(policy.adapter, view, 0)
-        kl = self.kl(policy, view, out)
-        tc = self.tc
+    def loss(self, inp: LossInput) -> LossTerms:
+        anchors, idx, adv, tc = inp.anchors, inp.idx, inp.adv, self.tc
+        steps = anchors.steps_of[idx, inp.term]
+        view = inp.mb.at_steps(steps)
+        out = recompute_log_probs(inp.policy.adapter, view, 0)
+        kl = self.kl(inp.policy, view, out)
+        first_pass = None
         if anchors.prox is None:
             old = view.log_probs[:, 0] if anchors.behaviour is None else anchors.behaviour[idx, steps]
             terms = ppo_clip_loss(out.log_prob, old, adv, tc.clip_range, kl, tc.kl_beta)
         else:
             p = anchors.prox[idx, steps]
-            if first_update:  # before the first update: unset rows take this very pass's value
-                p = torch.where(torch.isnan(p), out.log_prob.detach().float(), p)
-                anchors.prox[idx, steps] = p
+            # the rows scored before the step's first update (NaN) are anchored at that pass's own log-prob
+            scored = out.log_prob.detach().float() if inp.first_update else inp.first_pass
+            if scored is not None:
+                p = torch.where(torch.isnan(p), scored, p)
+            first_pass = p if inp.first_update else None
             terms = decoupled_ppo_loss(out.log_prob, p, anchors.behaviour[idx, steps], adv, tc.clip_range,
                                        tc.behaviour_weight_cap, kl, tc.kl_beta,
                                        density_log_ratio_scale(out.std, view.sde_type, view.latents[0, 0].numel()))
-        terms.steps = mb.denoising_steps(steps)  # the per-timestep statistics (omniroll/train/ratio_steps.py)
-        return terms
+        # the per-timestep statistics (omniroll/train/ratio_steps.py)
+        return replace(terms, steps=inp.mb.denoising_steps(steps), first_pass=first_pass)

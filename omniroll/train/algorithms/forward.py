@@ -18,6 +18,7 @@ import torch
 from omniroll.config.algorithms import cfg_free_rollout
 from omniroll.sampling.seeds import training_timesteps_seed
 from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan, term_generator
+from omniroll.train.algorithms.terms import LossInput
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -91,16 +92,16 @@ class ForwardProcessAlgorithm(Algorithm):
         k = self.options.timesteps_per_forward
         return range(term * k, min((term + 1) * k, int(anchors.t_of.shape[1])))
 
-    def noised(self, mb: CleanBatch, idx: torch.Tensor, adv: torch.Tensor, term: int, anchors: TimestepAnchors,
-               plan: UpdatePlan, epoch: int, chunk: int) -> NoisedTerm:
-        """One loss term's rows: the micro-batch's rows once per timestep of the term, stacked (timestep-major). Each
-        timestep's eps comes from its own generator (seed, step, epoch, micro-batch, timestep), so the rows are those
-        of one forward per timestep whatever `timesteps_per_forward` is."""
-        columns = self.term_timesteps(term, anchors)
+    def noised(self, inp: LossInput) -> NoisedTerm:
+        """Loss term `inp.term`'s rows: the micro-batch's rows once per timestep of the term, stacked
+        (timestep-major). Each timestep's eps comes from its own generator (seed, step, epoch, micro-batch, timestep),
+        so the rows are those of one forward per timestep whatever `timesteps_per_forward` is."""
+        mb, adv, anchors, plan = inp.mb, inp.adv, inp.anchors, inp.plan
+        columns = self.term_timesteps(inp.term, anchors)
         ts, epss, xs = [], [], []
         for j in columns:
-            t = anchors.t_of[idx, j].float()
-            g = term_generator(plan.seed, plan.step, epoch, chunk, j)
+            t = anchors.t_of[inp.idx, j].float()
+            g = term_generator(plan.seed, plan.step, inp.epoch, inp.chunk, j)
             eps = torch.randn(mb.x0.shape, generator=g).to(mb.x0.device)  # drawn on the CPU: the same on any device
             tv = t.view((-1,) + (1,) * (mb.x0.ndim - 1))
             ts.append(t)

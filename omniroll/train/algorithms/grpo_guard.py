@@ -18,14 +18,15 @@ rollout's, by batch invariance). Rollout: Flow-SDE only (`algo.sde_type: sde`). 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.flow_grpo import FlowGRPO, WindowAnchors
-from omniroll.train.algorithms.ppo import LossTerms, clipped_surrogate, with_kl
+from omniroll.train.algorithms.ppo import clipped_surrogate
+from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.versions import log_probs_under_versions
@@ -62,8 +63,6 @@ class GuardAnchors(WindowAnchors):
 
 class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
-    title = "GRPO-Guard"
-    uses_decoupled_loss = False
 
     def prepare(self, policy, rows: TrajectoryBatch, plan: UpdatePlan) -> GuardAnchors:
         window = super().prepare(policy, rows, plan)
@@ -71,25 +70,25 @@ class GRPOGuard(FlowGRPO):
         return GuardAnchors(metrics=window.metrics, steps_of=window.steps_of, behaviour=window.behaviour,
                             prox=window.prox, old_mean=old_mean)
 
-    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, anchors: GuardAnchors, plan, *, epoch, chunk,
-             first_update) -> LossTerms:
-        steps = anchors.steps_of[idx, term]
+    def loss(self, inp: LossInput) -> LossTerms:
+        anchors, idx, mb = inp.anchors, inp.idx, inp.mb
+        steps = anchors.steps_of[idx, inp.term]
         view = mb.at_steps(steps)
-        out = recompute_log_probs(policy.adapter, view, 0)
+        out = recompute_log_probs(inp.policy.adapter, view, 0)
         old = view.log_probs[:, 0] if anchors.behaviour is None else anchors.behaviour[idx, steps]
         log_ratio = guard_log_ratio(out.log_prob, old, out.mean, anchors.old_mean[idx, steps], out.std)
         sqrt_dt = torch.sqrt(torch.clamp(view.sigmas[:, 0] - view.sigmas_next[:, 0], min=0.0))
-        terms = guard_loss(log_ratio, adv, self.tc.clip_range, sqrt_dt, self.kl(policy, view, out), self.tc.kl_beta)
-        terms.steps = mb.denoising_steps(steps)  # the per-timestep statistics (omniroll/train/ratio_steps.py)
-        terms.log_prob_diff = (out.log_prob - old).detach()  # the un-normalised difference its ratio is built from
+        terms = guard_loss(log_ratio, inp.adv, self.tc.clip_range, sqrt_dt, self.kl(inp.policy, view, out),
+                           self.tc.kl_beta)
+        extra = {"steps": mb.denoising_steps(steps),  # the per-timestep statistics (omniroll/train/ratio_steps.py)
+                 "log_prob_diff": (out.log_prob - old).detach()}  # the un-normalised difference its ratio is built from
         if anchors.behaviour is not None:
             # Stale rows: the ratio's anchor is the behaviour, so before the first update (theta = the step's proximal
             # weights) the ratio is the policy's move since the behaviour: logged under its own name,
             # behaviour_ratio_max_abs_dev (never truncated: no decoupled weight). ratio_max_abs_dev stays the
             # exactness check every algorithm logs: the recompute under the behaviour's version against the recorded
             # log-prob (0.0 on CPU).
-            if first_update:
-                terms.behaviour_ratio = terms.ratio
-                terms.behaviour_capped = torch.zeros_like(terms.clipped)
-            terms.deviation = (torch.exp(old - view.log_probs[:, 0]) - 1.0).abs()
-        return terms
+            if inp.first_update:
+                extra.update(behaviour_ratio=terms.ratio, behaviour_capped=torch.zeros_like(terms.clipped))
+            extra["deviation"] = (torch.exp(old - view.log_probs[:, 0]) - 1.0).abs()
+        return replace(terms, **extra)

@@ -21,8 +21,9 @@ replicas hold `old`'s weights, checked by version as for every algorithm). While
 step has been taken, v_old is v itself (one forward per term instead of two), except for the first term of the
 first micro-batch, which runs the old weights' forward so that the 0.0 is measured.
 
-Scaled here: the reference samples with a 10-step second-order DPM solver; omniroll's engine has one deterministic
-sampler, the Euler ODE, at the pipeline's steps.
+Scaled here: the reference samples with a 10-step second-order DPM solver (DPM-Solver++(2M)); the rollout samples with
+the pipeline's deterministic solver at its steps (`pipeline.solver`: the Euler ODE by default, `dpmpp_2m` the
+reference's, among the engine's solvers: docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.forward import ForwardProcessAlgorithm, TimestepAnchors
-from omniroll.train.algorithms.ppo import LossTerms, with_kl
+from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -72,7 +73,6 @@ def nft_policy_loss(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0:
 
 class NFT(ForwardProcessAlgorithm):
     name = "nft"
-    title = "DiffusionNFT"
 
     def __init__(self, config, adapter):
         super().__init__(config, adapter)
@@ -117,12 +117,11 @@ class NFT(ForwardProcessAlgorithm):
         return {"old_decay": d}
 
     # ------------------------------------------------------------------ the loss
-    def loss(self, policy, mb: CleanBatch, idx, adv, term, anchors: TimestepAnchors, plan: UpdatePlan, *, epoch,
-             chunk, first_update) -> LossTerms:
-        o, tc = self.options, self.tc
-        n = self.noised(mb, idx, adv, term, anchors, plan, epoch, chunk)  # the term's rows: one forward
+    def loss(self, inp: LossInput) -> LossTerms:
+        o, tc, policy = self.options, self.tc, inp.policy
+        n = self.noised(inp)  # the term's rows: one forward
         mb, adv, t, x_t = n.rows, n.adv, n.t, n.x_t
-        if self.old_is_theta and first_update and (chunk, term) != (0, 0):
+        if self.old_is_theta and inp.first_update and (inp.chunk, inp.term) != (0, 0):
             v = mb.velocity(policy.adapter, x_t, t)
             v_old = v.detach()  # old == theta and no optimizer step yet: the same forward, bitwise (the first term
         else:                   # of the first micro-batch still runs it, so ratio_max_abs_dev checks that)

@@ -1,7 +1,7 @@
 """The PPO-clip terms the log-prob algorithms share (Flow-GRPO, DanceGRPO; GRPO-Guard builds its own ratio): the clipped
 surrogate against the recorded log-prob (`ppo_clip_loss`), the asynchronous trainer's decoupled PPO
-(`decoupled_ppo_loss`, with `density_log_ratio_scale`), the KL to the reference (`kl_to_reference`), and `LossTerms`,
-what every algorithm's loss returns.
+(`decoupled_ppo_loss`, with `density_log_ratio_scale`), and the KL to the reference (`kl_to_reference`); each returns
+the `LossTerms` every algorithm's loss returns (omniroll/train/algorithms/terms.py, with `with_kl`).
 
 Decoupled PPO, per window step k of a row (A: its advantage, eps: clip_range, c: behaviour_weight_cap):
 
@@ -23,37 +23,11 @@ w reached 414, so used as w it corrected nothing. r keeps Flow-GRPO's mean conve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-
-@dataclass
-class LossTerms:
-    """One loss term of a micro-batch (every algorithm's `loss` returns it). `deviation` [B]: what the step's
-    exactness metric `ratio_max_abs_dev` takes the maximum of before the first optimizer update (|ratio - 1| for the
-    log-prob algorithms; the algorithm says what for the others)."""
-
-    loss: torch.Tensor  # scalar, with grad
-    policy_loss: torch.Tensor
-    kl: torch.Tensor
-    ratio: Optional[torch.Tensor]  # [B] detached (None: the algorithm has no likelihood ratio)
-    clipped: torch.Tensor  # [B] bool: |ratio - 1| > clip_range
-    approx_kl: torch.Tensor  # scalar: 0.5 mean((logp - old)^2)
-    behaviour_ratio: torch.Tensor | None = None  # [B] pi_prox / pi_behaviour before truncation (decoupled PPO only)
-    behaviour_capped: torch.Tensor | None = None  # [B] bool: behaviour_ratio > behaviour_weight_cap (truncated)
-    deviation: torch.Tensor | None = None  # [B]; None: |ratio - 1|
-    # the per-timestep ratio statistics (omniroll/train/ratio_steps.py), for an algorithm whose terms have a ratio:
-    steps: torch.Tensor | None = None  # [B] long: each row's denoising step index (None: not reported per step)
-    log_ratio: torch.Tensor | None = None  # [B] detached log of `ratio` (None: log(ratio))
-    log_prob_diff: torch.Tensor | None = None  # [B] detached logp_theta - logp_anchor (None: log_ratio)
-
-    def __post_init__(self):
-        if self.deviation is None:
-            self.deviation = (self.ratio - 1.0).abs()
-        if self.log_ratio is None and self.ratio is not None:
-            self.log_ratio = torch.log(self.ratio)
+from omniroll.train.algorithms.terms import LossTerms, with_kl
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
@@ -61,14 +35,6 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_range:
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     return torch.maximum(unclipped, clipped)
-
-
-def with_kl(policy_loss: torch.Tensor, kl: Optional[torch.Tensor], kl_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KL tail every algorithm shares: (loss, kl_term) with kl_term = mean(kl) (0 without one) and loss =
-    policy_loss + kl_beta * kl_term when there is a KL and kl_beta > 0, else policy_loss."""
-    kl_term = kl.mean() if kl is not None else torch.zeros((), dtype=policy_loss.dtype)
-    loss = policy_loss + kl_beta * kl_term if kl is not None and kl_beta > 0 else policy_loss
-    return loss, kl_term
 
 
 def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float,

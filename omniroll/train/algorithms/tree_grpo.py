@@ -23,12 +23,14 @@ first optimizer update (`ratio_max_abs_dev == 0.0`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from omniroll.train.advantages import Advantages
 from omniroll.train.algorithms.base import UpdatePlan
-from omniroll.train.algorithms.flow_grpo import FlowGRPO, WindowAnchors
-from omniroll.train.algorithms.ppo import LossTerms
+from omniroll.train.algorithms.flow_grpo import FlowGRPO
+from omniroll.train.algorithms.terms import LossInput, LossTerms
 from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.tree_advantages import node_advantages, tree_step_advantages
 
@@ -53,7 +55,6 @@ def tree_trained_steps(step_indices: torch.Tensor, fork_steps, trained_steps: st
 
 class TreeGRPO(FlowGRPO):
     name = "tree_grpo"
-    title = "Tree-GRPO"
 
     def advantages(self, rewards: torch.Tensor, groups, batch=None) -> Advantages:
         """[B, W] advantages, one per recorded step (module doc), from the rollout batch's `tree_path` and
@@ -83,10 +84,8 @@ class TreeGRPO(FlowGRPO):
         return tree_trained_steps(rows.step_indices, self.config.algo.tree.fork_steps,
                                   self.options.trained_steps)
 
-    def loss(self, policy, mb: TrajectoryBatch, idx, adv, term, anchors: WindowAnchors, plan, *, epoch, chunk,
-             first_update) -> LossTerms:
-        """Flow-GRPO's loss of the term's window step, with that step's advantage (adv: [b, W])."""
-        steps = anchors.steps_of[idx, term]
-        step_adv = adv[torch.arange(len(idx), device=adv.device), steps.to(adv.device)]
-        return super().loss(policy, mb, idx, step_adv, term, anchors, plan, epoch=epoch, chunk=chunk,
-                            first_update=first_update)
+    def loss(self, inp: LossInput) -> LossTerms:
+        """Flow-GRPO's loss of the term's window step, with that step's advantage (inp.adv: [b, W])."""
+        steps = inp.anchors.steps_of[inp.idx, inp.term]
+        step_adv = inp.adv[torch.arange(len(inp.idx), device=inp.adv.device), steps.to(inp.adv.device)]
+        return super().loss(replace(inp, adv=step_adv))

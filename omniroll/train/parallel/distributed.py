@@ -4,8 +4,9 @@ placement-group bundle each, the replicas' rules), in one torch.distributed proc
 
 The driver (`Trainer`) keeps the rollout, the advantages (on the whole batch), logging, checkpoints and the
 weight push. Each step `update` splits the batch by whole prompt groups (omniroll/train/parallel/shard.py), ships every
-rank its shard through the Ray object store, waits for all of them, and returns the merged metrics with rank 0's weights
-and algorithm state, which the driver adopts (it pushes the weights to the replicas). The optimizer state stays with the
+rank its shard through the Ray object store, waits for all of them, adopts rank 0's weights and algorithm state into
+the driver's policy and algorithm (what it pushes to the replicas, logs and checkpoints) and returns the merged
+`UpdateResult`. The optimizer state stays with the
 ranks, which write it to `state_dir` every step (each its shard under FSDP2, or rank 0 the replicated one); the driver
 reads it only to write a checkpoint (`optimizer_state`). A rank that dies or fails ends the step with
 `TrainerRankError`, one line naming the rank and its node; the other ranks are stopped, and the driver writes the last
@@ -24,6 +25,7 @@ import torch
 
 from omniroll.train.algorithms import UpdatePlan
 from omniroll.train.parallel.shard import merge_stats, rows_per_update, shard_by_groups
+from omniroll.train.update import UpdateResult
 
 
 class TrainerRankError(RuntimeError):
@@ -39,13 +41,6 @@ def adopt_weights(policy, weights: dict) -> None:
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(weights[k])
-
-
-def adopt_rank0(result: dict, policy, algorithm) -> None:
-    """Rank 0's weights and algorithm state after an update (`RankGroup.update`'s result) into the driver's own: what it
-    pushes, logs and checkpoints (the optimizer state stays with the ranks: `RankGroup.optimizer_state`)."""
-    adopt_weights(policy, result["weights"])
-    algorithm.load_state_dict(result["algorithm"])
 
 
 def merge_metrics(records: list[dict]) -> dict:
@@ -74,6 +69,8 @@ class RankGroup:
         self.nodes: list[Optional[str]] = []
         self.placement = None
         self.backend: Optional[str] = None
+        self.policy = None  # the driver's policy and algorithm, which adopt rank 0's after each update (`load`)
+        self.algorithm = None
 
     # ------------------------------------------------------------------ start / stop
     def start(self, policy, optimizer, algorithm, store, sharded_optimizer: Optional[str] = None) -> "RankGroup":
@@ -109,8 +106,10 @@ class RankGroup:
 
     def load(self, policy, optimizer, algorithm, store, sharded_optimizer: Optional[str] = None) -> None:
         """Give every rank `policy`'s trainable weights, the optimizer's (or `sharded_optimizer`'s) and the
-        algorithm's state and the kept versions."""
+        algorithm's state and the kept versions; `policy` and `algorithm` adopt rank 0's after each update."""
         import ray
+
+        self.policy, self.algorithm = policy, algorithm
 
         opt = None if sharded_optimizer is not None else optimizer.state_dict()
         self.started_from = (opt, sharded_optimizer)
@@ -155,11 +154,11 @@ class RankGroup:
             self.placement = None
 
     # ------------------------------------------------------------------ a step
-    def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> dict:
-        """Every rank's part of the step's update (`rows`: the whole batch; `uids`: its prompt groups). Returns
-        {"stats": merged UpdateStats, "prepared", "after", "move": merged metrics, "recompute_s", "move_s" and
-        "peak_bytes": the largest rank's (peak_bytes None on the CPU), "weights": rank 0's, "algorithm": its state}:
-        the result `omniroll.train.local_update.LocalUpdate.update` gives in one process, plus what to adopt."""
+    def update(self, rows, advantages: torch.Tensor, uids: list, plan: UpdatePlan) -> UpdateResult:
+        """Every rank's part of the step's update (`rows`: the whole batch; `uids`: its prompt groups); then the
+        driver's policy and algorithm hold rank 0's weights and state. Returns the ranks' results merged: the stats
+        (`merge_stats`), the metrics (`merge_metrics`), the slowest rank's seconds, the largest rank's peak_bytes (None
+        on the CPU): what `omniroll.train.local_update.LocalUpdate.update` returns in one process."""
         import ray
 
         # 1. Whole prompt groups per rank; the rows of every global optimizer step.
@@ -178,14 +177,16 @@ class RankGroup:
             refs.append(a.update.remote(ray.put(rows.rows(idx)), advantages[idx], part, versions, per,
                                         halves[idx] if halves is not None else None))
         outs = self._gather(refs, f"step {plan.step}'s update")
-        peaks = [o["peak_bytes"] for o in outs if o["peak_bytes"] is not None]
-        return {"stats": merge_stats([o["stats"] for o in outs]),
-                "prepared": merge_metrics([o["prepared"] for o in outs]),
-                "after": merge_metrics([o["after"] for o in outs]), "move": merge_metrics([o["move"] for o in outs]),
-                "recompute_s": max(o["recompute_s"] for o in outs), "move_s": max(o["move_s"] for o in outs),
-                "peak_bytes": max(peaks) if peaks else None,
-                "weights": outs[0]["weights"],
-                "algorithm": outs[0]["algorithm"]}
+        # 3. Rank 0's weights and algorithm state into the driver's (the optimizer state stays with the ranks).
+        adopt_weights(self.policy, outs[0].weights)
+        self.algorithm.load_state_dict(outs[0].algorithm)
+        res = [o.result for o in outs]
+        peaks = [r.peak_bytes for r in res if r.peak_bytes is not None]
+        return UpdateResult(stats=merge_stats([r.stats for r in res]),
+                            prepared=merge_metrics([r.prepared for r in res]),
+                            after=merge_metrics([r.after for r in res]), move=merge_metrics([r.move for r in res]),
+                            recompute_s=max(r.recompute_s for r in res), move_s=max(r.move_s for r in res),
+                            peak_bytes=max(peaks) if peaks else None)
 
     def rank_weights(self) -> list[dict]:
         """Every rank's trainable weights (tests: they stay equal)."""

@@ -19,7 +19,7 @@ import datetime
 import os
 import shutil
 import socket
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -31,7 +31,7 @@ from omniroll.train.algorithms import UpdatePlan, make_algorithm
 from omniroll.train.parallel import fsdp
 from omniroll.train.policy import Policy
 from omniroll.train.local_update import update_and_measure
-from omniroll.train.update import GradientShare
+from omniroll.train.update import GradientShare, UpdateResult
 from omniroll.train.versions import VersionStore
 
 #: elements per all-reduce of the gradients (the trainable parameters are reduced in buckets of about this size)
@@ -168,9 +168,9 @@ class TrainerRank:
         self.store.adopt(snapshots, current)
 
     def update(self, rows, advantages: torch.Tensor, plan: UpdatePlan, versions: Optional[torch.Tensor],
-               rows_per_update: list[int], halves: Optional[torch.Tensor] = None) -> dict:
-        """This rank's part of the step's update. Returns its stats and metrics (its policy move, its peak device
-        memory); writes its optimizer state (`save_optimizer_state`); rank 0 adds the trained weights and the
+               rows_per_update: list[int], halves: Optional[torch.Tensor] = None) -> "RankUpdate":
+        """This rank's part of the step's update. Returns its `UpdateResult` (its stats, its policy move, its peak
+        device memory); writes its optimizer state (`save_optimizer_state`); rank 0 adds the trained weights and the
         algorithm state (equal on every rank), which the driver adopts and pushes. `halves`: this shard's rows' half
         for the gradient-signal meter (None: no reading; always None under fsdp, whose gradients are sharded, and so are
         the plan's per-component advantages)."""
@@ -201,12 +201,11 @@ class TrainerRank:
         self.store.record(plan.step)
         # 3. The step's optimizer state on disk (the driver reads it only for a checkpoint); the weights to push.
         self.save_optimizer_state(plan.step)
-        out["peak_bytes"] = peak_bytes(self.device)
+        out = replace(out, peak_bytes=peak_bytes(self.device))
         weights = self.weights()  # a collective under FSDP2: every rank gathers
         if self.rank == 0:
-            out["weights"] = weights
-            out["algorithm"] = self.algorithm_state()
-        return out
+            return RankUpdate(out, weights, self.algorithm_state())
+        return RankUpdate(out)
 
     def save_optimizer_state(self, step: int) -> None:
         """Step `step`'s optimizer state under `state_dir`/step_NNNNNN: each rank its shard (fsdp), or rank 0 the
@@ -242,6 +241,16 @@ class TrainerRank:
         if self.group_started:
             dist.destroy_process_group()
             self.group_started = False
+
+
+@dataclass
+class RankUpdate:
+    """One rank's answer to `TrainerRank.update`: its `UpdateResult`, and from rank 0 the trained weights (name ->
+    tensor, on the CPU) and the algorithm's state, which the driver adopts (None from the other ranks)."""
+
+    result: UpdateResult
+    weights: Optional[dict] = None
+    algorithm: Optional[dict] = None
 
 
 def optimizer_state_path(state_dir: str, step: int) -> str:
