@@ -2,6 +2,7 @@
 mid-batch, streaming rewards, bad inputs."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -145,11 +146,16 @@ def test_replica_killed_mid_batch(cfg, replicas, tiny_sd3_path, ray_cluster):
     rows = rows + rows  # two samples per uid
     ref = asyncio.run(DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1])).generate_sequences(make_batch(rows)))
     victim = create_replicas(1, tiny_sd3_path, {"max_batch_size": 2}, num_cpus=0)[0]
+    ray_cluster.get(victim.health.remote())  # started: it takes its share of the batch from the first request on
     client = RolloutClient([victim, replicas[1]], timeout_s=60, unhealthy_s=60)
 
     async def go():
         task = asyncio.create_task(DiffusionAgentLoopWorker(cfg, client).generate_sequences(make_batch(rows)))
-        while client.in_flight[0] == 0 or client.served[1] == 0:
+        deadline = time.monotonic() + 120
+        while client.in_flight[0] == 0 or client.served[1] == 0:  # requests in flight on the victim, others served
+            assert not task.done() and time.monotonic() < deadline, (
+                f"the victim never held a request while the other replica served (in flight {client.in_flight}, "
+                f"served {client.served}): nothing to kill")
             await asyncio.sleep(0.005)
         ray_cluster.kill(victim, no_restart=True)  # with requests in flight there
         return await task

@@ -256,6 +256,10 @@ def test_every_registered_algorithm_is_configurable_trained_end_to_end_and_has_a
         rows = {m.group(1) for m in re.finditer(r"^\| `(\w+)` \|", f.read(), re.M)}
     missing = sorted(names - rows)
     assert not missing, f"docs/training/algorithms.md: no row of the algorithm table for {missing}"
+    with open(os.path.join(root, "README.md")) as f:
+        readme_row = next(line for line in f if line.startswith("| algorithms |"))
+    missing = sorted(ALGORITHMS[n].title for n in names if ALGORITHMS[n].title not in readme_row)
+    assert not missing, f"README.md: the features table's algorithms row does not name {missing}"
     monkeypatch.chdir(root)  # the recipes name their prompt files from the repository's root
     for name in names:  # one recipe per algorithm, so trying another one is one file
         path = os.path.join(root, "examples", f"shapes_{name}.yaml")
