@@ -77,7 +77,7 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
     from omniroll.train import Trainer
     from omniroll.train.algorithms import UpdatePlan
     from omniroll.train.grad_signal import fit_snr, group_gradients, samples_for_cos
-    from omniroll.train.versions import step_versions
+    from omniroll.train.staleness import step_versions
 
     cfg = load_config(config_path, overrides=overrides + ["trainer.evaluation=null", "trainer.logger=[jsonl]"])
     t0 = time.time()

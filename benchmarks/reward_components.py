@@ -91,7 +91,7 @@ def roll_out_and_differentiate(config: str, n: int, per_category: int | None, ve
     from omniroll.train.advantages import batch_components
     from omniroll.train.algorithms import UpdatePlan
     from omniroll.train.grad_signal import group_gradients
-    from omniroll.train.versions import step_versions
+    from omniroll.train.staleness import step_versions
 
     with open(config) as f:
         raw = yaml.safe_load(f)

@@ -53,7 +53,7 @@ def main() -> None:
     from omniroll.train.algorithms import UpdatePlan
     from omniroll.train.parallel.distributed import RankGroup, adopt_weights
     from omniroll.train.update import train_on_batch
-    from omniroll.train.versions import step_versions
+    from omniroll.train.staleness import step_versions
 
     info = machine_info(args.threads)
     model = build_model(args.cache_dir, "tiny")

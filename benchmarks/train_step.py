@@ -57,7 +57,7 @@ class Sequential:
         from omniroll.train import TrajectoryBatch, group_advantages
         from omniroll.train.algorithms import FlowGRPO, UpdatePlan
         from omniroll.train.update import train_on_batch
-        from omniroll.train.versions import VersionStore
+        from omniroll.train.version_store import VersionStore
 
         t0 = time.perf_counter()
         sp = SamplingParams(**self.cfg.sampling_params())

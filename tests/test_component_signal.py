@@ -23,7 +23,7 @@ from omniroll.train.grad_signal import group_gradients, signal_halves
 from omniroll.train.policy import Policy
 from omniroll.train.report.tracking import scalars
 from omniroll.train.update import train_on_batch
-from omniroll.train.versions import VersionStore
+from omniroll.train.version_store import VersionStore
 from omniroll.weights import WeightSender
 
 PROMPTS = ["a red car", "a blue bird", "a green house", "a blue car", "a red bird"]

@@ -20,7 +20,7 @@ def write_run(out_dir, model, mode, seed=3):
     from omniroll.config import load_config
     from omniroll.train.checkpoint import write_checkpoint
     from omniroll.train.policy import Policy
-    from omniroll.train.versions import VersionStore
+    from omniroll.train.version_store import VersionStore
 
     cfg = load_config({"engine": {"model": model}, "pipeline": SMALL, "n": 2,
                        "reward": {"num_workers": 1, "functions": {"colour": {"fn": "prompt_colour"}}},

@@ -16,7 +16,7 @@ from omniroll.train.grad_signal import (SignalWindow, fit_snr, group_gradients, 
 from omniroll.train.micro_batches import epoch_micro_batches, group_rows
 from omniroll.train.policy import Policy
 from omniroll.train.update import train_on_batch
-from omniroll.train.versions import VersionStore
+from omniroll.train.version_store import VersionStore
 from omniroll.weights import WeightSender
 
 PROMPTS = ["a red car", "a blue bird", "a green house", "a blue car", "a red bird"]

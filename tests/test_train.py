@@ -250,7 +250,7 @@ def test_a_checkpoint_replaces_a_stale_one_whole(tiny_sd3_path, tmp_path):
     `--resume` with a KeyError), and `latest` names only a complete checkpoint."""
     from omniroll.train.checkpoint import find_checkpoint, read_trainer_state, write_checkpoint
     from omniroll.train.policy import Policy
-    from omniroll.train.versions import VersionStore
+    from omniroll.train.version_store import VersionStore
 
     out = str(tmp_path / "run")
     pol = Policy(tiny_sd3_path, "lora", rank=4, alpha=8, seed=3)
@@ -277,7 +277,7 @@ def test_a_checkpoint_replaces_a_stale_one_whole(tiny_sd3_path, tmp_path):
 def test_a_checkpoint_that_fails_to_write_leaves_the_previous_one(tiny_sd3_path, tmp_path):
     from omniroll.train.checkpoint import find_checkpoint, write_checkpoint
     from omniroll.train.policy import Policy
-    from omniroll.train.versions import VersionStore
+    from omniroll.train.version_store import VersionStore
 
     out = str(tmp_path / "run")
     pol = Policy(tiny_sd3_path, "lora", rank=4, alpha=8, seed=3)

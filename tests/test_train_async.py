@@ -19,7 +19,7 @@ import torch
 from omniroll.agent_loop.batch import DataBatch
 from omniroll.config import ConfigError, load_config
 from omniroll.train.async_rollout import RolloutPipeline, overlap_seconds
-from omniroll.train.versions import stale_rows, staleness_stats, step_versions
+from omniroll.train.staleness import stale_rows, staleness_stats, step_versions
 
 from test_train import lora_weights, train_config
 
@@ -216,7 +216,8 @@ def test_log_probs_under_versions_rescore_each_window_step_under_its_own_version
     that spans a sync), and the policy ends with its current weights."""
     from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
     from omniroll.train import TrajectoryBatch, recompute_log_probs
-    from omniroll.train.versions import VersionStore, log_probs_under_versions
+    from omniroll.train.behaviour_log_probs import log_probs_under_versions
+    from omniroll.train.version_store import VersionStore
     from omniroll.train.policy import Policy
     from omniroll.weights import WeightSender
 

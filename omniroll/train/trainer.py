@@ -50,7 +50,8 @@ from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
 from omniroll.train.report.validation import run_validation, validation_guidance
 from omniroll.train.step_prompts import step_prompt_batch
-from omniroll.train.versions import VersionStore, WeightVersionError, trainable_rows
+from omniroll.train.staleness import WeightVersionError, trainable_rows
+from omniroll.train.version_store import VersionStore
 from omniroll.train.weight_push import WeightPush, WeightPushError
 
 

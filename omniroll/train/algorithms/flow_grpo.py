@@ -24,7 +24,7 @@ from omniroll.train.algorithms.ppo import decoupled_ppo_loss, density_log_ratio_
 from omniroll.train.algorithms.terms import LossInput, LossTerms
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
-from omniroll.train.versions import behaviour_and_replay
+from omniroll.train.behaviour_log_probs import behaviour_and_replay
 
 #: the fixed subset (first rows) whose recorded log-probs are replayed every step
 REPLAY_ROWS = 2

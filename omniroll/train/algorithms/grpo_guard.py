@@ -29,7 +29,7 @@ from omniroll.train.algorithms.ppo import clipped_surrogate
 from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
-from omniroll.train.versions import log_probs_under_versions
+from omniroll.train.behaviour_log_probs import log_probs_under_versions
 
 
 def guard_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,

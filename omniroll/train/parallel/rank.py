@@ -32,7 +32,7 @@ from omniroll.train.parallel import fsdp
 from omniroll.train.policy import Policy
 from omniroll.train.local_update import update_and_measure
 from omniroll.train.update import GradientShare, UpdateResult
-from omniroll.train.versions import VersionStore
+from omniroll.train.version_store import VersionStore
 
 #: elements per all-reduce of the gradients (the trainable parameters are reduced in buckets of about this size)
 BUCKET_NUMEL = 1 << 24

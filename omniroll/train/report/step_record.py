@@ -15,7 +15,7 @@ import torch
 from omniroll.train.async_rollout import overlap_seconds
 from omniroll.train.ratio_steps import ratio_step_metrics
 from omniroll.train.update import UpdateResult
-from omniroll.train.versions import off_policy_metrics
+from omniroll.train.staleness import off_policy_metrics
 
 
 @dataclass
