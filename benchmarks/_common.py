@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -128,6 +129,44 @@ def rotated(names: list, rep: int) -> list:
 def rnd(x, d: int = 4):
     """round(x, d), None stays None (JSON records)."""
     return None if x is None else round(x, d)
+
+
+def timed(fn) -> tuple[float, float]:
+    """(samples per wall second, CPU seconds of this process, every thread, per sample) of `fn()`, which returns how
+    many samples it made."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = fn()
+    return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
+
+
+def interleaved_rounds(contenders: dict, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """`timed` of every contender, `rounds` times in turn after one warm-up run of each (every shape of the timed runs
+    seen once): {name: [(samples/s, CPU s per sample), ...]}."""
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    for fn in contenders.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            out[name].append(timed(fn))
+    return out
+
+
+def print_versus(rounds: dict[str, list[tuple[float, float]]], result: dict, *, rate_key: str, rate_digits: int,
+                 lead: str = "", suffix: str = "", base: str = "diffusers", shown_digits: int = 2) -> None:
+    """One table row per contender of `interleaved_rounds`' output against `base`: `| {lead}name | median rate | best |
+    median / base's | best / base's best | CPU ms per sample (median) | base's CPU / its |`; and into `result`
+    `{rate_key}_{name}{suffix}` (the median rate), `ratio_...` and `cpu_ratio_...` (not for `base`)."""
+    rates = {name: [r for r, _ in rs] for name, rs in rounds.items()}
+    cpu = {name: statistics.median(c for _, c in rs) for name, rs in rounds.items()}
+    med_base, best_base = statistics.median(rates[base]), max(rates[base])
+    for name, r in rates.items():
+        med, best = statistics.median(r), max(r)
+        print(f"| {lead}{name} | {med:.{shown_digits}f} | {best:.{shown_digits}f} | {med / med_base:.2f}x "
+              f"| {best / best_base:.2f}x | {1000 * cpu[name]:.0f} | {cpu[base] / cpu[name]:.2f}x |", flush=True)
+        result[f"{rate_key}_{name}{suffix}"] = rnd(med, rate_digits)
+        if name != base:
+            result[f"ratio_{name}{suffix}"] = rnd(med / med_base, 3)
+            result[f"cpu_ratio_{name}{suffix}"] = rnd(cpu[base] / cpu[name], 3)
 
 
 # --------------------------------------------------------------------------------------------------- argparse

@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import machine_info, quiet_libraries, record_loadavg, rnd  # noqa: E402
+from _common import interleaved_rounds, machine_info, print_versus, quiet_libraries, record_loadavg  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = os.path.join(ROOT, "examples", "shapes_eval_train.txt")
@@ -109,13 +108,6 @@ class Engine:
         return len(outs)
 
 
-def timed(fn) -> tuple[float, float]:
-    """(pictures per wall second, CPU seconds of this process, every thread, per picture)."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    n = fn()
-    return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
-
-
 def one_pass(path: str, prompts: list[str], threads: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
     """(pictures/s, CPU s per picture) per contender, one pair per round, at `threads` torch threads."""
     torch.set_num_threads(threads)
@@ -126,17 +118,11 @@ def one_pass(path: str, prompts: list[str], threads: int, rounds: int) -> dict[s
     for (inv, rows), eng in engines.items():
         for mode in ("ode", "sde"):
             contenders[f"{'inv' if inv else 'plain'}_{mode}_{rows}"] = (lambda e=eng, m=mode: e.run(m))
-    rates: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     try:
-        for fn in contenders.values():  # warm-up: every shape of the timed runs
-            fn()
-        for _ in range(rounds):
-            for name, fn in contenders.items():
-                rates[name].append(timed(fn))
+        return interleaved_rounds(contenders, rounds)
     finally:
         for eng in engines.values():
             eng.engine.shutdown()
-    return rates
 
 
 def main(argv=None) -> int:
@@ -155,18 +141,8 @@ def main(argv=None) -> int:
           "| CPU ms per picture (median) | vs diffusers (CPU) |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for threads in args.threads:
-        rounds = one_pass(path, prompts, threads, args.rounds)
-        rates = {name: [ips for ips, _ in r] for name, r in rounds.items()}
-        cpu = {name: statistics.median(c for _, c in r) for name, r in rounds.items()}
-        base, base_best = statistics.median(rates["diffusers"]), max(rates["diffusers"])
-        for name, r in rates.items():
-            med, best = statistics.median(r), max(r)
-            print(f"| {threads} | {name} | {med:.2f} | {best:.2f} | {med / base:.2f}x | {best / base_best:.2f}x "
-                  f"| {1000 * cpu[name]:.0f} | {cpu['diffusers'] / cpu[name]:.2f}x |", flush=True)
-            result[f"ips_{name}_{threads}t"] = rnd(med, 3)
-            if name != "diffusers":
-                result[f"ratio_{name}_{threads}t"] = rnd(med / base, 3)
-                result[f"cpu_ratio_{name}_{threads}t"] = rnd(cpu["diffusers"] / cpu[name], 3)
+        print_versus(one_pass(path, prompts, threads, args.rounds), result, rate_key="ips", rate_digits=3,
+                     lead=f"{threads} | ", suffix=f"_{threads}t")
     record_loadavg(info, "loadavg_end")
     print(f"# load average at end {info.get('loadavg_end')}; {time.perf_counter() - t_start:.0f} s in all")
     result.update({"pictures": len(prompts), "rounds": args.rounds, "machine": info})

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import machine_info, quiet_libraries, record_loadavg, rnd  # noqa: E402
+from _common import interleaved_rounds, machine_info, print_versus, quiet_libraries, record_loadavg  # noqa: E402
 
 SDE = dict(noise_level=0.8, sde_type="sde", sde_window_size=3, sde_window_range=(0, 5), logprobs=True)
 ODE = dict(noise_level=0.0, logprobs=False)
@@ -117,13 +116,6 @@ class Engine:
         return len(outs)
 
 
-def timed(fn) -> tuple[float, float]:
-    """(clips per wall second, CPU seconds of this process, every thread, per clip)."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    n = fn()
-    return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     quiet_libraries()
@@ -150,13 +142,8 @@ def main(argv=None) -> int:
         contenders = {"diffusers": pipe.run}
         for name, inv, mode in ENGINES:
             contenders[f"{name}_{mode}"] = (lambda e=engines[inv], m=mode: e.run(m))
-        rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
         try:
-            for fn in contenders.values():  # warm-up
-                fn()
-            for _ in range(args.rounds):
-                for name, fn in contenders.items():
-                    rounds[name].append(timed(fn))
+            rounds = interleaved_rounds(contenders, args.rounds)
         finally:
             for eng in engines.values():
                 eng.engine.shutdown()
@@ -164,17 +151,7 @@ def main(argv=None) -> int:
     print("| contender | clips/s (median) | best | vs diffusers (median) | best vs best | CPU ms per clip (median) "
           "| vs diffusers (CPU) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    rates = {name: [c for c, _ in r] for name, r in rounds.items()}
-    cpu = {name: statistics.median(c for _, c in r) for name, r in rounds.items()}
-    base, base_best = statistics.median(rates["diffusers"]), max(rates["diffusers"])
-    for name, r in rates.items():
-        med, best = statistics.median(r), max(r)
-        print(f"| {name} | {med:.3f} | {best:.3f} | {med / base:.2f}x | {best / base_best:.2f}x "
-              f"| {1000 * cpu[name]:.0f} | {cpu['diffusers'] / cpu[name]:.2f}x |", flush=True)
-        result[f"cps_{name}"] = rnd(med, 4)
-        if name != "diffusers":
-            result[f"ratio_{name}"] = rnd(med / base, 3)
-            result[f"cpu_ratio_{name}"] = rnd(cpu["diffusers"] / cpu[name], 3)
+    print_versus(rounds, result, rate_key="cps", rate_digits=4, shown_digits=3)
     record_loadavg(info, "loadavg_end")
     print(f"# load average at end {info.get('loadavg_end')}; {time.perf_counter() - t_start:.0f} s in all")
     result.update({"model": "toy" if args.toy else args.model, "clips": len(prompts), "rounds": args.rounds,
