@@ -12,21 +12,17 @@ import os
 import pytest
 import torch
 
-from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
 from omniroll.config import ConfigError, load_config
 from omniroll.reward.aggregation import gdpo_scores
-from omniroll.train import TrajectoryBatch
 from omniroll.train.advantages import component_advantages, group_advantages
-from omniroll.train.algorithms import UpdatePlan, make_algorithm
+from omniroll.train.algorithms import UpdatePlan
 from omniroll.train.component_signal import ComponentWindow, component_key
 from omniroll.train.grad_signal import group_gradients, signal_halves
-from omniroll.train.policy import Policy
 from omniroll.train.report.tracking import scalars
 from omniroll.train.update import train_on_batch
-from omniroll.train.version_store import VersionStore
-from omniroll.weights import WeightSender
+from tests.test_grad_signal import PROMPTS, rollout_groups
+from tests.test_grad_signal import fresh as grad_signal_fresh
 
-PROMPTS = ["a red car", "a blue bird", "a green house", "a blue car", "a red bird"]
 FNS = "tests.reward_fns"
 
 
@@ -88,16 +84,7 @@ def _config(tiny_sd3_path, kl_beta):
 @pytest.fixture(scope="module")
 def step_batch(tiny_sd3_path):
     cfg = _config(tiny_sd3_path, 0.0)
-    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
-    WeightSender([engine]).send(fresh(cfg, tiny_sd3_path)[0].weights_to_send(), version=1)  # the policy's weights
-    try:
-        sp = SamplingParams(**cfg.sampling_params())
-        outs = engine.generate([GenerationRequest(request_id=f"{p}-{j}", prompt=p, seed=10 * i + j, sampling_params=sp)
-                                for i, p in enumerate(PROMPTS) for j in range(3)])
-    finally:
-        engine.shutdown()
-    traj = TrajectoryBatch.from_outputs(outs)
-    uids = [p for p in PROMPTS for _ in range(3)]
+    traj, uids = rollout_groups(cfg, tiny_sd3_path, fresh(cfg, tiny_sd3_path)[0])
     g = torch.Generator().manual_seed(1)
     r = torch.rand(len(uids), generator=g, dtype=torch.float64)
     other = torch.rand(len(uids), generator=g, dtype=torch.float64)
@@ -105,16 +92,8 @@ def step_batch(tiny_sd3_path):
 
 
 def fresh(cfg, tiny_sd3_path):
-    policy = Policy(tiny_sd3_path, "lora", 4, 8, None, seed=0)
-    with torch.no_grad():  # a non-zero B: every LoRA weight has a gradient, and the policy is not the reference
-        g = torch.Generator().manual_seed(2)
-        for n, p in policy.denoiser.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 1e-2)
-    algorithm = make_algorithm(cfg, policy.adapter)
-    store = VersionStore(policy, 0)
-    store.record(1)
-    return policy, algorithm, store
+    """test_grad_signal's fresh policy with a larger B: the policy is not the reference (the KL term has a gradient)."""
+    return grad_signal_fresh(cfg, tiny_sd3_path, b_scale=1e-2)
 
 
 def update(cfg, tiny_sd3_path, traj, uids, components, weights, aggregation="sum", signal=True):

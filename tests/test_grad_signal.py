@@ -86,28 +86,35 @@ def step_batch(tiny_sd3_path):
                                 "sde_window_range": [0, 4]},
                        "n": 3, "prompt_length": 77,
                        "trainer": {"prompts": PROMPTS, "prompts_per_step": 5, "micro_batch_size": 4}})
-    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
-    WeightSender([engine]).send(fresh(cfg, tiny_sd3_path)[0].weights_to_send(), version=1)  # the policy's weights
-    try:
-        sp = SamplingParams(**cfg.sampling_params())
-        outs = engine.generate([GenerationRequest(request_id=f"{p}-{j}", prompt=p, seed=10 * i + j, sampling_params=sp)
-                                for i, p in enumerate(PROMPTS) for j in range(3)])
-    finally:
-        engine.shutdown()
-    traj = TrajectoryBatch.from_outputs(outs)
-    uids = [p for p in PROMPTS for _ in range(3)]
+    traj, uids = rollout_groups(cfg, tiny_sd3_path, fresh(cfg, tiny_sd3_path)[0])
     rewards = torch.tensor([float(x) for x in torch.linspace(0, 1, len(uids))[torch.randperm(
         len(uids), generator=torch.Generator().manual_seed(1))]])
     return cfg, traj, uids, rewards
 
 
-def fresh(cfg, tiny_sd3_path):
+def rollout_groups(cfg, tiny_sd3_path, policy, n: int = 3):
+    """(trajectories, uids) of `n` samples per prompt of PROMPTS (seeds 10 i + j), rolled out with `policy`'s
+    weights on an in-process engine."""
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
+    WeightSender([engine]).send(policy.weights_to_send(), version=1)
+    try:
+        sp = SamplingParams(**cfg.sampling_params())
+        outs = engine.generate([GenerationRequest(request_id=f"{p}-{j}", prompt=p, seed=10 * i + j, sampling_params=sp)
+                                for i, p in enumerate(PROMPTS) for j in range(n)])
+    finally:
+        engine.shutdown()
+    return TrajectoryBatch.from_outputs(outs), [p for p in PROMPTS for _ in range(n)]
+
+
+def fresh(cfg, tiny_sd3_path, b_scale: float = 1e-3):
+    """(policy, algorithm, version store) at version 1: a rank-4 LoRA whose B is random * `b_scale` (non-zero, so
+    every LoRA weight has a gradient)."""
     policy = Policy(tiny_sd3_path, "lora", 4, 8, None, seed=0)
-    with torch.no_grad():  # a non-zero B, so every LoRA weight has a gradient
+    with torch.no_grad():
         g = torch.Generator().manual_seed(2)
         for n, p in policy.denoiser.named_parameters():
             if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 1e-3)
+                p.copy_(torch.randn(p.shape, generator=g) * b_scale)
     algorithm = make_algorithm(cfg, policy.adapter)
     store = VersionStore(policy, 0)
     store.record(1)

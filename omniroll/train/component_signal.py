@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+
 def step_components(config, batch, groups: Sequence, device) -> Optional[dict[str, torch.Tensor]]:
     """{reward function: its own advantages [B] on `device`} for this step's meter per component (the rollout
     `batch`'s components, `groups` its rows' prompt groups), or None when `trainer.signal_components` is off. A row
