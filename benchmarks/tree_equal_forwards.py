@@ -1,6 +1,6 @@
 """Tree rollouts against independent samples at equal denoiser forwards on the shapes world: the gradient-signal
 meter (benchmarks/grad_signal.py) per contender, with the forwards each sample costs, and what an update whose
-gradient reaches cosine 0.5 between two independent batches costs in forwards (issue 58, section 4).
+gradient reaches cosine 0.5 between two independent batches costs in forwards: do trees buy signal, or only compute?
 
 For each contender the meter rolls out two batches of the same training prompts (seeds training never draws), takes
 every prompt group's update direction with the algorithm's loss at the base weights, and fits the per-sample
