@@ -179,6 +179,66 @@ def test_an_entry_from_another_machine_is_read_when_its_pictures_agree_in_verdic
     assert asked == [check_indices(len(prompts))] and info["agreed"] == "bits" and "bitwise equal" in info["note"]
 
 
+
+def test_clips_are_kept_as_film_strips_read_back_bitwise_and_from_another_machine_when_their_verdicts_agree(
+        tmp_path):
+    # the moving-shapes world's clips [T, H, W, 3]: one film-strip cell each, bitwise back; drawn again with other
+    # last bits and the same verdicts, read; a clip with its frames reversed (another verdict) is never paired
+    from omniroll.tasks.moving_shapes.render import render_prompt
+
+    prompts = ["a red circle moving left", "a square moving up and a triangle moving down",
+               "a red circle appears, then a blue square", "a square turning from blue to green"]
+    seeds = 3
+    order = [(p, eval_seed(7, p, j)) for p in prompts for j in range(seeds)]
+    names, numbers = [p for p, _ in order], [s for _, s in order]
+    here = [np.ascontiguousarray(render_prompt(p, s).transpose(0, 2, 3, 1)) for p, s in order]  # [T, H, W, 3]
+    assert here[0].ndim == 4 and here[0].shape[0] == 9
+    ev_here = scored(here, names, numbers, "moving_shapes")
+    assert all(r["strict"] for r in ev_here.picture_records())
+
+    cache = EvaluationCache(tmp_path / "own")
+    key = entry_key({"weights": "w"}, {}, names, numbers)
+    path = cache.store(key, {}, names, numbers, here)
+    entry = json.loads((path / "entry.json").read_text())
+    h, w = here[0].shape[1:3]
+    assert entry["frames"] == 9 and (entry["height"], entry["width"]) == (h, w)
+    assert np.asarray(Image.open(path / "pictures.png")).shape == (h, len(here) * 9 * w, 3)  # one row of strips
+    back, _ = cache.load(key, names, numbers)
+    assert all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(here, back))
+    atlas = np.asarray(Image.open(path / "pictures.png")).copy()
+    atlas[5, 9 * w + 3 * w + 4, 1] ^= 1  # clip 1, frame 3
+    Image.fromarray(atlas).save(path / "pictures.png")
+    assert cache.load(key, names, numbers) is None  # its digest sees one level of one frame
+
+    identity, sampling = {"weights": "w", "execution": {"batch_invariant": True}}, {"guidance_scale": 1.0}
+    key = entry_key(identity, sampling, names, numbers)
+
+    def draw(indices, n):
+        chosen = range(len(prompts)) if indices is None else indices
+        idx = [i * seeds + j for i in chosen for j in range(n)]
+        return scored([here[k] for k in idx], [names[k] for k in idx], [numbers[k] for k in idx], "moving_shapes")
+
+    def shipped(change):
+        root = tmp_path / f"shipped-{len(list(tmp_path.iterdir()))}"
+        other = [change(i, c.copy()) for i, c in enumerate(here)]
+        EvaluationCache(root).store(key, {}, names, numbers, other)
+        return EvaluationCache(tmp_path / f"user-{root.name}", read_only=[root]), other
+
+    def last_bits(i, c):
+        step = np.random.default_rng(i).choice([-1] + [0] * 14 + [1], size=c.shape)
+        return np.clip(c.astype(int) + step, 0, 255).astype(np.uint8)
+
+    kept, other = shipped(last_bits)
+    ev, info = evaluate_kept(kept, identity, sampling, prompts, seeds, 7, draw)
+    assert info["read"] and info["agreed"] == "verdicts" and ev.task == "moving_shapes"
+    assert all(np.array_equal(a, b) for a, b in zip(ev.pictures, other))
+    assert ev.picture_records() == ev_here.picture_records()
+
+    kept, _ = shipped(lambda i, c: c[::-1].copy() if i == 0 else c)  # "moving left" played backwards: moving right
+    ev, info = evaluate_kept(kept, identity, sampling, prompts, seeds, 7, draw)
+    assert not info["read"] and info["note"].startswith("warning: the evaluation cache's entry")
+    assert ev.picture_records() == ev_here.picture_records()
+
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 

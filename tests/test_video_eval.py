@@ -174,6 +174,12 @@ def test_omniroll_eval_on_a_video_checkpoint_judges_clips_in_the_moving_shapes_w
     assert set(ev["baselines"]) == {"frozen", "shuffled"} and ev["paired"]["overall"]["n"] == 8
     assert (ev["guidance_scale"], base["guidance_scale"]) == (4.5, 1.0)
     assert ev["sampling"]["num_frames"] == 9 and (out / "eval_grid.png").is_file()
+    # again: the clips come from the evaluation cache (8 drawn again, bitwise equal), with the same verdicts
+    assert main(["eval", "--model", toy_video, "--prompts", str(prompts), "--seeds", "2", "--steps", "2",
+                 "--out", str(tmp_path / "again"), "--quiet"]) == 0
+    again = json.loads((tmp_path / "again" / "eval.json").read_text())
+    assert again["cache"]["read"] and again["cache"]["agreed"] == "bits", again.get("cache")
+    assert again["pictures"] == ev["pictures"]
 
 
 def test_omniroll_eval_refuses_a_world_that_does_not_fit_what_the_model_draws_before_any_work(toy_video, tmp_path,

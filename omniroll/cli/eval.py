@@ -66,7 +66,7 @@ def add_arguments(parser) -> None:
                              "'none') is read from the evaluation cache when the same weights, sampling and seeds "
                              "drew it before and 8 of its pictures, drawn again, are bitwise equal or, drawn by "
                              "another CPU, have the same verdicts (else drawn and kept there: "
-                             "$OMNIROLL_CACHE_DIR/evaluations; pictures only: clips are always drawn)")
+                             "$OMNIROLL_CACHE_DIR/evaluations; clips too)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -266,8 +266,7 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
     try:
         if kind == "lora":
             add_lora_checkpoint(engine, checkpoint)
-        pictures = not world_of(model).clips  # the cache keeps pictures
-        identity = eligible([engine.sample_identity()]) if cache and pictures and checkpoint is None else None
+        identity = eligible([engine.sample_identity()]) if cache and checkpoint is None else None
         if identity is None:
             ev = evaluate(engine, prompts, seeds, sampling, cfg.val_kwargs.seed, progress=progress, task=task)
         else:
@@ -275,7 +274,7 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
                 EvaluationCache.for_model(model), identity, sampling, prompts, seeds,
                 cfg.val_kwargs.seed, lambda indices, n: evaluate(
                     engine, prompts if indices is None else [prompts[i] for i in indices], n, sampling,
-                    cfg.val_kwargs.seed, progress=progress and indices is None))
+                    cfg.val_kwargs.seed, progress=progress and indices is None, task=task))
     finally:
         engine.shutdown()
     seconds = time.time() - t0

@@ -1,10 +1,11 @@
-"""Evaluations kept on disk and reused: the pictures an engine draws for a list of prompts and seeds, stored under a
-key that says what drew them, read back only after a few of them were drawn again and found bitwise equal.
+"""Evaluations kept on disk and reused: the pictures (or clips) an engine draws for a list of prompts and seeds, stored
+under a key that says what drew them, read back only after a few of them were drawn again and found bitwise equal.
 
 The key is the sha256 of the engines' `sample_identity()` (their weights' digest, execution mode, decode block,
 device, threads, library versions), the sampling and the (prompt, seed) list. An entry is a directory
-`<root>/<key>/`: `pictures.png` (the pictures side by side in rows of `COLUMNS`, lossless) and `entry.json` (what the
-key was made of and every picture's prompt, seed and sha256). Reading an entry checks every picture's digest: a
+`<root>/<key>/`: `pictures.png` (the pictures side by side in rows of `COLUMNS`, lossless; a clip [T, H, W, 3] is one
+cell, its film strip of T frames left to right, and `frames` in entry.json says T) and `entry.json` (what the key was
+made of and every picture's prompt, seed and sha256, of the picture's or the clip's array). Reading an entry checks every picture's digest: a
 damaged file is a miss. No key can see a change in the code that draws, so the caller draws `check_indices` again
 and compares them with the entry before using it. Bitwise equal (`matches`): the entry is read. Another machine's
 CPU kernels move pictures in their last bits without changing what they show, so an entry is also read when the
@@ -69,7 +70,24 @@ def check_indices(n: int, count: int = CHECKED) -> list[int]:
 
 
 def picture_digest(picture: np.ndarray) -> str:
+    """sha256 (hex) of a picture's [H, W, 3] or a clip's [T, H, W, 3] bytes."""
     return hashlib.sha256(np.ascontiguousarray(picture).tobytes()).hexdigest()
+
+
+def to_cell(sample: np.ndarray) -> np.ndarray:
+    """A sample as its cell of pictures.png: the picture, or the clip's frames left to right [H, T * W, 3]."""
+    if sample.ndim == 3:
+        return sample
+    t, h, w, c = sample.shape
+    return sample.transpose(1, 0, 2, 3).reshape(h, t * w, c)
+
+
+def from_cell(cell: np.ndarray, frames: Optional[int]) -> np.ndarray:
+    """`to_cell`'s inverse: the picture, or the clip [T, H, W, 3] of `frames` frames (None: a picture)."""
+    if frames is None:
+        return np.ascontiguousarray(cell)
+    h, tw, c = cell.shape
+    return np.ascontiguousarray(cell.reshape(h, frames, tw // frames, c).transpose(1, 0, 2, 3))
 
 
 def matches(stored: list[np.ndarray], drawn: list[np.ndarray]) -> bool:
@@ -140,15 +158,20 @@ class EvaluationCache:
             records = entry["pictures"]
             listed = [(r["prompt"], int(r["seed"])) for r in records]
             h, w = int(entry["height"]), int(entry["width"])
+            frames = int(entry["frames"]) if "frames" in entry else None  # a clip's; pictures have none
         except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable or not an entry: a miss
             return None
-        if listed != [(p, int(s)) for p, s in zip(prompts, seeds)]:
+        if listed != [(p, int(s)) for p, s in zip(prompts, seeds)] or (frames is not None and frames < 1):
             return None
+        cw = w * (frames or 1)  # a cell's width
         pictures = []
         for i, r in enumerate(records):
-            y, x = (i // COLUMNS) * h, (i % COLUMNS) * w
-            picture = np.ascontiguousarray(atlas[y:y + h, x:x + w])
-            if picture.shape != (h, w, 3) or picture_digest(picture) != r["sha256"]:
+            y, x = (i // COLUMNS) * h, (i % COLUMNS) * cw
+            cell = atlas[y:y + h, x:x + cw]
+            if cell.shape != (h, cw, 3):
+                return None
+            picture = from_cell(cell, frames)
+            if picture_digest(picture) != r["sha256"]:
                 return None
             pictures.append(picture)
         return pictures
@@ -159,14 +182,18 @@ class EvaluationCache:
         goes on; the evaluation is drawn again next time). `about` (identity, sampling) goes into entry.json."""
         from PIL import Image
 
-        if not pictures or any(p.dtype != np.uint8 or p.ndim != 3 or p.shape != pictures[0].shape for p in pictures):
+        if not pictures or any(p.dtype != np.uint8 or p.ndim not in (3, 4) or p.shape[-1] != 3
+                               or p.shape != pictures[0].shape for p in pictures):
             return None
-        h, w, _ = pictures[0].shape
-        rows = -(-len(pictures) // COLUMNS)
-        atlas = np.zeros((rows * h, min(len(pictures), COLUMNS) * w, 3), dtype=np.uint8)
-        for i, p in enumerate(pictures):
-            atlas[(i // COLUMNS) * h:(i // COLUMNS + 1) * h, (i % COLUMNS) * w:(i % COLUMNS + 1) * w] = p
-        entry = {**about, "height": h, "width": w, "pictures": [
+        clips = pictures[0].ndim == 4
+        h, w = pictures[0].shape[-3:-1]
+        cells = [to_cell(p) for p in pictures]
+        cw = cells[0].shape[1]
+        rows = -(-len(cells) // COLUMNS)
+        atlas = np.zeros((rows * h, min(len(cells), COLUMNS) * cw, 3), dtype=np.uint8)
+        for i, cell in enumerate(cells):
+            atlas[(i // COLUMNS) * h:(i // COLUMNS + 1) * h, (i % COLUMNS) * cw:(i % COLUMNS + 1) * cw] = cell
+        entry = {**about, "height": h, "width": w, **({"frames": pictures[0].shape[0]} if clips else {}), "pictures": [
             {"prompt": pr, "seed": int(s), "sha256": picture_digest(p)} for pr, s, p in zip(prompts, seeds, pictures)]}
         target = self.root / key
         try:
@@ -213,9 +240,9 @@ def evaluate_kept(cache: EvaluationCache, identity: dict, sampling: dict, prompt
     entry has it and its pictures at `check_indices` of the prompts (their first seed), drawn again, are bitwise
     equal or agree in their verdicts (`agree_in_verdicts`: another machine's last bits); else drawn whole and kept in
     `cache.root` (replacing an entry that did not agree). `draw(indices, n)` draws the prompts at `indices` (None:
-    all) `n` times each, in order, with the engines `identity` describes. Returns it with `{"key", "read",
-    "checked", "agreed", "note"}`: `agreed` is "bits", "verdicts" or None (not read); the note, one console line
-    saying which."""
+    all) `n` times each, in order, with the engines `identity` describes, as an `Evaluation` (pictures or clips: the
+    stored ones are scored in its world). Returns it with `{"key", "read", "checked", "agreed", "note"}`: `agreed`
+    is "bits", "verdicts" or None (not read); the note, one console line saying which."""
     order = [(p, eval_seed(base_seed, p, j)) for p in prompts for j in range(seeds)]
     names, numbers = [p for p, _ in order], [s for _, s in order]
     key = entry_key(identity, sampling, names, numbers)
@@ -229,13 +256,13 @@ def evaluate_kept(cache: EvaluationCache, identity: dict, sampling: dict, prompt
         kept = [stored[i * seeds] for i in chosen]
         if list(zip(again.prompts, again.seeds)) == [order[i * seeds] for i in chosen]:
             if matches(kept, again.pictures):
-                return scored(stored, names, numbers), {**info, "read": True, "agreed": "bits", "note": (
+                return scored(stored, names, numbers, again.task), {**info, "read": True, "agreed": "bits", "note": (
                     f"read from the evaluation cache, {len(chosen)} of its {len(stored)} pictures drawn again: "
                     f"bitwise equal ({folder})")}
-            checked = scored(kept, again.prompts, again.seeds)
+            checked = scored(kept, again.prompts, again.seeds, again.task)
             if agree_in_verdicts(checked.picture_records(), again.picture_records(), kept, again.pictures):
                 worst = max(mean_levels(a, b) for a, b in zip(kept, again.pictures))
-                return scored(stored, names, numbers), {**info, "read": True, "agreed": "verdicts", "note": (
+                return scored(stored, names, numbers, again.task), {**info, "read": True, "agreed": "verdicts", "note": (
                     f"read from the evaluation cache, {len(chosen)} of its {len(stored)} pictures drawn again: "
                     f"other last bits (at most {worst:.2f} levels apart on average: another machine's CPU kernels), "
                     f"every verdict the same; drawn on {drawn_on(folder)}, here {cpu_kernels()} ({folder})")}

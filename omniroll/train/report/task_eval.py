@@ -18,8 +18,8 @@ training made guidance unnecessary). A resumed run reads the
 "before" verdicts from `eval/before_<name>.json` (the paired numbers; its pictures, and so the two PNGs, only exist
 in the process that drew them). The evaluation before training is read from the evaluation cache
 (`omniroll.evaluation.cache`, `trainer.evaluation.cache`) when a run with the same weights, sampling and seeds drew
-it before and the pictures drawn again to check it match bitwise; every file is then what drawing it would write
-(pictures only: clips are always drawn).
+it before and the pictures (or clips) drawn again to check it match bitwise or in their verdicts; every file is
+then what drawing it would write.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class TaskEvaluation:
         batch-invariantly (`omniroll.evaluation.cache.eligible`); else None: the evaluation is drawn (also when a
         replica cannot say within 2 minutes: a dead one's samples are drawn by the others, as without the cache)."""
         ev_cfg = self.config.trainer.evaluation
-        if not ev_cfg.cache or not replicas or world_for(ev_cfg.task).clips:  # the cache keeps pictures
+        if not ev_cfg.cache or not replicas:
             return None
         import ray
 
