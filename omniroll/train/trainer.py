@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import time
 from typing import Any, Callable, Optional
 
@@ -31,7 +30,7 @@ from omniroll.config import OmniRollConfig, load_config
 from omniroll.config.device import check_device_here, gradient_checkpointing, trainer_dtype
 from omniroll.train import checkpoint
 from omniroll.train.algorithms import UpdatePlan, make_algorithm
-from omniroll.train.async_rollout import RolloutPipeline, regenerate_in_flight
+from omniroll.train.async_rollout import RolloutPipeline
 from omniroll.train.colocation import Colocation
 from omniroll.train.component_signal import ComponentWindow, step_components
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
@@ -49,6 +48,7 @@ from omniroll.train.report.stage_memory import StageMemory
 from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
 from omniroll.train.report.validation import run_validation, validation_guidance
+from omniroll.train.resume import RunResume
 from omniroll.train.step_prompts import step_prompt_batch
 from omniroll.train.staleness import WeightVersionError, trainable_rows
 from omniroll.train.version_store import VersionStore
@@ -66,7 +66,7 @@ class Trainer:
             raise ValueError("trainer: the config has no trainer section")
         self.tc = self.config.trainer
         self.out_dir = out_dir
-        self.resume_from = checkpoint.find_checkpoint(resume) if resume else None  # fails before Ray starts
+        self.resume = RunResume(resume) if resume else None  # finds the checkpoint: fails before Ray starts
         self.log = log
         self.prompts = self.tc.all_prompts()
         self.val_prompts = list(self.tc.val_prompts) or self.prompts[:4]
@@ -83,9 +83,7 @@ class Trainer:
         self.pipeline: Optional[RolloutPipeline] = None
         self.discarded_samples = 0  # in-flight samples of coming steps discarded at Ctrl-C
         self._last = self.tc.steps
-        self._in_flight_to: Optional[int] = None  # a resume's regenerated in-flight batches end here (start())
         self.tracker: Optional[Tracker] = None
-        self._tracking_state: Optional[dict] = None  # a resumed run's tracker run ids (from the checkpoint)
         self.task_eval = TaskEvaluation(self.config, out_dir) if self.tc.evaluation is not None else None
         self.held_out = HeldOutRewards(self.config.reward.held_out, out_dir) if self.config.reward.held_out else None
         self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window)  # the meter's last readings
@@ -99,7 +97,6 @@ class Trainer:
         self.algorithm = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.store: Optional[VersionStore] = None
-        self._sharded_optimizer: Optional[str] = None  # a resumed fsdp run's optimizer directory (the ranks load it)
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> "Trainer":
@@ -114,7 +111,7 @@ class Trainer:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(self.tc.num_threads)
         os.makedirs(self.out_dir, exist_ok=True)
-        if not self.resume_from:  # a fresh run starts fresh logs (a resumed one appends to them)
+        if self.resume is None:  # a fresh run starts fresh logs (a resumed one appends to them)
             for name in ("metrics.jsonl", "validation.jsonl"):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.out_dir, name))
@@ -128,9 +125,11 @@ class Trainer:
         self.store = VersionStore(self.policy, self.tc.max_staleness)
         self.store.record(0)
         self.memory = StageMemory(self.device, cfg.engine.device)
-        if self.resume_from:
-            self._load(self.resume_from)
-        self.tracker = Tracker(self.config, self.out_dir, self._tracking_state, log=self.log)
+        resume = self.resume
+        if resume is not None:
+            resume.load(self.tc, self.policy, self.algorithm, self.optimizer, self.store, self.log)
+            self.step_done, self.discarded_samples = resume.step, resume.discarded_samples
+        self.tracker = Tracker(self.config, self.out_dir, resume and resume.tracking, log=self.log)
         self.cluster.start()  # Ray (joined or local), replicas, reward workers, agent-loop manager
         self.push = WeightPush(self.cluster, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s,
                                log=self.log)
@@ -138,18 +137,15 @@ class Trainer:
             self.colocation.check(self.replicas, self.device)
         self.updater = start_updater(cfg, self.cluster.model, self.out_dir, self.log, policy=self.policy,
                                      optimizer=self.optimizer, algorithm=self.algorithm, store=self.store,
-                                     memory=self.memory, sharded_optimizer=self._sharded_optimizer)
+                                     memory=self.memory, sharded_optimizer=resume and resume.sharded_optimizer)
         self.pipeline = RolloutPipeline(self._rollout, rows_per_batch=self.config.n * self.tc.prompts_per_step)
         current = max(ray.get([r.health.remote() for r in self.replicas])[i]["weight_version"]
                       for i in range(len(self.replicas)))
         if current > self.step_done or (self.step_done > 0 and current == self.step_done):
             raise WeightVersionError(f"replicas are at weight version {current}, ahead of this run's step "
                                      f"{self.step_done}: start the trainer with fresh replicas")
-        if self.step_done > 0:  # resumed: the replicas start from the checkpoint's weights (and in-flight batches)
-            regenerate_in_flight(self.pipeline, self.step_done, self.tc.max_staleness, self.tc.steps, self._sync,
-                                 self.store.has, self.version, self.log)
-            if self.tc.max_staleness:
-                self._in_flight_to = min(self.step_done + self.tc.max_staleness, self.tc.steps)
+        if resume is not None:  # the replicas start from the checkpoint's weights (and in-flight batches)
+            resume.regenerate(self.pipeline, self.tc, self._sync, self.store, self.version, self.log)
         self.version = self.step_done
         return self
 
@@ -199,43 +195,17 @@ class Trainer:
         A resumed run regenerates, in `start()`, the batches in flight at its checkpoint up to `trainer.steps`: a
         `steps` that would need other in-flight batches raises ValueError before any step (set `trainer.steps`)."""
         last = int(steps or self.tc.steps)
-        if self._in_flight_to is not None:  # the first call after a resume
-            if min(self.step_done + self.tc.max_staleness, last) != self._in_flight_to:
-                raise ValueError(f"train(steps={last}) after a resume with trainer.max_staleness "
-                                 f"{self.tc.max_staleness}: start() regenerated the in-flight batches up to "
-                                 f"trainer.steps {self.tc.steps}; set trainer.steps={last} in the config instead")
-            self._in_flight_to = None
+        if self.resume is not None:
+            self.resume.check_steps(last, self.tc)
         self._last = last
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=last, initial=self.step_done, desc="train", unit="step", dynamic_ncols=True)
-        earlier = self.history_all() or self.history
-        check = LearningSignalCheck.for_config(self.config, self.log, earlier)
-        self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window, earlier)  # a resumed run's too
-        self.component_window = ComponentWindow(earlier)
-        old = signal.getsignal(signal.SIGINT)
-        with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
-            signal.signal(signal.SIGINT, self.interrupts.handler)
         try:
-            if self.step_done == 0 and not self.resume_from:
-                self.validate("before")
-            while self.step_done < last:
-                with self.memory.naming_oom():  # which stage ran out of device memory, and what to change
-                    m = self.step(self.step_done + 1)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", dev=m["ratio_max_abs_dev"])
-                if on_step is not None:
-                    on_step(m)
-                check.observe(m)  # warns when the batches lose their learning signal; stops (below) without any
-                if self.tc.checkpoint_every and self.step_done % self.tc.checkpoint_every == 0:
-                    self.save_checkpoint()
-                if self.tc.val_every and self.step_done % self.tc.val_every == 0 and self.step_done < last:
-                    self.validate(f"step{self.step_done:06d}")
-            self.validate("after")
-            self.save_checkpoint()
+            with self.interrupts.installed():  # a Ctrl-C during a step's update and sync waits for their end
+                self._run(last, bar, on_step)
         except NoLearningSignal:
             self.save_checkpoint()  # the last completed step; the caller says why the run stopped
             raise
@@ -248,13 +218,36 @@ class Trainer:
             self.save_checkpoint()
             raise
         finally:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGINT, old)
             if bar is not None:
                 bar.close()
             plot_rewards(self.history_all() or self.history, os.path.join(self.out_dir, "reward_curve.png"),
                          model=tracking.model_name(self.config), algorithm=self.algorithm.title)
         return self.history
+
+    def _run(self, last: int, bar, on_step: Optional[Callable[[dict], None]]) -> None:
+        """`train`'s steps: the evaluation before (a fresh run), every step with its checkpoints and validations, the
+        evaluation after and the last checkpoint."""
+        earlier = self.history_all() or self.history
+        check = LearningSignalCheck.for_config(self.config, self.log, earlier)
+        self.signal_window = SignalWindow(self.tc.signal_check.grad_cos_window, earlier)  # a resumed run's too
+        self.component_window = ComponentWindow(earlier)
+        if self.step_done == 0 and self.resume is None:
+            self.validate("before")
+        while self.step_done < last:
+            with self.memory.naming_oom():  # which stage ran out of device memory, and what to change
+                m = self.step(self.step_done + 1)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", dev=m["ratio_max_abs_dev"])
+            if on_step is not None:
+                on_step(m)
+            check.observe(m)  # warns when the batches lose their learning signal; stops (raises) without any
+            if self.tc.checkpoint_every and self.step_done % self.tc.checkpoint_every == 0:
+                self.save_checkpoint()
+            if self.tc.val_every and self.step_done % self.tc.val_every == 0 and self.step_done < last:
+                self.validate(f"step{self.step_done:06d}")
+        self.validate("after")
+        self.save_checkpoint()
 
     def step(self, step: int) -> dict:
         """One training step, top to bottom: rollout, versions, update, sync, report. Returns its record."""
@@ -362,12 +355,6 @@ class Trainer:
         optimizer, files = self.updater.optimizer_state(self.step_done)  # this process's, or the ranks' files
         return checkpoint.write_checkpoint(self.out_dir, self.step_done, policy=self.policy, store=self.store,
                                            state=checkpoint.run_state(self, optimizer), files=files)
-
-    def _load(self, path: str) -> None:
-        got = checkpoint.restore(path, self.tc, self.policy, self.algorithm, self.optimizer, self.store)
-        self.step_done, self.discarded_samples = got.step, got.discarded_samples
-        self._tracking_state, self._sharded_optimizer = got.tracking, got.sharded_optimizer
-        self.log(f"resumed from {path} (step {self.step_done})")
 
     def history_all(self) -> list[dict]:
         """Every step's metrics in this out_dir (a resumed run appends to them)."""
