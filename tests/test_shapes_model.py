@@ -10,7 +10,8 @@ import torch
 
 from omniroll.config import ConfigError, load_config
 from omniroll.models import resolve_model, sampling_defaults
-from omniroll.models.shapes import CHECKPOINT, SUMS_FILE, file_digests, verified
+from omniroll.models.shapes import CHECKPOINT, REMAKE, WHAT
+from omniroll.models.shipped import SUMS_FILE, file_digests, verified
 
 
 def test_the_shipped_checkpoint_matches_its_sha256_sums_and_names_a_changed_file(tmp_path):
@@ -20,15 +21,13 @@ def test_the_shipped_checkpoint_matches_its_sha256_sums_and_names_a_changed_file
     assert total < 25e6  # it lives in git
     copy = str(tmp_path / "ckpt")
     shutil.copytree(path, copy)
-    assert verified(copy) == copy
+    assert verified(copy, WHAT, REMAKE) == copy
     weights = os.path.join(copy, "transformer", "diffusion_pytorch_model.safetensors")
     with open(weights, "r+b") as f:
         f.seek(-4, os.SEEK_END)
         f.write(b"\0\0\0\0")
-    verified.cache_clear()
     with pytest.raises(FileNotFoundError, match="transformer/diffusion_pytorch_model.safetensors"):
-        verified(copy)
-    verified.cache_clear()
+        verified(copy, WHAT, REMAKE)
 
 
 def test_a_models_sampling_defaults_sit_between_the_schema_and_the_user():
@@ -86,7 +85,7 @@ def test_pretrain_runs_the_whole_recipe_in_miniature_and_eval_scores_its_checkpo
     assert set(record["vae_check"]["checker_on_reconstructions"]["categories"]) <= set(
         ["single_object", "two_object", "counting", "colors", "position", "color_attr"])
     ckpt = out / "checkpoint"
-    assert verified(str(ckpt)) == str(ckpt) and (out / "loss_curve.png").is_file()
+    assert verified(str(ckpt), WHAT, REMAKE) == str(ckpt) and (out / "loss_curve.png").is_file()
     assert json.loads((ckpt / "omniroll_defaults.json").read_text())["pipeline"]["height"] == 64
     prompts = tmp_path / "p.txt"
     prompts.write_text("a circle\n\nthree squares\n")
@@ -172,7 +171,7 @@ def test_pretrain_from_a_checkpoint_distils_it_into_a_cfg_free_model(tmp_path, c
                  "--override", "distill.num_latents=8", "--override", "distill.batch_size=4",
                  "--override", "eval_seeds=1"]) == 0
     ckpt, shipped = out / "checkpoint", resolve_model("shapes")
-    assert verified(str(ckpt)) == str(ckpt) and (out / "loss_curve.png").is_file()
+    assert verified(str(ckpt), WHAT, REMAKE) == str(ckpt) and (out / "loss_curve.png").is_file()
     assert json.loads((ckpt / "omniroll_defaults.json").read_text())["pipeline"]["guidance_scale"] == 1.0
     assert json.loads((ckpt / "recipe.json").read_text())["distill"]["steps"] == 2
     record = json.loads((out / "pretrain.json").read_text())

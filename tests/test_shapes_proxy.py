@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from omniroll.cli import main
-from omniroll.models.shapes_proxy import WEIGHTS, load_proxy, verified
+from omniroll.models.shapes_proxy import FILES, REMAKE, WEIGHTS, WHAT, load_proxy
+from omniroll.models.shipped import verified
 from omniroll.models.shapes_proxy.data import near_prompts
 from omniroll.reward import RewardManager, RewardSample
 from omniroll.reward.scorers import SCORER_REGISTRY, build_scorer, prompt_problems, scorer_problems
@@ -83,7 +84,7 @@ def test_the_scorer_is_registered_and_bad_rows_fail_alone():
 def test_a_changed_or_missing_file_fails_the_load_naming_it(tmp_path):
     copy = tmp_path / "proxy"
     shutil.copytree(WEIGHTS, copy)
-    assert verified(str(copy)) == str(copy)
+    assert verified(str(copy), WHAT, REMAKE, FILES) == str(copy)
     data = bytearray((copy / "model.safetensors").read_bytes())
     data[-1] ^= 1
     (copy / "model.safetensors").write_bytes(bytes(data))
@@ -91,7 +92,7 @@ def test_a_changed_or_missing_file_fails_the_load_naming_it(tmp_path):
         load_proxy(str(copy))
     (copy / "SHA256SUMS").unlink()
     with pytest.raises(FileNotFoundError, match="missing its SHA256SUMS"):
-        verified(str(copy))
+        verified(str(copy), WHAT, REMAKE, FILES)
     with pytest.raises(FileNotFoundError, match="SHA256SUMS"):  # the scorer loads (and checks) before any sample
         build_scorer("shapes_proxy", {"path": str(copy)})
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from omniroll.models.shapes import verified
+from omniroll.models.shapes_video import REMAKE, WHAT
+from omniroll.models.shipped import verified
 from omniroll.models.shapes_video.recipe import TOY
 
 TOY_EVERY_2 = ["--override", "resume_every=2"]
@@ -121,7 +122,7 @@ def test_the_pretrained_checkpoint_is_a_wan_pipeline_the_engine_samples_clips_fr
     from omniroll.config import load_config
 
     ckpt = uninterrupted / "checkpoint"
-    assert verified(str(ckpt)) == str(ckpt)
+    assert verified(str(ckpt), WHAT, REMAKE) == str(ckpt)
     assert json.loads((ckpt / "model_index.json").read_text())["_class_name"] == "WanPipeline"
     defaults = json.loads((ckpt / "omniroll_defaults.json").read_text())["pipeline"]
     assert (defaults["num_frames"], defaults["height"], defaults["max_sequence_length"]) == (9, 64, 12)

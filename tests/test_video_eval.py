@@ -44,7 +44,7 @@ def test_a_task_outside_the_known_worlds_is_refused_naming_the_file(toy_video, t
 
 def test_shapes_video_is_the_verified_shipped_checkpoint_or_a_clear_error_saying_how_to_make_it(tmp_path, capsys):
     from omniroll.models import SHIPPED_MODELS, resolve_model
-    from omniroll.models.shapes import SUMS_FILE
+    from omniroll.models.shipped import SUMS_FILE
     from omniroll.models.shapes_video import CHECKPOINT
 
     assert "shapes-video" in SHIPPED_MODELS

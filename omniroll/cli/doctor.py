@@ -126,11 +126,12 @@ def torch_check() -> Check:
 
 def shapes_model_check(path: Optional[str] = None) -> Check:
     """The shapes model's files against its SHA256SUMS (the shipped checkpoint unless `path`)."""
-    from omniroll.models.shapes import CHECKPOINT, SUMS_FILE, verified
+    from omniroll.models.shapes import CHECKPOINT, REMAKE, WHAT
+    from omniroll.models.shipped import SUMS_FILE, verified
 
     path = path or CHECKPOINT
     try:
-        verified.__wrapped__(path)  # not the per-process cache: a doctor reads the files now
+        verified(path, WHAT, REMAKE)  # every file read now
     except FileNotFoundError as e:
         return Check("shapes model", "fail", str(e))
     with open(os.path.join(path, SUMS_FILE)) as f:
@@ -141,15 +142,15 @@ def shapes_model_check(path: Optional[str] = None) -> Check:
 def shapes_video_model_check(path: Optional[str] = None) -> Check:
     """The shapes-video model's files against its SHA256SUMS (the shipped checkpoint unless `path`); `off` while none
     is shipped (`make shapes-video-model` makes and installs it)."""
-    from omniroll.models.shapes import SUMS_FILE, verified
     from omniroll.models.shapes_video import CHECKPOINT, REMAKE, WHAT
+    from omniroll.models.shipped import SUMS_FILE, verified
 
     path = path or CHECKPOINT
     if not os.path.isfile(os.path.join(path, SUMS_FILE)):
         return Check("shapes-video model", "off", f"not shipped yet (--model shapes-video): `{REMAKE}` makes and "
                                                   f"installs it; a checkpoint directory works as --model meanwhile")
     try:
-        verified.__wrapped__(path, WHAT, REMAKE)  # not the per-process cache: a doctor reads the files now
+        verified(path, WHAT, REMAKE)  # every file read now
     except FileNotFoundError as e:
         return Check("shapes-video model", "fail", str(e))
     return Check("shapes-video model", "ok", f"its files match {SUMS_FILE} ({path})")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 HELP = "train the shapes model (or the shapes-video model) from scratch (VAE, transformer), or the shapes proxy reward"
@@ -171,12 +170,11 @@ def run_proxy(args) -> int:
               f"fail->fail {c['fail_fail']}; ECE {a['calibration']['ece']:.3f})")
     weights = os.path.join(args.out, "weights")
     if args.install:
-        from omniroll.models.shapes_proxy import WEIGHTS, load_proxy, verified
+        from omniroll.models.shapes_proxy import FILES, REMAKE, WEIGHTS, WHAT, load_proxy
+        from omniroll.models.shipped import install
 
-        shutil.rmtree(WEIGHTS, ignore_errors=True)
-        shutil.copytree(weights, WEIGHTS)
+        install(weights, WEIGHTS, WHAT, REMAKE, FILES)
         load_proxy.cache_clear()
-        verified(WEIGHTS)
         print(f"installed as the shipped shapes proxy: {WEIGHTS}")
     for name in sorted(os.listdir(weights)):
         print(f"  {os.path.join(os.path.abspath(weights), name)}")
@@ -257,12 +255,11 @@ def run(args) -> int:
     print(f"omniroll pretrain shapes: trained in {t['train_total_s'] / 60:.1f} min ("
           + ", ".join(f"{k} {v:.0f} s" for k, v in stages) + f"); checkpoint {record['checkpoint']}")
     if args.install:
-        from omniroll.models.shapes import CHECKPOINT, verified
+        from omniroll.models.shapes import CHECKPOINT, REMAKE, WHAT, checkpoint_dir
+        from omniroll.models.shipped import install
 
-        shutil.rmtree(CHECKPOINT, ignore_errors=True)
-        shutil.copytree(record["checkpoint"], CHECKPOINT)
-        verified.cache_clear()
-        verified(CHECKPOINT)
+        install(record["checkpoint"], CHECKPOINT, WHAT, REMAKE)
+        checkpoint_dir.cache_clear()
         print(f"installed as the shipped shapes model: {CHECKPOINT} (`git diff --stat` shows whether it changed)")
     for name in sorted(os.listdir(args.out)):
         print(f"  {os.path.join(os.path.abspath(args.out), name)}")

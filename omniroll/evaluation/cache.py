@@ -1,24 +1,23 @@
 """Evaluations kept on disk and reused: the pictures (or clips) an engine draws for a list of prompts and seeds, stored
 under a key that says what drew them, read back only after a few of them were drawn again and found bitwise equal.
 
-The key is the sha256 of the engines' `sample_identity()` (their weights' digest, execution mode, decode block,
-device, threads, library versions), the sampling and the (prompt, seed) list. An entry is a directory
-`<root>/<key>/`: `pictures.png` (the pictures side by side in rows of `COLUMNS`, lossless; a clip [T, H, W, 3] is one
-cell, its film strip of T frames left to right, and `frames` in entry.json says T) and `entry.json` (what the key was
-made of and every picture's prompt, seed and sha256, of the picture's or the clip's array). Reading an entry checks every picture's digest: a
-damaged file is a miss. No key can see a change in the code that draws, so the caller draws `check_indices` again
-and compares them with the entry before using it. Bitwise equal (`matches`): the entry is read. Another machine's
-CPU kernels move pictures in their last bits without changing what they show, so an entry is also read when the
-pictures drawn again differ from it only that way (`agree_in_verdicts`): every one has the stored picture's exact
-verdicts (pass or fail, partial credit, the checker's reasons) and differs from it by at most `NEAR_LEVELS` on
-average (the same picture, not another one). Otherwise the evaluation is drawn whole and the entry replaced. The
-pairing that reads an entry afterwards compares verdicts at the same (prompt, seed), which is what this check
-guarantees on its sample. Only batch-invariant engines are eligible (`eligible`): elsewhere a picture depends on its
-batch.
-The root: `$OMNIROLL_CACHE_DIR/evaluations` (default `~/.cache/omniroll/evaluations`). A model directory may ship
-entries of its own in `evaluations/` (`SHIPPED`; the shapes model ships the demo's, so a first `make demo` reads its
-evaluation before training too): read after the root, never written. The root holds at most `MAX_BYTES` (2 GiB):
-writing an entry removes the least recently used ones beyond it.
+The key is the sha256 of the engines' `sample_identity()` (their weights' digest, execution mode, decode block, device,
+threads, library versions), the sampling and the (prompt, seed) list. An entry is a directory `<root>/<key>/`:
+`pictures.png` (the pictures side by side in rows of `COLUMNS`, lossless; a clip [T, H, W, 3] is one cell, its film
+strip of T frames left to right, and `frames` in entry.json says T) and `entry.json` (what the key was made of and every
+picture's prompt, seed and sha256, of the picture's or the clip's array). Reading an entry checks every picture's
+digest: a damaged file is a miss. No key can see a change in the code that draws, so the caller draws `check_indices`
+again and compares them with the entry before using it. Bitwise equal (`matches`): the entry is read. Another machine's
+CPU kernels move pictures in their last bits without changing what they show, so an entry is also read when the pictures
+drawn again differ from it only that way (`agree_in_verdicts`): every one has the stored picture's exact verdicts (pass
+or fail, partial credit, the checker's reasons) and differs from it by at most `NEAR_LEVELS` on average (the same
+picture, not another one). Otherwise the evaluation is drawn whole and the entry replaced. The pairing that reads an
+entry afterwards compares verdicts at the same (prompt, seed), which is what this check guarantees on its sample. Only
+batch-invariant engines are eligible (`eligible`): elsewhere a picture depends on its batch. The root:
+`$OMNIROLL_CACHE_DIR/evaluations` (default `~/.cache/omniroll/evaluations`). A model directory may ship entries of its
+own in `evaluations/` (`SHIPPED`; the shapes model ships the demo's, so a first `make demo` reads its evaluation before
+training too): read after the root, never written. The root holds at most `MAX_BYTES` (2 GiB): writing an entry removes
+the least recently used ones beyond it.
 """
 
 from __future__ import annotations
@@ -262,7 +261,8 @@ def evaluate_kept(cache: EvaluationCache, identity: dict, sampling: dict, prompt
             checked = scored(kept, again.prompts, again.seeds, again.task)
             if agree_in_verdicts(checked.picture_records(), again.picture_records(), kept, again.pictures):
                 worst = max(mean_levels(a, b) for a, b in zip(kept, again.pictures))
-                return scored(stored, names, numbers, again.task), {**info, "read": True, "agreed": "verdicts", "note": (
+                ev = scored(stored, names, numbers, again.task)
+                return ev, {**info, "read": True, "agreed": "verdicts", "note": (
                     f"read from the evaluation cache, {len(chosen)} of its {len(stored)} pictures drawn again: "
                     f"other last bits (at most {worst:.2f} levels apart on average: another machine's CPU kernels), "
                     f"every verdict the same; drawn on {drawn_on(folder)}, here {cpu_kernels()} ({folder})")}

@@ -178,7 +178,7 @@ def train_proxy(recipe, out_dir: str, progress: bool = False, log=print) -> dict
                        "heldout_generated_pictures": len(all_prompts_), "kept": kept},
               "final_loss": float(np.mean(losses[-100:])), "agreement": measured,
               "parameters": int(sum(p.numel() for p in net.parameters()))}
-    from omniroll.models.shapes import write_sums
+    from omniroll.models.shipped import write_sums
 
     write_json(os.path.join(weights_dir, "train.json"), record)
     write_sums(weights_dir)

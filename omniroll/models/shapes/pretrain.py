@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from omniroll.models.shapes import write_sums
+from omniroll.models.shipped import write_sums
 from omniroll.models.shapes.assemble import assemble_pipeline, save_checkpoint
 from omniroll.models.shapes.data import CaptionedScenes, to_unit_range
 from omniroll.models.shapes.dit import build_transformer, train_transformer

@@ -19,26 +19,8 @@ import numpy as np
 #: the shipped proxy, inside the package
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 FILES = ("model.safetensors", "config.json")
-
-
-def verified(path: str) -> str:
-    """`path` when it holds the proxy's files and they match its SHA256SUMS; FileNotFoundError naming what is missing
-    or changed."""
-    from omniroll.models.shapes import SUMS_FILE, file_digests
-
-    sums = os.path.join(path, SUMS_FILE)
-    if not os.path.isfile(sums):
-        raise FileNotFoundError(f"the shapes proxy at {path} is missing its {SUMS_FILE} (retrain it with "
-                                f"`make shapes-proxy`)")
-    with open(sums) as f:
-        want = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in f if line.strip())
-    have = file_digests(path)
-    bad = sorted({rel for rel, digest in want.items() if have.get(rel) != digest}
-                 | {rel for rel in FILES if rel not in want})
-    if bad:
-        raise FileNotFoundError(f"the shapes proxy at {path} does not match its {SUMS_FILE}: {', '.join(bad)} "
-                                f"missing or changed (restore them from git, or retrain with `make shapes-proxy`)")
-    return path
+#: what `omniroll.models.shipped.verified` calls it, and the command that makes it
+WHAT, REMAKE = "the shapes proxy", "make shapes-proxy"
 
 
 class Proxy:
@@ -62,7 +44,9 @@ def load_proxy(path: str | None = None) -> Proxy:
 
     from omniroll.models.shapes_proxy.net import ProxyNet
 
-    path = verified(os.path.abspath(path or WEIGHTS))
+    from omniroll.models.shipped import verified
+
+    path = verified(os.path.abspath(path or WEIGHTS), WHAT, REMAKE, FILES)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)["net"]
     net = ProxyNet(config["vocab_size"], config["word_dim"], config["text_dim"], tuple(config["channels"]),

@@ -163,7 +163,7 @@ def save(net: ProxyNet, recipe: ProxyRecipe, out_dir: str) -> str:
     into `out_dir`; returns it."""
     from safetensors.torch import save_file
 
-    from omniroll.models.shapes import write_sums
+    from omniroll.models.shipped import write_sums
 
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "model.safetensors")

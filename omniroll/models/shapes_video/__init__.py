@@ -13,8 +13,8 @@ tokenizer and frozen UMT5), `vae.py` (the video VAE, its decode without the clam
 
 from __future__ import annotations
 
+import functools
 import os
-import shutil
 
 #: where the shipped checkpoint lives, inside the package (empty until `omniroll pretrain shapes-video --install`)
 CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint")
@@ -22,10 +22,12 @@ CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoin
 WHAT, REMAKE = "the shapes-video model", "make shapes-video-model"
 
 
+@functools.lru_cache(maxsize=None)
 def checkpoint_dir(path: str = CHECKPOINT) -> str:
-    """The shipped shapes-video checkpoint directory (`path`), verified against its SHA256SUMS. FileNotFoundError
-    saying how to make it while none is shipped (a checkpoint directory works as `--model` meanwhile)."""
-    from omniroll.models.shapes import SUMS_FILE, verified
+    """The shipped shapes-video checkpoint directory (`path`), verified against its SHA256SUMS (once per process and
+    path). FileNotFoundError saying how to make it while none is shipped (a checkpoint directory works as `--model`
+    meanwhile)."""
+    from omniroll.models.shipped import SUMS_FILE, verified
 
     if not os.path.isfile(os.path.join(path, SUMS_FILE)):
         raise FileNotFoundError(
@@ -38,18 +40,19 @@ def checkpoint_dir(path: str = CHECKPOINT) -> str:
 
 def install(source: str, path: str = CHECKPOINT) -> str:
     """Copy the checkpoint at `source` (verified; made by `omniroll pretrain shapes-video`: its task is the
-    moving-shapes world) over `path`, and verify the copy. ValueError naming what is wrong with `source`, before
-    anything at `path` changes."""
+    moving-shapes world) over `path`, and verify the copy (`omniroll.models.shipped.install`). ValueError naming what
+    is wrong with `source`, before anything at `path` changes."""
     from omniroll.models.checkpoint import read_task
-    from omniroll.models.shapes import verified
+    from omniroll.models.shipped import install as install_files
 
-    verified(source, f"the checkpoint at {source}", REMAKE)
-    task = read_task(source)
-    if task != "moving_shapes":
-        raise ValueError(f"{source} says its task is {task!r}, not 'moving_shapes' (a checkpoint saved before "
-                         f"omniroll_defaults.json named its task: run `omniroll pretrain shapes-video --out` on its "
-                         f"run directory again, which re-saves a finished run's checkpoint with the current code)")
-    shutil.rmtree(path, ignore_errors=True)
-    shutil.copytree(source, path)
-    verified.cache_clear()
-    return verified(path, WHAT, REMAKE)
+    def moving_shapes(checkpoint: str) -> None:
+        task = read_task(checkpoint)
+        if task != "moving_shapes":
+            raise ValueError(f"{checkpoint} says its task is {task!r}, not 'moving_shapes' (a checkpoint saved "
+                             f"before omniroll_defaults.json named its task: run `omniroll pretrain shapes-video "
+                             f"--out` on its run directory again, which re-saves a finished run's checkpoint with the "
+                             f"current code)")
+
+    out = install_files(source, path, WHAT, REMAKE, check=moving_shapes)
+    checkpoint_dir.cache_clear()
+    return out

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from omniroll.models.shapes import write_sums
+from omniroll.models.shipped import write_sums
 from omniroll.models.shapes.assemble import save_checkpoint
 from omniroll.models.shapes.dit import EMA, optimizer_step
 from omniroll.models.shapes.pretrain import plot_losses
