@@ -170,6 +170,59 @@ def print_versus(rounds: dict[str, list[tuple[float, float]]], result: dict, *, 
 
 
 # --------------------------------------------------------------------------------------------------- argparse
+#: the engine's two rollout modes in the speed comparisons with diffusers' pipelines: the ODE without log-probs (what
+#: a pipeline does), and an SDE window of 3 steps in the first 5 with fp32 log-probs (what a rollout for RL does)
+ENGINE_MODES = {"ode": dict(noise_level=0.0, logprobs=False),
+                "sde": dict(noise_level=0.8, sde_type="sde", sde_window_size=3, sde_window_range=(0, 5), logprobs=True)}
+
+
+def seed_of(i: int) -> int:
+    """The seed of the i-th sample of a speed comparison (the pipeline's generator and the engine's request)."""
+    return 1_000 + i
+
+
+class EngineContender:
+    """omniroll's engine in a speed comparison: `run(mode)` draws one sample per prompt (`ENGINE_MODES[mode]` over
+    `sampling`, seeds `seed_of(i)`, an empty negative prompt, the prompt cache cleared first so every run encodes its
+    prompts, like a pipeline call) and checks each is a finished uint8 sample of `shape` (with finite log-probs on the
+    SDE window); returns how many."""
+
+    def __init__(self, path: str, prompts: list[str], sampling: dict, invariant: bool, rows: int, threads: int,
+                 shape: tuple[int, ...]):
+        from omniroll.engine.engine import DiffusionEngine
+        from omniroll.engine.params import SamplingParams
+
+        self.engine = DiffusionEngine.from_pretrained(path, max_batch_size=rows, batch_invariant=invariant,
+                                                      num_threads=threads)
+        self.prompts, self.shape, self.runs = prompts, shape, 0
+        self.params = {mode: SamplingParams(**sampling, **kw) for mode, kw in ENGINE_MODES.items()}
+
+    def run(self, mode: str) -> int:
+        from omniroll.engine.params import GenerationRequest
+
+        self.runs += 1
+        self.engine.call_between_steps(self.engine.prompt_cache.clear)
+        reqs = [GenerationRequest(request_id=f"{mode}-{self.runs}-{i}", prompt=p, negative_prompt="",
+                                  seed=seed_of(i), sampling_params=self.params[mode])
+                for i, p in enumerate(self.prompts)]
+        outs = self.engine.generate(reqs)
+        assert all(o.stop_reason == "completed" and o.diffusion_output.dtype == torch.uint8
+                   and tuple(o.diffusion_output.shape) == self.shape for o in outs)
+        if mode == "sde":
+            assert all(o.log_probs.shape == (3,) and torch.isfinite(o.log_probs).all() for o in outs)
+        return len(outs)
+
+
+def equal_outputs(a, b) -> bool:
+    """Two lists of engine outputs are the same samples bitwise: pictures, fp32 log-probs, every step's latents, the
+    sigmas and the step indices."""
+    return all(torch.equal(x.diffusion_output, y.diffusion_output) and torch.equal(x.log_probs, y.log_probs)
+               and x.log_probs.dtype == torch.float32
+               and all(torch.equal(x.extra_fields[k], y.extra_fields[k]) for k in ("all_latents", "sigmas",
+                                                                                  "step_indices"))
+               for x, y in zip(a, b, strict=True))
+
+
 def add_workload_args(ap: argparse.ArgumentParser, *, prompts: int, steps: int, size: int,
                       prompts_help: str = "unique prompts P") -> None:
     """The rollout workload: P prompts x n samples, T steps, CFG, SDE window, image size, text length."""

@@ -30,14 +30,13 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import interleaved_rounds, machine_info, print_versus, quiet_libraries, record_loadavg  # noqa: E402
+from _common import (EngineContender, interleaved_rounds, machine_info, print_versus,  # noqa: E402
+                     quiet_libraries, record_loadavg, seed_of)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = os.path.join(ROOT, "examples", "shapes_eval_train.txt")
 ENGINES = [(inv, rows) for rows in (64, 128) for inv in (True, False)]
 SAMPLING = dict(height=64, width=64, num_inference_steps=10, guidance_scale=4.5, max_sequence_length=12)
-SDE = dict(noise_level=0.8, sde_type="sde", sde_window_size=3, sde_window_range=(0, 5), logprobs=True)
-ODE = dict(noise_level=0.0, logprobs=False)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,10 +59,6 @@ def load_prompts(n: int) -> list[str]:
     return [lines[i % len(lines)] for i in range(n)]
 
 
-def seed_of(i: int) -> int:
-    return 1_000 + i
-
-
 class Diffusers:
     def __init__(self, path: str, prompts: list[str]):
         from diffusers import StableDiffusion3Pipeline
@@ -82,37 +77,13 @@ class Diffusers:
         return len(self.prompts)
 
 
-class Engine:
-    def __init__(self, path: str, prompts: list[str], invariant: bool, rows: int, threads: int):
-        from omniroll.engine.engine import DiffusionEngine
-        from omniroll.engine.params import SamplingParams
-
-        self.engine = DiffusionEngine.from_pretrained(path, max_batch_size=rows, batch_invariant=invariant,
-                                                      num_threads=threads)
-        self.prompts = prompts
-        self.params = {"ode": SamplingParams(**SAMPLING, **ODE), "sde": SamplingParams(**SAMPLING, **SDE)}
-        self.runs = 0
-
-    def run(self, mode: str) -> int:
-        from omniroll.engine.params import GenerationRequest
-
-        self.runs += 1
-        self.engine.call_between_steps(self.engine.prompt_cache.clear)
-        reqs = [GenerationRequest(request_id=f"{mode}-{self.runs}-{i}", prompt=p, negative_prompt="",
-                                  seed=seed_of(i), sampling_params=self.params[mode])
-                for i, p in enumerate(self.prompts)]
-        outs = self.engine.generate(reqs)
-        assert all(o.stop_reason == "completed" and o.diffusion_output.dtype == torch.uint8 for o in outs)
-        if mode == "sde":
-            assert all(o.log_probs.shape == (3,) and torch.isfinite(o.log_probs).all() for o in outs)
-        return len(outs)
-
-
 def one_pass(path: str, prompts: list[str], threads: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
     """(pictures/s, CPU s per picture) per contender, one pair per round, at `threads` torch threads."""
     torch.set_num_threads(threads)
     pipe = Diffusers(path, prompts)
-    engines = {(inv, rows): Engine(path, prompts, inv, rows, threads) for inv, rows in ENGINES}
+    shape = (3, SAMPLING["height"], SAMPLING["width"])
+    engines = {(inv, rows): EngineContender(path, prompts, SAMPLING, inv, rows, threads, shape)
+               for inv, rows in ENGINES}
     torch.set_num_threads(threads)  # the pipeline runs on this thread
     contenders = {"diffusers": pipe.run}
     for (inv, rows), eng in engines.items():

@@ -33,7 +33,8 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import build_model, machine_info, make_prompts, quiet_libraries, record_loadavg, rnd, rotated  # noqa
+from _common import (build_model, equal_outputs, machine_info, make_prompts, quiet_libraries,  # noqa: E402
+                     record_loadavg, rnd, rotated)
 from _flowgrpo_loop import flowgrpo_rollout  # noqa: E402
 
 #: scenario -> (window size, the window ranges of its rollouts: one rollout per range, times summed)
@@ -93,11 +94,6 @@ def omniroll_rollout(engine, prompts: list[str], w: argparse.Namespace, run: int
     assert all(o.stop_reason == "completed" for o in outs)
     return {"seconds": dt, "images": len(outs), "outputs": outs, "forward_rows": engine.rows_run - rows0,
             "steps_saved": engine.stats()["prefix_steps_saved"] - saved0}
-
-
-def equal_outputs(a, b) -> bool:
-    return all(torch.equal(x.diffusion_output, y.diffusion_output) and torch.equal(x.log_probs, y.log_probs)
-               and torch.equal(x.extra_fields["all_latents"], y.extra_fields["all_latents"]) for x, y in zip(a, b))
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,8 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import build_model, machine_info, make_prompts, quiet_libraries, record_loadavg, rnd, rotated  # noqa
+from _common import (build_model, equal_outputs, machine_info, make_prompts, quiet_libraries,  # noqa: E402
+                     record_loadavg, rnd, rotated)
 
 TREES = {"tree_2x4": (2, 4), "tree_4x2": (4, 2)}
 
@@ -87,14 +88,6 @@ def rollout(engine, requests) -> dict:
     assert all(o.stop_reason == "completed" for o in outs)
     return {"seconds": dt, "cpu_s": cpu, "samples": len(outs), "forward_rows": engine.rows_run - rows0,
             "outputs": outs}
-
-
-def equal_outputs(a, b) -> bool:
-    return all(torch.equal(x.diffusion_output, y.diffusion_output) and torch.equal(x.log_probs, y.log_probs)
-               and x.log_probs.dtype == torch.float32
-               and all(torch.equal(x.extra_fields[k], y.extra_fields[k]) for k in ("all_latents", "sigmas",
-                                                                                  "step_indices"))
-               for x, y in zip(a, b, strict=True))
 
 
 def main(argv=None) -> int:

@@ -32,10 +32,9 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import interleaved_rounds, machine_info, print_versus, quiet_libraries, record_loadavg  # noqa: E402
+from _common import (EngineContender, interleaved_rounds, machine_info, print_versus,  # noqa: E402
+                     quiet_libraries, record_loadavg, seed_of)
 
-SDE = dict(noise_level=0.8, sde_type="sde", sde_window_size=3, sde_window_range=(0, 5), logprobs=True)
-ODE = dict(noise_level=0.0, logprobs=False)
 ENGINES = (("inv", True, "ode"), ("plain", False, "ode"), ("inv", True, "sde"))
 
 
@@ -65,10 +64,6 @@ def checkpoint(args, scratch: str) -> str:
     return pretrain(TOY, scratch, progress=False, log=lambda _: None)["checkpoint"]
 
 
-def seed_of(i: int) -> int:
-    return 1_000 + i
-
-
 class Diffusers:
     def __init__(self, path: str, prompts: list[str], sampling: dict):
         from diffusers import WanPipeline
@@ -87,33 +82,6 @@ class Diffusers:
         frames = (video * 255.0).round().to(torch.uint8)
         assert frames.shape == (n, s["num_frames"], 3, s["height"], s["width"]), frames.shape
         return n
-
-
-class Engine:
-    def __init__(self, path: str, prompts: list[str], sampling: dict, invariant: bool, threads: int):
-        from omniroll.engine.engine import DiffusionEngine
-        from omniroll.engine.params import SamplingParams
-
-        self.engine = DiffusionEngine.from_pretrained(path, max_batch_size=2 * len(prompts),
-                                                      batch_invariant=invariant, num_threads=threads)
-        self.prompts, self.runs = prompts, 0
-        self.params = {"ode": SamplingParams(**sampling, **ODE), "sde": SamplingParams(**sampling, **SDE)}
-        self.shape = (sampling["num_frames"], 3, sampling["height"], sampling["width"])
-
-    def run(self, mode: str) -> int:
-        from omniroll.engine.params import GenerationRequest
-
-        self.runs += 1
-        self.engine.call_between_steps(self.engine.prompt_cache.clear)
-        reqs = [GenerationRequest(request_id=f"{mode}-{self.runs}-{i}", prompt=p, negative_prompt="",
-                                  seed=seed_of(i), sampling_params=self.params[mode])
-                for i, p in enumerate(self.prompts)]
-        outs = self.engine.generate(reqs)
-        assert all(o.stop_reason == "completed" and o.diffusion_output.dtype == torch.uint8
-                   and tuple(o.diffusion_output.shape) == self.shape for o in outs)
-        if mode == "sde":
-            assert all(o.log_probs.shape == (3,) and torch.isfinite(o.log_probs).all() for o in outs)
-        return len(outs)
 
 
 def main(argv=None) -> int:
@@ -137,7 +105,9 @@ def main(argv=None) -> int:
               f"{info.get('loadavg_start')}", flush=True)
         torch.set_num_threads(args.threads)
         pipe = Diffusers(path, prompts, sampling)
-        engines = {inv: Engine(path, prompts, sampling, inv, args.threads) for inv in (True, False)}
+        shape = (sampling["num_frames"], 3, sampling["height"], sampling["width"])
+        engines = {inv: EngineContender(path, prompts, sampling, inv, 2 * len(prompts), args.threads, shape)
+                   for inv in (True, False)}
         torch.set_num_threads(args.threads)  # the pipeline runs on this thread
         contenders = {"diffusers": pipe.run}
         for name, inv, mode in ENGINES:

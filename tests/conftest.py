@@ -27,6 +27,36 @@ def tiny_sd3_path(tmp_path_factory):
     return build_tiny_sd3(str(tmp_path_factory.mktemp("tiny-sd3")), seed=0)
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_sd3_path):
+    """The tiny SD3 on an engine of 16 forward rows a step (prefix sharing on), one per test module; a module that
+    needs another engine defines its own `engine`."""
+    from omniroll.engine.engine import DiffusionEngine
+
+    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_sd3_path):
+    """`alone(request)`: the request run on its own, on an engine without prefix sharing (what a shared or batched
+    run must equal bitwise); each request run once per module (keyed by all but its id)."""
+    from omniroll.engine.engine import DiffusionEngine
+
+    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, prefix_sharing=False)
+    cache = {}
+
+    def run(r):
+        key = r.model_dump_json(exclude={"request_id"})
+        if key not in cache:
+            cache[key] = eng.generate([r])[0]
+        return cache[key]
+
+    yield run
+    eng.shutdown()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray")

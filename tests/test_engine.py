@@ -19,13 +19,6 @@ def req(rid, prompt="a photo of a cat", seed=0, negative=None, **params):
                              sampling_params=SamplingParams(**{**BASE, **params}))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_sd3_path):
-    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
-    yield eng
-    eng.shutdown()
-
-
 def same(a, b):
     assert a.stop_reason == b.stop_reason == "completed"
     assert torch.equal(a.diffusion_output, b.diffusion_output)

@@ -7,18 +7,11 @@ tests/test_train_report.py, tests/test_train.py."""
 import pytest
 import torch
 
-from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
+from omniroll import GenerationRequest, SamplingParams
 from omniroll.config import ConfigError, load_config
 from omniroll.train import TrajectoryBatch, kl_to_reference
 from omniroll.train.policy import Policy
 from omniroll.train.report.policy_move import policy_move, snapshot
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_sd3_path):
-    e = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
-    yield e
-    e.shutdown()
 
 
 @pytest.mark.parametrize("sde_type", ["sde", "cps", "dance_sde"])

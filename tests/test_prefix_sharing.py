@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from omniroll import GenerationRequest, SamplingParams
-from omniroll.engine.engine import DiffusionEngine
 
 BASE = dict(height=32, width=32, max_sequence_length=16, guidance_scale=4.5, noise_level=0.8)
 
@@ -17,29 +16,6 @@ def member(i, steps=6, window=(1, (3, 5)), latent_seed=77, prompt="a green frog"
     return GenerationRequest(request_id=f"m{i}", prompt=prompt, seed=1000 + i, sampling_params=SamplingParams(
         **{**BASE, "num_inference_steps": steps, "sde_window_size": size, "sde_window_range": rng,
            "latent_seed": latent_seed, **kw}))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_sd3_path):
-    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_sd3_path):
-    """Each request run on its own, on an engine without prefix sharing (cached per request)."""
-    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, prefix_sharing=False)
-    cache = {}
-
-    def run(r):
-        key = r.model_dump_json(exclude={"request_id"})
-        if key not in cache:
-            cache[key] = eng.generate([r])[0]
-        return cache[key]
-
-    yield run
-    eng.shutdown()
 
 
 def same(a, b):

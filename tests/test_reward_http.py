@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
-import threading
 import time
 
 import numpy as np
 import pytest
-import uvicorn
+from http_helpers import serving
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -122,22 +121,9 @@ def _make_app(state: dict) -> FastAPI:
 @pytest.fixture(scope="module")
 def server():
     state = {"hits": collections.Counter(), "batches": collections.defaultdict(list), "st": {}, "release": False}
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(_make_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not srv.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", state
-    state["release"] = True  # requests still hanging answer now, so the server stops at once
-    srv.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    # at the end, requests still hanging answer, so the server stops at once
+    with serving(_make_app(state), before_stop=lambda: state.update(release=True)) as url:
+        yield url, state
 
 
 def _samples(n: int, h: int = 8, w: int = 8) -> list[RewardSample]:

@@ -10,13 +10,10 @@ import base64
 import collections
 import io
 import math
-import socket
-import threading
-import time
 
 import numpy as np
 import pytest
-import uvicorn
+from http_helpers import serving
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from PIL import Image
@@ -85,20 +82,8 @@ def _make_app(state: dict) -> FastAPI:
 @pytest.fixture(scope="module")
 def judge():
     state = {"hits": collections.Counter(), "requests": [], "in_flight": 0, "max_in_flight": 0}
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(_make_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not srv.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", state
-    srv.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serving(_make_app(state)) as url:
+        yield f"{url}/v1", state
 
 
 def _samples(prompts, values=None):

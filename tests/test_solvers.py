@@ -23,13 +23,6 @@ def req(rid, prompt="a red car", seed=7, **params):
                              sampling_params=SamplingParams(**{**BASE, "num_inference_steps": 6, **params}))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_sd3_path):
-    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
-    yield eng
-    eng.shutdown()
-
-
 def reference_loop(engine, scheduler, prompt, seed, steps, guidance):
     """The same model's velocity (the engine's own call, in its execution mode) driven by a diffusers scheduler's
     `step`, from the same initial noise, on omniroll's sigmas and timesteps."""

@@ -25,21 +25,6 @@ def params(**kw):
     return SamplingParams(**{**BASE, **WINDOWED, **kw})
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_sd3_path):
-    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, max_batch_size=16)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_sd3_path):
-    """Each request run on its own, on an engine without prefix sharing."""
-    eng = DiffusionEngine.from_pretrained(tiny_sd3_path, prefix_sharing=False)
-    yield lambda r: eng.generate([r])[0]
-    eng.shutdown()
-
-
 def same(a, b):
     assert a.stop_reason == b.stop_reason == "completed"
     assert torch.equal(a.diffusion_output, b.diffusion_output)
