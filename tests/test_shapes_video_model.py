@@ -142,6 +142,93 @@ def test_the_pretrained_checkpoint_is_a_wan_pipeline_the_engine_samples_clips_fr
     assert out.extra_fields["all_latents"].shape[1:] == (TOY.vae.z_dim, 3, 16, 16)
 
 
+#: 10 steps at the toy's shift 3: timesteps >= 875 (the first expert) for steps 0-2, the second expert after; a window
+#: of 2 drawn in [2, 4) is steps 2 and 3, across the switch
+SWITCHING = dict(num_inference_steps=10, noise_level=0.8, sde_type="sde", sde_window_size=2, sde_window_range=(2, 4))
+
+
+@pytest.fixture(scope="module")
+def two_experts(uninterrupted, tmp_path_factory):
+    """The toy checkpoint's two-expert copy, through the CLI."""
+    from omniroll.cli import main
+
+    out = tmp_path_factory.mktemp("sv2") / "two"
+    assert main(["pretrain", "shapes-video", "--two-experts", "--from", str(uninterrupted / "checkpoint"), "--out",
+                 str(out)]) == 0
+    return out / "checkpoint"
+
+
+@pytest.mark.slow  # slow: trains a model (the toy recipe)
+def test_two_experts_of_one_transformer_draw_its_clips_bitwise_and_switch_at_the_boundary(uninterrupted, two_experts,
+                                                                                        tmp_path, capsys):
+    from omniroll import DiffusionEngine, GenerationRequest, SamplingParams
+    from omniroll.cli import main
+    from omniroll.models import resolve_model
+
+    index = json.loads((two_experts / "model_index.json").read_text())
+    assert index["boundary_ratio"] == 0.875 and index["transformer_2"] == index["transformer"]
+    assert verified(str(two_experts), WHAT, REMAKE) == str(two_experts)
+    assert (two_experts / "omniroll_defaults.json").read_text() == (
+        uninterrupted / "checkpoint" / "omniroll_defaults.json").read_text()  # its task and defaults
+    sp = SamplingParams(**SWITCHING, logprobs=True)
+    outs = {}
+    for name, path in (("one", uninterrupted / "checkpoint"), ("two", two_experts)):
+        engine = DiffusionEngine.from_pretrained(str(path), max_batch_size=8)
+        try:
+            outs[name] = engine.generate([GenerationRequest(request_id=f"{name}{i}", prompt=p, seed=5 + i,
+                                                            sampling_params=sp)
+                                          for i, p in enumerate(["a red circle moving left",
+                                                                 "a square turning from blue to green"])])
+        finally:
+            engine.shutdown()
+    for a, b in zip(outs["one"], outs["two"]):
+        assert torch.equal(a.diffusion_output, b.diffusion_output) and torch.equal(a.log_probs, b.log_probs)
+        assert "expert_indices" not in a.extra_fields
+        assert b.extra_fields["sde_window"] == (2, 4) and b.extra_fields["expert_indices"].tolist() == [0, 1]
+        assert b.extra_fields["all_timesteps"][0] >= 875 > b.extra_fields["all_timesteps"][1]
+
+    for argv, words in (([], "needs --from MODEL"), (["--from", str(two_experts)], "already has two experts"),
+                        (["--from", str(uninterrupted / "checkpoint"), "--boundary-ratio", "1.5"],
+                         "boundary_ratio must be in (0, 1)"),
+                        (["--from", resolve_model("shapes")], "not a Wan checkpoint"),
+                        (["--from", str(uninterrupted / "checkpoint"), "--install"], "--install: not with")):
+        assert main(["pretrain", "shapes-video", "--two-experts", "--out", str(tmp_path / "x"), *argv]) == 2
+        assert words in capsys.readouterr().err
+        assert not (tmp_path / "x" / "checkpoint").exists()
+
+
+@pytest.mark.slow  # slow: trains a model (the toy recipe) and starts Ray
+def test_flow_grpo_trains_both_experts_with_exact_ratios_across_the_switch(ray_cluster, two_experts, tmp_path):
+    from omniroll.config import load_config
+    from omniroll.train import Trainer
+    from omniroll.train.checkpoint import find_checkpoint
+    from omniroll.train.policy import Policy
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle moving left\na square turning from blue to green\n")
+    window = {k: v for k, v in SWITCHING.items() if k != "num_inference_steps"}
+    cfg = load_config({
+        "replicas": {"count": 1, "num_cpus": 1},
+        "engine": {"model": str(two_experts), "max_batch_size": 8, "num_threads": 1},
+        "pipeline": {"num_inference_steps": 10}, "algo": window,
+        "agent": {"num_workers": 1}, "reward": {"num_workers": 1, "functions": {  # a reward that differs between clips (a toy model passes nothing)
+            "bright": {"fn": "tests.reward_fns:mean_pixel"}}},
+        "n": 2, "seed": 0, "val_kwargs": {"n": 1},
+        "trainer": {"algorithm": "flow_grpo", "prompts_file": str(prompts), "prompts_per_step": 2, "lr": 0.01,
+                    "micro_batch_size": 4, "steps": 2, "num_threads": 1, "adv_clip_max": 5.0,
+                    "lora": {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}},
+    })
+    with Trainer(cfg, str(tmp_path / "run"), log=lambda _: None) as tr:
+        hist = tr.train()
+        lora = {k: v.detach().clone() for k, v in tr.policy.denoiser.named_parameters() if "lora_B" in k}
+    assert [m["ratio_max_abs_dev"] for m in hist] == [0.0, 0.0]  # step 2 rolled out with step 1's weights
+    moved = {k.split(".")[0] for k, v in lora.items() if v.abs().sum() > 0}
+    assert moved == {"transformer", "transformer_2"}, sorted(lora)[:4]  # the window's two steps train both experts
+    again = Policy(str(two_experts), "lora", 4, 8, ["to_q", "to_k", "to_v", "to_out.0"])
+    again.load(find_checkpoint(str(tmp_path / "run")))  # the checkpoint keeps each expert's adapter
+    assert all(torch.equal(v, dict(again.denoiser.named_parameters())[k]) for k, v in lora.items())
+
+
 def test_the_cli_refuses_what_shapes_video_does_not_have_before_any_work(tmp_path, capsys):
     from omniroll.cli import main
 

@@ -16,6 +16,9 @@ ends with the bitwise same checkpoint. `--toy` runs a few steps of tiny parts (a
 The finished checkpoint is evaluated on the moving-shapes world's train and heldout splits (`VIDEO_EVAL_SEEDS` clips
 a prompt: `eval_<split>.json`, its grid, and pretrain.json's `evaluation`; not with `--toy` or `--no-eval`).
 `--install` copies the finished checkpoint to where `--model shapes-video` finds it (`make shapes-video-model`).
+`--two-experts --from MODEL` trains nothing: it writes DIR/checkpoint, the Wan 2.2-style two-expert checkpoint of
+MODEL (`shapes-video`, or a checkpoint directory), the same transformer as both experts switched at
+`--boundary-ratio` (`omniroll.models.shapes_video.two_experts`).
 
 `omniroll pretrain shapes-proxy --out DIR` trains the shapes proxy instead (`omniroll.evaluation.shapes_proxy`, the
 learned reward `fn: shapes_proxy`): DIR/weights/ (model.safetensors, config.json, SHA256SUMS, train.json with the
@@ -52,7 +55,14 @@ def add_arguments(parser) -> None:
                              "default: the recipe's, 0: none)")
     parser.add_argument("--from", dest="source", default=None, metavar="MODEL",
                         help="distil MODEL (shapes, or a checkpoint directory) instead of training one: its modules "
-                             "and recipe, only the distillation runs (needs --distill; default: none, train one)")
+                             "and recipe, only the distillation runs (needs --distill; default: none, train one); "
+                             "shapes-video with --two-experts: the checkpoint whose transformer both experts are")
+    parser.add_argument("--two-experts", action="store_true",
+                        help="shapes-video only: write the Wan 2.2-style two-expert checkpoint of --from MODEL to "
+                             "DIR/checkpoint (seconds; no training)")
+    parser.add_argument("--boundary-ratio", type=float, default=None,
+                        help="with --two-experts: the first expert runs while the timestep is >= this x 1000 "
+                             "(default 0.875, Wan 2.2 A14B's: 4 of the model's 10 steps)")
     parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training (shapes-video: "
                                                                "--toy skips it too)")
     parser.add_argument("--snapshot-every", type=int, default=0, help="also save and evaluate the EMA transformer "
@@ -214,8 +224,9 @@ def run(args) -> int:
 
     if args.model == "shapes-video":
         return run_video(args)
-    if args.toy or args.until != "checkpoint":
-        raise UserError("--toy and --until are for shapes-video only (shapes: --override dit.steps=N and the like)")
+    if args.toy or args.until != "checkpoint" or args.two_experts or args.boundary_ratio is not None:
+        raise UserError("--toy, --until, --two-experts and --boundary-ratio are for shapes-video only (shapes: "
+                        "--override dit.steps=N and the like)")
     if args.model == "shapes-proxy":
         args.out = default_out(args.out, "out/shapes-proxy")
         return run_proxy(args)
@@ -266,14 +277,46 @@ def run(args) -> int:
     return 0
 
 
+def run_two_experts(args) -> int:
+    """`omniroll pretrain shapes-video --two-experts --from MODEL`: MODEL's two-expert checkpoint in DIR/checkpoint."""
+    from omniroll.cli import UserError
+    from omniroll.models import resolve_model
+    from omniroll.models.shapes_video.two_experts import DEFAULT_BOUNDARY, make_two_experts
+
+    unused = [flag for flag, used in (("--toy", args.toy), ("--until", args.until != "checkpoint"),
+                                      ("--override", bool(args.override)), ("--distill", args.distill is not None),
+                                      ("--snapshot-every", args.snapshot_every != 0), ("--install", args.install),
+                                      ("--no-eval", args.no_eval)) if used]
+    if unused:
+        raise UserError(f"{', '.join(unused)}: not with --two-experts (it trains nothing: it copies --from MODEL's "
+                        f"checkpoint with its transformer as both experts)")
+    if args.source is None:
+        raise UserError("--two-experts needs --from MODEL: shapes-video, or a shapes-video checkpoint directory")
+    out = default_out(args.out, "out/shapes-video-two-experts")
+    try:
+        source = resolve_model(args.source)
+        path = make_two_experts(source, os.path.join(out, "checkpoint"),
+                                DEFAULT_BOUNDARY if args.boundary_ratio is None else args.boundary_ratio)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise UserError(f"--two-experts: {e}") from None
+    with open(os.path.join(path, "model_index.json")) as f:
+        ratio = json.load(f)["boundary_ratio"]
+    print(f"omniroll pretrain shapes-video --two-experts: {path} (the transformer of {source} as both experts, "
+          f"boundary_ratio {ratio}; --model {path})")
+    return 0
+
+
 def run_video(args) -> int:
     """`omniroll pretrain shapes-video`: the recipe (FULL, or TOY with --toy) with its overrides, run or resumed."""
     from omniroll.cli import UserError
     from omniroll.cli.common import quiet_libraries
     from omniroll.models.shapes_video.recipe import FULL, TOY
 
+    if args.two_experts:
+        return run_two_experts(args)
     unused = [flag for flag, used in (("--distill", args.distill is not None), ("--from", args.source is not None),
-                                      ("--snapshot-every", args.snapshot_every != 0)) if used]
+                                      ("--snapshot-every", args.snapshot_every != 0),
+                                      ("--boundary-ratio", args.boundary_ratio is not None)) if used]
     if unused:
         raise UserError(f"{', '.join(unused)}: not available for shapes-video (evaluate its checkpoint with "
                         f"`omniroll eval --model DIR/checkpoint`)")

@@ -67,6 +67,15 @@ def stack_conditioning(conds: list[Conditioning]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([c.tensors[k] for c in conds]) for k in keys}
 
 
+def denoiser_experts(denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """A denoiser's transformers by their checkpoint folder, each a diffusers model (`add_adapter`,
+    `save_pretrained`, `enable_gradient_checkpointing`): {"transformer": denoiser}, or, for a two-expert model (Wan 2.2
+    A14B: the denoiser is a ModuleDict of them), {"transformer": ..., "transformer_2": ...}."""
+    if isinstance(denoiser, torch.nn.ModuleDict):
+        return dict(denoiser.items())
+    return {"transformer": denoiser}
+
+
 def check_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
     """Raise ValueError naming `name` unless `value` is an int in [lo, hi]."""
     if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):

@@ -16,12 +16,12 @@ import torch
 
 from omniroll.engine.config import torch_dtype
 from omniroll.models import load_adapter
-from omniroll.models.base import DiffusionAdapter
+from omniroll.models.base import DiffusionAdapter, denoiser_experts
 
 
 class Policy:
     """mode "lora": a LoRA (rank, alpha, target_modules; default: the family's `lora_target_modules`, its attention
-    projections) on the denoiser, B initialised to zero (so the first rollout,
+    projections) on the denoiser (on each expert of a two-expert model), B initialised to zero (so the first rollout,
     on the base weights, is on-policy); mode "full": every denoiser weight is trained. dtype: the compute dtype (the
     frozen model is loaded in it; what is trained stays fp32); device: where the denoiser, what is trained and so the
     optimizer's state live (docs/training/gpu.md)."""
@@ -36,6 +36,7 @@ class Policy:
         #    the text encoders and the VAE are never run here).
         self.adapter: DiffusionAdapter = load_frozen(model_path, dtype, self.device)
         self.denoiser = self.adapter.denoiser
+        self.experts = denoiser_experts(self.denoiser)  # checkpoint folder -> transformer (two for Wan 2.2 A14B)
         self._reference: Optional[DiffusionAdapter] = None
         self._pinned: Optional[list] = None  # `pin_parameters`
         # 2. What is trained, in fp32: a LoRA on the frozen base, or every denoiser weight (fp32 master weights,
@@ -49,8 +50,10 @@ class Policy:
                                           init_lora_weights=True)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                self.denoiser.add_adapter(self.lora_config)
-            cast_adapter_dtype(self.denoiser, "default")  # a bf16 / fp16 base's adapter: fp32 (PEFT's rule)
+                for expert in self.experts.values():  # one generator: two experts' A matrices differ
+                    expert.add_adapter(self.lora_config)
+            for expert in self.experts.values():
+                cast_adapter_dtype(expert, "default")  # a bf16 / fp16 base's adapter: fp32 (PEFT's rule)
             self.denoiser.eval()
         else:
             self.lora_config = None
@@ -80,11 +83,13 @@ class Policy:
     def reference(self) -> Iterator[DiffusionAdapter]:
         """The base model for the KL term: LoRA disabled in place; for full fine-tuning a frozen copy loaded once."""
         if self.mode == "lora":
-            self.denoiser.disable_adapters()
+            for expert in self.experts.values():
+                expert.disable_adapters()
             try:
                 yield self.adapter
             finally:
-                self.denoiser.enable_adapters()
+                for expert in self.experts.values():
+                    expert.enable_adapters()
         else:
             if self._reference is None:
                 self._reference = load_frozen(self.model_path, self.dtype, self.device)
@@ -93,8 +98,9 @@ class Policy:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
-        """LoRA: `adapter_config.json` + `adapter_model.safetensors` (PEFT's save_pretrained layout and key names);
-        full: `transformer/` via diffusers' save_pretrained."""
+        """LoRA: `adapter_config.json` + `adapter_model.safetensors` (PEFT's save_pretrained layout and key names; a
+        two-expert model's keys start with the expert's folder); full: `transformer/` (and `transformer_2/`) via
+        diffusers' save_pretrained."""
         os.makedirs(path, exist_ok=True)
         if self.mode == "lora":
             from safetensors.torch import save_file
@@ -105,7 +111,8 @@ class Policy:
             save_file(sd, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
             self.lora_config.save_pretrained(path)
         else:
-            self.denoiser.save_pretrained(os.path.join(path, "transformer"), safe_serialization=True)
+            for folder, expert in self.experts.items():
+                expert.save_pretrained(os.path.join(path, folder), safe_serialization=True)
 
     def load(self, path: str) -> None:
         """Restore weights written by `save` (bit-exact)."""
@@ -125,12 +132,12 @@ class Policy:
                 for k, p in live.items():
                     p.copy_(tensors[k])
             else:
-                f = os.path.join(path, "transformer", "diffusion_pytorch_model.safetensors")
-                sd = load_file(f)
-                own = dict(self.denoiser.named_parameters())
-                for k, v in sd.items():
-                    if k in own:
-                        own[k].copy_(v)
+                for folder, expert in self.experts.items():
+                    sd = load_file(os.path.join(path, folder, "diffusion_pytorch_model.safetensors"))
+                    own = dict(expert.named_parameters())
+                    for k, v in sd.items():
+                        if k in own:
+                            own[k].copy_(v)
 
     def _lora_params(self) -> list[torch.nn.Parameter]:
         # the same order as lora_state_dict's keys (PEFT walks the module's state dict in order)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from omniroll.engine.execution import execution_mode
-from omniroll.models.base import NO_CFG, DiffusionAdapter
+from omniroll.models.base import NO_CFG, DiffusionAdapter, denoiser_experts
 from omniroll.sampling import SDEStepOutput, sde_step
 from omniroll.train.trajectory_batch import TrajectoryBatch
 
@@ -97,4 +97,5 @@ def enable_gradient_checkpointing(denoiser: torch.nn.Module, execution: dict) ->
 
     fn = functools.partial(checkpoint, use_reentrant=False,
                            context_fn=lambda: (contextlib.nullcontext(), execution_mode(execution)))
-    denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=fn)
+    for expert in denoiser_experts(denoiser).values():  # each expert of a two-expert model
+        expert.enable_gradient_checkpointing(gradient_checkpointing_func=fn)

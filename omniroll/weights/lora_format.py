@@ -88,9 +88,14 @@ def lora_state_dict(peft_model_or_module: nn.Module, adapter_name: str | None = 
     """Only the LoRA tensors of a PEFT model (or a module with injected adapters).
 
     Keys have no ``base_model.model.`` prefix and no adapter name:
-    ``transformer_blocks.0.attn.to_q.lora_A.weight``.
+    ``transformer_blocks.0.attn.to_q.lora_A.weight``. A container of adapted modules without a config of its own (a
+    two-expert denoiser: a ModuleDict of transformers) gives each one's under its name: ``transformer_2.blocks...``.
     """
     m = peft_model_or_module
+    if getattr(m, "peft_config", None) is None:
+        adapted = [(n, c) for n, c in m.named_children() if getattr(c, "peft_config", None) is not None]
+        if adapted:
+            return {f"{n}.{k}": v for n, c in adapted for k, v in lora_state_dict(c, adapter_name).items()}
     if adapter_name is None:
         active = getattr(m, "active_adapter", None)
         adapter_name = active if isinstance(active, str) else "default"

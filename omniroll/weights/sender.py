@@ -69,14 +69,25 @@ class StateReader:
         raise WeightSyncError(f"cannot send weights of type {type(weights).__name__}")
 
 
+def _active_peft_config(module: nn.Module) -> dict | None:
+    """The module's active adapter's config as a dict, None when it has none."""
+    cfgs = getattr(module, "peft_config", None) or {}
+    active = getattr(module, "active_adapter", None)
+    name = active if isinstance(active, str) and active in cfgs else next(iter(cfgs), None)
+    return None if name is None else peft_config_to_dict(cfgs[name])
+
+
 def _lora_items(weights: nn.Module, peft_config: dict | None) -> tuple[list[tuple[str, torch.Tensor]], dict]:
     if peft_config is None:
-        cfgs = getattr(weights, "peft_config", None) or {}
-        active = getattr(weights, "active_adapter", None)
-        name = active if isinstance(active, str) and active in cfgs else next(iter(cfgs), None)
-        if name is None:
-            raise WeightSyncError("module has LoRA layers but no peft_config; pass peft_config=")
-        peft_config = peft_config_to_dict(cfgs[name])
+        peft_config = _active_peft_config(weights)
+    if peft_config is None:  # a container of adapted models (a two-expert denoiser): their one config
+        found = [c for c in map(_active_peft_config, weights.children()) if c is not None]
+        if any(c != found[0] for c in found[1:]):
+            raise WeightSyncError(f"the adapted submodules have different LoRA configs ({found[0]} and "
+                                  f"{next(c for c in found if c != found[0])}); pass peft_config=")
+        peft_config = found[0] if found else None
+    if peft_config is None:
+        raise WeightSyncError("module has LoRA layers but no peft_config; pass peft_config=")
     return list(lora_state_dict(weights).items()), peft_config
 
 

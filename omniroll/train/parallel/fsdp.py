@@ -28,6 +28,7 @@ import shutil
 import torch
 
 from omniroll.engine.execution import execution_mode
+from omniroll.models.base import denoiser_experts
 from omniroll.train.recompute import trajectory_velocity
 
 
@@ -44,7 +45,8 @@ def shard_denoiser(denoiser: torch.nn.Module, device: str, world_size: int) -> N
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(torch.device(device).type, (world_size,))
-    blocks = set(getattr(denoiser, "_no_split_modules", None) or ())
+    experts = denoiser_experts(denoiser).values()  # each expert of a two-expert model
+    blocks = {b for e in experts for b in getattr(e, "_no_split_modules", None) or ()}
     if not blocks:
         raise ValueError(f"trainer.sharding: fsdp shards a denoiser by its transformer blocks, and "
                          f"{type(denoiser).__name__} names none (_no_split_modules)")
