@@ -26,8 +26,9 @@ def _samples():
     return out
 
 
-def test_the_three_rewards_are_registered_and_refuse_kwargs_and_prompts_outside_the_grammar():
-    assert {"moving_shapes", "moving_shapes_continuous", "moving_shapes_strict"} <= set(SCORER_REGISTRY)
+def test_the_rewards_are_registered_and_refuse_kwargs_and_prompts_outside_the_grammar():
+    assert {"moving_shapes", "moving_shapes_continuous", "moving_shapes_strict",
+            "moving_shapes_last_frame"} <= set(SCORER_REGISTRY)
     assert scorer_problems("moving_shapes", {"x": 1}) == ["kwargs: the moving-shapes rewards take no kwargs, got "
                                                           "['x']"]
     with pytest.raises(ValueError, match="takes no kwargs"):
@@ -55,6 +56,27 @@ def test_scored_rows_carry_credit_the_category_and_the_motion_meter_and_bad_rows
     assert image.status == "failed" and image.score is None and "is an image" in image.error
     assert bad.status == "failed" and bad.score is None and "nearest valid prompt" in bad.error
     assert res[7].status == "failed" and "at least 2 frames" in res[7].error
+
+
+def test_the_last_frame_reward_is_the_shapes_checker_on_the_last_frame_blind_to_motion_order_and_change():
+    from omniroll.tasks.moving_shapes.grammar import parse_prompt
+    from omniroll.tasks.moving_shapes.last_frame import last_frame_prompt
+
+    assert [last_frame_prompt(parse_prompt(p)) for p in PROMPTS] == [
+        "a red circle", "a square and a triangle", "a red circle and a blue square", "a green square"]
+    mgr = RewardManager({"frame": {"fn": "moving_shapes_last_frame", "max_retries": 0}})
+    clips = [render_prompt(p, i) for i, p in enumerate(PROMPTS)]
+    cheats = [np.repeat(c[-1:], len(c), axis=0) for c in clips]  # every frame the last one: static
+    twin = RewardSample(sample_id="twin", prompt="a red circle moving right", image=clips[0])  # moves the other way
+    res = asyncio.run(mgr.score([RewardSample(sample_id=f"c{i}", prompt=p, image=c)
+                                 for i, (p, c) in enumerate(zip(PROMPTS + PROMPTS, clips + cheats))] + [twin]))
+    for r, tag in zip(res[:4], ("direction", "two_motions", "order", "change")):  # the renderer's clips
+        assert r.score == 1.0 and r.extra_info["frame/frame_strict"] == 1.0 and r.extra_info[f"frame/{tag}"] == 1.0
+        assert r.extra_info["frame/strict"] == 1.0
+    for r in res[4:]:  # static clips and the wrong direction: full reward, the clip checker fails them
+        assert r.score == 1.0 and r.extra_info["frame/frame_strict"] == 1.0, r.sample_id
+        assert r.extra_info["frame/strict"] == 0.0, r.sample_id
+    assert [r.extra_info["frame/motion"] for r in res[4:8]] == [0.0] * 4
 
 
 def test_the_motion_meter_lands_in_the_steps_metrics(tmp_path, tiny_sd3_path):

@@ -1,12 +1,16 @@
 """The moving-shapes world's rewards: its exact clip checker (`omniroll.tasks.moving_shapes`), usable as
 `reward.functions.<name>.fn: moving_shapes` (partial credit, for RL: the share of the prompt's requirements met),
-`moving_shapes_continuous` (the same requirements graded) or `moving_shapes_strict` (pass / fail).
+`moving_shapes_continuous` (the same requirements graded) or `moving_shapes_strict` (pass / fail); and
+`moving_shapes_last_frame`, a per-frame image reward: the shapes world's partial credit on the clip's last frame
+against what that frame must show (`omniroll.tasks.moving_shapes.last_frame`), which no motion reaches (the reward
+that shows why video needs its own).
 
 Each returns, per sample, a dict: `score` (the reward) and extras that land in the row's `extra_info` as
 `<name>/<key>` and that the trainer averages per step into metrics.jsonl and the trackers (`reward/<name>/<key>`):
 `strict`, `partial` and `continuous` of every sample, `<category>` (its strict pass) for the sample's own category
 only, and `motion`, the clip's mean tracked displacement in pixels: averaged per step it is the motion meter, which
-shows a policy collapsing to static clips whatever the reward says. A sample that is not a video (an image), a clip
+shows a policy collapsing to static clips whatever the reward says (`moving_shapes_last_frame` adds `frame_partial`
+and `frame_strict`, the frame's own verdicts, beside the clip's). A sample that is not a video (an image), a clip
 the checker cannot read, or a prompt outside the grammar is that row's error, with the reason (the row fails, the
 others are scored; never a reward of 0); `check_prompts` finds such prompts before anything starts.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 from omniroll.reward.task_scorers import task_scorer
 from omniroll.tasks.moving_shapes.grammar import PromptError, check_prompts, parse_prompt
 from omniroll.tasks.moving_shapes.judge import score_clip
+from omniroll.tasks.moving_shapes.last_frame import last_frame_prompt
 
 
 def _values(samples, score: str) -> list:
@@ -35,8 +40,20 @@ def _values(samples, score: str) -> list:
             continue
         strict = float(j.strict)
         values = {"strict": strict, "partial": j.partial, "continuous": j.continuous}
-        out.append({"score": values[score], **values, spec.tag: strict, "motion": j.motion})
+        if score == "last_frame":
+            frame = last_frame(spec, s.image)
+            values = {**values, "frame_partial": frame.partial, "frame_strict": float(frame.strict)}
+        key = "frame_partial" if score == "last_frame" else score
+        out.append({"score": values[key], **values, spec.tag: strict, "motion": j.motion})
     return out
+
+
+def last_frame(spec, clip):
+    """The shapes checker's judgement of the clip's last frame against `last_frame_prompt(spec)`."""
+    from omniroll.tasks.shapes.grammar import parse_prompt as parse_picture_prompt
+    from omniroll.tasks.shapes.report import score_picture
+
+    return score_picture(parse_picture_prompt(last_frame_prompt(spec)), clip[-1])
 
 
 def moving_shapes_partial(samples) -> list[dict]:
@@ -56,7 +73,14 @@ def moving_shapes_strict(samples) -> list[dict]:
     return _values(samples, "strict")
 
 
+def moving_shapes_last_frame(samples) -> list[dict]:
+    """A per-frame image reward: the shapes world's partial credit on the clip's last frame against what that frame
+    must show ("a red circle moving left" -> "a red circle"), blind to motion, order and change; the clip checker's
+    verdicts and the motion are logged beside it."""
+    return _values(samples, "last_frame")
+
+
 #: registry name -> factory (added to `omniroll.reward.scorers.SCORER_REGISTRY`)
 MOVING_SHAPES_SCORERS = {name: task_scorer(fn, check_prompts, "the moving-shapes rewards") for name, fn in (
     ("moving_shapes", moving_shapes_partial), ("moving_shapes_continuous", moving_shapes_continuous),
-    ("moving_shapes_strict", moving_shapes_strict))}
+    ("moving_shapes_strict", moving_shapes_strict), ("moving_shapes_last_frame", moving_shapes_last_frame))}
