@@ -211,8 +211,8 @@ def test_flow_grpo_trains_both_experts_with_exact_ratios_across_the_switch(ray_c
         "replicas": {"count": 1, "num_cpus": 1},
         "engine": {"model": str(two_experts), "max_batch_size": 8, "num_threads": 1},
         "pipeline": {"num_inference_steps": 10}, "algo": window,
-        "agent": {"num_workers": 1}, "reward": {"num_workers": 1, "functions": {  # a reward that differs between clips (a toy model passes nothing)
-            "bright": {"fn": "tests.reward_fns:mean_pixel"}}},
+        "agent": {"num_workers": 1},  # a reward that differs between clips (a toy model passes no checker)
+        "reward": {"num_workers": 1, "functions": {"bright": {"fn": "tests.reward_fns:mean_pixel"}}},
         "n": 2, "seed": 0, "val_kwargs": {"n": 1},
         "trainer": {"algorithm": "flow_grpo", "prompts_file": str(prompts), "prompts_per_step": 2, "lr": 0.01,
                     "micro_batch_size": 4, "steps": 2, "num_threads": 1, "adv_clip_max": 5.0,
