@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo shapes-model shapes-model-evaluations shapes-model-distilled shapes-video-model shapes-proxy test test-fast docs docs-generate docs-serve docs-screenshots bench clean
+.PHONY: install demo demo-video shapes-model shapes-model-evaluations shapes-model-distilled shapes-video-model shapes-proxy test test-fast docs docs-generate docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -78,6 +78,11 @@ docs-screenshots: docs
 demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
 	$(VENV)/bin/omniroll train --config examples/shapes_demo.yaml --out out/train
+
+# The video demo: AWM on the moving-shapes world with the shapes-video model (examples/shapes_video_demo.yaml); needs
+# the model installed (`make shapes-video-model`; until then it stops before any work, saying so).
+demo-video: $(STAMP)
+	$(VENV)/bin/omniroll train --config examples/shapes_video_demo.yaml --out out/train-video
 
 # Retrain the shipped shapes model from scratch (omniroll/models/shapes/recipe.py) and install it over the shipped one.
 shapes-model: $(STAMP)

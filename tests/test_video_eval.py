@@ -167,6 +167,7 @@ def test_omniroll_eval_on_a_video_checkpoint_judges_clips_in_the_moving_shapes_w
     line = json.loads(next(x for x in printed.splitlines() if x.startswith("{")))
     assert line["task"] == "moving_shapes" and line["images"] == 8 and "frozen_strict" in line
     assert "frozen" in printed and "McNemar" in printed  # the frame baselines' table and the paired verdict
+    assert "clip(s) fail -> pass" in printed  # clips are called clips
     ev, base = (json.loads((out / f"{n}.json").read_text()) for n in ("eval", "baseline"))
     assert ev["task"] == base["task"] == "moving_shapes"
     assert {t: c["n"] for t, c in ev["categories"].items()} == {"direction": 2, "two_motions": 2, "order": 2,

@@ -292,7 +292,7 @@ def evaluate_model(cfg, model: str, prompts: list[str], seeds: int, checkpoint: 
                                    "categories": baseline["categories"]}, "paired": cmp})
         out = {"paired": cmp, "paired_table": paired_table(
             cmp, baseline, ev.report.to_dict(), f"paired with the baseline ({baseline['title']}): same prompts and "
-                                                f"seeds")}
+                                                f"seeds", ev.world.noun)}
     files = write_evaluation(ev, out_dir, name=name, title=title, extra=extra, flipped=flipped)
     if flipped is not None:
         path = flips_picture(baseline["evaluation"], ev, flipped, os.path.join(out_dir, "flips.png"),

@@ -94,9 +94,9 @@ def paired(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict:
             "categories": {t: part([k for k, g in tag_of.items() if g == t]) for t in tags}}
 
 
-def paired_table(cmp: dict, base_report: Mapping, new_report: Mapping, title: str = "") -> str:
+def paired_table(cmp: dict, base_report: Mapping, new_report: Mapping, title: str = "", noun: str = "picture") -> str:
     """A plain-text table: per category and overall, the two strict accuracies (%) with their standard errors, the
-    pictures up and down and z; then the verdict line."""
+    pictures (or clips: `noun`) up and down and z; then the verdict line."""
     lines = [title] if title else []
     lines.append(f"{'category':<14} {'base %':>7} {'+- se':>5} {'new %':>7} {'+- se':>5} {'up':>4} {'down':>5} "
                  f"{'z':>6}")
@@ -107,11 +107,12 @@ def paired_table(cmp: dict, base_report: Mapping, new_report: Mapping, title: st
         lines.append(f"{name:<14} {100 * b['strict']:>7.1f} {100 * b['se']:>5.1f} {100 * n['strict']:>7.1f} "
                      f"{100 * n['se']:>5.1f} {c['up']:>4} {c['down']:>5} {c['z']:>+6.2f}")
     o = cmp["overall"]
-    lines.append(verdict_line(o))
+    lines.append(verdict_line(o, noun))
     return "\n".join(lines)
 
 
-def verdict_line(overall: Mapping) -> str:
-    """"<verdict>: U pictures fail -> pass, D pass -> fail, McNemar z = .. (detectable at |z| >= 2)"."""
-    return (f"{overall['verdict']}: {overall['up']} picture(s) fail -> pass, {overall['down']} pass -> fail of "
+def verdict_line(overall: Mapping, noun: str = "picture") -> str:
+    """"<verdict>: U picture(s) fail -> pass, D pass -> fail, McNemar z = .. (detectable at |z| >= 2)" (`noun`:
+    "clip" for clips)."""
+    return (f"{overall['verdict']}: {overall['up']} {noun}(s) fail -> pass, {overall['down']} pass -> fail of "
             f"{overall['n']}, McNemar z = {overall['z']:+.2f} (detectable at |z| >= {DETECTABLE_Z:g})")

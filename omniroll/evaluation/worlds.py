@@ -30,6 +30,11 @@ class EvalWorld:
     scale: int
 
     @property
+    def noun(self) -> str:
+        """What one sample is called in a line: "clip" or "picture"."""
+        return "clip" if self.clips else "picture"
+
+    @property
     def tags(self) -> tuple[str, ...]:
         """The world's categories, in its grammar's order."""
         if self.clips:

@@ -86,7 +86,7 @@ class TaskEvaluation:
                 if base is not None:
                     cmp = paired(base, ev.picture_records())
                     metrics.update(paired_metrics(f"eval/{name}", cmp))
-                    lines.append(f"  vs before: {verdict_line(cmp['overall'])}")
+                    lines.append(f"  vs before: {verdict_line(cmp['overall'], ev.world.noun)}")
                 if tag == "before":
                     self.before[name] = ev
                 elif tag == "after" and name in self.before:
@@ -117,8 +117,9 @@ class TaskEvaluation:
                 before, after = common_pictures(json.load(b)["pictures"], json.load(n)["pictures"])
             o = paired(before, after)["overall"]
             metrics.update({f"eval/{off}/vs_guided_before_{k}": float(o[k]) for k in ("up", "down", "z")})
-            lines.append(f"{off} (CFG off) vs {guided} before training (CFG {max(scales):g}), {o['n']} pictures: "
-                         f"{verdict_line(o)}")
+            noun = world_for(self.config.trainer.evaluation.task).noun
+            lines.append(f"{off} (CFG off) vs {guided} before training (CFG {max(scales):g}), {o['n']} {noun}s: "
+                         f"{verdict_line(o, noun)}")
         return lines
 
     def draw(self, manager, prompts: list[str], seeds: int, guidance: float, split: str,
@@ -187,7 +188,7 @@ def summary_line(tag: str, step: int, name: str, guidance: float, ev: Evaluation
     cats = "  ".join(f"{t} {100 * c['strict']:.0f}" for t, c in r.categories.items())
     return (f"eval {tag} (step {step}) {name} ({guidance_label(guidance)}): strict {100 * r.overall['strict']:.1f} "
             f"+- {100 * r.overall['se']:.1f} % (chance {100 * r.overall['chance']:.1f} %, {r.overall['n']} "
-            f"{'clips' if ev.world.clips else 'pictures'})"
+            f"{ev.world.noun}s)"
             f"  {cats}")
 
 
