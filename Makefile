@@ -11,7 +11,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 VERL := verl==0.9.1
 VERL_IMPORTS := codetiming orjson cachetools datasets hydra-core aiohttp pyzmq
 
-.PHONY: install demo demo-video shapes-model shapes-model-evaluations shapes-model-distilled shapes-video-model shapes-proxy test test-fast docs docs-generate docs-serve docs-screenshots bench clean
+.PHONY: install demo demo-video shapes-model shapes-model-evaluations shapes-model-distilled shapes-video-model shapes-video-model-evaluations shapes-proxy test test-fast docs docs-generate docs-serve docs-screenshots bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -97,6 +97,17 @@ shapes-model-evaluations: $(STAMP)
 	OMNIROLL_CACHE_DIR=out/shapes-model-evaluations/cache $(VENV)/bin/omniroll train --config examples/shapes_demo.yaml \
 		--out out/shapes-model-evaluations/run --override trainer.steps=1
 	cp -r out/shapes-model-evaluations/cache/evaluations $(SHAPES_EVALUATIONS)
+
+# The video demo's evaluation before training, drawn by the shipped shapes-video model and kept beside it (the same
+# rule: `make demo-video` reads it after drawing 8 clips of each evaluation again). Redraw it after
+# `make shapes-video-model`.
+SHAPES_VIDEO_EVALUATIONS = omniroll/models/shapes_video/checkpoint/evaluations
+shapes-video-model-evaluations: $(STAMP)
+	rm -rf $(SHAPES_VIDEO_EVALUATIONS) out/shapes-video-model-evaluations
+	OMNIROLL_CACHE_DIR=out/shapes-video-model-evaluations/cache $(VENV)/bin/omniroll train \
+		--config examples/shapes_video_demo.yaml --out out/shapes-video-model-evaluations/run \
+		--override trainer.steps=1
+	cp -r out/shapes-video-model-evaluations/cache/evaluations $(SHAPES_VIDEO_EVALUATIONS)
 
 # The shipped shapes model guidance-distilled (omniroll/models/shapes/distill.py): CFG-free, as good as it is at CFG
 # 4.5, into out/shapes-distilled/checkpoint (`--model out/shapes-distilled/checkpoint`). About 20 minutes on 2 cores.
