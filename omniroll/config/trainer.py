@@ -136,7 +136,14 @@ class TrainerSection(_Strict):
     adv_clip_max: float = Field(5.0, gt=0, le=1e6, description="advantages are clipped to [-adv_clip_max, "
                                 "adv_clip_max]")
     global_std: bool = Field(False, description="normalise advantages by the whole batch's std, not the group's")
-    kl_beta: float = Field(0.0, ge=0, le=1e6, description="KL to the base model (LoRA: adapter disabled)")
+    kl_beta: float = Field(0.0, ge=0, le=1e6, description="the KL term's weight (to trainer.kl_reference)")
+    kl_reference: Literal["base", "ema", "reset"] = Field(
+        "base", description="what the KL term pulls towards: the base model (LoRA: adapter disabled), an EMA of the "
+                            "trained weights (AWM's; kl_reference_decay) or the trained weights at the last multiple "
+                            "of kl_reference_every steps (GARDO's reset) (omniroll/train/kl_reference.py)")
+    kl_reference_decay: float = Field(0.99, gt=0, lt=1, description="kl_reference ema: the EMA's decay per step, in "
+                                                                      "(0, 1)")
+    kl_reference_every: int = Field(10, ge=1, description="kl_reference reset: steps between resets, >= 1")
     num_inner_epochs: int = Field(1, ge=1, le=1000, description="passes over the step's samples")
     micro_batch_size: int = Field(8, ge=1, le=100_000, description="samples per forward")
     micro_batches_per_update: Optional[int] = Field(None, ge=1, description="gradient accumulation: micro-batches "
@@ -272,6 +279,12 @@ class TrainerSection(_Strict):
         if self.signal_components and self.signal_every == 0:
             raise ValueError("signal_components: the meter per component reads with the gradient-signal meter; set "
                              "signal_every >= 1 (got 0: never)")
+        if self.kl_reference != "base" and self.kl_beta == 0:
+            raise ValueError(f"kl_reference: {self.kl_reference!r} is what the KL term pulls towards, and kl_beta 0 "
+                             f"means no KL term: set kl_beta > 0")
+        if self.kl_reference != "base" and self.world_size > 1:
+            raise ValueError(f"kl_reference: {self.kl_reference!r} is kept by the trainer's own process, so use it "
+                             f"with world_size 1 (got {self.world_size})")
         if self.world_size > self.prompts_per_step:
             raise ValueError(f"world_size: must be in [1, prompts_per_step={self.prompts_per_step}] (each rank trains "
                              f"whole prompt groups), got {self.world_size}")

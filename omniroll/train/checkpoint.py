@@ -106,13 +106,13 @@ def read_trainer_state(ckpt: str, flag: str = "--resume") -> dict:
 def run_state(trainer: Any, optimizer: Any) -> dict:
     """trainer_state.pt of a `Trainer` after `trainer.step_done` steps: step, weight version, the optimizer's state
     (`optimizer`: its state dict, or what the ranks wrote, `parallel/`), the run's mode, algorithm and sharding (checked
-    on resume: `check_resumable`), the samples discarded at Ctrl-C, the config, the algorithm's own state and the
-    trackers' run ids."""
+    on resume: `check_resumable`), the samples discarded at Ctrl-C, the config, the algorithm's own state, the KL
+    reference's kept weights (`trainer.kl_reference` ema / reset) and the trackers' run ids."""
     tc = trainer.tc
     return {"step": trainer.step_done, "version": trainer.version, "optimizer": optimizer, "sharding": tc.sharding,
             "discarded_samples": trainer.discarded_samples, "mode": tc.mode,
             "config": trainer.config.model_dump(mode="json"), "algorithm": tc.algorithm,
-            "algorithm_state": trainer.algorithm.state_dict(),
+            "algorithm_state": trainer.algorithm.state_dict(), "kl_reference": trainer.policy.kl_reference.state_dict(),
             "tracking": trainer.tracker.state(trainer.step_done) if trainer.tracker else None}
 
 
@@ -135,6 +135,10 @@ def restore(path: str, tc: Any, policy: Any, algorithm: Any, optimizer: Any, sto
     check_resumable(state, tc, path)
     policy.load(path)
     algorithm.load_state_dict(state.get("algorithm_state") or {})
+    try:
+        policy.kl_reference.load_state_dict(state.get("kl_reference") or {"kind": "base", "kept": {}})
+    except ValueError as e:
+        raise ValueError(f"--resume {path}: {e} (trainer.kl_reference must stay what the run trained with)") from None
     sharded = None
     if tc.sharding == "fsdp":  # the ranks load their shards themselves
         sharded = state["optimizer"]["sharded"]

@@ -40,6 +40,7 @@ def update_and_measure(policy, optimizer: torch.optim.Optimizer, algorithm, tc, 
     stats = train_on_batch(policy, optimizer, algorithm, rows, advantages, anchors, plan,
                            num_inner_epochs=tc.num_inner_epochs, max_grad_norm=tc.max_grad_norm, share=share)
     after = algorithm.after_update(policy, plan.step)
+    policy.kl_reference.after_update(policy.named_parameters(), plan.step)  # an EMA or reset reference moves
     stage_done("update")
     # 4. How far it moved.
     t2 = time.perf_counter()

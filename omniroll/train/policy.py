@@ -17,6 +17,7 @@ import torch
 from omniroll.engine.config import torch_dtype
 from omniroll.models import load_adapter
 from omniroll.models.base import DiffusionAdapter, denoiser_experts
+from omniroll.train.kl_reference import KLReference
 
 
 class Policy:
@@ -24,11 +25,13 @@ class Policy:
     projections) on the denoiser (on each expert of a two-expert model), B initialised to zero (so the first rollout,
     on the base weights, is on-policy); mode "full": every denoiser weight is trained. dtype: the compute dtype (the
     frozen model is loaded in it; what is trained stays fp32); device: where the denoiser, what is trained and so the
-    optimizer's state live (docs/training/gpu.md)."""
+    optimizer's state live (docs/training/gpu.md). kl_reference (with its decay / every): what `reference()` is
+    (`omniroll.train.kl_reference`)."""
 
     def __init__(self, model_path: str, mode: str = "lora", rank: int = 8, alpha: float = 16.0,
                  target_modules: Optional[list[str]] = None, dtype: str = "float32", seed: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", kl_reference: str = "base", kl_reference_decay: float = 0.99,
+                 kl_reference_every: int = 10):
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
         self.model_path, self.mode, self.dtype, self.device = model_path, mode, dtype, torch.device(device)
@@ -59,6 +62,8 @@ class Policy:
             self.lora_config = None
             self.denoiser.float().requires_grad_(True)
             self.adapter.autocast_dtype = None if dtype == "float32" else torch_dtype(dtype)
+        # 3. What the KL term pulls towards: the base, or a kept copy of the trained weights (kl_reference.py).
+        self.kl_reference = KLReference(kl_reference, self.named_parameters(), kl_reference_decay, kl_reference_every)
 
     # ------------------------------------------------------------------ what is trained and sent
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -81,8 +86,12 @@ class Policy:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[DiffusionAdapter]:
-        """The base model for the KL term: LoRA disabled in place; for full fine-tuning a frozen copy loaded once."""
-        if self.mode == "lora":
+        """The model the KL term pulls towards (`kl_reference`): the base (LoRA disabled in place; for full
+        fine-tuning a frozen copy loaded once), or this model with the kept reference weights swapped in."""
+        if not self.kl_reference.is_base:
+            with self.kl_reference.swapped(self.named_parameters()):
+                yield self.adapter
+        elif self.mode == "lora":
             for expert in self.experts.values():
                 expert.disable_adapters()
             try:

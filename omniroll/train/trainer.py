@@ -118,7 +118,9 @@ class Trainer:
         self.cluster = RolloutCluster(cfg, ray_address=self.ray_address, log=self.log)  # resolves the model
         self.policy = Policy(self.cluster.model, self.tc.mode, self.tc.lora.rank, self.tc.lora.alpha,
                              self.tc.lora.target_modules, dtype=trainer_dtype(cfg), seed=self.tc.seed,
-                             device=self.device)
+                             device=self.device, kl_reference=self.tc.kl_reference,
+                             kl_reference_decay=self.tc.kl_reference_decay,
+                             kl_reference_every=self.tc.kl_reference_every)
         self.algorithm = make_algorithm(cfg, self.policy.adapter)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
