@@ -62,7 +62,7 @@ def add_arguments(parser) -> None:
                              "DIR/checkpoint (seconds; no training)")
     parser.add_argument("--boundary-ratio", type=float, default=None,
                         help="with --two-experts: the first expert runs while the timestep is >= this x 1000 "
-                             "(default 0.875, Wan 2.2 A14B's: 4 of the model's 10 steps)")
+                             "(default: 0.875, Wan 2.2 A14B's: 4 of the model's 10 steps)")
     parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training (shapes-video: "
                                                                "--toy skips it too)")
     parser.add_argument("--snapshot-every", type=int, default=0, help="also save and evaluate the EMA transformer "
