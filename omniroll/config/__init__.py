@@ -98,6 +98,11 @@ class OmniRollConfig(_Strict):
         if self.trainer.signal_components and len(weighted) < 2:
             raise ValueError(f"trainer.signal_components compares each reward function's update direction with the "
                              f"total's: reward.functions needs at least 2 of nonzero weight, got {weighted}")
+        gate = self.trainer.kl_gate
+        unknown = [k for k in (gate.against if gate is not None else []) if k not in self.reward.functions]
+        if unknown:
+            raise ValueError(f"trainer.kl_gate.against: {unknown[0]!r} is not a reward function (reward.functions: "
+                             f"{sorted(self.reward.functions)})")
         if self.n < 2:
             raise ValueError(f"n: GRPO needs groups of at least 2 samples per prompt, got {self.n}")
         if self.trainer.evaluation is not None:

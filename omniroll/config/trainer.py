@@ -101,6 +101,16 @@ class SignalCheckSection(_Strict):
                                  "agree, the update is noise")
 
 
+class KLGateSection(_Strict):
+    """GARDO's gate on the KL term (omniroll/train/kl_gate.py): the KL applies only to the `share` of the step's
+    samples that the trained reward rates furthest above where the `against` reward functions rate them."""
+
+    against: list[str] = Field(min_length=1, description="reward.functions names whose ranks the trained reward is "
+                                                         "checked against (usually at weight 0: judged, not trained)")
+    share: float = Field(0.1, gt=0, le=1, description="the share of the step's samples the KL may apply to, in (0, 1] "
+                                                      "(GARDO's about 10 %)")
+
+
 class RankResources(_Strict):
     """`trainer.resources`: what each trainer rank (a Ray actor of the data-parallel update) reserves."""
 
@@ -144,6 +154,9 @@ class TrainerSection(_Strict):
     kl_reference_decay: float = Field(0.99, gt=0, lt=1, description="kl_reference ema: the EMA's decay per step, in "
                                                                       "(0, 1)")
     kl_reference_every: int = Field(10, ge=1, description="kl_reference reset: steps between resets, >= 1")
+    kl_gate: Optional[KLGateSection] = Field(None, description="GARDO's gate: the KL only on the samples the trained "
+                                             "reward rates furthest above the `against` functions (None: on every "
+                                             "sample)")
     num_inner_epochs: int = Field(1, ge=1, le=1000, description="passes over the step's samples")
     micro_batch_size: int = Field(8, ge=1, le=100_000, description="samples per forward")
     micro_batches_per_update: Optional[int] = Field(None, ge=1, description="gradient accumulation: micro-batches "
@@ -282,6 +295,11 @@ class TrainerSection(_Strict):
         if self.kl_reference != "base" and self.kl_beta == 0:
             raise ValueError(f"kl_reference: {self.kl_reference!r} is what the KL term pulls towards, and kl_beta 0 "
                              f"means no KL term: set kl_beta > 0")
+        if self.kl_gate is not None and self.kl_beta == 0:
+            raise ValueError("kl_gate: gates the KL term, and kl_beta 0 means no KL term: set kl_beta > 0")
+        if self.kl_gate is not None and self.world_size > 1:
+            raise ValueError(f"kl_gate: the gate is computed over the step's whole batch by the trainer's own "
+                             f"process, so use it with world_size 1 (got {self.world_size})")
         if self.kl_reference != "base" and self.world_size > 1:
             raise ValueError(f"kl_reference: {self.kl_reference!r} is kept by the trainer's own process, so use it "
                              f"with world_size 1 (got {self.world_size})")

@@ -35,6 +35,7 @@ from omniroll.train.colocation import Colocation
 from omniroll.train.component_signal import ComponentWindow, step_components
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
+from omniroll.train.kl_gate import step_kl_gate
 from omniroll.train.micro_batches import group_index
 from omniroll.train.parallel.distributed import TrainerRankError
 from omniroll.train.parallel.updater import driver_device, start_updater
@@ -286,7 +287,8 @@ class Trainer:
         plan = UpdatePlan(step=step, seed=tc.seed, micro_batch_size=tc.micro_batch_size,
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
                           halves=signal_halves(uids, tc.seed, step), signal=reads, groups=group_index(uids),
-                          components=step_components(self.config, out, uids, self.device) if reads else None)
+                          components=step_components(self.config, out, uids, self.device) if reads else None,
+                          kl_gate=step_kl_gate(self.config, out, rewards))  # GARDO's gate, None when off
         with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
             res = self.updater.update(traj, advantages, uids, plan)  # the policy holds the trained weights after it
             self.memory.add("update", res.peak_bytes)
@@ -310,6 +312,7 @@ class Trainer:
                             prox_version=prox_version, max_staleness=K, partial_rollout=tc.partial_rollout,
                             stale=stale, clock=clock, sleep_s=sleep_s, wake_s=wake_s, memory=self.memory.metrics())
             m.update(self.held_out.step_metrics() if self.held_out is not None else {})  # its warning, if any
+            m.update({"kl_gate_share": float(plan.kl_gate.mean())} if plan.kl_gate is not None else {})
             self.pipeline.forget_before(t0)
             self.history.append(m)
             self.tracker.log_step(m, out, total=self._last)  # trainer.logger

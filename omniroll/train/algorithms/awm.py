@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from omniroll.train.algorithms.forward import ForwardProcessAlgorithm
-from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
+from omniroll.train.algorithms.terms import LossInput, LossTerms, gated, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -58,7 +58,7 @@ class AWM(ForwardProcessAlgorithm):
         v = mb.velocity(policy.adapter, x_t, t)
         policy_loss, ratio = awm_policy_loss(v, n.eps - mb.x0, t, adv / tc.adv_clip_max, o.weighting, o.huber_p,
                                              o.huber_eps)
-        kl = self.kl_to_base(policy, mb, x_t, t, v)
+        kl = gated(self.kl_to_base(policy, mb, x_t, t, v), n.kl_gate)
         loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
         loss, policy_loss, kl_term = n.weighed(loss, policy_loss, kl_term)
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=ratio,

@@ -50,7 +50,8 @@ class UpdatePlan:
     None for no split; signal: whether the meter reads the halves' gradients this step; groups: long [B], each row's
     prompt group (`micro_batches.group_index`: the order of first appearance), for an algorithm that keeps a group in
     one micro-batch (None: not known); components: {reward function: its own advantages [B]} for the meter per
-    component (`trainer.signal_components`, omniroll/train/component_signal.py; read when `signal`), None: off."""
+    component (`trainer.signal_components`, omniroll/train/component_signal.py; read when `signal`), None: off;
+    kl_gate: float [B] of 0 / 1, the rows whose KL counts (`trainer.kl_gate`, omniroll/train/kl_gate.py), None: all."""
 
     step: int
     seed: int
@@ -62,6 +63,7 @@ class UpdatePlan:
     signal: bool = False
     groups: Optional[torch.Tensor] = None
     components: Optional[dict] = None
+    kl_gate: Optional[torch.Tensor] = None
 
     def epoch(self, B: int, epoch: int) -> EpochPlan:
         """The default micro-batches of inner epoch `epoch` over B rows: shuffled one by one, cut half by half of the

@@ -21,7 +21,7 @@ import torch
 from omniroll.sampling.window import window_for_step
 from omniroll.train.algorithms.base import Algorithm, Anchors, UpdatePlan
 from omniroll.train.algorithms.ppo import decoupled_ppo_loss, density_log_ratio_scale, kl_to_reference, ppo_clip_loss
-from omniroll.train.algorithms.terms import LossInput, LossTerms
+from omniroll.train.algorithms.terms import LossInput, LossTerms, gated
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.behaviour_log_probs import behaviour_and_replay
@@ -119,7 +119,7 @@ class FlowGRPO(Algorithm):
         steps = anchors.steps_of[idx, inp.term]
         view = inp.mb.at_steps(steps)
         out = recompute_log_probs(inp.policy.adapter, view, 0)
-        kl = self.kl(inp.policy, view, out)
+        kl = gated(self.kl(inp.policy, view, out), inp.kl_gate)
         first_pass = None
         if anchors.prox is None:
             old = view.log_probs[:, 0] if anchors.behaviour is None else anchors.behaviour[idx, steps]

@@ -37,7 +37,8 @@ def draw_timesteps(sigmas: torch.Tensor, count: int, seed: int, step: int, skip_
 class NoisedTerm:
     """One loss term's rows (`ForwardProcessAlgorithm.noised`): the micro-batch's rows and advantages, repeated once
     per timestep of the term; t [n b]; eps and x_t = (1 - t) x0 + t eps [n b, ...]; weight: what the term's row mean
-    is multiplied by so that every timestep weighs the same (1.0 unless the last term has fewer timesteps)."""
+    is multiplied by so that every timestep weighs the same (1.0 unless the last term has fewer timesteps); kl_gate
+    [n b]: the rows' `trainer.kl_gate` (None: every row's KL counts)."""
 
     rows: CleanBatch
     adv: torch.Tensor
@@ -45,6 +46,7 @@ class NoisedTerm:
     eps: torch.Tensor
     x_t: torch.Tensor
     weight: float
+    kl_gate: Optional[torch.Tensor] = None
 
     def weighed(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`values` (a term's loss and its metrics) times `weight`: a shorter last term's timesteps weigh what the
@@ -110,10 +112,12 @@ class ForwardProcessAlgorithm(Algorithm):
         n, T = len(columns), int(anchors.t_of.shape[1])
         # the term's mean over its n x b rows stands for n of the T timesteps: weight n T' / T (1 when k divides T)
         weight = n * self.num_terms(mb, anchors) / T
+        gate = inp.kl_gate
         if n == 1:
-            return NoisedTerm(mb, adv, ts[0], epss[0], xs[0], weight)
+            return NoisedTerm(mb, adv, ts[0], epss[0], xs[0], weight, gate)
         rows = mb.rows(torch.arange(len(mb)).repeat(n))
-        return NoisedTerm(rows, adv.repeat(n), torch.cat(ts), torch.cat(epss), torch.cat(xs), weight)
+        return NoisedTerm(rows, adv.repeat(n), torch.cat(ts), torch.cat(epss), torch.cat(xs), weight,
+                          None if gate is None else gate.repeat(n))
 
     def kl_to_base(self, policy, mb: CleanBatch, x_t: torch.Tensor, t: torch.Tensor, v: torch.Tensor):
         """mean((v - v_base)^2) per row (the references' velocity KL), or None when kl_beta is 0."""

@@ -26,7 +26,7 @@ import torch
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.flow_grpo import FlowGRPO, WindowAnchors
 from omniroll.train.algorithms.ppo import clipped_surrogate
-from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
+from omniroll.train.algorithms.terms import LossInput, LossTerms, gated, with_kl
 from omniroll.train.recompute import recompute_log_probs
 from omniroll.train.trajectory_batch import TrajectoryBatch
 from omniroll.train.behaviour_log_probs import log_probs_under_versions
@@ -78,8 +78,8 @@ class GRPOGuard(FlowGRPO):
         old = view.log_probs[:, 0] if anchors.behaviour is None else anchors.behaviour[idx, steps]
         log_ratio = guard_log_ratio(out.log_prob, old, out.mean, anchors.old_mean[idx, steps], out.std)
         sqrt_dt = torch.sqrt(torch.clamp(view.sigmas[:, 0] - view.sigmas_next[:, 0], min=0.0))
-        terms = guard_loss(log_ratio, inp.adv, self.tc.clip_range, sqrt_dt, self.kl(inp.policy, view, out),
-                           self.tc.kl_beta)
+        terms = guard_loss(log_ratio, inp.adv, self.tc.clip_range, sqrt_dt,
+                           gated(self.kl(inp.policy, view, out), inp.kl_gate), self.tc.kl_beta)
         extra = {"steps": mb.denoising_steps(steps),  # the per-timestep statistics (omniroll/train/ratio_steps.py)
                  "log_prob_diff": (out.log_prob - old).detach()}  # the un-normalised difference its ratio is built from
         if anchors.behaviour is not None:

@@ -35,7 +35,7 @@ import torch
 
 from omniroll.train.algorithms.base import UpdatePlan
 from omniroll.train.algorithms.forward import ForwardProcessAlgorithm, TimestepAnchors
-from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
+from omniroll.train.algorithms.terms import LossInput, LossTerms, gated, with_kl
 from omniroll.train.clean_batch import CleanBatch
 
 
@@ -130,7 +130,7 @@ class NFT(ForwardProcessAlgorithm):
             v = mb.velocity(policy.adapter, x_t, t)
         policy_loss = nft_policy_loss(v, v_old, x_t, mb.x0, t, optimality_probability(adv, tc.adv_clip_max), o.beta,
                                       tc.adv_clip_max, o.adaptive_weight_min)
-        kl = self.kl_to_base(policy, mb, x_t, t, v)
+        kl = gated(self.kl_to_base(policy, mb, x_t, t, v), n.kl_gate)
         loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
         loss, policy_loss, kl_term = n.weighed(loss, policy_loss, kl_term)
         dev = (v.detach() - v_old).abs().reshape(len(mb), -1).amax(1)

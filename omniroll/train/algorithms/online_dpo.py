@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from omniroll.train.algorithms.base import UpdatePlan, shuffle_generator
 from omniroll.train.algorithms.forward import ForwardProcessAlgorithm
-from omniroll.train.algorithms.terms import LossInput, LossTerms, with_kl
+from omniroll.train.algorithms.terms import LossInput, LossTerms, gated, with_kl
 from omniroll.train.clean_batch import CleanBatch
 from omniroll.train.micro_batches import EpochPlan, whole_group_micro_batches
 
@@ -93,7 +93,7 @@ class OnlineDPO(ForwardProcessAlgorithm):
         keys = group + (torch.arange(B) // b) * (int(group.max()) + 1)
         winners, losers = preference_pairs(n.adv.detach().cpu(), keys)
         policy_loss = dpo_loss(d, winners.to(d.device), losers.to(d.device), o.beta)
-        kl = ((v - v_ref) ** 2).reshape(B, -1).mean(1) if tc.kl_beta > 0 else None
+        kl = gated(((v - v_ref) ** 2).reshape(B, -1).mean(1), n.kl_gate) if tc.kl_beta > 0 else None
         loss, kl_term = with_kl(policy_loss, kl, tc.kl_beta)
         loss, policy_loss, kl_term = n.weighed(loss, policy_loss, kl_term)
         return LossTerms(loss=loss, policy_loss=policy_loss.detach(), kl=kl_term.detach(), ratio=None,

@@ -1,5 +1,6 @@
 """What an algorithm's loss takes and returns: `LossInput` (one loss term's inputs, in one typed object), `LossTerms`
-(its loss and the metrics the update loop reads) and `with_kl` (the KL tail every algorithm adds the same way).
+(its loss and the metrics the update loop reads), `with_kl` (the KL tail every algorithm adds the same way) and
+`gated` (the KL per row under `trainer.kl_gate`).
 
 The update loop (omniroll/train/update.py) builds one `LossInput` per (micro-batch, loss term) and calls
 `algorithm.loss(inp)`; the loss reads its inputs and writes nothing back: the anchors `prepare` returned are read-only,
@@ -38,6 +39,12 @@ class LossInput:
     first_update: bool = True
     first_pass: Optional[torch.Tensor] = None
 
+    @property
+    def kl_gate(self) -> Optional[torch.Tensor]:
+        """[b] of 0 / 1: whether each of these rows' KL counts (`trainer.kl_gate`); None: every row's."""
+        gate = getattr(self.plan, "kl_gate", None)
+        return None if gate is None else gate[self.idx.cpu()].to(self.adv.device)
+
 
 @dataclass(frozen=True)
 class LossTerms:
@@ -68,6 +75,12 @@ class LossTerms:
             object.__setattr__(self, "deviation", (self.ratio - 1.0).abs())
         if self.log_ratio is None and self.ratio is not None:
             object.__setattr__(self, "log_ratio", torch.log(self.ratio))
+
+
+def gated(kl: Optional[torch.Tensor], gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The KL per row under `trainer.kl_gate`: a row outside the gate keeps none (its KL times 0), so `with_kl`'s mean
+    is the gated rows' KL over all the rows (each gated row weighs kl_beta, as without the gate). None passes."""
+    return kl if kl is None or gate is None else kl * gate.to(kl.dtype)
 
 
 def with_kl(policy_loss: torch.Tensor, kl: Optional[torch.Tensor], kl_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
