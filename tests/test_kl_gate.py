@@ -5,7 +5,7 @@ training runs where the gate opens on disagreement and stays shut without it."""
 import pytest
 import torch
 
-from omniroll.config import ConfigError, load_config
+from omniroll.config import ConfigError
 from omniroll.train.algorithms.terms import gated, with_kl
 from omniroll.train.kl_gate import kl_gate_rows, mean_ranks
 
@@ -32,22 +32,13 @@ def test_a_row_outside_the_gate_keeps_no_kl_and_a_gated_row_weighs_kl_beta():
 
 
 def config(model, against=("pixels",), share=0.5, **trainer):
-    return load_config({
-        "replicas": {"count": 1, "num_cpus": 1},
-        "engine": {"model": model, "max_batch_size": 16, "num_threads": 1},
-        "pipeline": {"height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 4.5,
-                     "max_sequence_length": 8},
-        "algo": {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 3]},
-        "agent": {"num_workers": 1},
-        "reward": {"num_workers": 1, "functions": {
-            "colour": {"fn": "prompt_colour"},
-            "same": {"fn": "prompt_colour", "weight": 0.0},  # the trained reward itself: no disagreement
-            "pixels": {"fn": "tests.reward_fns:mean_pixel", "weight": 0.0}}},
-        "n": 4, "seed": 0, "val_kwargs": {"n": 1},
-        "trainer": {"prompts": ["a blue car", "a green bird"], "prompts_per_step": 2, "lr": 0.01,
-                    "micro_batch_size": 4, "steps": 2, "num_threads": 1, "kl_beta": 0.5,
-                    "kl_gate": {"against": list(against), "share": share}, **trainer},
-    })
+    from test_train import train_config
+
+    return train_config(model, functions={
+        "colour": {"fn": "prompt_colour"},
+        "same": {"fn": "prompt_colour", "weight": 0.0},  # the trained reward itself: no disagreement
+        "pixels": {"fn": "tests.reward_fns:mean_pixel", "weight": 0.0}},
+        **{"steps": 2, "kl_beta": 0.5, "kl_gate": {"against": list(against), "share": share}, **trainer})
 
 
 def test_the_config_refuses_a_gate_without_a_kl_term_an_unknown_function_or_ranks(tiny_sd3_path):

@@ -14,7 +14,9 @@ from omniroll.train.algorithms.ppo import ppo_clip_loss
 PROMPTS = ["a blue car", "a green bird"]
 
 
-def train_config(model, **trainer):
+def train_config(model, functions=None, **trainer):
+    """The tiny SD3's Flow-GRPO config these tests train with; `functions`: other reward functions than the prompt's
+    colour."""
     return load_config({
         "replicas": {"count": 1, "num_cpus": 1},
         "engine": {"model": model, "max_batch_size": 16, "num_threads": 1},
@@ -22,7 +24,7 @@ def train_config(model, **trainer):
                      "max_sequence_length": 8},
         "algo": {"noise_level": 1.0, "sde_type": "sde", "sde_window_size": 2, "sde_window_range": [0, 3]},
         "agent": {"num_workers": 1},
-        "reward": {"num_workers": 1, "functions": {"colour": {"fn": "prompt_colour"}}},
+        "reward": {"num_workers": 1, "functions": functions or {"colour": {"fn": "prompt_colour"}}},
         "n": 4, "prompt_length": 77, "seed": 0, "val_kwargs": {"n": 2},
         "trainer": {"prompts": PROMPTS, "prompts_per_step": 2, "lr": 0.01, "micro_batch_size": 4, "steps": 4,
                     "num_threads": 1, **trainer},
