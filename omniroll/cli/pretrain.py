@@ -293,14 +293,12 @@ def run_two_experts(args) -> int:
     if args.source is None:
         raise UserError("--two-experts needs --from MODEL: shapes-video, or a shapes-video checkpoint directory")
     out = default_out(args.out, "out/shapes-video-two-experts")
+    ratio = DEFAULT_BOUNDARY if args.boundary_ratio is None else args.boundary_ratio
     try:
         source = resolve_model(args.source)
-        path = make_two_experts(source, os.path.join(out, "checkpoint"),
-                                DEFAULT_BOUNDARY if args.boundary_ratio is None else args.boundary_ratio)
+        path = make_two_experts(source, os.path.join(out, "checkpoint"), ratio)
     except (ValueError, FileNotFoundError, OSError) as e:
         raise UserError(f"--two-experts: {e}") from None
-    with open(os.path.join(path, "model_index.json")) as f:
-        ratio = json.load(f)["boundary_ratio"]
     print(f"omniroll pretrain shapes-video --two-experts: {path} (the transformer of {source} as both experts, "
           f"boundary_ratio {ratio}; --model {path})")
     return 0

@@ -26,6 +26,7 @@ from omniroll.tasks.moving_shapes.last_frame import last_frame_prompt
 def _values(samples, score: str) -> list:
     """One dict per sample, or the error instance of a sample that cannot be scored (it fails that row alone,
     `RewardManager`)."""
+    key = "frame_partial" if score == "last_frame" else score  # the value that is the reward
     out = []
     for s in samples:
         if not s.is_video:
@@ -43,7 +44,6 @@ def _values(samples, score: str) -> list:
         if score == "last_frame":
             frame = last_frame(spec, s.image)
             values = {**values, "frame_partial": frame.partial, "frame_strict": float(frame.strict)}
-        key = "frame_partial" if score == "last_frame" else score
         out.append({"score": values[key], **values, spec.tag: strict, "motion": j.motion})
     return out
 

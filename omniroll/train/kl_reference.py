@@ -54,7 +54,7 @@ class KLReference:
         """The kept values in the trained parameters for the block (their `.data`), the trained ones back after."""
         own = [(p, p.data) for _, p in params]
         try:
-            for (n, p), _ in zip(params, own):
+            for n, p in params:
                 p.data = self.kept[n]
             yield
         finally:
