@@ -9,12 +9,10 @@ two_motions); one that draws the right objects standing still passes its frozen 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from omniroll.evaluation.paired import mcnemar_z
-from omniroll.tasks.shapes.report import Scored, binomial_se
+from omniroll.tasks.shapes.report import Scored, binomial_se, mean_se
 
 
 def baseline_report(rows: list[Scored], tags: tuple[str, ...]) -> dict:
@@ -35,7 +33,7 @@ def baseline_report(rows: list[Scored], tags: tuple[str, ...]) -> dict:
                 cats[tag] = {"strict": p, "se": binomial_se(p, len(pairs)), "n": len(pairs), "up": up, "down": down,
                              "z": mcnemar_z(up, down)}
         overall = {"strict": float(np.mean([c["strict"] for c in cats.values()])),
-                   "se": math.sqrt(sum(c["se"] ** 2 for c in cats.values())) / len(cats),
+                   "se": mean_se([c["se"] for c in cats.values()]),
                    "n": sum(c["n"] for c in cats.values())}
         out[name] = {"categories": cats, "overall": overall}
     return out

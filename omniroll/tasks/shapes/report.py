@@ -82,6 +82,12 @@ def binomial_se(p: float, n: int) -> float:
     return math.sqrt(p * (1 - p) / n) if n > 0 else float("nan")
 
 
+def mean_se(ses: list[float]) -> float:
+    """The standard error of a mean of independent estimates with standard errors `ses` (none: nan): the overall
+    accuracy's, as the mean of the categories'."""
+    return math.sqrt(sum(se ** 2 for se in ses)) / len(ses) if ses else float("nan")
+
+
 @dataclass
 class Report:
     """Per category: strict accuracy, its standard error, partial credit, chance and the number of pictures; overall:
@@ -104,7 +110,7 @@ class Report:
                              "chance": float(np.mean([r.chance for r in mine])), "n": len(mine)}
         overall = {k: float(np.mean([c[k] for c in cats.values()])) if cats else float("nan")
                    for k in ("strict", "partial", "chance")}
-        overall["se"] = (math.sqrt(sum(c["se"] ** 2 for c in cats.values())) / len(cats)) if cats else float("nan")
+        overall["se"] = mean_se([c["se"] for c in cats.values()])
         overall["n"] = len(rows)
         by_prompt: dict[str, list[float]] = {}
         for r in rows:
