@@ -127,33 +127,35 @@ def torch_check() -> Check:
 def shapes_model_check(path: Optional[str] = None) -> Check:
     """The shapes model's files against its SHA256SUMS (the shipped checkpoint unless `path`)."""
     from omniroll.models.shapes import CHECKPOINT, REMAKE, WHAT
-    from omniroll.models.shipped import SUMS_FILE, verified
 
-    path = path or CHECKPOINT
-    try:
-        verified(path, WHAT, REMAKE)  # every file read now
-    except FileNotFoundError as e:
-        return Check("shapes model", "fail", str(e))
-    with open(os.path.join(path, SUMS_FILE)) as f:
-        n = sum(1 for line in f if line.strip())
-    return Check("shapes model", "ok", f"{n} files match {SUMS_FILE} ({path})")
+    return shipped_files_check("shapes model", path or CHECKPOINT, WHAT, REMAKE)
 
 
 def shapes_video_model_check(path: Optional[str] = None) -> Check:
     """The shapes-video model's files against its SHA256SUMS (the shipped checkpoint unless `path`); `off` while none
     is shipped (`make shapes-video-model` makes and installs it)."""
     from omniroll.models.shapes_video import CHECKPOINT, REMAKE, WHAT
-    from omniroll.models.shipped import SUMS_FILE, verified
+    from omniroll.models.shipped import SUMS_FILE
 
     path = path or CHECKPOINT
     if not os.path.isfile(os.path.join(path, SUMS_FILE)):
         return Check("shapes-video model", "off", f"not shipped yet (--model shapes-video): `{REMAKE}` makes and "
                                                   f"installs it; a checkpoint directory works as --model meanwhile")
+    return shipped_files_check("shapes-video model", path, WHAT, REMAKE)
+
+
+def shipped_files_check(name: str, path: str, what: str, remake: str) -> Check:
+    """Check `name`: the files at `path` against their SHA256SUMS, every file read now (`omniroll.models.shipped.
+    verified`); `fail` naming what is missing or changed."""
+    from omniroll.models.shipped import SUMS_FILE, verified
+
     try:
-        verified(path, WHAT, REMAKE)  # every file read now
+        verified(path, what, remake)
     except FileNotFoundError as e:
-        return Check("shapes-video model", "fail", str(e))
-    return Check("shapes-video model", "ok", f"its files match {SUMS_FILE} ({path})")
+        return Check(name, "fail", str(e))
+    with open(os.path.join(path, SUMS_FILE)) as f:
+        n = sum(1 for line in f if line.strip())
+    return Check(name, "ok", f"{n} files match {SUMS_FILE} ({path})")
 
 
 def cache_checks() -> list[Check]:
