@@ -73,6 +73,24 @@ def test_a_training_batch_is_a_function_of_seed_and_step_and_the_curriculum_star
     assert float(first.min()) >= -1 and float(first.max()) <= 1
 
 
+def test_the_foreground_phase_weighs_object_pixels_and_is_the_plain_loss_at_weight_one():
+    from omniroll.models.shapes_video.vae import build_vae, pixel_weights, vae_step
+
+    x = torch.full((2, 3, 5, 16, 16), -0.2)
+    x[0, :, :, 4:8, 6:10] = torch.tensor([0.9, -0.9, -0.9]).view(3, 1, 1, 1)  # a red object
+    x[1, 2, :, 2:3, 2:4] = -0.25  # within the threshold of the background: not an object
+    recipe = dataclasses.replace(TOY.vae, foreground_weight=7.0)
+    w = pixel_weights(x, recipe)
+    assert w.shape == (2, 1, 5, 16, 16) and float(w[0, 0, :, 4:8, 6:10].min()) == 7.0
+    assert float(w.sum()) == 2 * 5 * 16 * 16 + 6.0 * 5 * 4 * 4  # the object's pixels, and no other
+    vae = build_vae(TOY.vae)
+    plain, _ = vae_step(vae, x, TOY.vae, torch.Generator().manual_seed(3))
+    at_one, _ = vae_step(vae, x, dataclasses.replace(TOY.vae, foreground_weight=1.0), torch.Generator().manual_seed(3),
+                         foreground=True)
+    weighted, _ = vae_step(vae, x, recipe, torch.Generator().manual_seed(3), foreground=True)
+    assert torch.allclose(plain, at_one, rtol=1e-5) and not torch.allclose(plain, weighted, rtol=1e-3)
+
+
 @pytest.mark.slow  # slow: trains a model (the toy recipe, twice)
 def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(uninterrupted, tmp_path):
     from omniroll.models.shapes_video.pretrain import pretrain
@@ -93,8 +111,12 @@ def test_an_interrupted_pretraining_resumes_to_the_bitwise_same_checkpoint(unint
         pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(("vae", 3)))
     assert not (out / "checkpoint").exists()
     seen.clear()
+    with pytest.raises(KeyboardInterrupt):  # in the VAE's foreground-weighted steps, before their first save
+        pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(("vae_foreground", 1)))
+    assert seen == [("vae", 3), ("vae", 4), ("vae_foreground", 1)]  # step 3 was not saved: it is run again
+    seen.clear()
     first = pretrain(recipe, str(out), progress=False, log=lambda s: None, on_step=stop_at(None), until="vae")
-    assert seen == [("vae", 3), ("vae", 4)]  # step 3 was not saved: it is run again, steps 1-2 are not
+    assert seen == [("vae_foreground", 1), ("vae_foreground", 2)]  # the plain phase is done: none of it again
     assert first["checkpoint"] is None and first["vae_check"]["clips"] == TOY.check_clips
     assert json.loads((out / "pretrain.json").read_text())["until"] == "vae" and not (out / "checkpoint").exists()
     seen.clear()
@@ -236,6 +258,9 @@ def test_the_cli_refuses_what_shapes_video_does_not_have_before_any_work(tmp_pat
     assert "--install: only a full run" in capsys.readouterr().err  # a toy is never the shipped model
     assert main(["pretrain", "shapes-video", "--out", str(tmp_path / "x"), "--override", "vae.clip_steps=-1"]) != 0
     assert "vae.clip_steps" in capsys.readouterr().err
+    assert main(["pretrain", "shapes-video", "--out", str(tmp_path / "x"), "--override",
+                 "vae.foreground_weight=0.5"]) != 0
+    assert "vae.foreground_weight must be a number >= 1.0" in capsys.readouterr().err
     assert main(["pretrain", "shapes", "--out", str(tmp_path / "x"), "--until", "vae"]) != 0
     assert "shapes-video only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -95,7 +95,8 @@ def caption_embeddings(pipeline, caps: list[str]) -> tuple[torch.Tensor, torch.T
 
 def plot_losses(panels: list[tuple[list[dict], str]], path: str,
                 title: str = "omniroll pretrain shapes: training losses") -> None:
-    """loss_curve.png: one panel per (history, name) with a history (the VAE, the transformer, the distillation)."""
+    """loss_curve.png: one panel per (history, name) with a history (the VAE, the transformer, the distillation);
+    a record's x is its `step` (its place in the history without one)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,9 +110,10 @@ def plot_losses(panels: list[tuple[list[dict], str]], path: str,
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (hist, name) in zip(axes[0], panels):
         loss = [h["loss"] for h in hist]
-        ax.plot(np.arange(1, len(loss) + 1), loss, color="0.8", lw=0.6, label="per step")
+        x = np.array([h.get("step", i + 1) for i, h in enumerate(hist)])
+        ax.plot(x, loss, color="0.8", lw=0.6, label="per step")
         s = smooth(loss)
-        ax.plot(np.arange(len(loss) - len(s) + 1, len(loss) + 1), s, color="C0", lw=1.5, label="mean of 50")
+        ax.plot(x[len(x) - len(s):], s, color="C0", lw=1.5, label="mean of 50")
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(name)

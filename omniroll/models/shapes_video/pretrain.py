@@ -2,8 +2,9 @@
 resumable (`resume.py`: state saved to `<out>/resume/` every `resume_every` steps; a rerun with the same `out`
 continues and ends bitwise where an uninterrupted run ends).
 
-1. Train the VAE (single frames, then clips; decoded without the clamp); check it on held-out clips (PSNR, and the
-   moving-shapes checker's strict accuracy per category on reconstructions: the ceiling of any generator with it).
+1. Train the VAE (single frames, then clips, then clips with object pixels weighted: phases `vae` and
+   `vae_foreground`; decoded without the clamp); check it on held-out clips (PSNR, and the moving-shapes checker's
+   strict accuracy per category on reconstructions: the ceiling of any generator with it).
 2. Encode `dit.num_latents` training clips to posterior means; their per-channel mean and std become the VAE's
    `latents_mean` / `latents_std` (saved to `resume/latents.pt`).
 3. Embed every training caption and the empty prompt through the Wan adapter's own prompt encoding.
@@ -74,22 +75,31 @@ def check_vae(vae, recipe: ShapesVideoRecipe) -> dict:
 
 
 def train_vae(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool, on_step) -> list[dict]:
-    """Train (or resume training) `vae` in place for `vae.steps` steps (AdamW, the shapes model's warm-up and
-    gradient clipping); returns every step's record."""
+    """Train (or resume training) `vae` in place: `vae.steps` steps of the plain loss (phase `vae`), then
+    `vae.foreground_steps` with object pixels weighted (phase `vae_foreground`, the same optimizer continued, its
+    steps numbered on from `vae.steps` for their batches and noise); AdamW, the shapes model's warm-up and gradient
+    clipping. Returns every step's record (the foreground ones with `"foreground": True`, their steps counted on)."""
     r = recipe.vae
     data = TrainingClips(recipe.category_weights)
     opt = torch.optim.AdamW(vae.parameters(), lr=r.lr, weight_decay=0.0)
     vae.train()
 
-    def step(s: int) -> dict:
+    def step(s: int, foreground: bool = False) -> dict:
         t0 = time.time()
         for group in opt.param_groups:
             group["lr"] = lr_at(s, r)
-        loss, parts = vae_step(vae, vae_batch(data, r, recipe.vae_data_seed, s), r, step_generator(r.seed, s))
+        x = vae_batch(data, r, recipe.vae_data_seed, s)
+        loss, parts = vae_step(vae, x, r, step_generator(r.seed, s), foreground)
         rec = optimizer_step(vae, opt, None, loss, s, t0)
         return {**parts, "loss": rec["loss"], "grad_norm": rec["grad_norm"], "seconds": time.time() - t0}
 
-    return phase("vae", r.steps, step, {"vae": vae, "optimizer": opt}, resume, recipe, progress, on_step)
+    parts = {"vae": vae, "optimizer": opt}
+    hist = phase("vae", r.steps, step, parts, resume, recipe, progress, on_step)
+    if r.foreground_steps:
+        hist += [{**h, "step": r.steps + h["step"], "foreground": True} for h in phase(
+            "vae_foreground", r.foreground_steps, lambda s: step(r.steps + s, foreground=True), parts, resume,
+            recipe, progress, on_step)]
+    return hist
 
 
 def phase(name, steps, step_fn, parts, resume, recipe, progress, on_step) -> list[dict]:
@@ -245,13 +255,15 @@ def write_record(record: dict, out_dir: str, recipe: ShapesVideoRecipe, t_start:
     """Complete `record` (this run's total time; the steps' seconds over every run, resumed ones included; the last
     100 steps' mean losses; the machine), write it as `pretrain.json` and the loss curves as `loss_curve.png`;
     returns it."""
-    plot_losses([(vae_hist, f"VAE (unclamped): frames to step {recipe.vae.image_steps}, then clips"),
+    v = recipe.vae
+    plot_losses([(vae_hist, f"VAE (unclamped): frames to step {v.image_steps}, clips, from step {v.steps} object "
+                            f"pixels x{v.foreground_weight:g}"),
                  (dit_hist, "transformer (flow)")], os.path.join(out_dir, "loss_curve.png"),
                 title="omniroll pretrain shapes-video: training losses")
     record["times"]["total_s"] = time.time() - t_start
-    record["steps_seconds_all_runs"] = {"vae": float(sum(h["seconds"] for h in vae_hist)),
+    record["steps_seconds_all_runs"] = {"vae": float(sum(h.get("seconds", 0.0) for h in vae_hist)),
                                         "transformer": float(sum(h["seconds"] for h in dit_hist))}
-    record["seconds_per_step"] = seconds_per_step(vae_hist, recipe.vae.image_steps, dit_hist)
+    record["seconds_per_step"] = seconds_per_step(vae_hist, recipe.vae.image_steps, recipe.vae.steps, dit_hist)
     record["final_loss"] = {name: float(np.mean([h["loss"] for h in hist[-100:]]))
                             for name, hist in (("vae", vae_hist), ("transformer", dit_hist)) if hist}
     record["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
@@ -262,10 +274,12 @@ def write_record(record: dict, out_dir: str, recipe: ShapesVideoRecipe, t_start:
     return record
 
 
-def seconds_per_step(vae_hist: list[dict], image_steps: int, dit_hist: list[dict]) -> dict:
-    """Median seconds of a VAE image step, a VAE clip step and a transformer step (None where none ran)."""
+def seconds_per_step(vae_hist: list[dict], image_steps: int, vae_steps: int, dit_hist: list[dict]) -> dict:
+    """Median seconds of a VAE image step, clip step and foreground clip step, and of a transformer step (None
+    where none ran; records without seconds are skipped)."""
     def median(hist):
-        return float(np.median([h["seconds"] for h in hist])) if hist else None
+        seconds = [h["seconds"] for h in hist if "seconds" in h]
+        return float(np.median(seconds)) if seconds else None
 
-    return {"vae_image": median(vae_hist[:image_steps]), "vae_clip": median(vae_hist[image_steps:]),
-            "transformer": median(dit_hist)}
+    return {"vae_image": median(vae_hist[:image_steps]), "vae_clip": median(vae_hist[image_steps:vae_steps]),
+            "vae_foreground": median(vae_hist[vae_steps:]), "transformer": median(dit_hist)}

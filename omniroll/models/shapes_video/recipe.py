@@ -65,11 +65,19 @@ class ShapesVideoRecipe:
             raise ValueError(f"frames / size: the moving-shapes world's clips are {world.frames} frames of "
                              f"{world.picture.size} px, got {self.frames} / {self.size}")
         for name, value, least in (("vae.image_steps", self.vae.image_steps, 0),
-                                   ("vae.clip_steps", self.vae.clip_steps, 0), ("dit.steps", self.dit.steps, 1),
+                                   ("vae.clip_steps", self.vae.clip_steps, 0),
+                                   ("vae.foreground_steps", self.vae.foreground_steps, 0),
+                                   ("dit.steps", self.dit.steps, 1),
                                    ("dit.num_latents", self.dit.num_latents, 1), ("check_clips", self.check_clips, 1),
                                    ("resume_every", self.resume_every, 1), ("torch_threads", self.torch_threads, 1)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        if not isinstance(self.vae.foreground_weight, (int, float)) or not self.vae.foreground_weight >= 1.0:
+            raise ValueError(f"vae.foreground_weight must be a number >= 1.0, got {self.vae.foreground_weight!r}")
+        threshold = self.vae.foreground_threshold
+        if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 2.0:
+            raise ValueError(f"vae.foreground_threshold must be a number in [0, 2), got "
+                             f"{self.vae.foreground_threshold!r}")
         if (self.frames - 1) % self.vae.scale_factor_temporal:
             raise ValueError(f"vae.temporal_downsample: {self.frames} frames need a temporal factor dividing "
                              f"{self.frames - 1}, got {self.vae.scale_factor_temporal}")
@@ -88,8 +96,8 @@ FULL = ShapesVideoRecipe()
 
 #: a few steps of tiny parts: the whole pipeline in about a minute on 2 cores (tests, smoke runs)
 TOY = ShapesVideoRecipe(
-    vae=VideoVaeRecipe(base_dim=4, z_dim=4, image_steps=2, clip_steps=2, image_batch=2, clip_batch=1,
-                       warmup_steps=1),
+    vae=VideoVaeRecipe(base_dim=4, z_dim=4, image_steps=2, clip_steps=2, foreground_steps=2, image_batch=2,
+                       clip_batch=1, warmup_steps=1),
     text=VideoTextRecipe(d_model=16, num_layers=1, num_heads=2, d_ff=16),
     dit=VideoDitRecipe(num_layers=1, num_heads=2, head_dim=12, ffn_dim=32, freq_dim=16, steps=4, batch_size=2,
                        warmup_steps=1, num_latents=4),
