@@ -113,6 +113,13 @@ class OmniRollConfig(_Strict):
                 raise ValueError(f"trainer.evaluation.task: {self.engine.model!r} draws for the {task} world (its "
                                  f"omniroll_defaults.json task), so its evaluation is task: {task}; got "
                                  f"{self.trainer.evaluation.task!r}")
+        if self.trainer.data_regularizer is not None:  # renders of the model's world at the rollout's size
+            from omniroll.models import model_task
+            from omniroll.tasks.renders import check_render_size
+
+            p = self.pipeline
+            check_render_size(model_task(self.engine.model), p.height, p.width, p.num_frames,
+                              self.trainer.all_prompts(), "trainer.data_regularizer")
         if self.trainer.evaluation is not None and self.val_kwargs.seed_mode == "shared":
             raise ValueError("val_kwargs.seed_mode: trainer.evaluation draws every picture of a prompt at its own "
                              "fixed seed; 'shared' would make them one picture (use per_row)")

@@ -111,6 +111,15 @@ class KLGateSection(_Strict):
                                                       "(GARDO's about 10 %)")
 
 
+class DataRegularizerSection(_Strict):
+    """DDRL's idea (omniroll/train/data_regularizer.py): the flow-matching loss on the task world's own renders of the
+    training prompts, added to every optimizer step at `weight`: a pull toward the data, not toward a reference."""
+
+    weight: float = Field(gt=0, le=1e6, allow_inf_nan=False, description="the loss's weight beside the algorithm's, "
+                                                                         "in (0, 1e6]")
+    batch: int = Field(4, ge=1, le=1024, description="renders per optimizer step, in [1, 1024]")
+
+
 class RankResources(_Strict):
     """`trainer.resources`: what each trainer rank (a Ray actor of the data-parallel update) reserves."""
 
@@ -157,6 +166,9 @@ class TrainerSection(_Strict):
     kl_gate: Optional[KLGateSection] = Field(None, description="GARDO's gate: the KL only on the samples the trained "
                                              "reward rates furthest above the `against` functions (None: on every "
                                              "sample)")
+    data_regularizer: Optional[DataRegularizerSection] = Field(
+        None, description="DDRL's data regulariser: the flow-matching loss on the task world's renders of the training "
+                          "prompts at a weight (None: off)")
     num_inner_epochs: int = Field(1, ge=1, le=1000, description="passes over the step's samples")
     micro_batch_size: int = Field(8, ge=1, le=100_000, description="samples per forward")
     micro_batches_per_update: Optional[int] = Field(None, ge=1, description="gradient accumulation: micro-batches "
@@ -300,6 +312,9 @@ class TrainerSection(_Strict):
         if self.kl_gate is not None and self.world_size > 1:
             raise ValueError(f"kl_gate: the gate is computed over the step's whole batch by the trainer's own "
                              f"process, so use it with world_size 1 (got {self.world_size})")
+        if self.data_regularizer is not None and self.world_size > 1:
+            raise ValueError(f"data_regularizer: its renders are drawn by the trainer's own process, so use it with "
+                             f"world_size 1 (got {self.world_size})")
         if self.kl_reference != "base" and self.world_size > 1:
             raise ValueError(f"kl_reference: {self.kl_reference!r} is kept by the trainer's own process, so use it "
                              f"with world_size 1 (got {self.world_size})")

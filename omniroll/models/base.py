@@ -163,6 +163,12 @@ class DiffusionAdapter(ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode latents [B, ...] to float pixels in [-1, 1] (un-quantized): [B, 3, H, W] or [B, T, 3, H, W]."""
 
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """fp32 latents [B, ...] of pixels in [-1, 1] laid out as `decode` returns them: the VAE posterior's mean, in
+        the normalisation `decode` inverts (what the denoiser draws). NotImplementedError for a family without it."""
+        raise NotImplementedError(f"{type(self).__name__}: encoding pixels to latents is not implemented for this "
+                                  f"family (SD3 and Wan have it)")
+
     @abstractmethod
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """Shape of one sample's latent (no batch dimension) for a pixel resolution and frame count."""

@@ -225,6 +225,12 @@ class SD3Adapter(DiffusionAdapter):
         z = latents.to(device=vae_device, dtype=vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(z, return_dict=False)[0].float()
 
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        vae = self.vae
+        x = pixels.to(device=next(vae.parameters()).device, dtype=vae.dtype)
+        z = vae.encode(x).latent_dist.mean
+        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+
     # ------------------------------------------------------------------ shapes / schedule
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.check_num_frames(num_frames)

@@ -117,6 +117,15 @@ class WanAdapter(DiffusionAdapter):
         video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # [B, 3, T, H, W]
         return video.permute(0, 2, 1, 3, 4).float()
 
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        vae = self.vae
+        x = pixels.permute(0, 2, 1, 3, 4).to(device=next(vae.parameters()).device, dtype=vae.dtype)  # [B, 3, T, H, W]
+        z = vae.encode(x).latent_dist.mean
+        view = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(view).to(z.device, z.dtype)
+        std = torch.tensor(vae.config.latents_std).view(view).to(z.device, z.dtype)
+        return ((z - mean) / std).float()
+
     # ------------------------------------------------------------------ shapes / schedule
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.check_num_frames(num_frames)

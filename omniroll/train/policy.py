@@ -36,7 +36,7 @@ class Policy:
             raise ValueError(f"mode must be 'lora' or 'full', got {mode!r}")
         self.model_path, self.mode, self.dtype, self.device = model_path, mode, dtype, torch.device(device)
         # 1. The model in the compute dtype, frozen; only the denoiser on the device (the rows carry the conditioning:
-        #    the text encoders and the VAE are never run here).
+        #    the text encoders and the VAE run here only for the renders of `trainer.data_regularizer`).
         self.adapter: DiffusionAdapter = load_frozen(model_path, dtype, self.device)
         self.denoiser = self.adapter.denoiser
         self.experts = denoiser_experts(self.denoiser)  # checkpoint folder -> transformer (two for Wan 2.2 A14B)

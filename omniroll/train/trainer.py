@@ -35,6 +35,7 @@ from omniroll.train.colocation import Colocation
 from omniroll.train.component_signal import ComponentWindow, step_components
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
+from omniroll.train.data_regularizer import data_regularizer
 from omniroll.train.kl_gate import step_kl_gate
 from omniroll.train.micro_batches import group_index
 from omniroll.train.parallel.distributed import TrainerRankError
@@ -96,6 +97,7 @@ class Trainer:
         self.device = "cpu"  # trainer.device (the driver's CPU when ranks train)
         self.policy: Optional[Policy] = None
         self.algorithm = None
+        self.data_regularizer = None  # trainer.data_regularizer (train/data_regularizer.py), None when off
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.store: Optional[VersionStore] = None
 
@@ -123,6 +125,7 @@ class Trainer:
                              kl_reference_decay=self.tc.kl_reference_decay,
                              kl_reference_every=self.tc.kl_reference_every)
         self.algorithm = make_algorithm(cfg, self.policy.adapter)
+        self.data_regularizer = data_regularizer(cfg, self.policy.adapter, self.prompts)  # None when off
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
         self.store = VersionStore(self.policy, self.tc.max_staleness)
@@ -288,7 +291,9 @@ class Trainer:
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
                           halves=signal_halves(uids, tc.seed, step), signal=reads, groups=group_index(uids),
                           components=step_components(self.config, out, uids, self.device) if reads else None,
-                          kl_gate=step_kl_gate(self.config, out, rewards))  # GARDO's gate, None when off
+                          kl_gate=step_kl_gate(self.config, out, rewards),  # GARDO's gate, None when off
+                          data_term=self.data_regularizer.term(step, traj.execution, self.device)
+                          if self.data_regularizer is not None else None)
         with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
             res = self.updater.update(traj, advantages, uids, plan)  # the policy holds the trained weights after it
             self.memory.add("update", res.peak_bytes)
@@ -313,6 +318,7 @@ class Trainer:
                             stale=stale, clock=clock, sleep_s=sleep_s, wake_s=wake_s, memory=self.memory.metrics())
             m.update(self.held_out.step_metrics() if self.held_out is not None else {})  # its warning, if any
             m.update({"kl_gate_share": float(plan.kl_gate.mean())} if plan.kl_gate is not None else {})
+            m.update({"data_loss": stats.data_loss} if stats.data_loss is not None else {})
             self.pipeline.forget_before(t0)
             self.history.append(m)
             self.tracker.log_step(m, out, total=self._last)  # trainer.logger

@@ -58,6 +58,7 @@ class UpdateStats:
     # per denoising step index, the sums of the ratios of every (row, term, epoch) that reports its step
     # (omniroll/train/ratio_steps.py; summed over the ranks): {} for an algorithm without a ratio
     ratio_steps: dict = field(default_factory=dict)
+    data_loss: Optional[float] = None  # the data regulariser's unweighted loss, mean over optimizer steps (None: off)
 
 
 @dataclass
@@ -120,6 +121,8 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
         part_adv = {**plan.components, ZERO: torch.zeros_like(advantages)}
     optimizer.zero_grad(set_to_none=True)
 
+    data_losses: list[float] = []
+
     def optimizer_step():
         nonlocal cos, part_cos
         if share is not None:
@@ -128,6 +131,10 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
             cos = meter.reading()  # the step's first gradient, before the clip
         if parts is not None and updates == 0:
             part_cos = parts.readings(share.all_reduce_tensors if share is not None else None)
+        if plan.data_term is not None:  # the data regulariser: once per optimizer step, after the meters' readings
+            weighted, raw = plan.data_term(updates)  # (which judge the algorithm's own gradient), before the clip
+            weighted.backward()
+            data_losses.append(raw)
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -197,4 +204,4 @@ def train_on_batch(policy, optimizer: torch.optim.Optimizer, algorithm: Algorith
                        scored=total, behaviour_scored=b_total, grad_cos=cos,
                        signal_rows_a=meter.rows_a if meter is not None else 0,
                        signal_rows_b=meter.rows_b if meter is not None else 0, ratio_steps=step_sums,
-                       component_cos=part_cos)
+                       component_cos=part_cos, data_loss=mean(data_losses) if data_losses else None)

@@ -1,12 +1,13 @@
 """The renderer: a scene to a 64 x 64 RGB picture (uint8, [H, W, 3]), filled shapes on a plain background,
-antialiased by supersampling (`outlines.coverage`)."""
+antialiased by supersampling (`outlines.coverage`), and a seeded `render_prompt` for a prompt."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from omniroll.tasks.shapes.grammar import parse_prompt
 from omniroll.tasks.shapes.outlines import coverage
-from omniroll.tasks.shapes.scene import Scene
+from omniroll.tasks.shapes.scene import Scene, sample_scene
 from omniroll.tasks.shapes.world import DEFAULT_WORLD, World
 
 
@@ -24,3 +25,8 @@ def render(scene: Scene, world: World = DEFAULT_WORLD, supersample: int = 4) -> 
         colour = np.asarray(world.colours[o.colour], dtype=np.float32)
         img[i0:i1, j0:j1] = img[i0:i1, j0:j1] * (1 - a) + colour * a
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+
+
+def render_prompt(prompt: str, seed: int, world: World = DEFAULT_WORLD) -> np.ndarray:
+    """A picture satisfying a grammar prompt, the same for the same prompt, seed and world (uint8 [H, W, 3])."""
+    return render(sample_scene(parse_prompt(prompt, world), np.random.default_rng(seed), world), world)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
 
@@ -51,7 +51,9 @@ class UpdatePlan:
     prompt group (`micro_batches.group_index`: the order of first appearance), for an algorithm that keeps a group in
     one micro-batch (None: not known); components: {reward function: its own advantages [B]} for the meter per
     component (`trainer.signal_components`, omniroll/train/component_signal.py; read when `signal`), None: off;
-    kl_gate: float [B] of 0 / 1, the rows whose KL counts (`trainer.kl_gate`, omniroll/train/kl_gate.py), None: all."""
+    kl_gate: float [B] of 0 / 1, the rows whose KL counts (`trainer.kl_gate`, omniroll/train/kl_gate.py), None: all;
+    data_term: optimizer step u -> (weighted loss, its unweighted value) of the data regulariser
+    (`trainer.data_regularizer`, omniroll/train/data_regularizer.py), None: off."""
 
     step: int
     seed: int
@@ -64,6 +66,7 @@ class UpdatePlan:
     groups: Optional[torch.Tensor] = None
     components: Optional[dict] = None
     kl_gate: Optional[torch.Tensor] = None
+    data_term: Optional[Callable] = None
 
     def epoch(self, B: int, epoch: int) -> EpochPlan:
         """The default micro-batches of inner epoch `epoch` over B rows: shuffled one by one, cut half by half of the
