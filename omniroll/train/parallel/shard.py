@@ -60,7 +60,7 @@ def merge_stats(stats: Sequence[UpdateStats]) -> UpdateStats:
         if f.name in ("ratio_max_abs_dev", "behaviour_ratio_max_abs_dev"):
             out[f.name] = max(vals)
         elif f.name in ("grad_norm", "optimizer_steps", "grad_cos", "signal_rows_a", "signal_rows_b",
-                        "component_cos"):
+                        "component_cos", "data_loss"):  # data_loss: None, the regulariser runs with one process
             out[f.name] = vals[0]
         elif f.name in ("scored", "behaviour_scored"):
             out[f.name] = sum(vals)
