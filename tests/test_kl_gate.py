@@ -66,3 +66,50 @@ def test_the_gate_opens_where_the_rewards_disagree_and_stays_shut_where_they_agr
     assert all(0 < m["kl_gate_share"] <= 0.5 for m in disagree), [m["kl_gate_share"] for m in disagree]
     assert disagree[0]["kl"] == 0.0 < disagree[1]["kl"]  # step 1 trains at the base (a fresh LoRA), step 2 has moved
     assert all(m["ratio_max_abs_dev"] == 0.0 for m in agree + disagree)
+
+
+def test_the_adaptive_share_moves_as_gardo_moves_it_within_its_bounds_and_survives_a_checkpoint():
+    from omniroll.train.kl_gate import AdaptiveShare
+
+    a = AdaptiveShare(0.1, 0.02, 0.2)
+    assert a.update(torch.tensor([1.0, 3.0, -2.0])) == pytest.approx(0.1)  # the first step: the starting share
+    assert a.update(torch.tensor([5.0, -1.0])) == pytest.approx(0.11)  # mean of u >= 0 (5) above every kept mean (2)
+    assert a.update(torch.tensor([3.0])) == pytest.approx(0.11)  # within the kept means' range: unchanged
+    assert a.update(torch.tensor([0.5, -4.0])) == pytest.approx(0.099)  # below them all
+    for _ in range(40):
+        a.update(torch.tensor([-1.0]))  # no u >= 0: mean 0, then never below the window's minimum 0 again
+    assert a.share >= 0.02 and len(a.means) == 20
+    for k in range(40):
+        a.update(torch.tensor([float(k + 10)]))  # rising every step
+    assert a.share == pytest.approx(0.2)
+    b = AdaptiveShare(0.1, 0.02, 0.2)
+    b.load_state_dict(a.state_dict())
+    assert b.update(torch.tensor([1.0])) == a.update(torch.tensor([1.0]))
+
+
+def test_the_config_keeps_an_adaptive_share_within_its_bounds(tiny_sd3_path):
+    with pytest.raises(ConfigError, match="share: with adaptive, share_min <= share <= share_max"):
+        config(tiny_sd3_path, kl_gate={"against": ["pixels"], "share": 0.5, "adaptive": True})
+    cfg = config(tiny_sd3_path, kl_gate={"against": ["pixels"], "share": 0.1, "adaptive": True})
+    assert cfg.trainer.kl_gate.share_max == 0.2
+
+
+@pytest.mark.slow  # slow: trains on Ray, then resumes
+def test_an_adaptive_gate_logs_its_share_and_resumes_with_it(ray_cluster, tiny_sd3_path, tmp_path):
+    from omniroll.train import Trainer
+
+    cfg = config(tiny_sd3_path, steps=3, checkpoint_every=2,
+                 kl_gate={"against": ["pixels"], "share": 0.1, "adaptive": True})
+    with Trainer(cfg, str(tmp_path / "a"), log=lambda s: None) as tr:
+        straight = tr.train()
+    assert [m["kl_gate_target"] for m in straight][0] == pytest.approx(0.1)
+    assert all(0.02 <= m["kl_gate_target"] <= 0.2 for m in straight)
+    with Trainer(cfg, str(tmp_path / "b"), log=lambda s: None) as tr:
+        tr.train(steps=2)
+    from omniroll.train.checkpoint import find_checkpoint, read_trainer_state
+
+    saved = read_trainer_state(find_checkpoint(str(tmp_path / "b")))["kl_gate"]
+    assert len(saved["means"]) == 2 and saved["share"] == straight[1]["kl_gate_target"]
+    with Trainer(cfg, str(tmp_path / "b"), resume=str(tmp_path / "b"), log=lambda s: None) as tr:
+        resumed = tr.train()
+    assert resumed[-1]["kl_gate_target"] == straight[-1]["kl_gate_target"]

@@ -80,7 +80,7 @@ class OnlineDPOOptions(ForwardProcessOptions):
 COMMON_KEYS = frozenset({
     "steps", "prompts", "prompts_file", "val_prompts", "prompts_per_step", "lr", "weight_decay", "adam_betas",
     "adv_clip_max", "global_std", "kl_beta", "kl_reference", "kl_reference_decay", "kl_reference_every",
-    "kl_gate", "data_regularizer",
+    "kl_gate", "data_regularizer", "diversity_bonus",
     "num_inner_epochs", "micro_batch_size", "micro_batches_per_update",
     "max_grad_norm", "mode", "lora", "gradient_checkpointing", "checkpoint_every", "val_every", "evaluation", "seed",
     "weight_transport", "sync_timeout_s", "num_threads", "max_staleness", "partial_rollout", "on_stale",

@@ -108,7 +108,18 @@ class KLGateSection(_Strict):
     against: list[str] = Field(min_length=1, description="reward.functions names whose ranks the trained reward is "
                                                          "checked against (usually at weight 0: judged, not trained)")
     share: float = Field(0.1, gt=0, le=1, description="the share of the step's samples the KL may apply to, in (0, 1] "
-                                                      "(GARDO's about 10 %)")
+                                                      "(GARDO's about 10 %); with adaptive: the first step's")
+    adaptive: bool = Field(False, description="GARDO's adaptive share: grows 10 % when the step's mean disagreement "
+                                              "exceeds the last 20 steps', shrinks 10 % when below them all")
+    share_min: float = Field(0.02, gt=0, le=1, description="adaptive: the least share, in (0, 1] (GARDO's 0.02)")
+    share_max: float = Field(0.2, gt=0, le=1, description="adaptive: the largest share, in (0, 1] (GARDO's 0.2)")
+
+    @model_validator(mode="after")
+    def _check_bounds(self):
+        if self.adaptive and not self.share_min <= self.share <= self.share_max:
+            raise ValueError(f"share: with adaptive, share_min <= share <= share_max, got {self.share_min} / "
+                             f"{self.share} / {self.share_max}")
+        return self
 
 
 class DataRegularizerSection(_Strict):
@@ -166,6 +177,9 @@ class TrainerSection(_Strict):
     kl_gate: Optional[KLGateSection] = Field(None, description="GARDO's gate: the KL only on the samples the trained "
                                              "reward rates furthest above the `against` functions (None: on every "
                                              "sample)")
+    diversity_bonus: bool = Field(False, description="GARDO's diversity-aware advantages: a positive advantage times "
+                                  "the sample's distance to its group's nearest other sample over the group's mean "
+                                  "distance (omniroll/train/diversity.py)")
     data_regularizer: Optional[DataRegularizerSection] = Field(
         None, description="DDRL's data regulariser: the flow-matching loss on the task world's renders of the training "
                           "prompts at a weight (None: off)")
