@@ -1,0 +1,149 @@
+"""Reward hacking, measured against the exact judge: train the shapes model on the proxy that can be fooled
+(`shapes_proxy`), judge it with the checker, and compare the controls that are meant to stop the proxy from being
+fooled, each one option on the trainer, over several seeds.
+
+Every run is `--config` (default examples/shapes_demo.yaml: AWM, CFG-free, its evaluation before and after at fixed
+seeds) with its reward replaced: `proxy: shapes_proxy` trained, and judged at weight 0 beside it `geneval` (the
+checker's partial credit), `strict` (its pass / fail) and `graded` (`shapes_continuous`: the checker's terms graded,
+the auxiliary reward GARDO's gate ranks against; GARDO ranks against other learned reward models, and no independent
+one scores every shapes prompt here, so this auxiliary knows the world better than GARDO's do: the gate's result is
+a best case). The controls:
+
+    none      no KL term (kl_beta 0)
+    kl_base   the KL to the base model at --kl-beta
+    kl_ema    the KL to an EMA of the policy (AWM's; kl_reference ema, decay 0.99) at --kl-beta
+    gardo     GARDO: the KL gated on the samples the proxy likes more than `graded` does (adaptive share), to a
+              reference reset every 10 steps, with the diversity bonus, at --kl-beta
+    data      DDRL's idea: no KL, the flow-matching loss on the world's own renders at --data-weight
+
+Per run: the proxy's gain (the mean of `reward/proxy/mean` over the last 3 steps minus the first 3: on-policy
+samples), the judge's partial-credit gain the same way, and the judge's verdict at the evaluation's fixed seeds: strict
+accuracy before and after on the training and held-out prompts, with the paired McNemar z (pictures flipped fail ->
+pass against pass -> fail; |z| < 2: no detectable change). Hacking is a proxy gain the judge does not share: the
+table puts them side by side. The last line is JSON.
+
+Run it from the repository root (the config's prompt files are relative to it):
+
+    python benchmarks/reward_hacking.py                                   # 5 controls x 3 seeds (hours on 2 cores)
+    python benchmarks/reward_hacking.py --controls gardo,data --seeds 0 --steps 2 --eval-seeds 1   # does it run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import yaml
+
+from _common import machine_info, quiet_libraries, record_loadavg, run_evaluations
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONTROLS = ("none", "kl_base", "kl_ema", "gardo", "data")
+FIRST_LAST = 3  # steps averaged at each end of a run for the on-policy gains
+
+
+def control_trainer(control: str, kl_beta: float, data_weight: float) -> dict:
+    """The trainer keys a control sets."""
+    return {"none": {"kl_beta": 0.0},
+            "kl_base": {"kl_beta": kl_beta},
+            "kl_ema": {"kl_beta": kl_beta, "kl_reference": "ema", "kl_reference_decay": 0.99},
+            "gardo": {"kl_beta": kl_beta, "kl_reference": "reset", "kl_reference_every": 10, "diversity_bonus": True,
+                      "kl_gate": {"against": ["graded"], "share": 0.1, "adaptive": True}},
+            "data": {"kl_beta": 0.0, "data_regularizer": {"weight": data_weight, "batch": 4}}}[control]
+
+
+def run_config(path: str, control: str, seed: int, args) -> dict:
+    """The config of one run: `path` with the proxy trained, the judges at weight 0, the control, the seed."""
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    raw["reward"]["functions"] = {"proxy": {"fn": "shapes_proxy"},
+                                  "geneval": {"fn": "shapes", "weight": 0.0},
+                                  "strict": {"fn": "shapes_strict", "weight": 0.0},
+                                  "graded": {"fn": "shapes_continuous", "weight": 0.0}}
+    raw["seed"] = seed
+    tr = raw["trainer"]
+    tr.update(seed=seed, checkpoint_every=0, **control_trainer(control, args.kl_beta, args.data_weight))
+    if args.steps:
+        tr["steps"] = args.steps
+    if args.eval_seeds:
+        tr["evaluation"]["seeds"] = args.eval_seeds
+    return raw
+
+
+def ends_gain(steps: list[dict], key: str) -> float:
+    """Mean of `key` over the last FIRST_LAST steps minus over the first FIRST_LAST."""
+    vals = [m[key] for m in steps if key in m]
+    k = min(FIRST_LAST, len(vals) // 2) or 1
+    return statistics.fmean(vals[-k:]) - statistics.fmean(vals[:k])
+
+
+def run(control: str, seed: int, args, out_dir: str) -> dict:
+    from omniroll.config import load_config
+    from omniroll.train import Trainer
+    from omniroll.train.report.tracking import read_jsonl
+
+    cfg = load_config(run_config(args.config, control, seed, args))
+    log = print if args.verbose else (lambda s: None)
+    with Trainer(cfg, out_dir, log=log) as tr:
+        tr.train()
+    steps = [r for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "reward_mean" in r]
+    evals = run_evaluations(out_dir)
+    return {"proxy_gain": ends_gain(steps, "reward/proxy/mean"),
+            "judge_partial_gain": ends_gain(steps, "reward/geneval/mean"),
+            "train_minutes": sum(m["step_s"] for m in steps) / 60,
+            "proxy_curve": [m.get("reward/proxy/mean") for m in steps],
+            "judge_curve": [m.get("reward/geneval/mean") for m in steps],
+            "diversity_curve": [m.get("diversity_distance") for m in steps],
+            "evaluations": {name: {"split": e["split"], "before": e["before"]["strict"], "after": e["after"]["strict"],
+                                   "z": e["paired"]["overall"]["z"], "up": e["paired"]["overall"]["up"],
+                                   "down": e["paired"]["overall"]["down"]} for name, e in evals.items()}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(HERE, "..", "examples", "shapes_demo.yaml"))
+    p.add_argument("--controls", default=",".join(CONTROLS), help=f"a subset of {','.join(CONTROLS)}")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, each run by every control")
+    p.add_argument("--steps", type=int, default=0, help="training steps per run (default: the config's)")
+    p.add_argument("--kl-beta", type=float, default=0.003, help="the KL weight of kl_base, kl_ema, gardo "
+                                                                "(default 0.003, AWM's)")
+    p.add_argument("--data-weight", type=float, default=0.1, help="data's regulariser weight (default 0.1, untuned)")
+    p.add_argument("--eval-seeds", type=int, default=0, help="pictures per prompt in the evaluations (default: the "
+                                                               "config's)")
+    p.add_argument("--keep", default=None, help="keep each run's directory under this folder as CONTROL-SEED/")
+    p.add_argument("--verbose", action="store_true", help="print every step line")
+    args = p.parse_args(argv)
+    controls = args.controls.split(",")
+    if not set(controls) <= set(CONTROLS):
+        p.error(f"--controls: a subset of {','.join(CONTROLS)}, got {args.controls!r}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    quiet_libraries()
+    info = machine_info(1)
+    record_loadavg(info, "loadavg_before")
+    runs: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or tmp
+        for control in controls:
+            for seed in seeds:
+                print(f"[{control} seed {seed}]", file=sys.stderr, flush=True)
+                runs.setdefault(control, {})[seed] = run(control, seed, args, os.path.join(root, f"{control}-{seed}"))
+    record_loadavg(info, "loadavg_after")
+
+    print(f"{'control':9} {'proxy gain':>11} {'judge gain':>11}  " + "  ".join(
+        f"{name:>28}" for name in next(iter(next(iter(runs.values())).values()))["evaluations"]))
+    for control, by_seed in runs.items():
+        for seed, r in by_seed.items():
+            evals = "  ".join(f"{100 * e['before']:5.1f} -> {100 * e['after']:5.1f} % z {e['z']:+5.2f}"
+                              for e in r["evaluations"].values())
+            print(f"{control:9} {r['proxy_gain']:+11.3f} {r['judge_partial_gain']:+11.3f}  {evals}   (seed {seed})")
+    print(json.dumps({"benchmark": "reward_hacking", "machine": info, "kl_beta": args.kl_beta,
+                      "data_weight": args.data_weight, "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
