@@ -108,7 +108,7 @@ def test_an_adaptive_gate_logs_its_share_and_resumes_with_it(ray_cluster, tiny_s
         tr.train(steps=2)
     from omniroll.train.checkpoint import find_checkpoint, read_trainer_state
 
-    saved = read_trainer_state(find_checkpoint(str(tmp_path / "b")))["kl_gate"]
+    saved = read_trainer_state(find_checkpoint(str(tmp_path / "b")))["reward_controls"]
     assert len(saved["means"]) == 2 and saved["share"] == straight[1]["kl_gate_target"]
     with Trainer(cfg, str(tmp_path / "b"), resume=str(tmp_path / "b"), log=lambda s: None) as tr:
         resumed = tr.train()

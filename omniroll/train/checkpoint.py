@@ -107,14 +107,14 @@ def run_state(trainer: Any, optimizer: Any) -> dict:
     """trainer_state.pt of a `Trainer` after `trainer.step_done` steps: step, weight version, the optimizer's state
     (`optimizer`: its state dict, or what the ranks wrote, `parallel/`), the run's mode, algorithm and sharding (checked
     on resume: `check_resumable`), the samples discarded at Ctrl-C, the config, the algorithm's own state, the KL
-    reference's kept weights (`trainer.kl_reference` ema / reset), the adaptive KL gate's state
-    (`trainer.kl_gate.adaptive`) and the trackers' run ids."""
+    reference's kept weights (`trainer.kl_reference` ema / reset), the reward controls' state (the adaptive KL gate's
+    share: reward_controls.py) and the trackers' run ids."""
     tc = trainer.tc
     return {"step": trainer.step_done, "version": trainer.version, "optimizer": optimizer, "sharding": tc.sharding,
             "discarded_samples": trainer.discarded_samples, "mode": tc.mode,
             "config": trainer.config.model_dump(mode="json"), "algorithm": tc.algorithm,
             "algorithm_state": trainer.algorithm.state_dict(), "kl_reference": trainer.policy.kl_reference.state_dict(),
-            "kl_gate": trainer.gate_share.state_dict() if trainer.gate_share is not None else None,
+            "reward_controls": trainer.controls.state_dict(),
             "tracking": trainer.tracker.state(trainer.step_done) if trainer.tracker else None}
 
 
@@ -128,7 +128,7 @@ class Restored:
     discarded_samples: int
     tracking: Optional[dict]
     sharded_optimizer: Optional[str]
-    kl_gate: Optional[dict] = None  # the adaptive KL gate's state (`kl_gate.AdaptiveShare`), None: none saved
+    controls: Optional[dict] = None  # the reward controls' state (`RewardControls.state_dict`), None: none saved
 
 
 def restore(path: str, tc: Any, policy: Any, algorithm: Any, optimizer: Any, store: Any) -> Restored:
@@ -150,4 +150,5 @@ def restore(path: str, tc: Any, policy: Any, algorithm: Any, optimizer: Any, sto
         optimizer.load_state_dict(state["optimizer"])
     step = int(state["step"])
     store.load(path, step)
-    return Restored(step, int(state.get("discarded_samples", 0)), state.get("tracking"), sharded, state.get("kl_gate"))
+    return Restored(step, int(state.get("discarded_samples", 0)), state.get("tracking"), sharded,
+                    state.get("reward_controls"))

@@ -25,7 +25,7 @@ class RunResume:
         self.discarded_samples = 0  # in-flight samples discarded at the Ctrl-C that wrote it
         self.tracking: Optional[dict] = None  # the trackers' run ids
         self.sharded_optimizer: Optional[str] = None  # an fsdp run's optimizer directory (the ranks load it)
-        self.kl_gate: Optional[dict] = None  # the adaptive KL gate's state (trainer.kl_gate.adaptive)
+        self.controls: Optional[dict] = None  # the reward controls' state (train/reward_controls.py)
         self.in_flight_to: Optional[int] = None  # the regenerated in-flight batches end here (until checked)
 
     def load(self, tc: Any, policy: Any, algorithm: Any, optimizer: Any, store: Any,
@@ -34,7 +34,7 @@ class RunResume:
         got = checkpoint.restore(self.path, tc, policy, algorithm, optimizer, store)
         self.step, self.discarded_samples = got.step, got.discarded_samples
         self.tracking, self.sharded_optimizer = got.tracking, got.sharded_optimizer
-        self.kl_gate = got.kl_gate  # the trainer loads it into its AdaptiveShare
+        self.controls = got.controls  # the trainer loads it into its RewardControls
         log(f"resumed from {self.path} (step {self.step})")
 
     def regenerate(self, pipeline: Any, tc: Any, sync: Callable[[int], None], store: Any, version: int,

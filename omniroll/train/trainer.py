@@ -35,9 +35,6 @@ from omniroll.train.colocation import Colocation
 from omniroll.train.component_signal import ComponentWindow, step_components
 from omniroll.train.grad_signal import SignalWindow, signal_halves, signal_metrics
 from omniroll.train.interrupts import DeferredInterrupt
-from omniroll.train.data_regularizer import data_regularizer
-from omniroll.train.diversity import diversity_bonus
-from omniroll.train.kl_gate import adaptive_share, step_kl_gate
 from omniroll.train.micro_batches import group_index
 from omniroll.train.parallel.distributed import TrainerRankError
 from omniroll.train.parallel.updater import driver_device, start_updater
@@ -52,6 +49,7 @@ from omniroll.train.report.task_eval import TaskEvaluation
 from omniroll.train.report.tracking import Tracker
 from omniroll.train.report.validation import run_validation, validation_guidance
 from omniroll.train.resume import RunResume
+from omniroll.train.reward_controls import RewardControls
 from omniroll.train.step_prompts import step_prompt_batch
 from omniroll.train.staleness import WeightVersionError, trainable_rows
 from omniroll.train.version_store import VersionStore
@@ -98,8 +96,7 @@ class Trainer:
         self.device = "cpu"  # trainer.device (the driver's CPU when ranks train)
         self.policy: Optional[Policy] = None
         self.algorithm = None
-        self.data_regularizer = None  # trainer.data_regularizer (train/data_regularizer.py), None when off
-        self.gate_share = adaptive_share(config)  # trainer.kl_gate.adaptive: GARDO's moving share (None: fixed)
+        self.controls = RewardControls(config)  # against reward hacking: GARDO's gate and bonus, DDRL's regulariser
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.store: Optional[VersionStore] = None
 
@@ -127,7 +124,7 @@ class Trainer:
                              kl_reference_decay=self.tc.kl_reference_decay,
                              kl_reference_every=self.tc.kl_reference_every)
         self.algorithm = make_algorithm(cfg, self.policy.adapter)
-        self.data_regularizer = data_regularizer(cfg, self.policy.adapter, self.prompts)  # None when off
+        self.controls.start(self.policy.adapter, self.prompts)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.tc.lr, betas=tuple(self.tc.adam_betas),
                                            weight_decay=self.tc.weight_decay)
         self.store = VersionStore(self.policy, self.tc.max_staleness)
@@ -137,8 +134,7 @@ class Trainer:
         if resume is not None:
             resume.load(self.tc, self.policy, self.algorithm, self.optimizer, self.store, self.log)
             self.step_done, self.discarded_samples = resume.step, resume.discarded_samples
-            if self.gate_share is not None and resume.kl_gate is not None:
-                self.gate_share.load_state_dict(resume.kl_gate)
+            self.controls.load_state_dict(resume.controls)
         self.tracker = Tracker(self.config, self.out_dir, resume and resume.tracking, log=self.log)
         self.cluster.start()  # Ray (joined or local), replicas, reward workers, agent-loop manager
         self.push = WeightPush(self.cluster, transport=self.tc.weight_transport, timeout_s=self.tc.sync_timeout_s,
@@ -278,7 +274,7 @@ class Trainer:
         rewards = out.batch["rm_scores"][:, 0].float()
         uids = list(out.non_tensor_batch["uid"])
         adv = self.algorithm.advantages(rewards, uids, out)  # reward.aggregation gdpo reads out's components
-        adv = diversity_bonus(adv, out, uids, tc.adv_clip_max) if tc.diversity_bonus else adv  # GARDO's
+        adv = self.controls.advantages(adv, out, uids)  # GARDO's diversity bonus, when on
         traj = self.algorithm.rows(out, self.policy.adapter)  # TrajectoryBatch, or CleanBatch (forward process)
         traj, advantages = traj.to(self.device), adv.advantages.to(self.device)
         if gradient_checkpointing(self.config) and not self._checkpointing:  # in the mode the rollout recorded
@@ -296,9 +292,7 @@ class Trainer:
                           per_update=tc.micro_batches_per_update, versions=versions, store=self.store,
                           halves=signal_halves(uids, tc.seed, step), signal=reads, groups=group_index(uids),
                           components=step_components(self.config, out, uids, self.device) if reads else None,
-                          kl_gate=step_kl_gate(self.config, out, rewards, self.gate_share),  # GARDO's, None: off
-                          data_term=self.data_regularizer.term(step, traj.execution, self.device)
-                          if self.data_regularizer is not None else None)
+                          **self.controls.plan(step, out, rewards, traj, self.device))  # GARDO's gate, DDRL's term
         with self.interrupts.critical():  # a Ctrl-C from here lands after this step is logged
             res = self.updater.update(traj, advantages, uids, plan)  # the policy holds the trained weights after it
             self.memory.add("update", res.peak_bytes)
@@ -322,9 +316,7 @@ class Trainer:
                             prox_version=prox_version, max_staleness=K, partial_rollout=tc.partial_rollout,
                             stale=stale, clock=clock, sleep_s=sleep_s, wake_s=wake_s, memory=self.memory.metrics())
             m.update(self.held_out.step_metrics() if self.held_out is not None else {})  # its warning, if any
-            m.update({"kl_gate_share": float(plan.kl_gate.mean())} if plan.kl_gate is not None else {})
-            m.update({"kl_gate_target": self.gate_share.share} if self.gate_share is not None else {})
-            m.update({"data_loss": stats.data_loss} if stats.data_loss is not None else {})
+            m.update(self.controls.metrics(plan, stats))
             self.pipeline.forget_before(t0)
             self.history.append(m)
             self.tracker.log_step(m, out, total=self._last)  # trainer.logger
