@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from omniroll.reward.aggregation import group_rows
+
 #: pooled features' side in pixels
 POOL = 8
 
@@ -43,7 +45,7 @@ def pixel_features(pixels: torch.Tensor) -> torch.Tensor:
 def nearest_distances(features: torch.Tensor, groups: Sequence) -> torch.Tensor:
     """float64 [B]: each row's cosine distance to the nearest other row of its group (0 for a group of one)."""
     d = torch.zeros(features.shape[0], dtype=torch.float64)
-    for rows in group_index(groups).values():
+    for rows in group_rows(groups):
         if len(rows) < 2:
             continue
         f = features[rows]
@@ -53,18 +55,10 @@ def nearest_distances(features: torch.Tensor, groups: Sequence) -> torch.Tensor:
     return d
 
 
-def group_index(groups: Sequence) -> dict:
-    """group -> its rows, in order of first appearance."""
-    ids: dict = {}
-    for i, g in enumerate(groups):
-        ids.setdefault(g, []).append(i)
-    return ids
-
-
 def diversity_weights(distances: torch.Tensor, groups: Sequence) -> torch.Tensor:
     """float64 [B]: d_i / the mean d of i's group (1 where the group's mean is 0)."""
     w = torch.ones_like(distances)
-    for rows in group_index(groups).values():
+    for rows in group_rows(groups):
         mean = distances[rows].mean()
         if mean > 0:
             w[rows] = distances[rows] / mean
