@@ -209,7 +209,10 @@ def main(argv=None) -> int:
                    help="the paired z of every run (default: docs/algorithms_paired.png; docs/algorithms.png is the "
                         "former unpaired comparison's figure)")
     p.add_argument("--keep", default=None, help="keep each run's directory under this folder as NAME-SEED/")
-    p.add_argument("--partial", default=None, help="append each finished run to this JSON-lines file")
+    p.add_argument("--partial", default=None, help="append each finished run to this JSON-lines file; a run already "
+                                                   "in it (the same algorithm, seed, --steps, --eval-seeds and "
+                                                   "--model) is read from it, not run again: an interrupted "
+                                                   "comparison continues where it stopped")
     p.add_argument("--summarize", default=None, metavar="PARTIAL", help="run nothing: summarize the runs a --partial "
                                                                        "file holds (several invocations may append "
                                                                        "to one)")
@@ -238,9 +241,14 @@ def main(argv=None) -> int:
     info = machine_info(1)
     record_loadavg(info, "loadavg_before")
     runs: dict = {a: {} for a in algos}
+    done = finished_runs(args)
     with tempfile.TemporaryDirectory(prefix="omniroll-algorithms-") as scratch:
         for seed in seeds:
             for algo in algos:
+                if (algo, seed) in done:
+                    runs[algo][seed] = done[algo, seed]
+                    print(f"seed {seed} {algo:<11} read from {args.partial}", flush=True)
+                    continue
                 out = os.path.abspath(os.path.join(args.keep or scratch, f"{algo}-{seed}"))
                 t = time.time()
                 r = runs[algo][seed] = run(algo, args, seed, out, os.path.join(args.keep or scratch, "guided_base"))
@@ -250,9 +258,29 @@ def main(argv=None) -> int:
                       f"samples, {(time.time() - t) / 60:.1f} min in all)", flush=True)
                 if args.partial:
                     with open(args.partial, "a") as f:
-                        f.write(json.dumps({"algorithm": algo, "seed": seed, **r}) + "\n")
+                        f.write(json.dumps({"algorithm": algo, "seed": seed, **run_settings(args), **r}) + "\n")
     record_loadavg(info, "loadavg_after")
     return report(runs, seeds, args, info)
+
+
+def run_settings(args) -> dict:
+    """What a --partial record keeps of the settings that decide a run (besides its algorithm and seed)."""
+    return {"steps": args.steps, "eval_seeds": args.eval_seeds, "model": args.model}
+
+
+def finished_runs(args) -> dict:
+    """{(algorithm, seed): record} of the runs `--partial` already holds with this invocation's settings (records
+    written before the settings were kept count as the defaults')."""
+    if not args.partial or not os.path.exists(args.partial):
+        return {}
+    want, done = run_settings(args), {}
+    with open(args.partial) as f:
+        for line in f:
+            rec = json.loads(line)
+            if all(rec.get(k) == v for k, v in want.items()):
+                done[rec["algorithm"], rec["seed"]] = {k: v for k, v in rec.items() if k not in ("algorithm", "seed",
+                                                                                                   *want)}
+    return done
 
 
 def report(runs: dict, seeds: list[int], args, info: dict) -> int:

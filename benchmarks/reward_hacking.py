@@ -20,7 +20,10 @@ Per run: the proxy's gain (the mean of `reward/proxy/mean` over the last 3 steps
 samples), the judge's partial-credit gain the same way, and the judge's verdict at the evaluation's fixed seeds: strict
 accuracy before and after on the training and held-out prompts, with the paired McNemar z (pictures flipped fail ->
 pass against pass -> fail; |z| < 2: no detectable change). Hacking is a proxy gain the judge does not share: the
-table puts them side by side. The last line is JSON.
+table puts them side by side. The JSON keeps every step's curves on its on-policy samples (the proxy, the judge's
+partial credit and its strict pass, the diversity distance): where the judge turns while the proxy rises. The last
+line is JSON. Runs go seed by seed (every control's seed 0 first); with `--keep DIR` each run's result is kept in
+`DIR/CONTROL-SEED/result.json` and a rerun reads the finished ones back.
 
 Run it from the repository root (the config's prompt files are relative to it):
 
@@ -97,10 +100,35 @@ def run(control: str, seed: int, args, out_dir: str) -> dict:
             "train_minutes": sum(m["step_s"] for m in steps) / 60,
             "proxy_curve": [m.get("reward/proxy/mean") for m in steps],
             "judge_curve": [m.get("reward/geneval/mean") for m in steps],
+            "strict_curve": [m.get("reward/strict/mean") for m in steps],
             "diversity_curve": [m.get("diversity_distance") for m in steps],
             "evaluations": {name: {"split": e["split"], "before": e["before"]["strict"], "after": e["after"]["strict"],
                                    "z": e["paired"]["overall"]["z"], "up": e["paired"]["overall"]["up"],
                                    "down": e["paired"]["overall"]["down"]} for name, e in evals.items()}}
+
+
+def run_settings(control: str, seed: int, args) -> dict:
+    """What decides a run besides its code: kept beside its result, compared before a kept result is reused."""
+    return {"control": control, "seed": seed, "config": os.path.abspath(args.config), "steps": args.steps,
+            "kl_beta": args.kl_beta, "data_weight": args.data_weight, "eval_seeds": args.eval_seeds}
+
+
+def kept_run(control: str, seed: int, args, out_dir: str) -> dict:
+    """`run`'s result, read from `out_dir/result.json` when a run with the same settings finished there (with
+    `--keep`, an interrupted comparison continues where it stopped), else run and written there."""
+    path, settings = os.path.join(out_dir, "result.json"), run_settings(control, seed, args)
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+        if kept.get("settings") == settings:
+            print(f"[{control} seed {seed}] read from {path}", file=sys.stderr, flush=True)
+            return kept["result"]
+    print(f"[{control} seed {seed}]", file=sys.stderr, flush=True)
+    result = run(control, seed, args, out_dir)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"settings": settings, "result": result}, f)
+    os.replace(path + ".tmp", path)
+    return result
 
 
 def main(argv=None) -> int:
@@ -114,7 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--data-weight", type=float, default=0.1, help="data's regulariser weight (default 0.1, untuned)")
     p.add_argument("--eval-seeds", type=int, default=0, help="pictures per prompt in the evaluations (default: the "
                                                                "config's)")
-    p.add_argument("--keep", default=None, help="keep each run's directory under this folder as CONTROL-SEED/")
+    p.add_argument("--keep", default=None, help="keep each run's directory under this folder as CONTROL-SEED/, with "
+                                               "its result.json: a rerun with the same settings reads a finished "
+                                               "run's result instead of running it again")
     p.add_argument("--verbose", action="store_true", help="print every step line")
     args = p.parse_args(argv)
     controls = args.controls.split(",")
@@ -124,13 +154,13 @@ def main(argv=None) -> int:
     quiet_libraries()
     info = machine_info(1)
     record_loadavg(info, "loadavg_before")
-    runs: dict = {}
+    runs: dict = {c: {} for c in controls}
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
-        for control in controls:
-            for seed in seeds:
-                print(f"[{control} seed {seed}]", file=sys.stderr, flush=True)
-                runs.setdefault(control, {})[seed] = run(control, seed, args, os.path.join(root, f"{control}-{seed}"))
+        for seed in seeds:  # every control's seed 0 first: a comparison stopped early has every control's first runs
+            for control in controls:
+                out_dir = os.path.join(root, f"{control}-{seed}")
+                runs[control][seed] = kept_run(control, seed, args, out_dir)
     record_loadavg(info, "loadavg_after")
 
     print(f"{'control':9} {'proxy gain':>11} {'judge gain':>11}  " + "  ".join(
