@@ -132,8 +132,9 @@ shapes-proxy: $(STAMP)
 # tests and module fixtures stay in order, and each worker has its own Ray cluster and model cache). Not `--dist
 # loadgroup`: with pytest 9.2 and pytest-xdist 3.8 it does not group (the group suffix xdist adds to a test's id is
 # not what pytest reports), so a file's tests were spread over both workers and test_readme.py's pages lost the files
-# their earlier blocks wrote (2026-12-02). On the 2-core VM the suite took 18.7 min on 2 workers against 25.4 in one
-# process (2026-11-28); TEST_WORKERS=0 runs it in one.
+# their earlier blocks wrote (2026-12-02). The docs' blocks are split over three files instead (tests/docs_blocks.py),
+# so both workers share them. On the 2-core VM the suite took 18.7 min on 2 workers against 25.4 in one process
+# (2026-11-28); TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,16 @@
+"""The documentation's blocks run verbatim, part 2 of tests/docs_blocks.py's split (its groups of pages: the
+split balances the parts' measured cost over `make test`'s workers; the rules are tested in tests/test_readme.py)."""
+
+import pytest
+
+from docs_blocks import block_params, group_envs, run_block
+
+
+@pytest.fixture(scope="module")
+def readme_envs(tiny_sd3_path, ray_cluster, tmp_path_factory):
+    return group_envs(tiny_sd3_path, ray_cluster, tmp_path_factory)
+
+
+@pytest.mark.parametrize("block", block_params(2))
+def test_docs_block_runs_verbatim(block, readme_envs):
+    run_block(block, readme_envs)
