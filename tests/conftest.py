@@ -68,7 +68,7 @@ def ray_cluster():
 
 #: fixtures that start Ray: a test using one, directly or through another fixture (its whole closure), is
 #: `slow` without having to say so. `ray_cluster` is the session's local cluster (replicas, workers, trainers build on
-#: it); `nodes` (test_multinode.py) and `two_nodes` (test_train_dp.py) are multi-raylet clusters of their own.
+#: it); `nodes` (test_multinode.py) and `two_nodes` (test_train_dp_full.py) are multi-raylet clusters of their own.
 SLOW_FIXTURES = frozenset({"ray_cluster", "nodes", "two_nodes"})
 
 
