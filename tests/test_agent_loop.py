@@ -115,21 +115,29 @@ def test_same_images_with_two_replicas_and_two_workers(cfg, replicas, baseline, 
 def test_the_only_agent_loop_worker_lost_mid_batch_is_restarted_and_its_chunk_rerun(cfg, replicas, baseline,
                                                                                     ray_cluster):
     """The one agent-loop worker's process is lost while its rows generate (as when its node leaves): Ray restarts
-    it, the manager re-runs its chunk there (new engine request ids), and the samples are the unfailed run's."""
+    it, the manager re-runs its chunk there (new engine request ids), and the samples are the unfailed run's. The
+    replicas pause after their first denoising step until the worker is killed, so the batch is caught in flight
+    however slow the machine (polling alone once saw the whole batch finish on a loaded machine)."""
     mgr = AgentLoopManager(cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"num_workers": 1})}), replicas)
 
     async def go():
+        for r in replicas:
+            ray_cluster.get(r.pause_generation.remote(after_steps=1, timeout_s=120))
         task = asyncio.ensure_future(mgr.generate_sequences_async(make_batch(ROWS5)))
         while sum(ray_cluster.get(r.stats.remote())["running"] for r in replicas) == 0:
             assert not task.done()
             await asyncio.sleep(0.02)
         ray_cluster.kill(mgr.workers[0], no_restart=False)  # its process dies; Ray restarts it
+        for r in replicas:
+            ray_cluster.get(r.resume_generation.remote())
         return await task
 
     try:
         out = asyncio.run(go())
     finally:
         mgr.shutdown()
+        for r in replicas:  # paused replicas would hold the module's next tests
+            ray_cluster.get(r.resume_generation.remote())
     _same(baseline, out)
     assert list(out.non_tensor_batch["request_id"]) == list(baseline.non_tensor_batch["request_id"])
 
