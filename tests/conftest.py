@@ -77,3 +77,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def readme_envs(tiny_sd3_path, ray_cluster, tmp_path_factory):
+    """The docs' blocks' environments, one per group of pages (tests/docs_blocks.py `group_envs`), for the files that
+    run them (tests/test_readme.py, test_readme_pages_1.py, _2.py)."""
+    from docs_blocks import group_envs
+
+    return group_envs(tiny_sd3_path, ray_cluster, tmp_path_factory)

@@ -242,7 +242,7 @@ def block_params(part: int) -> list:
 
 def group_envs(tiny_sd3_path, ray_cluster, tmp_path_factory):
     """env_of(group): each group's scratch directory and environment, made when its first block runs (Ray's address
-    as it is then). A test file's module fixture `readme_envs` returns it."""
+    as it is then). The module fixture `readme_envs` (tests/conftest.py) returns it."""
     envs: dict[str, tuple] = {}
 
     def env_of(group: str) -> tuple:

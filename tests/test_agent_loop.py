@@ -116,8 +116,7 @@ def test_the_only_agent_loop_worker_lost_mid_batch_is_restarted_and_its_chunk_re
                                                                                     ray_cluster):
     """The one agent-loop worker's process is lost while its rows generate (as when its node leaves): Ray restarts
     it, the manager re-runs its chunk there (new engine request ids), and the samples are the unfailed run's. The
-    replicas pause after their first denoising step until the worker is killed, so the batch is caught in flight
-    however slow the machine (polling alone once saw the whole batch finish on a loaded machine)."""
+    replicas pause after one step until the kill: polling alone once saw the batch finish first on a busy machine."""
     mgr = AgentLoopManager(cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"num_workers": 1})}), replicas)
 
     async def go():

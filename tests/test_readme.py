@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from docs_blocks import (BLOCKS, GROUPS, PART_OF_GROUP, PARTS, block_params, group_envs, group_parts, page_groups,
+from docs_blocks import (BLOCKS, GROUPS, PART_OF_GROUP, PARTS, block_params, group_parts, page_groups,
                          readme_blocks, run_block, runs, shell_commands, where_each_ran_before, without_make)
 
 
@@ -83,11 +83,6 @@ def test_every_group_runs_in_one_part_and_the_parts_share_the_cost():
     assert group_parts(blocks, groups, seconds, parts=2) == {"a.md": 0, "b.md": 1, "c.md": 1, "new.md": 1}
     assert group_parts(blocks, groups, {"a.md": 50, "b.md": 30, "c.md": 10}, parts=2) == {
         "new.md": 0, "a.md": 1, "b.md": 1, "c.md": 0}  # 80 | 50 + 30 | then the tie: the lower part
-
-
-@pytest.fixture(scope="module")
-def readme_envs(tiny_sd3_path, ray_cluster, tmp_path_factory):
-    return group_envs(tiny_sd3_path, ray_cluster, tmp_path_factory)
 
 
 @pytest.mark.parametrize("block", block_params(0))

@@ -3,12 +3,7 @@ split balances the parts' measured cost over `make test`'s workers; the rules ar
 
 import pytest
 
-from docs_blocks import block_params, group_envs, run_block
-
-
-@pytest.fixture(scope="module")
-def readme_envs(tiny_sd3_path, ray_cluster, tmp_path_factory):
-    return group_envs(tiny_sd3_path, ray_cluster, tmp_path_factory)
+from docs_blocks import block_params, run_block
 
 
 @pytest.mark.parametrize("block", block_params(1))
