@@ -21,14 +21,20 @@ samples), the judge's partial-credit gain the same way, and the judge's verdict 
 accuracy before and after on the training and held-out prompts, with the paired McNemar z (pictures flipped fail ->
 pass against pass -> fail; |z| < 2: no detectable change). Hacking is a proxy gain the judge does not share: the
 table puts them side by side. The JSON keeps every step's curves on its on-policy samples (the proxy, the judge's
-partial credit and its strict pass, the diversity distance): where the judge turns while the proxy rises. The last
-line is JSON. Runs go seed by seed (every control's seed 0 first); with `--keep DIR` each run's result is kept in
+partial credit and its strict pass, the diversity distance): where the judge turns while the proxy rises. The
+same at fixed seeds: every validation draws the training prompts (`--val-pictures` each, the ODE, the seeds fixed)
+and the proxy and the judge (`reward.held_out`) score each picture, so `validation_curve` gives both means and their
+paired z against the base at every validation; with `--val-every` the task evaluation runs there too
+(`evaluation_curve`: strict accuracy and McNemar's z against the base, per evaluation). The last line is JSON.
+Runs go seed by seed (every control's seed 0 first); with `--keep DIR` each run's result is kept in
 `DIR/CONTROL-SEED/result.json` and a rerun reads the finished ones back.
 
 Run it from the repository root (the config's prompt files are relative to it):
 
     python benchmarks/reward_hacking.py                                   # 5 controls x 3 seeds (hours on 2 cores)
     python benchmarks/reward_hacking.py --controls gardo,data --seeds 0 --steps 2 --eval-seeds 1   # does it run
+    python benchmarks/reward_hacking.py --config examples/shapes_awm.yaml --controls none --val-every 25 \
+        --keep out/hacking-100                                            # 100 steps, the curves every 25
 """
 
 from __future__ import annotations
@@ -67,6 +73,9 @@ def run_config(path: str, control: str, seed: int, args) -> dict:
                                   "geneval": {"fn": "shapes", "weight": 0.0},
                                   "strict": {"fn": "shapes_strict", "weight": 0.0},
                                   "graded": {"fn": "shapes_continuous", "weight": 0.0}}
+    # the judge scores the validation pictures too (fixed prompts and seeds): validation.jsonl keeps each picture's
+    # proxy (the trained reward) and judge verdicts, so the two curves pair picture by picture with the first
+    raw["reward"]["held_out"] = {"judge": {"fn": "shapes_strict"}}
     raw["seed"] = seed
     tr = raw["trainer"]
     tr.update(seed=seed, checkpoint_every=0, **control_trainer(control, args.kl_beta, args.data_weight))
@@ -74,7 +83,52 @@ def run_config(path: str, control: str, seed: int, args) -> dict:
         tr["steps"] = args.steps
     if args.eval_seeds:
         tr["evaluation"]["seeds"] = args.eval_seeds
+    if args.val_every:  # the task evaluation and the validation every val_every steps: the curves at fixed seeds
+        tr["val_every"] = args.val_every
+    with open(tr["prompts_file"]) as f:  # the training prompts (relative to the repository root, where it runs)
+        tr["val_prompts"] = list(tr.get("prompts", [])) + [line.strip() for line in f if line.strip()]
+    raw.setdefault("val_kwargs", {})["n"] = args.val_pictures
     return raw
+
+
+def validation_curve(out_dir: str) -> list[dict]:
+    """Per validation (validation.jsonl): its step, the proxy's and the judge's means over the validation pictures
+    (the training prompts at fixed seeds), and the paired z of each against the first validation (the base)."""
+    from omniroll.evaluation.paired import paired_z
+    from omniroll.train.report.tracking import read_jsonl
+
+    recs = [r for r in read_jsonl(os.path.join(out_dir, "validation.jsonl")) if "held_out/rows" in r]
+    if not recs:
+        return []
+    first = recs[0]["held_out/rows"]
+    curve = []
+    for r in recs:
+        rows = r["held_out/rows"]
+        point = {"step": r["step"], "tag": r["tag"]}
+        for name, key in (("proxy", "trained"), ("judge", "judge")):
+            pairs = [(a, b) for a, b in zip(first[key], rows[key]) if a is not None and b is not None]
+            point[name] = statistics.fmean(b for _, b in pairs) if pairs else None
+            z = paired_z([a for a, _ in pairs], [b for _, b in pairs]) if len(pairs) > 1 else 0.0
+            point[f"{name}_z"] = max(-99.0, min(99.0, z))  # every picture moved alike: +-inf; JSON has none
+        curve.append(point)
+    return curve
+
+
+def evaluation_curve(out_dir: str) -> list[dict]:
+    """Per task evaluation (metrics.jsonl): its step and, per evaluation, the judge's strict accuracy and its paired
+    z against the evaluation before training (McNemar's, at the same prompts and seeds)."""
+    from omniroll.train.report.tracking import read_jsonl
+
+    curve = []
+    for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")):
+        if "eval" not in r:
+            continue
+        names = sorted({k.split("/")[1] for k in r if k.startswith("eval/") and k.endswith("/strict")
+                        and k.count("/") == 2})
+        curve.append({"step": r["step"], "tag": r["eval"],
+                      **{n: {"strict": r[f"eval/{n}/strict"], "z": r.get(f"eval/{n}/paired_z", 0.0)}
+                         for n in names}})
+    return curve
 
 
 def ends_gain(steps: list[dict], key: str) -> float:
@@ -102,6 +156,8 @@ def run(control: str, seed: int, args, out_dir: str) -> dict:
             "judge_curve": [m.get("reward/geneval/mean") for m in steps],
             "strict_curve": [m.get("reward/strict/mean") for m in steps],
             "diversity_curve": [m.get("diversity_distance") for m in steps],
+            "validation_curve": validation_curve(out_dir),
+            "evaluation_curve": evaluation_curve(out_dir),
             "evaluations": {name: {"split": e["split"], "before": e["before"]["strict"], "after": e["after"]["strict"],
                                    "z": e["paired"]["overall"]["z"], "up": e["paired"]["overall"]["up"],
                                    "down": e["paired"]["overall"]["down"]} for name, e in evals.items()}}
@@ -110,7 +166,8 @@ def run(control: str, seed: int, args, out_dir: str) -> dict:
 def run_settings(control: str, seed: int, args) -> dict:
     """What decides a run besides its code: kept beside its result, compared before a kept result is reused."""
     return {"control": control, "seed": seed, "config": os.path.abspath(args.config), "steps": args.steps,
-            "kl_beta": args.kl_beta, "data_weight": args.data_weight, "eval_seeds": args.eval_seeds}
+            "kl_beta": args.kl_beta, "data_weight": args.data_weight, "eval_seeds": args.eval_seeds,
+            "val_every": args.val_every, "val_pictures": args.val_pictures}
 
 
 def kept_run(control: str, seed: int, args, out_dir: str) -> dict:
@@ -142,6 +199,11 @@ def main(argv=None) -> int:
     p.add_argument("--data-weight", type=float, default=0.1, help="data's regulariser weight (default 0.1, untuned)")
     p.add_argument("--eval-seeds", type=int, default=0, help="pictures per prompt in the evaluations (default: the "
                                                                "config's)")
+    p.add_argument("--val-every", type=int, default=0, help="steps between the task evaluations and validations "
+                                                             "inside a run, the curves at fixed seeds (default 0: "
+                                                             "before and after only)")
+    p.add_argument("--val-pictures", type=int, default=2, help="validation pictures per training prompt (fixed "
+                                                                "seeds; the proxy and the judge score each)")
     p.add_argument("--keep", default=None, help="keep each run's directory under this folder as CONTROL-SEED/, with "
                                                "its result.json: a rerun with the same settings reads a finished "
                                                "run's result instead of running it again")
@@ -170,6 +232,12 @@ def main(argv=None) -> int:
             evals = "  ".join(f"{100 * e['before']:5.1f} -> {100 * e['after']:5.1f} % z {e['z']:+5.2f}"
                               for e in r["evaluations"].values())
             print(f"{control:9} {r['proxy_gain']:+11.3f} {r['judge_partial_gain']:+11.3f}  {evals}   (seed {seed})")
+    for control, by_seed in runs.items():  # the curves at fixed seeds, where a run has more than its two ends
+        for seed, r in by_seed.items():
+            if len(r.get("validation_curve", [])) > 2:
+                print(f"{control} seed {seed}, at fixed seeds (z against the base): " + "; ".join(
+                    f"step {v['step']} proxy {v['proxy']:.3f} ({v['proxy_z']:+.1f}) judge {v['judge']:.3f} "
+                    f"({v['judge_z']:+.1f})" for v in r["validation_curve"]))
     print(json.dumps({"benchmark": "reward_hacking", "machine": info, "kl_beta": args.kl_beta,
                       "data_weight": args.data_weight, "runs": runs}))
     return 0
