@@ -41,6 +41,14 @@ def recipe(name: str) -> str:
     return os.path.join(ROOT, "examples", f"shapes_{name}.yaml")
 
 
+def recipe_steps(name: str) -> int:
+    """The training steps of `name`'s recipe."""
+    import yaml
+
+    with open(recipe(name)) as f:
+        return int(yaml.safe_load(f)["trainer"]["steps"])
+
+
 def eval_overrides(args) -> list[str]:
     return ([f"trainer.evaluation.seeds={args.eval_seeds}", f"trainer.evaluation.beside_seeds={args.eval_seeds}"]
             if args.eval_seeds else [])
@@ -277,7 +285,9 @@ def finished_runs(args) -> dict:
     with open(args.partial) as f:
         for line in f:
             rec = json.loads(line)
-            if all(rec.get(k) == v for k, v in want.items()):
+            # a record's "steps" is the steps its run took (run's result): without --steps, the recipe's
+            wanted = {**want, "steps": args.steps or recipe_steps(rec["algorithm"])}
+            if all(rec.get(k) == v for k, v in wanted.items()):
                 done[rec["algorithm"], rec["seed"]] = {k: v for k, v in rec.items() if k not in ("algorithm", "seed",
                                                                                                    *want)}
     return done
