@@ -85,8 +85,10 @@ def run_config(path: str, control: str, seed: int, args) -> dict:
         tr["evaluation"]["seeds"] = args.eval_seeds
     if args.val_every:  # the task evaluation and the validation every val_every steps: the curves at fixed seeds
         tr["val_every"] = args.val_every
-    with open(tr["prompts_file"]) as f:  # the training prompts (relative to the repository root, where it runs)
-        tr["val_prompts"] = list(tr.get("prompts", [])) + [line.strip() for line in f if line.strip()]
+    tr["val_prompts"] = list(tr.get("prompts", []))  # the training prompts (files relative to the repository root)
+    if tr.get("prompts_file"):
+        with open(tr["prompts_file"]) as f:
+            tr["val_prompts"] += [line.strip() for line in f if line.strip()]
     raw.setdefault("val_kwargs", {})["n"] = args.val_pictures
     return raw
 
