@@ -77,6 +77,17 @@ def record_loadavg(info: dict, key: str) -> None:
         info[key] = [round(x, 2) for x in os.getloadavg()]
 
 
+def emit_record(record: dict, path: str | None = None, default=None) -> None:
+    """A benchmark's last line: `record` as one JSON line on stdout (`default` as json.dumps takes it), also written
+    indented to `path` when given."""
+    import json
+
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+    print(json.dumps(record, default=default))
+
+
 def machine_info(threads: int, extra_modules: tuple[str, ...] = ("diffusers",)) -> dict:
     """CPU model and count, library versions (torch + `extra_modules` that import), torch threads, load average."""
     cpu = platform.processor() or ""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -31,7 +30,7 @@ import time
 
 import torch
 
-from _common import machine_info, quiet_libraries
+from _common import emit_record, machine_info, quiet_libraries
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples")
@@ -175,10 +174,7 @@ def main(argv=None) -> int:
         records.append(rec)
     out = {"benchmark": "grad_signal", "machine": machine_info(torch.get_num_threads()), "records": records,
            "date": time.strftime("%Y-%m-%d")}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out, default=lambda x: None if isinstance(x, float) and math.isinf(x) else str(x)))
+    emit_record(out, args.out, default=lambda x: None if isinstance(x, float) and math.isinf(x) else str(x))
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -40,7 +39,7 @@ import time
 import torch
 import yaml
 
-from _common import machine_info, quiet_libraries
+from _common import emit_record, machine_info, quiet_libraries
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "examples", "shapes_flow_grpo.yaml")
@@ -225,10 +224,7 @@ def main(argv=None) -> int:
            "mean_reward": {k: sum(v) / len(v) for k, v in batch["components"].items()}, "spread": spread,
            "prompts_per_category": batch["prompts_per_category"],
            "results": results, "machine": machine_info(torch.get_num_threads()), "date": time.strftime("%Y-%m-%d")}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    emit_record(out, args.out)
     return 0
 
 

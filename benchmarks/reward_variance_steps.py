@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ import time
 
 import torch
 
-from _common import machine_info, quiet_libraries
+from _common import emit_record, machine_info, quiet_libraries
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: rollout steps far from any training step, so their seeds are ones training never draws
@@ -52,7 +51,7 @@ FIRST_BATCH_STEP = 2_000_001
 
 def rollout(config_path: str, overrides: list[str], prompts_limit: int, groups: int, log) -> dict:
     """Roll the config's training prompts out `groups` times (one group of n per prompt each time):
-    {"rewards": {prompt: [[group's rewards], ...]}, "latent_numel": D, "samples": ...}."""
+    {"rewards": {prompt: [[group's rewards], ...]}, "latent_numel": D, "samples": ..., "window_size": K}."""
     from omniroll.agent_loop.batch import prompt_batch
     from omniroll.config import load_config
     from omniroll.sampling.seeds import batch_prompt_uid
@@ -80,7 +79,8 @@ def rollout(config_path: str, overrides: list[str], prompts_limit: int, groups: 
             samples += len(r)
             log(f"  {os.path.basename(config_path)} {' '.join(overrides)}: batch {g + 1}/{groups}, {len(r)} samples, "
                 f"reward {sum(r) / len(r):.3f}")
-    return {"rewards": rewards, "latent_numel": numel, "samples": samples}
+    return {"rewards": rewards, "latent_numel": numel, "samples": samples,
+            "window_size": int(cfg.algo.sde_window_size or 1)}
 
 
 def decompose(rewards: dict[str, list[list[float]]]) -> dict:
@@ -135,9 +135,7 @@ def main(argv=None) -> int:
     recipe = decompose(base["rewards"])
     numel = numel or base["latent_numel"]
 
-    from omniroll.config import load_config
-
-    K = int(load_config(args.config).algo.sde_window_size or 1)
+    K = base["window_size"]  # the recipe's recorded steps
     bound = 1.0 / (K * numel)  # Bessel: in the steps' means' coordinates
 
     print(f"\nWhich noise decides the reward ({os.path.relpath(args.config)}, {len(base['rewards'])} prompts, "
@@ -155,10 +153,7 @@ def main(argv=None) -> int:
            "recipe": recipe, "window_size": K, "snr_bound": bound, "samples_for_cos50_at_least": K * numel,
            "seconds": time.time() - t0,
            "machine": machine_info(torch.get_num_threads()), "date": time.strftime("%Y-%m-%d")}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    emit_record(out, args.out)
     return 0
 
 
