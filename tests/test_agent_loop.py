@@ -21,10 +21,7 @@ def cfg_for(path, **over):
             "prompt_length": 128, "seed": 3, "timeout_s": 60}
     for k, v in over.items():
         sect, _, key = k.partition("__")
-        if key:
-            base.setdefault(sect, {})[key] = v
-        else:
-            base[k] = v
+        (base.setdefault(sect, {}) if key else base)[key or k] = v
     return load_config(base)
 
 
@@ -149,11 +146,14 @@ def test_seeds_do_not_depend_on_chunking(cfg, replicas, baseline):
 
 
 def test_replica_killed_mid_batch(cfg, replicas, tiny_sd3_path, ray_cluster):
+    """The victim pauses after one step, so it holds requests when the other has served (polling alone saw the batch
+    finish first on a busy machine); killed then, its requests rerun elsewhere and every sample is the reference's."""
     rows = [(f"k{i}", f"a small {c} house") for i, c in enumerate(["red", "blue", "green", "pink", "gray", "gold"])]
     rows = rows + rows  # two samples per uid
     ref = asyncio.run(DiffusionAgentLoopWorker(cfg, RolloutClient(replicas[:1])).generate_sequences(make_batch(rows)))
     victim = create_replicas(1, tiny_sd3_path, {"max_batch_size": 2}, num_cpus=0)[0]
     ray_cluster.get(victim.health.remote())  # started: it takes its share of the batch from the first request on
+    ray_cluster.get(victim.pause_generation.remote(after_steps=1, timeout_s=120))
     client = RolloutClient([victim, replicas[1]], timeout_s=60, unhealthy_s=60)
 
     async def go():
