@@ -256,7 +256,7 @@ def write_record(record: dict, out_dir: str, recipe: ShapesVideoRecipe, t_start:
     100 steps' mean losses; the machine), write it as `pretrain.json` and the loss curves as `loss_curve.png`;
     returns it."""
     v = recipe.vae
-    plot_losses([(vae_hist, f"VAE (unclamped): frames to step {v.image_steps}, clips, from step {v.steps} object "
+    plot_losses([(vae_hist, f"VAE: frames to step {v.image_steps}, then clips;\nfrom step {v.steps} object "
                             f"pixels x{v.foreground_weight:g}"),
                  (dit_hist, "transformer (flow)")], os.path.join(out_dir, "loss_curve.png"),
                 title="omniroll pretrain shapes-video: training losses")
