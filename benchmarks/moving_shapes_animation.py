@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import textwrap
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -51,7 +52,7 @@ def compose(clips: list[np.ndarray], scale: int = 3) -> list[Image.Image]:
     """One frame per clip frame: the clips side by side, upscaled `scale` x (nearest), each under its caption."""
     font = caption_font(12)
     T, H, W, _ = clips[0].shape
-    cell_w, cap, pad = max(W * scale, 200), 34, 6
+    cell_w, cap, pad = max(W * scale, 250), 34, 6
     verdicts = [score_clip(parse_prompt(p), c) for p, c in zip(PROMPTS, clips)]
     frames = []
     for t in range(T):
@@ -60,9 +61,9 @@ def compose(clips: list[np.ndarray], scale: int = 3) -> list[Image.Image]:
         for k, (prompt, clip, v) in enumerate(zip(PROMPTS, clips, verdicts)):
             x = pad + k * (cell_w + pad)
             ok = v.strict
-            draw.text((x, pad), ("pass: " if ok else "fail: ") + prompt[:34], fill=(0, 120, 0) if ok else (170, 0, 0),
-                      font=font)
-            draw.text((x, pad + 15), prompt[34:], fill=(0, 120, 0) if ok else (170, 0, 0), font=font)
+            lines = textwrap.wrap(("pass: " if ok else "fail: ") + prompt, 36)
+            for row, line in enumerate(lines[:2]):
+                draw.text((x, pad + 15 * row), line, fill=(0, 120, 0) if ok else (170, 0, 0), font=font)
             big = Image.fromarray(clip[t]).resize((W * scale, H * scale), Image.NEAREST)
             canvas.paste(big, (x + (cell_w - W * scale) // 2, cap + pad))
         frames.append(canvas)
