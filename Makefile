@@ -79,8 +79,8 @@ demo: $(STAMP)
 	$(VENV)/bin/omniroll demo
 	$(VENV)/bin/omniroll train --config examples/shapes_demo.yaml --out out/train
 
-# The video demo: AWM on the moving-shapes world with the shapes-video model (examples/shapes_video_demo.yaml); needs
-# the model installed (`make shapes-video-model`; until then it stops before any work, saying so).
+# The video demo: AWM on the moving-shapes world with the shipped shapes-video model (examples/shapes_video_demo.yaml);
+# 13-15 minutes on 2 cores.
 demo-video: $(STAMP)
 	$(VENV)/bin/omniroll train --config examples/shapes_video_demo.yaml --out out/train-video
 

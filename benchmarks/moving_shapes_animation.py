@@ -1,5 +1,5 @@
 """The moving-shapes docs page's animated example: clips of a shapes-video model, one per category, side by side,
-each under its prompt and the checker's verdict, as one animated lossless WebP (and the clips' film strips as a PNG).
+each under its prompt and the checker's verdict, as one animated lossless WebP.
 
 The clips are `omniroll generate`'s own (its `prompt_NNN_s0_frames.png`, the frames left to right, are cut back into
 frames), at the model's defaults and the given guidance and seed, so the picture is what a user running the command

@@ -42,7 +42,7 @@ def test_a_task_outside_the_known_worlds_is_refused_naming_the_file(toy_video, t
         read_task(str(bad))
 
 
-def test_shapes_video_is_the_verified_shipped_checkpoint(tmp_path):
+def test_shapes_video_is_the_verified_shipped_checkpoint():
     from omniroll.models import SHIPPED_MODELS, resolve_model
     from omniroll.models.shapes_video import CHECKPOINT
     from omniroll.models.shipped import SUMS_FILE
