@@ -7,8 +7,13 @@ update direction with the algorithm's loss at the current weights (`omniroll.tra
 trainer's recompute, the ratio exactly 1), and for each batch size N (samples) average, over random subsets of
 N / n prompts, the cosine between batch A's summed direction and batch B's. If a batch's gradient is N samples of
 signal mu plus noise of variance sigma^2 each, E cos = N s / (1 + N s) with s = |mu|^2 / sigma^2 the per-sample
-signal-to-noise ratio; the fitted s says how many samples an update needs for cosine 0.5 (1 / s). The trainer's
-meter (`grad_cos` in every step's metrics) reads the same quantity on each step's two halves.
+signal-to-noise ratio; the fitted s says how many samples an update needs for cosine 0.5 (1 / s).
+
+A second curve, from the same gradients, pairs batch A's directions on one random half of the prompts with batch B's
+on the **other** half ("other prompts"): there a prompt's own direction (what helps that prompt and no other) counts as
+noise, and only what the prompts share counts as signal. That is what the trainer's meter (`grad_cos` in every step's
+metrics) reads, since its two halves are different prompt groups of one step; it is also the part of an update that
+can carry to prompts never trained on. Sizes above half the prompts' samples have no such reading.
 
     python benchmarks/grad_signal.py --config examples/shapes_flow_grpo.yaml          # one config (~3-5 min here)
     python benchmarks/grad_signal.py --config examples/shapes_flow_grpo.yaml --override algo.noise_level=0.5
@@ -101,34 +106,52 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
             uids = list(out.non_tensor_batch["uid"])
             adv = tr.algorithm.advantages(rewards, uids, out)  # tree_grpo and reward.aggregation gdpo read out
             rows = tr.algorithm.rows(out, tr.policy.adapter)
-            plan = UpdatePlan(step=1, seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
+            # the update's own draws (a forward-process algorithm's training timesteps and noise, seeded by the step)
+            # differ between the batches as they would between two training steps: with one plan for both, a
+            # prompt's two gradients would share their noise and read it as signal
+            plan = UpdatePlan(step=1 + b, seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
                               versions=versions, store=tr.store)
             with ForwardRows(tr.policy.denoiser) as counted:
                 grads.append(group_gradients(tr.policy, tr.algorithm, rows, adv.advantages, uids, plan))
             train_rows += counted.rows
             log(f"batch {b}: {len(rows)} samples, reward {float(rewards.mean()):.3f}, {adv.tied_groups} tied groups")
     common = sorted(set(grads[0]) & set(grads[1]))
-    rng = random.Random(seed)
+    curve = cosine_curve(grads, common, cfg.n, sizes, subsets, random.Random(seed), other_prompts=False)
+    other = cosine_curve(grads, common, cfg.n, sizes, subsets, random.Random(seed), other_prompts=True)
+    one_batch = cosine_curve([grads[0], grads[0]], common, cfg.n, sizes, subsets, random.Random(seed),
+                             other_prompts=True)
+    s = fit_snr([c["samples"] for c in curve], [c["cos_mean"] for c in curve])
+    s_other = fit_snr([c["samples"] for c in other], [c["cos_mean"] for c in other]) if other else 0.0
+    return {"config": os.path.relpath(config_path), "overrides": overrides, "algorithm": cfg.trainer.algorithm,
+            "n": cfg.n, "prompts": len(common), "sizes": curve, "snr": s,
+            "samples_for_cos50": samples_for_cos(s) if s > 0 else None,
+            "sizes_other_prompts": other, "sizes_other_prompts_one_batch": one_batch, "snr_other_prompts": s_other,
+            "samples_for_cos50_other_prompts": samples_for_cos(s_other) if s_other > 0 else None,
+            "seconds": time.time() - t0,
+            "rollout_rows_per_sample": rollout_rows / max(rolled, 1),
+            "train_rows_per_sample": train_rows / max(rolled, 1)}
+
+
+def cosine_curve(grads: list, common: list, n: int, sizes: list[int], subsets: int, rng: random.Random,
+                 other_prompts: bool) -> list[dict]:
+    """The mean cosine between batch A's summed direction and batch B's at each size (samples per batch), over random
+    prompt subsets: the same prompts in both batches, or (other_prompts) disjoint halves of one random draw."""
     curve = []
     for samples in sizes:
-        k = max(1, samples // cfg.n)
-        if k > len(common):
+        k = max(1, samples // n)
+        need = 2 * k if other_prompts else k
+        if need > len(common):
             continue
         cos = []
-        for _ in range(subsets if k < len(common) else 1):
-            pick = rng.sample(common, k)
-            a = sum(grads[0][u] for u in pick)
-            b = sum(grads[1][u] for u in pick)
+        for _ in range(subsets if need < len(common) or other_prompts else 1):
+            pick = rng.sample(common, need)
+            a = sum(grads[0][u] for u in pick[:k])
+            b = sum(grads[1][u] for u in pick[-k:])
             cos.append(float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30)))
         m = sum(cos) / len(cos)
         sd = (sum((c - m) ** 2 for c in cos) / max(len(cos) - 1, 1)) ** 0.5
-        curve.append({"samples": k * cfg.n, "cos_mean": m, "cos_std": sd, "subsets": len(cos)})
-    s = fit_snr([c["samples"] for c in curve], [c["cos_mean"] for c in curve])
-    return {"config": os.path.relpath(config_path), "overrides": overrides, "algorithm": cfg.trainer.algorithm,
-            "n": cfg.n, "prompts": len(common), "sizes": curve, "snr": s,
-            "samples_for_cos50": samples_for_cos(s) if s > 0 else None, "seconds": time.time() - t0,
-            "rollout_rows_per_sample": rollout_rows / max(rolled, 1),
-            "train_rows_per_sample": train_rows / max(rolled, 1)}
+        curve.append({"samples": k * n, "cos_mean": m, "cos_std": sd, "subsets": len(cos)})
+    return curve
 
 
 def table(rec: dict) -> str:
@@ -141,6 +164,13 @@ def table(rec: dict) -> str:
     lines.append(f"per-sample signal-to-noise s = {rec['snr']:.2e}: "
                  + (f"about {need:,.0f} samples per update for cosine 0.5" if need else "no signal detected")
                  + f"  ({rec['seconds']:.0f} s)")
+    if rec["sizes_other_prompts"]:
+        other = "  ".join(f"{c['samples']}: {c['cos_mean']:+.3f}" for c in rec["sizes_other_prompts"])
+        need = rec["samples_for_cos50_other_prompts"]
+        lines.append(f"other prompts (what the trainer's meter reads): {other}; "
+                     + (f"about {need:,.0f} samples for cosine 0.5" if need else "no signal detected"))
+        one = "  ".join(f"{c['samples']}: {c['cos_mean']:+.3f}" for c in rec["sizes_other_prompts_one_batch"])
+        lines.append(f"other prompts of one batch (a step's two halves): {one}")
     lines.append(f"denoiser forward rows per sample: {rec['rollout_rows_per_sample']:.1f} in the rollout, "
                  f"{rec['train_rows_per_sample']:.1f} in the update's gradient")
     return "\n".join(lines)

@@ -51,6 +51,30 @@ def test_shapes_video_is_the_verified_shipped_checkpoint():
     assert resolve_model("shapes-video") == CHECKPOINT and read_task(CHECKPOINT) == "moving_shapes"
 
 
+def test_the_shipped_model_carries_the_video_demos_evaluation_before_training():
+    """Its `evaluations/` entries read back whole (every clip's digest checked) and are the demo's two splits, CFG off
+    at 8 clips a prompt and at CFG 4.5 at 2, 9-frame clips (`make shapes-video-model-evaluations` draws them)."""
+    from pathlib import Path
+
+    from omniroll.config import load_config
+    from omniroll.evaluation.cache import SHIPPED, EvaluationCache
+    from omniroll.models.shapes_video import CHECKPOINT
+
+    cfg = load_config("examples/shapes_video_demo.yaml").trainer.evaluation
+    splits = [Path(f).read_text().split("\n") for f in cfg.splits]
+    cache = EvaluationCache(Path(CHECKPOINT) / SHIPPED)
+    found = set()
+    for folder in sorted((Path(CHECKPOINT) / SHIPPED).iterdir()):
+        entry = json.loads((folder / "entry.json").read_text())
+        prompts = [r["prompt"] for r in entry["pictures"]]
+        seeds = [int(r["seed"]) for r in entry["pictures"]]
+        clips = cache.read(folder, prompts, seeds)
+        assert clips is not None and clips[0].shape[0] == entry["frames"] == 9
+        split = next(i for i, lines in enumerate(splits) if set(prompts) == {x for x in lines if x.strip()})
+        found.add((split, len(prompts) // len(set(prompts))))
+    assert found == {(i, n) for i in range(len(splits)) for n in (cfg.seeds, cfg.beside_seeds)}
+
+
 def test_install_copies_a_verified_moving_shapes_checkpoint_and_refuses_others(toy_video, tmp_path):
     from omniroll.models import resolve_model
     from omniroll.models.shapes_video import checkpoint_dir, install
