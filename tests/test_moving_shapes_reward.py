@@ -48,6 +48,9 @@ def test_scored_rows_carry_credit_the_category_and_the_motion_meter_and_bad_rows
         assert not any(f"ms/{other}" in r.extra_info for other in ("direction", "two_motions", "order", "change")
                        if other != tag)
     assert 24 <= res[0].extra_info["ms/motion"] <= 40 and res[2].extra_info["ms/motion"] == 0.0
+    for r, tag in zip(res[:5], ("direction", "two_motions", "order", "change", "direction")):  # its own category's
+        assert r.extra_info[f"ms/motion_{tag}"] == r.extra_info["ms/motion"]
+        assert sum(k.startswith("ms/motion_") for k in r.extra_info) == 1
     frozen = res[4]  # the right circle, the right colour, no motion: partial credit 2 / 3, strict 0, motion 0
     assert frozen.status == "ok" and frozen.score == pytest.approx(2 / 3)
     assert frozen.components["strict"] == 0.0 and frozen.extra_info["ms/motion"] == 0.0
@@ -103,6 +106,9 @@ def test_the_motion_meter_lands_in_the_steps_metrics(tmp_path, tiny_sd3_path):
     motions = [r.extra_info["ms/motion"] for r in res]
     assert m["reward/ms/motion"] == pytest.approx(np.mean(motions)) and m["reward/ms/motion"] > 0
     assert m["reward/ms/strict"] == pytest.approx(0.8) and m["reward/ms/direction"] == pytest.approx(0.5)
+    # the meter per category: over that category's rows only (the rendered and the frozen direction clips)
+    assert m["reward/ms/motion_direction"] == pytest.approx((motions[0] + motions[4]) / 2)
+    assert m["reward/ms/motion_order"] == pytest.approx(motions[2]) == 0.0
     with pytest.raises(ValueError, match="nearest valid prompt"):  # a config's prompts are checked before any work
         load_config({"engine": {"model": tiny_sd3_path}, "n": 2,
                      "reward": {"functions": {"ms": {"fn": "moving_shapes"}}},

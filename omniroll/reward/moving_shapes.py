@@ -8,11 +8,13 @@ that shows why video needs its own).
 Each returns, per sample, a dict: `score` (the reward) and extras that land in the row's `extra_info` as
 `<name>/<key>` and that the trainer averages per step into metrics.jsonl and the trackers (`reward/<name>/<key>`):
 `strict`, `partial` and `continuous` of every sample, `<category>` (its strict pass) for the sample's own category
-only, and `motion`, the clip's mean tracked displacement in pixels: averaged per step it is the motion meter, which
-shows a policy collapsing to static clips whatever the reward says (`moving_shapes_last_frame` adds `frame_partial`
-and `frame_strict`, the frame's own verdicts, beside the clip's). A sample that is not a video (an image), a clip
-the checker cannot read, or a prompt outside the grammar is that row's error, with the reason (the row fails, the
-others are scored; never a reward of 0); `check_prompts` finds such prompts before anything starts.
+only; `motion`, the clip's mean tracked displacement in pixels (averaged per step it is the motion meter, which
+shows a policy collapsing to static clips whatever the reward says); and `motion_<category>`, the same value under
+the sample's own category's key, so that the meter can be read on the prompts that ask for motion (`motion_direction`,
+`motion_two_motions`) apart from the order and change prompts, whose objects stand still. `moving_shapes_last_frame`
+adds `frame_partial` and `frame_strict`, the frame's own verdicts, beside the clip's. A sample that is not a video
+(an image), a clip the checker cannot read, or a prompt outside the grammar is that row's error, with the reason (the
+row fails, the others are scored; never a reward of 0); `check_prompts` finds such prompts before anything starts.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def _values(samples, score: str) -> list:
         if score == "last_frame":
             frame = last_frame(spec, s.image)
             values = {**values, "frame_partial": frame.partial, "frame_strict": float(frame.strict)}
-        out.append({"score": values[key], **values, spec.tag: strict, "motion": j.motion})
+        out.append({"score": values[key], **values, spec.tag: strict, "motion": j.motion,
+                    f"motion_{spec.tag}": j.motion})
     return out
 
 
