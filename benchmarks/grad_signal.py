@@ -1,5 +1,6 @@
 """Is a training config's update signal or noise, before any training? The cosine between the update directions of two
-independent batches (the same prompts, other seeds) at several batch sizes, at the base model.
+independent batches (the same prompts, other seeds) at several batch sizes, at the base model (or, with --resume, at
+a run's checkpoint: how much of the signal training leaves).
 
 For a training config (its model, algorithm, rollout, reward and trainer settings), the trainer's own pieces roll out
 two batches of every training prompt (n samples each, seeds that training never draws), compute every prompt group's
@@ -18,6 +19,7 @@ can carry to prompts never trained on. Sizes above half the prompts' samples hav
     python benchmarks/grad_signal.py --config examples/shapes_flow_grpo.yaml          # one config (~3-5 min here)
     python benchmarks/grad_signal.py --config examples/shapes_flow_grpo.yaml --override algo.noise_level=0.5
     python benchmarks/grad_signal.py --all                # every examples/shapes_<algorithm>.yaml, one table
+    python benchmarks/grad_signal.py --config examples/shapes_video_demo.yaml --resume RUN/checkpoints/step_000004
 
 Prints a table per config and ends with one JSON line.
 """
@@ -32,6 +34,7 @@ import random
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -70,11 +73,12 @@ def replica_forward_rows(replicas) -> int:
 
 
 def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: int, seed: int,
-            verbose: bool) -> dict:
+            verbose: bool, resume: Optional[str] = None) -> dict:
     """One config's curve: {"sizes": [{"samples", "cos_mean", "cos_std", "cos_se"}], "snr", "samples_for_cos50",
     "seconds", "rollout_rows_per_sample" (the replicas' denoiser forward rows per sample of the two batches: a tree's
     shared prefixes counted once), "train_rows_per_sample" (the trainer's denoiser forward rows per sample of the
-    update's gradient: the algorithm's recompute and loss terms), ...}."""
+    update's gradient: the algorithm's recompute and loss terms), ...}. resume: a checkpoint of a run of this config,
+    whose weights are measured instead of the base model's."""
     from omniroll.agent_loop.batch import prompt_batch
     from omniroll.config import load_config
     from omniroll.sampling.seeds import batch_prompt_uid
@@ -88,7 +92,7 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
     log = print if verbose else (lambda s: None)
     grads = []
     rolled, rollout_rows, train_rows = 0, 0, 0  # samples rolled out, their forward rows, the gradients' rows
-    with tempfile.TemporaryDirectory() as tmp, Trainer(cfg, tmp, log=log) as tr:
+    with tempfile.TemporaryDirectory() as tmp, Trainer(cfg, tmp, log=log, resume=resume) as tr:
         prompts = tr.prompts
         for b, step in enumerate(BATCH_STEPS):
             meta = {"global_steps": step, "rollout_seed": cfg.seed or 0}
@@ -122,7 +126,8 @@ def measure(config_path: str, overrides: list[str], sizes: list[int], subsets: i
                              other_prompts=True)
     s = fit_snr([c["samples"] for c in curve], [c["cos_mean"] for c in curve])
     s_other = fit_snr([c["samples"] for c in other], [c["cos_mean"] for c in other]) if other else 0.0
-    return {"config": os.path.relpath(config_path), "overrides": overrides, "algorithm": cfg.trainer.algorithm,
+    return {"config": os.path.relpath(config_path), "overrides": overrides, "resume": resume,
+            "algorithm": cfg.trainer.algorithm,
             "n": cfg.n, "prompts": len(common), "sizes": curve, "snr": s,
             "samples_for_cos50": samples_for_cos(s) if s > 0 else None,
             "sizes_other_prompts": other, "sizes_other_prompts_one_batch": one_batch, "snr_other_prompts": s_other,
@@ -155,7 +160,9 @@ def cosine_curve(grads: list, common: list, n: int, sizes: list[int], subsets: i
 
 
 def table(rec: dict) -> str:
-    head = f"{rec['config']} {' '.join(rec['overrides'])} ({rec['algorithm']}, n={rec['n']}, {rec['prompts']} prompts)"
+    at = f" at {rec['resume']}" if rec.get("resume") else ""
+    head = (f"{rec['config']}{at} {' '.join(rec['overrides'])} ({rec['algorithm']}, n={rec['n']}, "
+            f"{rec['prompts']} prompts)")
     lines = [head, f"{'samples':>8} {'cos mean':>9} {'+- std':>7}  {'fit':>7}"]
     for c in rec["sizes"]:
         fit = c["samples"] * rec["snr"] / (1 + c["samples"] * rec["snr"])
@@ -185,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--subsets", type=int, default=200, help="random prompt subsets per batch size")
     ap.add_argument("--seed", type=int, default=0, help="the subsets' seed")
     ap.add_argument("--out", default=None, help="also write the JSON record here")
+    ap.add_argument("--resume", default=None, help="a checkpoint of a run of the config: measure its weights, not the "
+                    "base model's (how much signal is left after training)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.all:
@@ -199,7 +208,7 @@ def main(argv=None) -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     records = []
     for path in configs:
-        rec = measure(path, list(args.override), sizes, args.subsets, args.seed, args.verbose)
+        rec = measure(path, list(args.override), sizes, args.subsets, args.seed, args.verbose, args.resume)
         print(table(rec), flush=True)
         records.append(rec)
     out = {"benchmark": "grad_signal", "machine": machine_info(torch.get_num_threads()), "records": records,
