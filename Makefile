@@ -80,7 +80,7 @@ demo: $(STAMP)
 	$(VENV)/bin/omniroll train --config examples/shapes_demo.yaml --out out/train
 
 # The video demo: AWM on the moving-shapes world with the shipped shapes-video model (examples/shapes_video_demo.yaml);
-# 13-15 minutes on 2 cores.
+# 15-19 minutes on 2 cores.
 demo-video: $(STAMP)
 	$(VENV)/bin/omniroll train --config examples/shapes_video_demo.yaml --out out/train-video
 

@@ -53,7 +53,7 @@ def test_shapes_video_is_the_verified_shipped_checkpoint():
 
 def test_the_shipped_model_carries_the_video_demos_evaluation_before_training():
     """Its `evaluations/` entries read back whole (every clip's digest checked) and are the demo's two splits, CFG off
-    at 8 clips a prompt and at CFG 4.5 at 2, 9-frame clips (`make shapes-video-model-evaluations` draws them)."""
+    at the demo's 16 clips a prompt and at CFG 4.5 at 2, 9-frame clips (`make shapes-video-model-evaluations`)."""
     from pathlib import Path
 
     from omniroll.config import load_config
