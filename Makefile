@@ -80,7 +80,7 @@ demo: $(STAMP)
 	$(VENV)/bin/omniroll train --config examples/shapes_demo.yaml --out out/train
 
 # The video demo: AWM on the moving-shapes world with the shipped shapes-video model (examples/shapes_video_demo.yaml);
-# 15-19 minutes on 2 cores.
+# 14-20 minutes on 2 cores.
 demo-video: $(STAMP)
 	$(VENV)/bin/omniroll train --config examples/shapes_video_demo.yaml --out out/train-video
 
@@ -134,7 +134,8 @@ shapes-proxy: $(STAMP)
 # not what pytest reports), so a file's tests were spread over both workers and test_readme.py's pages lost the files
 # their earlier blocks wrote (2026-12-02). The docs' blocks are split over three files instead (tests/docs_blocks.py),
 # so both workers share them. On the 2-core VM the suite took 18.7 min on 2 workers against 25.4 in one process
-# (2026-11-28); TEST_WORKERS=0 runs it in one.
+# (2026-11-28); TEST_WORKERS=0 runs it in one. More workers than cores buy nothing: on 3 workers it took 21.2 min
+# (2026-12-03, against 20.4 on 2 the day before), the CPUs busy 98.6 % of the run (vmstat): the suite is CPU-bound.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VERL_STAMP) $(TRACKING_STAMP) $(DOCS_STAMP)
 	$(VENV)/bin/ruff check .
