@@ -283,9 +283,12 @@ def run_evaluations(out_dir: str) -> dict:
 
 
 def picture_summary(pictures: list[dict]) -> dict:
-    """strict (GenEval's overall: the category mean), se, n and per-category strict of an eval.json's pictures."""
+    """strict (GenEval's overall: the category mean), se, n and per-category strict of an eval.json's pictures, and
+    the share with extra objects where the pictures say (`extra_objects`: shapes pictures judged since it exists)."""
     from omniroll.tasks.shapes.report import Report, Scored
 
-    rep = Report.from_rows([Scored(p["prompt"], p["tag"], p["strict"], p["partial"], p["chance"]) for p in pictures])
+    rep = Report.from_rows([Scored(p["prompt"], p["tag"], p["strict"], p["partial"], p["chance"], extra=p.get("extra"))
+                            for p in pictures])
+    extra = {"extra_objects": rep.overall["extra_objects"]} if "extra_objects" in rep.overall else {}
     return {"strict": rep.overall["strict"], "se": rep.overall["se"], "n": rep.overall["n"],
-            "categories": {t: c["strict"] for t, c in rep.categories.items()}}
+            "categories": {t: c["strict"] for t, c in rep.categories.items()}, **extra}

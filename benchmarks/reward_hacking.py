@@ -25,7 +25,9 @@ partial credit and its strict pass, the diversity distance): where the judge tur
 same at fixed seeds: every validation draws the training prompts (`--val-pictures` each, the ODE, the seeds fixed)
 and the proxy and the judge (`reward.held_out`) score each picture, so `validation_curve` gives both means and their
 paired z against the base at every validation; with `--val-every` the task evaluation runs there too
-(`evaluation_curve`: strict accuracy and McNemar's z against the base, per evaluation). The last line is JSON.
+(`evaluation_curve`: strict accuracy and McNemar's z against the base, per evaluation). Each evaluation also gives the
+share of its pictures with more of a prompted shape than asked, before and after (`extra_before`, `extra_after`):
+what the proxy, which counts badly, teaches. The last line is JSON.
 Runs go seed by seed (every control's seed 0 first); with `--keep DIR` each run's result is kept in
 `DIR/CONTROL-SEED/result.json` and a rerun reads the finished ones back.
 
@@ -162,7 +164,17 @@ def run(control: str, seed: int, args, out_dir: str) -> dict:
             "evaluation_curve": evaluation_curve(out_dir),
             "evaluations": {name: {"split": e["split"], "before": e["before"]["strict"], "after": e["after"]["strict"],
                                    "z": e["paired"]["overall"]["z"], "up": e["paired"]["overall"]["up"],
-                                   "down": e["paired"]["overall"]["down"]} for name, e in evals.items()}}
+                                   "down": e["paired"]["overall"]["down"], **extra_objects(e)}
+                            for name, e in evals.items()}}
+
+
+def extra_objects(evaluation: dict) -> dict:
+    """The share of an evaluation's pictures with more of a prompted shape than asked, before and after (the
+    checker's `extra`: the proxy counts badly, and a policy trained on it adds objects); {} when not recorded."""
+    before, after = evaluation["before"], evaluation["after"]
+    if "extra_objects" not in before or "extra_objects" not in after:
+        return {}
+    return {"extra_before": before["extra_objects"], "extra_after": after["extra_objects"]}
 
 
 def run_settings(control: str, seed: int, args) -> dict:
@@ -234,6 +246,12 @@ def main(argv=None) -> int:
             evals = "  ".join(f"{100 * e['before']:5.1f} -> {100 * e['after']:5.1f} % z {e['z']:+5.2f}"
                               for e in r["evaluations"].values())
             print(f"{control:9} {r['proxy_gain']:+11.3f} {r['judge_partial_gain']:+11.3f}  {evals}   (seed {seed})")
+    for control, by_seed in runs.items():  # the pictures with extra objects, where the evaluations recorded them
+        for seed, r in by_seed.items():
+            extra = [f"{name} {100 * e['extra_before']:.1f} -> {100 * e['extra_after']:.1f} %"
+                     for name, e in r["evaluations"].items() if "extra_before" in e]
+            if extra:
+                print(f"{control} seed {seed}, pictures with extra objects: " + "; ".join(extra))
     for control, by_seed in runs.items():  # the curves at fixed seeds, where a run has more than its two ends
         for seed, r in by_seed.items():
             if len(r.get("validation_curve", [])) > 2:

@@ -1,6 +1,7 @@
 """The shapes world: grammar, splits, scene sampler, renderer and the exact checker (GenEval's rules)."""
 
 import collections
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -134,6 +135,7 @@ def test_the_checker_passes_the_renderers_own_pictures_and_fails_contradicting_p
         dets = detect(render(sample_scene(spec, rng)))
         passed.append(judge(spec, dets).strict)
         assert judge(spec, dets).partial == 1.0 and judge(spec, dets).continuous == 1.0
+        assert not judge(spec, dets).extra  # a render holds exactly the prompted objects
         others = [q for q in prompts if parse_prompt(q).key != spec.key]
         wrong.append(judge(parse_prompt(others[int(rng.integers(len(others)))]), dets).strict)
     assert np.mean(passed) >= 0.99 and np.mean(wrong) <= 0.01
@@ -153,6 +155,28 @@ def test_counting_is_exact_and_partial_credit_counts_the_shortfall():
     assert not j4.strict and j4.partial == pytest.approx(2 / 3)  # one too many costs as much as one too few
     assert j2.continuous == pytest.approx(2 / 3) and j4.continuous == pytest.approx(2 / 3)  # squares fit exactly
     assert judge(parse_prompt("four squares"), detect(four)).strict
+    assert j4.extra and not j2.extra and not judge(parse_prompt("four squares"), detect(four)).extra
+
+
+def test_extra_objects_are_flagged_where_strict_allows_them_and_counted_in_the_report():
+    """GenEval's two-object and single-object rules pass a picture with one object too many; the checker still says
+    it shows more of a prompted shape than asked, and the report gives the share of such pictures."""
+    two_squares = _picture(("square", "red", 12, 12, 16), ("square", "blue", 45, 45, 16))
+    with_circle = _picture(("circle", "red", 12, 12, 16), ("square", "blue", 45, 45, 16))
+    a_square = judge(parse_prompt("a square"), detect(two_squares))
+    assert a_square.strict and a_square.extra and a_square.partial == 0.0  # the count term wants exactly one
+    assert not judge(parse_prompt("a square"), detect(with_circle)).extra  # an unprompted shape is not counted
+    assert not judge(parse_prompt("two squares"), detect(two_squares)).extra
+    extra_pair = _picture(("circle", "red", 12, 12, 16), ("square", "blue", 45, 45, 16),
+                          ("square", "green", 12, 45, 16))
+    pair = judge(parse_prompt("a circle and a square"), detect(extra_pair))
+    assert pair.strict and pair.extra
+    rows = score_pictures(["a square", "a square", "two squares"], [two_squares, with_circle, two_squares])
+    assert [r.extra for r in rows] == [True, False, False]
+    report = Report.from_rows(rows)
+    assert report.overall["extra_objects"] == pytest.approx(1 / 3) and "more of a prompted shape" in report.table()
+    assert report.flat("eval/x")["eval/x/extra_objects"] == pytest.approx(1 / 3)
+    assert "extra_objects" not in Report.from_rows([replace(r, extra=None) for r in rows]).overall
 
 
 def test_colour_attribution_and_position_need_the_right_binding():

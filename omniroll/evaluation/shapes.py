@@ -53,9 +53,11 @@ class Evaluation:
                 "pictures": self.picture_records()}
 
     def picture_records(self) -> list[dict]:
-        """Every picture's prompt, seed, category, verdicts and reasons (what a paired comparison reads)."""
+        """Every picture's prompt, seed, category, verdicts and reasons (what a paired comparison reads), and whether
+        it shows extra objects where the checker says so."""
         return [{"prompt": r.prompt, "seed": s, "tag": r.tag, "strict": r.strict, "partial": r.partial,
-                 "chance": r.chance, "reasons": list(r.reasons)} for r, s in zip(self.rows, self.seeds)]
+                 "chance": r.chance, "reasons": list(r.reasons), **({} if r.extra is None else {"extra": r.extra})}
+                for r, s in zip(self.rows, self.seeds)]
 
 
 def eval_sampling(config) -> dict:

@@ -23,6 +23,11 @@ sample in thirds):
   graded linearly from 0 at m = -1 (the opposite side) to 1 at m = NAMED_MARGIN.
 FULL_IOU and FULL_SHARE sit below the renderer's own worst (IoU 0.84, share 0.77 over 300 scenes), so a correct
 picture earns 1.0 under every rule.
+
+Extra objects: a picture shows more of a prompted shape than the prompt asks for (all its requirements of that shape
+counted together), whether or not its category's strict rule fails on that (GenEval's two-object prompts allow extras).
+The world's renders never do; a reward that counts badly teaches it (the hacking runs of
+docs/training/rewards_that_hold.md).
 """
 
 from __future__ import annotations
@@ -43,12 +48,13 @@ FULL_SHARE = 0.75
 @dataclass(frozen=True)
 class Judgement:
     """strict: GenEval's pass / fail. partial: credit in [0, 1]. reasons: why strict failed (empty on a pass).
-    continuous: the graded credit in [0, 1] (the module doc)."""
+    continuous: the graded credit in [0, 1]. extra: more of a prompted shape than asked (the module doc)."""
 
     strict: bool
     partial: float
     reasons: tuple[str, ...] = field(default_factory=tuple)
     continuous: float = 0.0
+    extra: bool = False
 
 
 def _by_shape(detections: list[Detection]) -> dict[str, list[Detection]]:
@@ -102,4 +108,8 @@ def judge(spec: PromptSpec, detections: list[Detection]) -> Judgement:
         if n >= count:
             strict = False
             reasons.append(f"expected {shape}<{count}, found {n}")
-    return Judgement(strict, sum(terms) / len(terms), tuple(reasons), sum(graded) / len(graded))
+    asked: dict[str, int] = {}
+    for req in spec.include:
+        asked[req.shape] = asked.get(req.shape, 0) + req.count
+    extra = any(len(objects.get(shape, [])) > count for shape, count in asked.items())
+    return Judgement(strict, sum(terms) / len(terms), tuple(reasons), sum(graded) / len(graded), extra)

@@ -9,7 +9,8 @@ chance baseline: the same pictures scored against
 another prompt of their category with a different requirement (the next one in the grammar's order), which is what
 a model that ignores the prompt's details would score; and, when prompts have several pictures, the share of prompts
 whose pictures do not all earn the same partial credit (`varied_prompts`: a GRPO group of such a prompt has a
-learning signal).
+learning signal); and the share of pictures with more of a prompted shape than asked (`extra_objects`, for rows the
+shapes checker judged).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 
@@ -36,6 +38,7 @@ class Scored:
     chance: bool  # strict against the chance prompt
     reasons: tuple[str, ...] = ()
     baselines: tuple[tuple[str, bool], ...] = ()  # (baseline, strict) pairs: a clip's frames frozen, shuffled
+    extra: Optional[bool] = None  # more of a prompted shape than asked (`Judgement.extra`); None: not judged
 
 
 def chance_prompt(spec: PromptSpec, world: World = DEFAULT_WORLD) -> str:
@@ -73,7 +76,7 @@ def score_pictures(prompts: list[str], pictures, world: World = DEFAULT_WORLD) -
         dets = detect(hwc(pic), world)
         j = judge(spec, dets)
         c = judge(chance_of[spec.prompt], dets)
-        rows.append(Scored(spec.prompt, spec.tag, j.strict, j.partial, c.strict, j.reasons))
+        rows.append(Scored(spec.prompt, spec.tag, j.strict, j.partial, c.strict, j.reasons, extra=j.extra))
     return rows
 
 
@@ -118,6 +121,9 @@ class Report:
         groups = [v for v in by_prompt.values() if len(v) > 1]
         # what GRPO needs: prompts whose pictures do not all earn the same reward
         overall["varied_prompts"] = float(np.mean([len(set(v)) > 1 for v in groups])) if groups else float("nan")
+        judged = [r.extra for r in rows if r.extra is not None]
+        if judged:  # a reward that counts badly teaches extra objects (module doc of omniroll.tasks.shapes.judge)
+            overall["extra_objects"] = float(np.mean(judged))
         return cls(cats, overall)
 
     def to_dict(self) -> dict:
@@ -144,6 +150,8 @@ class Report:
         if not math.isnan(o.get("varied_prompts", math.nan)):  # some prompt has several pictures
             lines.append(f"prompts whose pictures earn different rewards (GRPO's signal): "
                          f"{100 * o['varied_prompts']:.0f} %")
+        if "extra_objects" in o:
+            lines.append(f"pictures with more of a prompted shape than asked: {100 * o['extra_objects']:.1f} %")
         return "\n".join(lines)
 
 
