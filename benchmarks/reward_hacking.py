@@ -25,9 +25,10 @@ partial credit and its strict pass, the diversity distance): where the judge tur
 same at fixed seeds: every validation draws the training prompts (`--val-pictures` each, the ODE, the seeds fixed)
 and the proxy and the judge (`reward.held_out`) score each picture, so `validation_curve` gives both means and their
 paired z against the base at every validation; with `--val-every` the task evaluation runs there too
-(`evaluation_curve`: strict accuracy and McNemar's z against the base, per evaluation). Each evaluation also gives the
-share of its pictures with more of a prompted shape than asked, before and after (`extra_before`, `extra_after`):
-what the proxy, which counts badly, teaches. The last line is JSON.
+(`evaluation_curve`: strict accuracy and McNemar's z against the base, per evaluation). Each evaluation also counts
+what the proxy, which counts badly, teaches: the pictures failing for an extra object before and after, with their
+paired z (`extra_failures_before`, `_after`, `_z`), and the share showing one (`extra_before`, `extra_after`). The last
+line is JSON.
 Runs go seed by seed (every control's seed 0 first); with `--keep DIR` each run's result is kept in
 `DIR/CONTROL-SEED/result.json` and a rerun reads the finished ones back.
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -168,13 +170,26 @@ def run(control: str, seed: int, args, out_dir: str) -> dict:
                             for name, e in evals.items()}}
 
 
+def fails_by_extra(picture: dict) -> bool:
+    """A picture the checker fails for showing too many of a shape: a reason "expected circle<3, found 3" (GenEval's
+    `exclude` rule: "two circles" drawn with three)."""
+    return any("<" in reason.split(",")[0] for reason in picture["reasons"])
+
+
 def extra_objects(evaluation: dict) -> dict:
-    """The share of an evaluation's pictures with more of a prompted shape than asked, before and after (the
-    checker's `extra`: the proxy counts badly, and a policy trained on it adds objects); {} when not recorded."""
-    before, after = evaluation["before"], evaluation["after"]
-    if "extra_objects" not in before or "extra_objects" not in after:
-        return {}
-    return {"extra_before": before["extra_objects"], "extra_after": after["extra_objects"]}
+    """What the proxy, which counts badly, teaches: the pictures failing for an extra object before and after, with
+    the paired z of that count (pictures that newly fail so against those that no longer do), and the share of
+    pictures with more of a prompted shape than asked (the checker's `extra`, also where GenEval passes them) where
+    the evaluation recorded it."""
+    before, after = evaluation["pictures"]
+    new = sum(not fails_by_extra(b) and fails_by_extra(a) for b, a in zip(before, after))
+    gone = sum(fails_by_extra(b) and not fails_by_extra(a) for b, a in zip(before, after))
+    out = {"extra_failures_before": sum(map(fails_by_extra, before)),
+           "extra_failures_after": sum(map(fails_by_extra, after)),
+           "extra_failures_z": (new - gone) / math.sqrt(new + gone) if new + gone else 0.0}
+    if "extra_objects" in evaluation["before"] and "extra_objects" in evaluation["after"]:
+        out.update(extra_before=evaluation["before"]["extra_objects"], extra_after=evaluation["after"]["extra_objects"])
+    return out
 
 
 def run_settings(control: str, seed: int, args) -> dict:
@@ -248,10 +263,13 @@ def main(argv=None) -> int:
             print(f"{control:9} {r['proxy_gain']:+11.3f} {r['judge_partial_gain']:+11.3f}  {evals}   (seed {seed})")
     for control, by_seed in runs.items():  # the pictures with extra objects, where the evaluations recorded them
         for seed, r in by_seed.items():
-            extra = [f"{name} {100 * e['extra_before']:.1f} -> {100 * e['extra_after']:.1f} %"
-                     for name, e in r["evaluations"].items() if "extra_before" in e]
+            extra = [f"{name} {e['extra_failures_before']} -> {e['extra_failures_after']} fail by one "
+                     f"(z {e['extra_failures_z']:+.1f})" + (f", {100 * e['extra_before']:.1f} -> "
+                                                           f"{100 * e['extra_after']:.1f} % show one" if
+                                                           "extra_before" in e else "")
+                     for name, e in r["evaluations"].items() if "extra_failures_before" in e]
             if extra:
-                print(f"{control} seed {seed}, pictures with extra objects: " + "; ".join(extra))
+                print(f"{control} seed {seed}, extra objects: " + "; ".join(extra))
     for control, by_seed in runs.items():  # the curves at fixed seeds, where a run has more than its two ends
         for seed, r in by_seed.items():
             if len(r.get("validation_curve", [])) > 2:

@@ -75,15 +75,18 @@ def test_the_curves_and_the_extra_objects_come_from_the_runs_files(script, tmp_p
     assert curve[1]["proxy_z"] == pytest.approx(7.0)  # differences 0.3, 0.2, 0.2: mean 0.7 / 3, its se 1 / 30
     pictures = [{"prompt": "two circles", "seed": s, "tag": "counting", "strict": True, "partial": 1.0,
                  "chance": False, "reasons": [], "extra": False} for s in range(4)]
-    after = [dict(p, strict=s > 1, extra=s < 2) for s, p in enumerate(pictures)]
+    too_many, too_few = ["expected circle<3, found 3"], ["expected circle>=2, found 1"]
+    after = [dict(p, strict=s > 1, extra=s < 2, reasons=[too_many, too_few][s] if s < 2 else [])
+             for s, p in enumerate(pictures)]
     os.mkdir(tmp_path / "eval")
     for name, pics in (("before_x.json", pictures), ("after_x.json", after)):
         (tmp_path / "eval" / name).write_text(json.dumps({"split": "x.txt", "guidance_scale": 1.0, "pictures": pics}))
     e = script.run_evaluations(str(tmp_path))["x"]
-    assert script.extra_objects(e) == {"extra_before": 0.0, "extra_after": 0.5}
+    assert script.extra_objects(e) == {"extra_before": 0.0, "extra_after": 0.5, "extra_failures_before": 0,
+                                       "extra_failures_after": 1, "extra_failures_z": 1.0}
     assert e["paired"]["overall"]["down"] == 2 and e["paired"]["overall"]["up"] == 0
     for p in pictures:
         del p["extra"]  # an evaluation written before the checker said so: nothing claimed
     (tmp_path / "eval" / "before_x.json").write_text(json.dumps({"split": "x.txt", "guidance_scale": 1.0,
                                                                  "pictures": pictures}))
-    assert script.extra_objects(script.run_evaluations(str(tmp_path))["x"]) == {}
+    assert "extra_before" not in script.extra_objects(script.run_evaluations(str(tmp_path))["x"])
