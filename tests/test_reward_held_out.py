@@ -129,3 +129,61 @@ def test_held_out_is_scored_at_validation_only_and_warns_in_the_step_line(ray_cl
     with open(os.path.join(out, "validation.jsonl")) as f:
         vals = [json.loads(line) for line in f if line.strip()]
     assert [len(v["held_out/rows"]["minus_clock"]) for v in vals] == [6, 6, 6]
+
+
+class _Batch:
+    """What `HeldOutRewards.observe` reads of a validation batch: the pictures, their ids and prompts, and each
+    picture's trained reward (`reward_extra_info`)."""
+
+    def __init__(self, values: list[int], trained: list[float]):
+        import numpy as np
+        import torch
+
+        n = len(values)
+        self.batch = {"responses": torch.stack([torch.full((3, 8, 8), v, dtype=torch.uint8) for v in values])}
+        self.non_tensor_batch = {"request_id": np.array([f"val-{i}" for i in range(n)], dtype=object),
+                                 "raw_prompt": np.array(["x"] * n, dtype=object),
+                                 "reward_extra_info": np.array([{"score": t} for t in trained], dtype=object)}
+
+    def __len__(self):
+        return len(self.batch["responses"])
+
+
+class _Tracker:
+    def __init__(self):
+        self.logged = []
+
+    def log_held_out(self, tag, step, metrics):
+        self.logged.append((tag, step, metrics))
+
+
+def test_a_proxy_that_peaked_and_turned_is_caught_since_the_start(tmp_path):
+    """The 96-step hacking run's shape: the trained reward rises, then falls a little while the held-out judge
+    collapses. Between the last two validations both fall (no warning there); since the first validation the trained
+    reward stands detectably up and the judge detectably down: the warning fires, says so, and the step record
+    carries it. A resumed run compares with the same first validation (read back from validation.jsonl)."""
+    from omniroll.train.report.held_out import HeldOutRewards
+
+    n = 12
+    noise = [0.01 * ((7 * i) % 5 - 2) for i in range(n)]  # per-sample spread, so the paired z is finite
+    start = _Batch([100 + (i % 3) for i in range(n)], [0.3 + e for e in noise])
+    peak = _Batch([120 + (i % 3) for i in range(n)], [0.8 + e for e in reversed(noise)])
+    turned = _Batch([20 + (i % 5) for i in range(n)], [0.6 + e for e in noise])
+    held = HeldOutRewards({"judge": {"fn": "tests.reward_fns:mean_pixel"}}, str(tmp_path))
+    tracker, lines, records = _Tracker(), [], []
+    for step, (tag, batch) in enumerate((("before", start), ("step1", peak), ("after", turned))):
+        records.append(held.observe(batch, tag, step, tracker, lines.append))
+        with open(tmp_path / "validation.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "tag": tag, "held_out/rows": records[-1]["held_out/rows"]}) + "\n")
+    second, last = records[1], records[2]
+    assert second["val/held_out/judge/falling"] == 0.0 and "val/held_out/judge/z_start" not in second
+    assert last["val/held_out/trained_z"] <= -2 and last["val/held_out/judge/z"] <= -2  # both fell: no warning here
+    assert last["val/held_out/trained_z_start"] >= 2 and last["val/held_out/judge/z_start"] <= -2
+    assert last["val/held_out/judge/falling"] == 1.0
+    assert held.step_metrics()["held_out_warning"].startswith("held-out falling: judge (trained z +")
+    assert held.step_metrics()["held_out_warning"].endswith("since the start")
+    assert any(line.startswith("WARNING held-out falling: judge") and "since the first validation" in line
+               for line in lines)
+    resumed = HeldOutRewards({"judge": {"fn": "tests.reward_fns:mean_pixel"}}, str(tmp_path))
+    again = resumed.observe(turned, "after", 3, _Tracker(), lambda s: None)
+    assert again["val/held_out/judge/z"] == 0.0 and again["val/held_out/judge/falling"] == 1.0  # vs the first

@@ -10,6 +10,8 @@ sample is ever scored by one. Each validation logs, in `metrics.jsonl` (a record
     val/held_out/<name>/failed   samples it could not score (named in the console line; never counted as 0)
     val/held_out/<name>/z        paired z of its change since the previous validation (per sample, same seeds)
     val/held_out/trained_z       the same for the trained reward (the weighted sum the trainer optimises)
+    val/held_out/<name>/z_start  paired z of its change since the first validation (from the third one on)
+    val/held_out/trained_z_start the same for the trained reward
     val/held_out/<name>/falling  1.0 when the warning fires for it, else 0.0
 
 The decision (`divergence`): validation samples use fixed seeds, so the last two validations pair sample by sample.
@@ -18,9 +20,12 @@ mean(d) / (std(d) / sqrt(n)) with the sample std (`omniroll.evaluation.paired.pa
 warning fires for a held-out function when both changes are detectable at |z| >= 2 (`DETECTABLE_Z`, the project's
 paired threshold): trained z >= +2 and held-out z <= -2, over the samples both validations scored, and at least
 `MIN_PAIRS` (6) of them; with fewer, no warning can fire (said once). At 6 pairs a t statistic of 5 degrees of freedom
-passes 2 by chance in about 5 % of comparisons on each side, and the warning needs both sides. While the last
-validation says so, every step line ends with `held-out falling: <name> (trained z .., held-out z ..)` and the step's
-record carries `held_out_warning`.
+passes 2 by chance in about 5 % of comparisons on each side, and the warning needs both sides. The same decision is
+taken against the first validation (the run's start), so a run whose proxy peaked and turned is still caught: in a
+96-step hacking run both rewards fell between the last two validations (trained z -2.2, held out -7.1), while since
+the start the proxy stood detectably up (z +3.0) and the judge down (z -5.8) (docs/training/rewards_that_hold.md).
+While the last validation says so, every step line ends with `held-out falling: <name> (trained z .., held-out z ..)`
+(`since the start` for that comparison) and the step's record carries `held_out_warning`.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class HeldOutRewards:
         self.names = self.manager.names
         self.out_dir = out_dir
         self.previous: Optional[dict] = None  # {"trained": [...], name: [...]} of the last validation
+        self.first: Optional[dict] = None  # the same of the run's first validation
         self.warning = ""  # the step lines' warning while the last validation holds it
         self._read = False
         self._said_few = False
@@ -134,10 +140,11 @@ class HeldOutRewards:
     def observe(self, batch: Any, tag: str, step: int, tracker: Any, log: Callable[[str], None]) -> dict:
         """Score the validation `batch` with every held-out function, compare with the previous validation, log (the
         console lines, metrics.jsonl, the trackers). Returns the metrics and `held_out/rows` for validation.jsonl."""
-        if not self._read:  # a resumed run: the previous validation of the run it continues
+        if not self._read:  # a resumed run: the first and the previous validations of the run it continues
             self._read = True
             recs = [r for r in read_jsonl(os.path.join(self.out_dir, "validation.jsonl")) if "held_out/rows" in r]
             self.previous = recs[-1]["held_out/rows"] if recs else None
+            self.first = recs[0]["held_out/rows"] if len(recs) > 1 else self.previous
         samples = batch_samples(batch)
         results = asyncio.run(self._score(samples))
         rows: dict[str, list] = {"trained": trained_scores(batch)}
@@ -159,22 +166,32 @@ class HeldOutRewards:
             lines.append(f"held-out {tag}: {len(failures)} score(s) failed (left out, never 0): "
                          + "; ".join(failures[:8]) + (" ..." if len(failures) > 8 else ""))
         self.warning = ""
-        if self.previous is not None and len(self.previous.get("trained", [])) == len(rows["trained"]):
-            found = divergence((self.previous["trained"], rows["trained"]),
-                               {n: (self.previous[n], rows[n]) for n in self.names if n in self.previous})
+        refs = [("", self.previous)] + ([("_start", self.first)] if self.first is not self.previous else [])
+        warnings = []
+        for suffix, ref in refs:
+            if ref is None or len(ref.get("trained", [])) != len(rows["trained"]):
+                continue
+            found = divergence((ref["trained"], rows["trained"]),
+                               {n: (ref[n], rows[n]) for n in self.names if n in ref})
             for d in found:  # logged within +-Z_LOGGED (every sample changed alike: +-inf; JSON has no inf)
-                metrics[f"val/held_out/{d.name}/z"] = max(-Z_LOGGED, min(Z_LOGGED, d.held_out_z))
-                metrics[f"val/held_out/{d.name}/falling"] = float(d.falling)
-                metrics["val/held_out/trained_z"] = max(-Z_LOGGED, min(Z_LOGGED, d.trained_z))
-            self.warning = warning_text(found)
-            if self.warning:
-                lines.append(f"WARNING {self.warning} since the previous validation: the trained reward rises "
-                             f"while a reward it never saw falls (reward hacking?); look at the grids")
+                metrics[f"val/held_out/{d.name}/z{suffix}"] = max(-Z_LOGGED, min(Z_LOGGED, d.held_out_z))
+                metrics[f"val/held_out/{d.name}/falling"] = max(metrics.get(f"val/held_out/{d.name}/falling", 0.0),
+                                                                float(d.falling))
+                metrics[f"val/held_out/trained_z{suffix}"] = max(-Z_LOGGED, min(Z_LOGGED, d.trained_z))
+            text = warning_text(found)
+            if text:
+                warnings.append(text + (" since the start" if suffix else ""))
+                since = "the first validation" if suffix else "the previous validation"
+                lines.append(f"WARNING {text} since {since}: the trained reward rises while a reward it never saw "
+                             f"falls (reward hacking?); look at the grids")
             few = [d for d in found if d.pairs < MIN_PAIRS]
             if few and not self._said_few:
                 self._said_few = True
                 lines.append(f"held-out: {few[0].pairs} validation sample(s) scored on both sides, fewer than "
                              f"{MIN_PAIRS}: the held-out warning cannot fire (more val_prompts or val_kwargs.n)")
+        self.warning = "; ".join(warnings)
+        if self.first is None:
+            self.first = rows
         self.previous = rows
         for line in lines:
             log(line)
