@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -181,12 +180,14 @@ def extra_objects(evaluation: dict) -> dict:
     the paired z of that count (pictures that newly fail so against those that no longer do), and the share of
     pictures with more of a prompted shape than asked (the checker's `extra`, also where GenEval passes them) where
     the evaluation recorded it."""
+    from omniroll.evaluation.paired import mcnemar_z
+
     before, after = evaluation["pictures"]
     new = sum(not fails_by_extra(b) and fails_by_extra(a) for b, a in zip(before, after))
     gone = sum(fails_by_extra(b) and not fails_by_extra(a) for b, a in zip(before, after))
     out = {"extra_failures_before": sum(map(fails_by_extra, before)),
            "extra_failures_after": sum(map(fails_by_extra, after)),
-           "extra_failures_z": (new - gone) / math.sqrt(new + gone) if new + gone else 0.0}
+           "extra_failures_z": mcnemar_z(new, gone)}
     if "extra_objects" in evaluation["before"] and "extra_objects" in evaluation["after"]:
         out.update(extra_before=evaluation["before"]["extra_objects"], extra_after=evaluation["after"]["extra_objects"])
     return out
