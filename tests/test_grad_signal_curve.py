@@ -1,28 +1,20 @@
 """benchmarks/grad_signal.py's two cosine curves on gradients whose parts are known: the same prompts in both batches
 count a prompt's own direction as signal; other prompts count only the direction every prompt shares."""
 
-import importlib.util
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "grad_signal.py")
+from benchmark_script import benchmark_script
+
 DIM, PROMPTS, N = 4096, 32, 8
 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, os.path.dirname(SCRIPT))  # the script imports benchmarks/_common.py as `_common`
-    try:
-        spec = importlib.util.spec_from_file_location("grad_signal_script", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    with benchmark_script("grad_signal") as mod:
         yield mod
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
 
 
 def batches(shared: float, own: float, seed: int = 0) -> list[dict]:

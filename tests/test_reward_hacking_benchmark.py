@@ -3,28 +3,20 @@
 extra objects come out of a run's files as written (hand-made files with known numbers)."""
 
 import argparse
-import importlib.util
 import json
 import os
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "reward_hacking.py")
+from benchmark_script import benchmark_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def script():
-    import sys
-
-    sys.path.insert(0, os.path.dirname(SCRIPT))  # the script imports benchmarks/_common.py as `_common`
-    try:
-        spec = importlib.util.spec_from_file_location("reward_hacking", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    with benchmark_script("reward_hacking") as mod:
         yield mod
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
 
 
 def args(**kw):

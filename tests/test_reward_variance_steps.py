@@ -2,27 +2,18 @@
 noise) and what one step's noise decides inside the group: hand-computed numbers, and a simulated reward whose two
 parts are known."""
 
-import importlib.util
-import os
 import random
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "reward_variance_steps.py")
+from benchmark_script import benchmark_script
+
 
 
 @pytest.fixture(scope="module")
 def script():
-    import sys
-
-    sys.path.insert(0, os.path.dirname(SCRIPT))  # the script imports benchmarks/_common.py as `_common`
-    try:
-        spec = importlib.util.spec_from_file_location("reward_variance_steps", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    with benchmark_script("reward_variance_steps") as mod:
         yield mod
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
 
 
 def test_hand_computed_groups(script):
