@@ -165,7 +165,6 @@ class HeldOutRewards:
         if failures:
             lines.append(f"held-out {tag}: {len(failures)} score(s) failed (left out, never 0): "
                          + "; ".join(failures[:8]) + (" ..." if len(failures) > 8 else ""))
-        self.warning = ""
         refs = [("", self.previous)] + ([("_start", self.first)] if self.first is not self.previous else [])
         warnings = []
         for suffix, ref in refs:
