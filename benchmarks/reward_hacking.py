@@ -27,8 +27,10 @@ and the proxy and the judge (`reward.held_out`) score each picture, so `validati
 paired z against the base at every validation; with `--val-every` the task evaluation runs there too
 (`evaluation_curve`: strict accuracy and McNemar's z against the base, per evaluation). Each evaluation also counts
 what the proxy, which counts badly, teaches: the pictures failing for an extra object before and after, with their
-paired z (`extra_failures_before`, `_after`, `_z`), and the share showing one (`extra_before`, `extra_after`). The last
-line is JSON.
+paired z (`extra_failures_before`, `_after`, `_z`), and the share showing one (`extra_before`, `extra_after`). Where
+the `none` run of a seed is there (in this comparison, or kept in `--none-from`), every other control's evaluations
+after training are paired with its pictures (`against_none`): the control's own effect, since both runs share their
+training seed. The last line is JSON.
 Runs go seed by seed (every control's seed 0 first); with `--keep DIR` each run's result is kept in
 `DIR/CONTROL-SEED/result.json` and a rerun reads the finished ones back.
 
@@ -193,6 +195,44 @@ def extra_objects(evaluation: dict) -> dict:
     return out
 
 
+def against_none(none_dir: str, run_dir: str) -> dict:
+    """A control's effect itself: each evaluation after training paired picture by picture with the uncontrolled run
+    (`none`) of the same training seed, at the same prompts and seeds. Per evaluation: the pictures flipped fail ->
+    pass (`up`) and pass -> fail (`down`) from `none` to the control with McNemar's z, and the pictures failing for an
+    extra object under each with the z of that count (`extra_failures_none`, `extra_failures`, `extra_failures_z`)."""
+    from omniroll.evaluation.paired import mcnemar_z, paired, picture_key
+
+    base, other = run_evaluations(none_dir), run_evaluations(run_dir)
+    out = {}
+    for name in [n for n in other if n in base]:
+        a, b = base[name]["pictures"][1], other[name]["pictures"][1]
+        overall = paired(a, b)["overall"]  # refuses two evaluations of different pictures
+        was = {picture_key(p): fails_by_extra(p) for p in a}
+        now = {picture_key(p): fails_by_extra(p) for p in b}
+        new, gone = sum(now[k] and not was[k] for k in now), sum(was[k] and not now[k] for k in now)
+        out[name] = {"up": overall["up"], "down": overall["down"], "z": overall["z"],
+                     "extra_failures_none": sum(was.values()), "extra_failures": sum(now.values()),
+                     "extra_failures_z": mcnemar_z(new, gone)}
+    return out
+
+
+def none_run(root: str, seed: int, args) -> str | None:
+    """`root/none-SEED` where it holds a finished `none` run at this comparison's settings (the same config, steps,
+    seed and evaluation; the KL and data weights do not touch `none`), else None."""
+    path = os.path.join(root, f"none-{seed}", "result.json")
+    if not os.path.isdir(os.path.join(root, f"none-{seed}", "eval")):  # kept before runs kept their pictures
+        return None
+    with open(path) as f:
+        kept = json.load(f)["settings"]
+    same = ("config", "seed", "steps", "eval_seeds", "val_every", "val_pictures")
+    want = run_settings("none", seed, args)
+    if any(kept.get(k) != want[k] for k in same):
+        print(f"[none seed {seed}] {path} ran at other settings: the controls are not paired with it",
+              file=sys.stderr, flush=True)
+        return None
+    return os.path.dirname(path)
+
+
 def run_settings(control: str, seed: int, args) -> dict:
     """What decides a run besides its code: kept beside its result, compared before a kept result is reused."""
     return {"control": control, "seed": seed, "config": os.path.abspath(args.config), "steps": args.steps,
@@ -237,6 +277,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep", default=None, help="keep each run's directory under this folder as CONTROL-SEED/, with "
                                                "its result.json: a rerun with the same settings reads a finished "
                                                "run's result instead of running it again")
+    p.add_argument("--none-from", default=None, help="a --keep folder holding the `none` runs (NONE-SEED/) to pair "
+                                                    "the controls with, when this run has none (default: this run's)")
     p.add_argument("--verbose", action="store_true", help="print every step line")
     args = p.parse_args(argv)
     controls = args.controls.split(",")
@@ -253,6 +295,13 @@ def main(argv=None) -> int:
             for control in controls:
                 out_dir = os.path.join(root, f"{control}-{seed}")
                 runs[control][seed] = kept_run(control, seed, args, out_dir)
+        vs_none: dict = {}  # each control against the uncontrolled run of its seed, picture by picture
+        for control in [c for c in controls if c != "none"]:
+            for seed in seeds:
+                none_dir = none_run(args.none_from or root, seed, args)
+                run_dir = os.path.join(root, f"{control}-{seed}")
+                if none_dir is not None and os.path.isdir(os.path.join(run_dir, "eval")):
+                    vs_none.setdefault(control, {})[seed] = against_none(none_dir, run_dir)
     record_loadavg(info, "loadavg_after")
 
     print(f"{'control':9} {'proxy gain':>11} {'judge gain':>11}  " + "  ".join(
@@ -277,8 +326,14 @@ def main(argv=None) -> int:
                 print(f"{control} seed {seed}, at fixed seeds (z against the base): " + "; ".join(
                     f"step {v['step']} proxy {v['proxy']:.3f} ({v['proxy_z']:+.1f}) judge {v['judge']:.3f} "
                     f"({v['judge_z']:+.1f})" for v in r["validation_curve"]))
+    for control, by_seed in vs_none.items():  # the control's own effect, at the same training seed
+        for seed, by_eval in by_seed.items():
+            print(f"{control} seed {seed} against none seed {seed} (after training, the same pictures): " + "; ".join(
+                f"{name} {e['up']} up / {e['down']} down (z {e['z']:+.2f}), extra-object failures "
+                f"{e['extra_failures_none']} -> {e['extra_failures']} (z {e['extra_failures_z']:+.2f})"
+                for name, e in by_eval.items()))
     print(json.dumps({"benchmark": "reward_hacking", "machine": info, "kl_beta": args.kl_beta,
-                      "data_weight": args.data_weight, "runs": runs}))
+                      "data_weight": args.data_weight, "runs": runs, "against_none": vs_none}))
     return 0
 
 

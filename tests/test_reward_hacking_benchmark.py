@@ -82,3 +82,32 @@ def test_the_curves_and_the_extra_objects_come_from_the_runs_files(script, tmp_p
     (tmp_path / "eval" / "before_x.json").write_text(json.dumps({"split": "x.txt", "guidance_scale": 1.0,
                                                                  "pictures": pictures}))
     assert "extra_before" not in script.extra_objects(script.run_evaluations(str(tmp_path))["x"])
+
+
+def test_each_control_is_paired_with_the_uncontrolled_run_of_its_seed(script, tmp_path):
+    too_many, too_few = "expected circle<3, found 3", "expected circle>=2, found 1"
+
+    def kept(name, verdicts, settings):  # verdicts after training: "pass", "extra" or "few", one per seed
+        run = tmp_path / name
+        os.makedirs(run / "eval")
+        pictures = [{"prompt": "two circles", "seed": s, "tag": "counting", "strict": v == "pass", "partial": 1.0,
+                     "chance": False, "reasons": {"pass": [], "extra": [too_many], "few": [too_few]}[v]}
+                    for s, v in enumerate(verdicts)]
+        for when in ("before", "after"):
+            (run / "eval" / f"{when}_x.json").write_text(json.dumps({"split": "x.txt", "guidance_scale": 1.0,
+                                                                     "pictures": pictures}))
+        (run / "result.json").write_text(json.dumps({"settings": settings, "result": {}}))
+        return str(run)
+
+    a = args()
+    none = kept("none-0", ["extra", "extra", "extra", "pass", "few"], script.run_settings("none", 0, a))
+    data = kept("data-0", ["pass", "pass", "few", "extra", "few"], script.run_settings("data", 0, a))
+    assert script.none_run(str(tmp_path), 0, args(kl_beta=1.0)) == none  # the KL weight does not touch `none`
+    assert script.against_none(none, data) == {"x": {"up": 2, "down": 1, "z": pytest.approx(1 / 3 ** 0.5),
+                                                     "extra_failures_none": 3, "extra_failures": 1,
+                                                     "extra_failures_z": pytest.approx(-1.0)}}
+    assert script.none_run(str(tmp_path), 0, args(steps=96)) is None  # another budget: not paired
+    assert script.none_run(str(tmp_path), 1, a) is None  # no run of that seed
+    other = kept("none-1", ["pass"], script.run_settings("none", 1, a))
+    with pytest.raises(ValueError, match="same prompts and seeds"):
+        script.against_none(other, data)
