@@ -14,8 +14,12 @@ is better per forward when `rollout_rows_for_cos50` (samples for cosine 0.5 x ro
 - tree_2x4: tree_grpo's recipe, forks at steps 1 and 2 into 2 then 4 children, every step from the first fork trained.
 - tree_2x4_forks: the same tree, only the fork steps trained (`trained_steps: forks`).
 - tree_8: one fork at step 1 into 8 children (TempFlow-GRPO's one-level branching).
+- dance_grpo: DanceGRPO's recipe (a group shares its initial noise, `dance_sde`).
+- awm, nft: the forward-process algorithms' recipes, 8 independent samples per prompt from the CFG-free ODE (one
+  row a step), the estimators that read signal on this world, for scale. Fed by trees they are not: a tree forks
+  on an SDE step, and their rollout is the ODE.
 
-    python benchmarks/tree_equal_forwards.py                     # every training prompt, 3 sizes (~15-25 min here)
+    python benchmarks/tree_equal_forwards.py                     # every training prompt, 5 sizes (~45 min here)
     python benchmarks/tree_equal_forwards.py --prompts 8 --sizes 8,32,64 --subsets 50    # a small budget
 
 One reading per contender is one run: a few thousand samples for cosine 0.5 read from batches of at most a few
@@ -43,6 +47,9 @@ CONTENDERS = {
     "tree_2x4": ("shapes_tree_grpo.yaml", []),
     "tree_2x4_forks": ("shapes_tree_grpo.yaml", ["trainer.algorithm_options.trained_steps=forks"]),
     "tree_8": ("shapes_tree_grpo.yaml", ["algo.tree.fork_steps=[1]", "algo.tree.widths=[8]"]),
+    "dance_grpo": ("shapes_dance_grpo.yaml", []),
+    "awm": ("shapes_awm.yaml", []),
+    "nft": ("shapes_nft.yaml", []),
 }
 
 
