@@ -41,6 +41,8 @@ import torch
 from _common import machine_info, quiet_libraries
 from grad_signal import EXAMPLES, measure
 
+#: a forward-process recipe's rollout with tree_grpo's SDE window (steps 0-3 at noise 0.8), where a tree can fork
+SDE_WINDOW = ["algo.noise_level=0.8", "algo.sde_type=sde", "algo.sde_window_size=4", "algo.sde_window_range=[0,4]"]
 #: name -> (recipe, overrides)
 CONTENDERS = {
     "flow_grpo": ("shapes_flow_grpo.yaml", []),
@@ -50,6 +52,8 @@ CONTENDERS = {
     "dance_grpo": ("shapes_dance_grpo.yaml", []),
     "awm": ("shapes_awm.yaml", []),
     "nft": ("shapes_nft.yaml", []),
+    "awm_sde": ("shapes_awm.yaml", SDE_WINDOW + ["algo.same_latent=true"]),
+    "awm_tree_2x4": ("shapes_awm.yaml", SDE_WINDOW + ["algo.tree={fork_steps: [1, 2], widths: [2, 4]}"]),
 }
 
 

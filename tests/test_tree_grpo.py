@@ -142,3 +142,36 @@ def test_asynchronous_tree_grpo_trains_only_the_fork_steps_exactly(ray_cluster, 
     adv = tr.algorithm.advantages(batch.batch["rm_scores"][:, 0].float(), list(batch.non_tensor_batch["uid"]), batch)
     assert torch.equal(adv.advantages[:, 0], torch.zeros(len(rows)))  # step 0, before the fork: the root's, 0
     assert torch.equal(adv.advantages[:, 1], adv.advantages[:, 2])  # one segment: the leaf's own advantage
+
+
+def test_a_forward_process_algorithm_fed_by_a_tree_samples_its_window_and_trains(ray_cluster, tiny_sd3_path,
+                                                                                   tmp_path):
+    """AWM on a tree rollout (its group a tree forking at steps 1 and 2, a 3-step SDE window): its rollout keeps the
+    window where the leaves draw their noise (not the ODE it samples otherwise), each row names its leaf, a group's
+    leaves differ, and it trains (finite loss, the weights move). Without a tree or a shared initial noise the window
+    keys are refused as before; with one, the ODE is (its members could not differ)."""
+    import asyncio
+
+    from omniroll.train import Trainer
+    from tests.test_algorithms_train import SDE, config
+
+    base = config(tiny_sd3_path, "awm").model_dump(mode="json")
+    base["algo"] = {**SDE, "sde_window_size": 3, "tree": {"fork_steps": [1, 2], "widths": [2, 2]}}
+    base["trainer"].update(steps=1, checkpoint_every=0)
+    with Trainer(load_config(base), str(tmp_path / "run"), log=lambda s: None) as tr:
+        hist = tr.train()
+        batch = asyncio.run(tr._rollout(2))
+    assert set(batch.non_tensor_batch["sde_type"]) == {"sde"} and batch.batch["all_latents"].shape[1] == 0
+    uids, paths = list(batch.non_tensor_batch["uid"]), [tuple(p) for p in batch.non_tensor_batch["tree_path"]]
+    for u in set(uids):
+        rows = [i for i, x in enumerate(uids) if x == u]
+        assert sorted(paths[i] for i in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        finals = {tuple(batch.batch["latents"][i].flatten()[:8].tolist()) for i in rows}
+        assert len(finals) == 4  # every leaf its own noise
+    assert math.isfinite(hist[0]["loss"]) and hist[0]["grad_norm"] > 0
+    for algo, msg in (({**SDE}, "algo.noise_level does not apply to trainer.algorithm awm"),
+                      ({"same_latent": True, "noise_level": 0.0}, "algo.noise_level: trainer.algorithm awm on a group "
+                                                                  "that shares its noise")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config({**base, "algo": algo})
+    assert load_config({**base, "algo": {**SDE, "same_latent": True}}).algo.same_latent  # TempFlow's fork at step 0

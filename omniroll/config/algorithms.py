@@ -181,7 +181,8 @@ def _changed(section) -> set:
 
 def check_algorithm(trainer, algo) -> None:
     """The cross-section rules of `trainer.algorithm` (ValueError naming the key): every set shared key is one it
-    reads; its SDE type and shared initial noise; a forward-process algorithm leaves the SDE window keys unset."""
+    reads; its SDE type and shared initial noise; a forward-process algorithm leaves the SDE window keys unset, unless
+    its group shares noise (a tree, or `same_latent`): then the window is where the members draw their own."""
     spec = ALGORITHMS[trainer.algorithm]
     name = trainer.algorithm
     extra = sorted(k for k in _changed(trainer) if k not in spec.keys)
@@ -191,9 +192,16 @@ def check_algorithm(trainer, algo) -> None:
         raise ValueError(f"trainer.{extra[0]} does not apply to trainer.algorithm {name} ({why}); remove it")
     if spec.rollout == "clean_latent":
         set_algo = [k for k in SDE_ALGO_KEYS if k in _changed(algo)]
-        if set_algo:
+        shares_noise = algo.tree is not None or algo.same_latent  # its window: where the group's members differ
+        if shares_noise and (algo.sde_type == "ode" or algo.noise_level <= 0):
+            raise ValueError(f"algo.noise_level: trainer.algorithm {name} on a group that shares its noise "
+                             f"(algo.tree or algo.same_latent) samples the SDE window, where the members draw their "
+                             f"own noise; set noise_level > 0 and an sde_type, got {algo.sde_type} at "
+                             f"{algo.noise_level}")
+        if set_algo and not shares_noise:
             raise ValueError(f"algo.{set_algo[0]} does not apply to trainer.algorithm {name}: it samples the "
-                             f"deterministic ODE and records no SDE window; remove it")
+                             f"deterministic ODE and records no SDE window (unless its group shares noise: algo.tree "
+                             f"or algo.same_latent); remove it")
         return
     if algo.sde_type not in spec.sde_types:
         raise ValueError(f"algo.sde_type: trainer.algorithm {name} samples with {' or '.join(spec.sde_types)}, got "

@@ -67,7 +67,11 @@ class ForwardProcessAlgorithm(Algorithm):
     skip_first_timestep = False  # AWM trains after the first sampling timestep (its `discrete_wo_init`)
 
     def sampling_overrides(self, step: int) -> dict:
-        return {"noise_level": 0.0, "logprobs": False, "output_type": "both", **self.rollout_guidance()}
+        """The ODE without log-probs; where the group shares noise (`algo.tree`, `algo.same_latent`) the config's SDE
+        window stays: its steps are where the members draw their own noise (the steps outside it are the ODE's)."""
+        algo = self.config.algo
+        ode = {} if algo.tree is not None or algo.same_latent else {"noise_level": 0.0}
+        return {**ode, "logprobs": False, "output_type": "both", **self.rollout_guidance()}
 
     def rollout_guidance(self) -> dict:
         """CFG off (1.0) unless `rollout_cfg` keeps the pipeline's: the policy it rolls out and trains."""
