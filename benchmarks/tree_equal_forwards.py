@@ -16,8 +16,11 @@ is better per forward when `rollout_rows_for_cos50` (samples for cosine 0.5 x ro
 - tree_8: one fork at step 1 into 8 children (TempFlow-GRPO's one-level branching).
 - dance_grpo: DanceGRPO's recipe (a group shares its initial noise, `dance_sde`).
 - awm, nft: the forward-process algorithms' recipes, 8 independent samples per prompt from the CFG-free ODE (one
-  row a step), the estimators that read signal on this world, for scale. Fed by trees they are not: a tree forks
-  on an SDE step, and their rollout is the ODE.
+  row a step), the estimators that read signal on this world.
+- awm_sde: AWM's recipe on tree_grpo's SDE window (steps 0-3, noise 0.8), a group sharing its initial noise (a
+  fork at step 0: nothing shared but the start).
+- awm_tree_2x4: AWM's recipe on tree_grpo's tree (the same window, forks at steps 1 and 2 into 2 then 4): do
+  correlated leaves carry as much signal per forward as awm_sde's samples?
 
     python benchmarks/tree_equal_forwards.py                     # every training prompt, 5 sizes (~45 min here)
     python benchmarks/tree_equal_forwards.py --prompts 8 --sizes 8,32,64 --subsets 50    # a small budget
