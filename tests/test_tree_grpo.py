@@ -148,7 +148,7 @@ def test_a_forward_process_algorithm_fed_by_a_tree_samples_its_window_and_trains
                                                                                    tmp_path):
     """AWM on a tree rollout (its group a tree forking at steps 1 and 2, a 3-step SDE window): its rollout keeps the
     window where the leaves draw their noise (not the ODE it samples otherwise), each row names its leaf, a group's
-    leaves differ, and it trains (finite loss, the weights move). Without a tree or a shared initial noise the window
+    leaves differ, and it trains (a finite loss, a gradient). Without a tree or a shared initial noise the window
     keys are refused as before; with one, the ODE is (its members could not differ)."""
     import asyncio
 
