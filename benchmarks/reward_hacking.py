@@ -177,19 +177,24 @@ def fails_by_extra(picture: dict) -> bool:
     return any("<" in reason.split(",")[0] for reason in picture["reasons"])
 
 
+def extra_failures(a: list[dict], b: list[dict]) -> tuple[int, int, float]:
+    """The pictures failing for an extra object among `a` and among `b` (the same prompts and seeds), and the paired
+    z of that count from `a` to `b` (pictures that newly fail so against those that no longer do)."""
+    from omniroll.evaluation.paired import mcnemar_z, picture_key
+
+    was = {picture_key(p): fails_by_extra(p) for p in a}
+    now = {picture_key(p): fails_by_extra(p) for p in b}
+    new, gone = sum(now[k] and not was[k] for k in now), sum(was[k] and not now[k] for k in now)
+    return sum(was.values()), sum(now.values()), mcnemar_z(new, gone)
+
+
 def extra_objects(evaluation: dict) -> dict:
     """What the proxy, which counts badly, teaches: the pictures failing for an extra object before and after, with
     the paired z of that count (pictures that newly fail so against those that no longer do), and the share of
     pictures with more of a prompted shape than asked (the checker's `extra`, also where GenEval passes them) where
     the evaluation recorded it."""
-    from omniroll.evaluation.paired import mcnemar_z
-
-    before, after = evaluation["pictures"]
-    new = sum(not fails_by_extra(b) and fails_by_extra(a) for b, a in zip(before, after))
-    gone = sum(fails_by_extra(b) and not fails_by_extra(a) for b, a in zip(before, after))
-    out = {"extra_failures_before": sum(map(fails_by_extra, before)),
-           "extra_failures_after": sum(map(fails_by_extra, after)),
-           "extra_failures_z": mcnemar_z(new, gone)}
+    before, after, z = extra_failures(*evaluation["pictures"])
+    out = {"extra_failures_before": before, "extra_failures_after": after, "extra_failures_z": z}
     if "extra_objects" in evaluation["before"] and "extra_objects" in evaluation["after"]:
         out.update(extra_before=evaluation["before"]["extra_objects"], extra_after=evaluation["after"]["extra_objects"])
     return out
@@ -200,19 +205,16 @@ def against_none(none_dir: str, run_dir: str) -> dict:
     (`none`) of the same training seed, at the same prompts and seeds. Per evaluation: the pictures flipped fail ->
     pass (`up`) and pass -> fail (`down`) from `none` to the control with McNemar's z, and the pictures failing for an
     extra object under each with the z of that count (`extra_failures_none`, `extra_failures`, `extra_failures_z`)."""
-    from omniroll.evaluation.paired import mcnemar_z, paired, picture_key
+    from omniroll.evaluation.paired import paired
 
     base, other = run_evaluations(none_dir), run_evaluations(run_dir)
     out = {}
     for name in [n for n in other if n in base]:
         a, b = base[name]["pictures"][1], other[name]["pictures"][1]
         overall = paired(a, b)["overall"]  # refuses two evaluations of different pictures
-        was = {picture_key(p): fails_by_extra(p) for p in a}
-        now = {picture_key(p): fails_by_extra(p) for p in b}
-        new, gone = sum(now[k] and not was[k] for k in now), sum(was[k] and not now[k] for k in now)
+        was, now, z = extra_failures(a, b)
         out[name] = {"up": overall["up"], "down": overall["down"], "z": overall["z"],
-                     "extra_failures_none": sum(was.values()), "extra_failures": sum(now.values()),
-                     "extra_failures_z": mcnemar_z(new, gone)}
+                     "extra_failures_none": was, "extra_failures": now, "extra_failures_z": z}
     return out
 
 
