@@ -1,7 +1,7 @@
 """The shapes proxy (`fn: shapes_proxy`): the shipped network loads after its SHA256SUMS check, scores rendered
 pictures of their own prompt above the same pictures under a near prompt the checker fails, fails a video, a
-picture of another size and a prompt outside the grammar on their own rows, and `omniroll pretrain shapes-proxy`
-trains one at toy size that the scorer then loads by path."""
+picture of another size and a prompt outside the grammar on their own rows, gives a picture the same bits whatever
+it is batched with, and `omniroll pretrain shapes-proxy` trains one at toy size that the scorer then loads by path."""
 
 import asyncio
 import json
