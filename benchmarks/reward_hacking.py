@@ -171,19 +171,14 @@ def run(control: str, seed: int, args, out_dir: str) -> dict:
                             for name, e in evals.items()}}
 
 
-def fails_by_extra(picture: dict) -> bool:
-    """A picture the checker fails for showing too many of a shape: a reason "expected circle<3, found 3" (GenEval's
-    `exclude` rule: "two circles" drawn with three)."""
-    return any("<" in reason.split(",")[0] for reason in picture["reasons"])
-
-
 def extra_failures(a: list[dict], b: list[dict]) -> tuple[int, int, float]:
     """The pictures failing for an extra object among `a` and among `b` (the same prompts and seeds), and the paired
     z of that count from `a` to `b` (pictures that newly fail so against those that no longer do)."""
     from omniroll.evaluation.paired import mcnemar_z, picture_key
+    from omniroll.tasks.shapes.judge import fails_by_exclude
 
-    was = {picture_key(p): fails_by_extra(p) for p in a}
-    now = {picture_key(p): fails_by_extra(p) for p in b}
+    was = {picture_key(p): fails_by_exclude(p["reasons"]) for p in a}
+    now = {picture_key(p): fails_by_exclude(p["reasons"]) for p in b}
     new, gone = sum(now[k] and not was[k] for k in now), sum(was[k] and not now[k] for k in now)
     return sum(was.values()), sum(now.values()), mcnemar_z(new, gone)
 

@@ -8,7 +8,7 @@ import pytest
 
 from omniroll.tasks.shapes.detect import connected_components, detect
 from omniroll.tasks.shapes.grammar import TAGS, PromptError, all_prompts, grammar_words, parse_prompt
-from omniroll.tasks.shapes.judge import judge
+from omniroll.tasks.shapes.judge import fails_by_exclude, judge
 from omniroll.tasks.shapes.render import render
 from omniroll.tasks.shapes.report import Report, chance_prompt, score_pictures
 from omniroll.tasks.shapes.scene import Scene, SceneObject, relations, sample_scene
@@ -156,6 +156,11 @@ def test_counting_is_exact_and_partial_credit_counts_the_shortfall():
     assert j2.continuous == pytest.approx(2 / 3) and j4.continuous == pytest.approx(2 / 3)  # squares fit exactly
     assert judge(parse_prompt("four squares"), detect(four)).strict
     assert j4.extra and not j2.extra and not judge(parse_prompt("four squares"), detect(four)).extra
+    # strict fails "three squares" drawn with four on GenEval's exclude rule, and with two on the count: the reasons
+    # tell them apart (fails_by_exclude reads the reasons back, also from an evaluation's picture records)
+    assert j4.reasons == ("expected square<4, found 4",) and fails_by_exclude(j4.reasons)
+    assert j2.reasons == ("expected square>=3, found 2",) and not fails_by_exclude(j2.reasons)
+    assert not fails_by_exclude(judge(parse_prompt("a blue square"), detect(two)).reasons + ("",))
 
 
 def test_extra_objects_are_flagged_where_strict_allows_them_and_counted_in_the_report():

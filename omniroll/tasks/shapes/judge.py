@@ -32,7 +32,9 @@ docs/training/rewards_that_hold.md).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from omniroll.tasks.shapes.detect import Detection
 from omniroll.tasks.shapes.grammar import PromptSpec
@@ -43,6 +45,10 @@ POSITION_THRESHOLD = 0.1
 #: the outline fit and colour share at which continuous credit is full (see the module doc)
 FULL_IOU = 0.8
 FULL_SHARE = 0.75
+#: the reason strict gives when an `exclude` entry fails (too many of a shape: "two circles" drawn with three gives
+#: "expected circle<3, found 3"); `fails_by_exclude` reads it back, so the format lives in this file only
+EXCLUDE_REASON = "expected {shape}<{count}, found {found}"
+_EXCLUDE_PATTERN = re.compile(r"expected (\w+)<(\d+), found (\d+)")
 
 
 @dataclass(frozen=True)
@@ -107,9 +113,15 @@ def judge(spec: PromptSpec, detections: list[Detection]) -> Judgement:
         n = len(objects.get(shape, []))
         if n >= count:
             strict = False
-            reasons.append(f"expected {shape}<{count}, found {n}")
+            reasons.append(EXCLUDE_REASON.format(shape=shape, count=count, found=n))
     asked: dict[str, int] = {}
     for req in spec.include:
         asked[req.shape] = asked.get(req.shape, 0) + req.count
     extra = any(len(objects.get(shape, [])) > count for shape, count in asked.items())
     return Judgement(strict, sum(terms) / len(terms), tuple(reasons), sum(graded) / len(graded), extra)
+
+
+def fails_by_exclude(reasons: Iterable[str]) -> bool:
+    """Whether strict failed on an `exclude` entry (more of a shape than the prompt allows), read from a
+    `Judgement`'s reasons or an evaluation's picture record's `reasons` (which store them as written)."""
+    return any(_EXCLUDE_PATTERN.fullmatch(r) for r in reasons)
