@@ -18,6 +18,10 @@ the plot (`--plot`), and ends with one JSON line.
     python benchmarks/algorithms.py --algorithms nft,flow_grpo --steps 24 --seeds 0-2
     python benchmarks/algorithms.py --algorithms nft --seeds 0 --steps 2 --eval-seeds 1   # a check that it runs
     python benchmarks/algorithms.py --algorithms awm --model out/shapes-distilled/checkpoint   # RL after distillation
+    python benchmarks/algorithms.py --algorithms dance_grpo --label mixgrpo --override algo.sde_window_size=2 \
+        --override 'algo.sde_window_range=[0,5]' --override trainer.window_schedule=progressive \
+        --override trainer.window_advance_every=25 --override trainer.algorithm_options.timestep_fraction=1.0
+                                       # a variant of one recipe (MixGRPO's window), named in the tables and records
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ def run(name: str, args, seed: int, out_dir: str, base_dir: str) -> dict:
         overrides.append(f"trainer.steps={args.steps}")
     if args.model:
         overrides.append(f"engine.model={args.model}")
+    overrides += args.override
     cwd = os.getcwd()
     os.chdir(ROOT)  # the recipes name their prompt files relative to the repository
     try:
@@ -223,46 +228,58 @@ def main(argv=None) -> int:
                                                    "comparison continues where it stopped")
     p.add_argument("--summarize", default=None, metavar="PARTIAL", help="run nothing: summarize the runs a --partial "
                                                                        "file holds (several invocations may append "
-                                                                       "to one)")
+                                                                       "to one; a variant's runs under its label, "
+                                                                       "with --label only those)")
     p.add_argument("--model", default=None, help="the model every run starts from (default: each recipe's, the "
                                                  "shipped shapes model), e.g. out/shapes-distilled/checkpoint")
     p.add_argument("--guided-base", default="shapes", help="with --model: the model the CFG-free model after "
                                                            "training is also paired with, at its own CFG scale "
                                                            "(default: the shipped shapes model)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override applied to every run after its recipe (repeatable): a variant")
+    p.add_argument("--label", default=None, help="the name of the (single) algorithm's runs in the tables, the plot "
+                                                 "and --partial records (default: the algorithm's): a variant")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     algos = args.algorithms.split(",")
     unknown = [a for a in algos if a not in ALGORITHMS]
     if unknown:
         p.error(f"--algorithms: unknown {unknown}; registered: {','.join(ALGORITHMS)}")
+    if args.label is not None and len(algos) != 1:
+        p.error(f"--label names one algorithm's runs; --algorithms gives {len(algos)}")
+    bad = [o for o in args.override if "=" not in o]
+    if bad:
+        p.error(f"--override: expected KEY=VALUE, got {bad}")
     seeds = parse_seeds(args.seeds)
     if args.summarize:
         runs = {}
         with open(args.summarize) as f:
             for line in f:
                 rec = json.loads(line)
-                if rec["algorithm"] in algos:
-                    runs.setdefault(rec["algorithm"], {})[rec["seed"]] = rec
+                if rec["algorithm"] in algos and args.label in (None, rec.get("label")):
+                    runs.setdefault(rec.get("label") or rec["algorithm"], {})[rec["seed"]] = rec
         return report(runs, sorted({s for r in runs.values() for s in r}), args, {"summarized": args.summarize})
     quiet_libraries()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     info = machine_info(1)
     record_loadavg(info, "loadavg_before")
-    runs: dict = {a: {} for a in algos}
+    name = {a: args.label or a for a in algos}  # the runs' name in the tables and records
+    runs: dict = {name[a]: {} for a in algos}
     done = finished_runs(args)
     with tempfile.TemporaryDirectory(prefix="omniroll-algorithms-") as scratch:
         for seed in seeds:
             for algo in algos:
                 if (algo, seed) in done:
-                    runs[algo][seed] = done[algo, seed]
-                    print(f"seed {seed} {algo:<11} read from {args.partial}", flush=True)
+                    runs[name[algo]][seed] = done[algo, seed]
+                    print(f"seed {seed} {name[algo]:<11} read from {args.partial}", flush=True)
                     continue
-                out = os.path.abspath(os.path.join(args.keep or scratch, f"{algo}-{seed}"))
+                out = os.path.abspath(os.path.join(args.keep or scratch, f"{name[algo]}-{seed}"))
                 t = time.time()
-                r = runs[algo][seed] = run(algo, args, seed, out, os.path.join(args.keep or scratch, "guided_base"))
+                r = runs[name[algo]][seed] = run(algo, args, seed, out, os.path.join(args.keep or scratch,
+                                                                                     "guided_base"))
                 line = "  ".join(f"{e} {100 * v['before']['strict']:.1f} -> {100 * v['after']['strict']:.1f} "
                                  f"(z {v['paired']['overall']['z']:+.1f})" for e, v in r["evals"].items())
-                print(f"seed {seed} {algo:<11} {line}  ({r['train_s'] / 60:.1f} training min, {r['samples']} "
+                print(f"seed {seed} {name[algo]:<11} {line}  ({r['train_s'] / 60:.1f} training min, {r['samples']} "
                       f"samples, {(time.time() - t) / 60:.1f} min in all)", flush=True)
                 if args.partial:
                     with open(args.partial, "a") as f:
@@ -272,8 +289,10 @@ def main(argv=None) -> int:
 
 
 def run_settings(args) -> dict:
-    """What a --partial record keeps of the settings that decide a run (besides its algorithm and seed)."""
-    return {"steps": args.steps, "eval_seeds": args.eval_seeds, "model": args.model}
+    """What a --partial record keeps of the settings that decide a run (besides its algorithm and seed); a variant's
+    label and overrides only when given (records without them are the recipe's own runs)."""
+    variant = {"label": args.label, "overrides": args.override} if args.label or args.override else {}
+    return {"steps": args.steps, "eval_seeds": args.eval_seeds, "model": args.model, **variant}
 
 
 def finished_runs(args) -> dict:
@@ -287,7 +306,7 @@ def finished_runs(args) -> dict:
             rec = json.loads(line)
             # a record's "steps" is the steps its run took (run's result): without --steps, the recipe's
             wanted = {**want, "steps": args.steps or recipe_steps(rec["algorithm"])}
-            if all(rec.get(k) == v for k, v in wanted.items()):
+            if all(rec.get(k) == v for k, v in wanted.items()) and not (set(rec) & {"label", "overrides"}) - set(want):
                 done[rec["algorithm"], rec["seed"]] = {k: v for k, v in rec.items() if k not in ("algorithm", "seed",
                                                                                                    *want)}
     return done

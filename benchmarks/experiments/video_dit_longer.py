@@ -1,0 +1,131 @@
+"""Experiment: does a longer transformer phase lift the shapes-video model's multi-object categories?
+
+The shipped shapes-video model's transformer stopped at 6,000 steps with its loss still falling, and passes two_motions
+and order on under 6 % of its clips (docs/moving_shapes.md, "What the model draws"). The recipe's resume state is not
+shipped, so this continues **from the shipped weights**: the shipped (EMA) transformer as both the trained weights and
+the EMA's start (its update count set to the recipe's steps, so the average runs at the recipe's decay at once), a
+fresh AdamW warmed up over the recipe's warm-up steps, the recipe's batches drawn on from step 6,000 (step s draws what
+an uninterrupted longer run would draw at s), the same latents (the recipe's clips, encoded by the shipped VAE and
+normalised with its shipped statistics) and captions. Every `--save-every` steps the EMA transformer is saved as a
+full checkpoint (the shipped VAE, text encoder and defaults beside it) under `OUT/step_<n>`, ready for
+`omniroll eval --model OUT/step_<n>`.
+
+Not bitwise what `make shapes-video-model` with a longer `dit.steps` gives (Adam's moments restart): an experiment
+to decide whether the recipe should train longer, not a way to make the shipped model.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/experiments/video_dit_longer.py --steps 2400 \\
+        --save-every 800 --out out/video-dit-longer
+
+Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import torch
+
+from omniroll.models.shapes.dit import EMA, optimizer_step
+from omniroll.models.shapes.vae import lr_at
+from omniroll.models.shapes_video.data import TrainingClips
+from omniroll.models.shapes_video.dit import flow_loss
+from omniroll.models.shapes_video.pretrain import caption_embeddings, save_model
+from omniroll.models.shapes_video.progress import progress_bar
+from omniroll.models.shapes_video.recipe import ShapesVideoRecipe
+from omniroll.models.shapes_video.resume import step_generator
+from omniroll.models.shapes_video.vae import encode_means, normalise
+
+
+def shipped_dir() -> str:
+    import omniroll.models.shapes_video as pkg
+
+    return os.path.join(os.path.dirname(pkg.__file__), "checkpoint")
+
+
+def latents_of(vae, recipe: ShapesVideoRecipe, n: int, cache: str) -> tuple[list[str], torch.Tensor]:
+    """The first `n` of the recipe's training clips (its latent data seed) as posterior means, cached at `cache`."""
+    if os.path.isfile(cache):
+        saved = torch.load(cache, weights_only=True)
+        return list(saved["captions"]), saved["means"]
+    data, chunk = TrainingClips(recipe.category_weights), 32
+    caps, means = [], []
+    bar = progress_bar(n, "latents", True, unit="clip")
+    with torch.no_grad():
+        for i, start in enumerate(range(0, n, chunk)):
+            c, clips = data.batch(recipe.latent_data_seed, i, min(chunk, n - start))
+            caps += c
+            means.append(encode_means(vae, clips))
+            bar.update(len(c))
+    bar.close()
+    means = torch.cat(means)
+    torch.save({"captions": caps, "means": means}, cache)
+    return caps, means
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=2400, help="transformer steps on top of the shipped ones")
+    ap.add_argument("--save-every", type=int, default=800, help="steps between saved checkpoints")
+    ap.add_argument("--num-latents", type=int, default=None, help="training clips (default: the recipe's; fewer for "
+                                                                      "a smoke run)")
+    ap.add_argument("--out", default="out/video-dit-longer")
+    args = ap.parse_args()
+    if args.steps < 1 or args.save_every < 1 or (args.num_latents is not None and args.num_latents < 1):
+        raise SystemExit("--steps, --save-every and --num-latents must be >= 1")
+    from diffusers import WanPipeline
+
+    src = shipped_dir()
+    with open(os.path.join(src, "recipe.json")) as f:
+        recipe = ShapesVideoRecipe.from_dict(json.load(f))
+    torch.set_num_threads(recipe.torch_threads)
+    os.makedirs(args.out, exist_ok=True)
+    pipe = WanPipeline.from_pretrained(src, torch_dtype=torch.float32)
+    vae, transformer = pipe.vae.eval(), pipe.transformer
+    text = {"text_encoder": pipe.text_encoder, "tokenizer": pipe.tokenizer}
+
+    # 1. the recipe's latents, normalised with the shipped statistics; the captions' embeddings
+    n = args.num_latents or recipe.dit.num_latents
+    caps, means = latents_of(vae, recipe, n, os.path.join(args.out, f"latents_{n}.pt"))
+    latents = normalise(vae, means)
+    embeds, caption_ids, empty = caption_embeddings(pipe, caps)
+
+    # 2. continue the transformer: fresh AdamW (warm-up again), the EMA at full decay from the shipped weights
+    r = dataclasses.replace(recipe.dit, steps=recipe.dit.steps + args.steps)
+    transformer.train().requires_grad_(True)
+    opt = torch.optim.AdamW(transformer.parameters(), lr=r.lr, weight_decay=r.weight_decay)
+    ema = EMA(transformer, r.ema_decay)
+    ema.updates = recipe.dit.steps
+    history, saved, bar = [], [], progress_bar(args.steps, "transformer+", True)
+    for s in range(args.steps):
+        t0 = time.time()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(s, r)  # the warm-up of a fresh optimizer
+        step = recipe.dit.steps + s  # the batch and noise an uninterrupted run draws at this step
+        loss = flow_loss(transformer, r, latents, caption_ids, embeds, empty, step_generator(r.seed, step))
+        history.append(optimizer_step(transformer, opt, ema, loss, step, t0))
+        bar.update(1)
+        bar.set_postfix(loss=f"{history[-1]['loss']:.4f}")
+        if (s + 1) % args.save_every == 0 or s + 1 == args.steps:
+            path = os.path.join(args.out, f"step_{step + 1}")
+            shutil.rmtree(path, ignore_errors=True)
+            out_recipe = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=step + 1))
+            save_model(ema.module, vae, text, out_recipe, path)
+            saved.append(path)
+    bar.close()
+    with open(os.path.join(args.out, "history.json"), "w") as f:
+        json.dump(history, f)
+    losses = [h["loss"] for h in history]
+    print(json.dumps({"steps": args.steps, "from_step": recipe.dit.steps,
+                      "seconds_per_step": float(np.median([h["seconds"] for h in history])),
+                      "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
+                      "checkpoints": saved}))
+
+
+if __name__ == "__main__":
+    main()
