@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=800, help="steps between saved checkpoints")
     ap.add_argument("--num-latents", type=int, default=None, help="training clips (default: the recipe's; fewer for "
                                                                       "a smoke run)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the recipe's)")
     ap.add_argument("--out", default="out/video-dit-longer")
     args = ap.parse_args()
     if args.steps < 1 or args.save_every < 1 or (args.num_latents is not None and args.num_latents < 1):
@@ -83,7 +84,7 @@ def main() -> None:
     src = shipped_dir()
     with open(os.path.join(src, "recipe.json")) as f:
         recipe = ShapesVideoRecipe.from_dict(json.load(f))
-    torch.set_num_threads(recipe.torch_threads)
+    torch.set_num_threads(args.threads or recipe.torch_threads)
     os.makedirs(args.out, exist_ok=True)
     pipe = WanPipeline.from_pretrained(src, torch_dtype=torch.float32)
     vae, transformer = pipe.vae.eval(), pipe.transformer
