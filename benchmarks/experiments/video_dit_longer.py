@@ -13,8 +13,8 @@ full checkpoint (the shipped VAE, text encoder and defaults beside it) under `OU
 Not bitwise what `make shapes-video-model` with a longer `dit.steps` gives (Adam's moments restart): an experiment
 to decide whether the recipe should train longer, not a way to make the shipped model.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/experiments/video_dit_longer.py --steps 2400 \\
-        --save-every 800 --out out/video-dit-longer
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/experiments/video_dit_longer.py --steps 1600 \\
+        --save-every 800 --out out/video-dit-longer      # the run docs/moving_shapes.md reports (there: --threads 1)
 
 Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
 """
@@ -70,7 +70,7 @@ def latents_of(vae, recipe: ShapesVideoRecipe, n: int, cache: str) -> tuple[list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=2400, help="transformer steps on top of the shipped ones")
+    ap.add_argument("--steps", type=int, default=1600, help="transformer steps on top of the shipped ones")
     ap.add_argument("--save-every", type=int, default=800, help="steps between saved checkpoints")
     ap.add_argument("--num-latents", type=int, default=None, help="training clips (default: the recipe's; fewer for "
                                                                       "a smoke run)")
