@@ -33,39 +33,18 @@ import torch
 
 from omniroll.models.shapes.dit import EMA, optimizer_step
 from omniroll.models.shapes.vae import lr_at
-from omniroll.models.shapes_video.data import TrainingClips
 from omniroll.models.shapes_video.dit import flow_loss
-from omniroll.models.shapes_video.pretrain import caption_embeddings, save_model
+from omniroll.models.shapes_video.pretrain import caption_embeddings, encode_latents, save_model
 from omniroll.models.shapes_video.progress import progress_bar
 from omniroll.models.shapes_video.recipe import ShapesVideoRecipe
 from omniroll.models.shapes_video.resume import step_generator
-from omniroll.models.shapes_video.vae import encode_means, normalise
+from omniroll.models.shapes_video.vae import normalise
 
 
 def shipped_dir() -> str:
     import omniroll.models.shapes_video as pkg
 
     return os.path.join(os.path.dirname(pkg.__file__), "checkpoint")
-
-
-def latents_of(vae, recipe: ShapesVideoRecipe, n: int, cache: str) -> tuple[list[str], torch.Tensor]:
-    """The first `n` of the recipe's training clips (its latent data seed) as posterior means, cached at `cache`."""
-    if os.path.isfile(cache):
-        saved = torch.load(cache, weights_only=True)
-        return list(saved["captions"]), saved["means"]
-    data, chunk = TrainingClips(recipe.category_weights), 32
-    caps, means = [], []
-    bar = progress_bar(n, "latents", True, unit="clip")
-    with torch.no_grad():
-        for i, start in enumerate(range(0, n, chunk)):
-            c, clips = data.batch(recipe.latent_data_seed, i, min(chunk, n - start))
-            caps += c
-            means.append(encode_means(vae, clips))
-            bar.update(len(c))
-    bar.close()
-    means = torch.cat(means)
-    torch.save({"captions": caps, "means": means}, cache)
-    return caps, means
 
 
 def main() -> None:
@@ -92,7 +71,11 @@ def main() -> None:
 
     # 1. the recipe's latents, normalised with the shipped statistics; the captions' embeddings
     n = args.num_latents or recipe.dit.num_latents
-    caps, means = latents_of(vae, recipe, n, os.path.join(args.out, f"latents_{n}.pt"))
+    cache = os.path.join(args.out, f"latents_{n}")  # encode_latents keeps them in <dir>/latents.pt
+    os.makedirs(cache, exist_ok=True)
+    first_n = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, num_latents=n))
+    with torch.no_grad():
+        caps, means = encode_latents(vae, first_n, cache, True)
     latents = normalise(vae, means)
     embeds, caption_ids, empty = caption_embeddings(pipe, caps)
 
