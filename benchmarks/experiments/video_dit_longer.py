@@ -33,18 +33,13 @@ import torch
 
 from omniroll.models.shapes.dit import EMA, optimizer_step
 from omniroll.models.shapes.vae import lr_at
+from omniroll.models.shapes_video import checkpoint_dir
 from omniroll.models.shapes_video.dit import flow_loss
 from omniroll.models.shapes_video.pretrain import caption_embeddings, encode_latents, save_model
 from omniroll.models.shapes_video.progress import progress_bar
 from omniroll.models.shapes_video.recipe import ShapesVideoRecipe
 from omniroll.models.shapes_video.resume import step_generator
 from omniroll.models.shapes_video.vae import normalise
-
-
-def shipped_dir() -> str:
-    import omniroll.models.shapes_video as pkg
-
-    return os.path.join(os.path.dirname(pkg.__file__), "checkpoint")
 
 
 def main() -> None:
@@ -60,7 +55,7 @@ def main() -> None:
         raise SystemExit("--steps, --save-every and --num-latents must be >= 1")
     from diffusers import WanPipeline
 
-    src = shipped_dir()
+    src = checkpoint_dir()  # the shipped checkpoint, verified against its SHA256SUMS
     with open(os.path.join(src, "recipe.json")) as f:
         recipe = ShapesVideoRecipe.from_dict(json.load(f))
     torch.set_num_threads(args.threads or recipe.torch_threads)
