@@ -49,15 +49,25 @@ def main() -> None:
     ap.add_argument("--num-latents", type=int, default=None, help="training clips (default: the recipe's; fewer for "
                                                                       "a smoke run)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the recipe's)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate of the continuation (default: the "
+                                                            "recipe's)")
+    ap.add_argument("--cosine-decay", action="store_true", help="decay the rate over the continuation's steps to a "
+                                                                "tenth (cosine), instead of the recipe's constant")
+    ap.add_argument("--category-weights", default=None, help="clips drawn per category for the continuation, e.g. "
+                                                             "direction=0.5,two_motions=2,order=2,change=1 (default: "
+                                                             "the recipe's; other weights draw and encode other clips)")
     ap.add_argument("--out", default="out/video-dit-longer")
     args = ap.parse_args()
     if args.steps < 1 or args.save_every < 1 or (args.num_latents is not None and args.num_latents < 1):
         raise SystemExit("--steps, --save-every and --num-latents must be >= 1")
+    if args.lr is not None and not args.lr > 0:
+        raise SystemExit(f"--lr must be > 0, got {args.lr}")
     from diffusers import WanPipeline
 
     src = checkpoint_dir()  # the shipped checkpoint, verified against its SHA256SUMS
     with open(os.path.join(src, "recipe.json")) as f:
         recipe = ShapesVideoRecipe.from_dict(json.load(f))
+    weights = category_weights(args.category_weights, recipe.category_weights)
     torch.set_num_threads(args.threads or recipe.torch_threads)
     os.makedirs(args.out, exist_ok=True)
     pipe = WanPipeline.from_pretrained(src, torch_dtype=torch.float32)
@@ -66,9 +76,10 @@ def main() -> None:
 
     # 1. the recipe's latents, normalised with the shipped statistics; the captions' embeddings
     n = args.num_latents or recipe.dit.num_latents
-    cache = os.path.join(args.out, f"latents_{n}")  # encode_latents keeps them in <dir>/latents.pt
+    tag = "" if weights == recipe.category_weights else "_" + "_".join(f"{k}{v:g}" for k, v in weights.items())
+    cache = os.path.join(args.out, f"latents_{n}{tag}")  # encode_latents keeps them in <dir>/latents.pt
     os.makedirs(cache, exist_ok=True)
-    first_n = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, num_latents=n))
+    first_n = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, num_latents=n), category_weights=weights)
     with torch.no_grad():
         caps, means = encode_latents(vae, first_n, cache, True)
     latents = normalise(vae, means)
@@ -76,6 +87,8 @@ def main() -> None:
 
     # 2. continue the transformer: fresh AdamW (warm-up again), the EMA at full decay from the shipped weights
     r = dataclasses.replace(recipe.dit, steps=recipe.dit.steps + args.steps)
+    # the continuation's schedule: warm-up from its own step 0, then constant or decayed over its own steps
+    schedule = dataclasses.replace(r, steps=args.steps, lr=args.lr or r.lr, cosine_decay=args.cosine_decay)
     transformer.train().requires_grad_(True)
     opt = torch.optim.AdamW(transformer.parameters(), lr=r.lr, weight_decay=r.weight_decay)
     ema = EMA(transformer, r.ema_decay)
@@ -84,7 +97,7 @@ def main() -> None:
     for s in range(args.steps):
         t0 = time.time()
         for group in opt.param_groups:
-            group["lr"] = lr_at(s, r)  # the warm-up of a fresh optimizer
+            group["lr"] = lr_at(s, schedule)  # the warm-up of a fresh optimizer
         step = recipe.dit.steps + s  # the batch and noise an uninterrupted run draws at this step
         loss = flow_loss(transformer, r, latents, caption_ids, embeds, empty, step_generator(r.seed, step))
         history.append(optimizer_step(transformer, opt, ema, loss, step, t0))
@@ -100,10 +113,30 @@ def main() -> None:
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump(history, f)
     losses = [h["loss"] for h in history]
-    print(json.dumps({"steps": args.steps, "from_step": recipe.dit.steps,
+    print(json.dumps({"steps": args.steps, "from_step": recipe.dit.steps, "lr": schedule.lr,
+                      "cosine_decay": schedule.cosine_decay, "category_weights": weights,
                       "seconds_per_step": float(np.median([h["seconds"] for h in history])),
                       "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
                       "checkpoints": saved}))
+
+
+def category_weights(text: str | None, default: dict) -> dict:
+    """The recipe's category weights with `name=value,...` from the command line over them (names checked)."""
+    out = dict(default)
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in default:
+            raise SystemExit(f"--category-weights: unknown category {name!r}; known: {sorted(default)}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"--category-weights: {name} needs a number >= 0, got {value!r}") from None
+        if out[name] < 0:
+            raise SystemExit(f"--category-weights: {name} needs a number >= 0, got {value!r}")
+    return out
 
 
 if __name__ == "__main__":
