@@ -15,6 +15,8 @@ to decide whether the recipe should train longer, not a way to make the shipped 
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/experiments/video_dit_longer.py --steps 1600 \\
         --save-every 800 --out out/video-dit-longer      # the run docs/moving_shapes.md reports (there: --threads 1)
+    ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \\
+        --category-weights direction=0.5,two_motions=2,order=2,change=1 [--train-text-encoder]   # the two after it
 
 Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
 """
@@ -39,6 +41,7 @@ from omniroll.models.shapes_video.pretrain import caption_embeddings, encode_lat
 from omniroll.models.shapes_video.progress import progress_bar
 from omniroll.models.shapes_video.recipe import ShapesVideoRecipe
 from omniroll.models.shapes_video.resume import step_generator
+from omniroll.models.shapes_video.text import TEXT_LENGTH
 from omniroll.models.shapes_video.vae import normalise
 
 
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--category-weights", default=None, help="clips drawn per category for the continuation, e.g. "
                                                              "direction=0.5,two_motions=2,order=2,change=1 (default: "
                                                              "the recipe's; other weights draw and encode other clips)")
+    ap.add_argument("--train-text-encoder", action="store_true", help="train the frozen random UMT5 with the "
+                                                                      "transformer (one optimizer, one EMA)")
     ap.add_argument("--out", default="out/video-dit-longer")
     args = ap.parse_args()
     if args.steps < 1 or args.save_every < 1 or (args.num_latents is not None and args.num_latents < 1):
@@ -85,13 +90,19 @@ def main() -> None:
     latents = normalise(vae, means)
     embeds, caption_ids, empty = caption_embeddings(pipe, caps)
 
-    # 2. continue the transformer: fresh AdamW (warm-up again), the EMA at full decay from the shipped weights
+    # 2. continue the transformer (and the text encoder): fresh AdamW (warm-up again), the EMA at full decay from the
+    # shipped weights
     r = dataclasses.replace(recipe.dit, steps=recipe.dit.steps + args.steps)
     # the continuation's schedule: warm-up from its own step 0, then constant or decayed over its own steps
     schedule = dataclasses.replace(r, steps=args.steps, lr=args.lr or r.lr, cosine_decay=args.cosine_decay)
-    transformer.train().requires_grad_(True)
-    opt = torch.optim.AdamW(transformer.parameters(), lr=r.lr, weight_decay=r.weight_decay)
-    ema = EMA(transformer, r.ema_decay)
+    model = Trained(transformer, text, caps)
+    with torch.no_grad():  # the differentiable encoding is the pipeline's (batched, so up to its last bits)
+        gap = float((model.embeds() - embeds).abs().max())
+    assert gap < 1e-5, f"the encoding differs from the pipeline's by {gap}"
+    model.train().requires_grad_(True)
+    model.text_encoder.requires_grad_(args.train_text_encoder)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=r.lr, weight_decay=r.weight_decay)
+    ema = EMA(model, r.ema_decay)
     ema.updates = recipe.dit.steps
     history, saved, bar = [], [], progress_bar(args.steps, "transformer+", True)
     for s in range(args.steps):
@@ -99,25 +110,48 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(s, schedule)  # the warm-up of a fresh optimizer
         step = recipe.dit.steps + s  # the batch and noise an uninterrupted run draws at this step
-        loss = flow_loss(transformer, r, latents, caption_ids, embeds, empty, step_generator(r.seed, step))
-        history.append(optimizer_step(transformer, opt, ema, loss, step, t0))
+        step_embeds = model.embeds() if args.train_text_encoder else embeds
+        loss = flow_loss(transformer, r, latents, caption_ids, step_embeds, empty, step_generator(r.seed, step))
+        history.append(optimizer_step(model, opt, ema, loss, step, t0))
         bar.update(1)
         bar.set_postfix(loss=f"{history[-1]['loss']:.4f}")
         if (s + 1) % args.save_every == 0 or s + 1 == args.steps:
             path = os.path.join(args.out, f"step_{step + 1}")
             shutil.rmtree(path, ignore_errors=True)
             out_recipe = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=step + 1))
-            save_model(ema.module, vae, text, out_recipe, path)
+            averaged = ema.module
+            save_model(averaged.transformer, vae, {"tokenizer": text["tokenizer"],
+                                                   "text_encoder": averaged.text_encoder}, out_recipe, path)
             saved.append(path)
     bar.close()
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump(history, f)
     losses = [h["loss"] for h in history]
     print(json.dumps({"steps": args.steps, "from_step": recipe.dit.steps, "lr": schedule.lr,
+                      "train_text_encoder": args.train_text_encoder,
                       "cosine_decay": schedule.cosine_decay, "category_weights": weights,
                       "seconds_per_step": float(np.median([h["seconds"] for h in history])),
                       "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
                       "checkpoints": saved}))
+
+
+class Trained(torch.nn.Module):
+    """The transformer and the text encoder as one module (one optimizer, one EMA; the encoder trains only when its
+    parameters require gradients); `embeds()` encodes the captions as the Wan pipeline does (padding zeroed), in
+    `caption_embeddings`' order, with gradients."""
+
+    def __init__(self, transformer, text: dict, prompts: list[str]):
+        super().__init__()
+        self.transformer = transformer
+        sorted_prompts = sorted(set(prompts) - {""}) + [""]  # caption_embeddings' order
+        tok = text["tokenizer"](sorted_prompts, padding="max_length", max_length=TEXT_LENGTH, truncation=True,
+                                add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        self.ids, self.mask = tok.input_ids, tok.attention_mask
+        self.text_encoder = text["text_encoder"]
+
+    def embeds(self) -> torch.Tensor:
+        h = self.text_encoder(self.ids, self.mask).last_hidden_state
+        return h * self.mask[..., None].to(h.dtype)
 
 
 def category_weights(text: str | None, default: dict) -> dict:
