@@ -10,6 +10,7 @@ against the distance to another prompt of the same category; a ratio near 0 is a
 apart. Direction twins differ in a word ("left" / "right"), the control.
 
     .venv/bin/python benchmarks/experiments/video_text_twins.py [--model DIR]   # default: the shipped shapes-video
+    .venv/bin/python benchmarks/experiments/video_text_twins.py --random-text 6,64   # a random encoder of that shape
 
 Ends with one JSON line (per category: the twin and the other prompt's mean set distance, their ratio).
 """
@@ -19,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from types import SimpleNamespace
 
 import torch
 
-from omniroll.models.shapes_video.text import TEXT_LENGTH
+from omniroll.models.shapes_video.text import TEXT_LENGTH, VideoTextRecipe, build_text
 from omniroll.tasks.moving_shapes.grammar import PromptError, all_prompts, parse_prompt, twin_prompt
 
 
@@ -57,6 +59,8 @@ def chamfer(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a shapes-video checkpoint directory (default: the shipped one)")
+    ap.add_argument("--random-text", default=None, metavar="LAYERS,WIDTH",
+                    help="measure a random UMT5 of the recipe's kind with this many layers and this width instead")
     ap.add_argument("--pairs", type=int, default=60, help="prompts drawn per category")
     args = ap.parse_args()
     from diffusers import WanPipeline
@@ -64,7 +68,17 @@ def main() -> None:
     from omniroll.models.shapes_video import checkpoint_dir
 
     torch.set_num_threads(1)
-    pipe = WanPipeline.from_pretrained(args.model or checkpoint_dir())
+    if args.random_text:
+        try:
+            layers, width = (int(x) for x in args.random_text.split(","))
+        except ValueError:
+            raise SystemExit(f"--random-text: LAYERS,WIDTH as two ints, got {args.random_text!r}") from None
+        if layers < 1 or width < 4 or width % 4:
+            raise SystemExit(f"--random-text: LAYERS >= 1 and WIDTH a multiple of 4 (4 heads), got {args.random_text}")
+        text = build_text(VideoTextRecipe(num_layers=layers, d_model=width, d_ff=2 * width))
+        pipe = SimpleNamespace(**text)
+    else:
+        pipe = WanPipeline.from_pretrained(args.model or checkpoint_dir())
     by_tag: dict[str, list[str]] = {}
     for p in all_prompts():
         by_tag.setdefault(parse_prompt(p).tag, []).append(p)
@@ -84,7 +98,8 @@ def main() -> None:
             kind = "its twin" if name == tag else "directions swapped"
             print(f"{tag:12s} {kind:22s} {to_pair:11.3f} {to_other:10.3f} {to_pair / to_other:6.2f}  "
                   f"{chosen[0][0]!r} / {chosen[0][1]!r}")
-    print(json.dumps({"model": args.model or "shapes-video", "categories": result}))
+    name = f"random UMT5 {args.random_text}" if args.random_text else args.model or "shapes-video"
+    print(json.dumps({"model": name, "categories": result}))
 
 
 if __name__ == "__main__":
