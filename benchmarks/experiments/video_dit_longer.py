@@ -8,7 +8,9 @@ fresh AdamW warmed up over the recipe's warm-up steps, the recipe's batches draw
 an uninterrupted longer run would draw at s), the same latents (the recipe's clips, encoded by the shipped VAE and
 normalised with its shipped statistics) and captions. Every `--save-every` steps the EMA transformer is saved as a
 full checkpoint (the shipped VAE, text encoder and defaults beside it) under `OUT/step_<n>`, ready for
-`omniroll eval --model OUT/step_<n>`.
+`omniroll eval --model OUT/step_<n>`. The continuation may also change what the recipe fixed: its learning rate and
+schedule (`--lr`, `--cosine-decay`), the clips' mix of categories (`--category-weights`), and whether the text
+encoder trains too (`--train-text-encoder`; its averaged weights are then saved in the checkpoint).
 
 Not bitwise what `make shapes-video-model` with a longer `dit.steps` gives (Adam's moments restart): an experiment
 to decide whether the recipe should train longer, not a way to make the shipped model.
