@@ -11,6 +11,7 @@ apart. Direction twins differ in a word ("left" / "right"), the control.
 
     .venv/bin/python benchmarks/experiments/video_text_twins.py [--model DIR]   # default: the shipped shapes-video
     .venv/bin/python benchmarks/experiments/video_text_twins.py --random-text 6,64   # a random encoder of that shape
+    .venv/bin/python benchmarks/experiments/video_text_twins.py --random-text 2,32 --absolute-positions  # a BERT
 
 Ends with one JSON line (per category: the twin and the other prompt's mean set distance, their ratio).
 """
@@ -51,6 +52,17 @@ def token_sets(pipe, prompts: list[str]) -> list[torch.Tensor]:
     return [h[i, : int(tok.attention_mask[i].sum())] for i in range(len(prompts))]
 
 
+def random_bert(vocab: int, layers: int, width: int):
+    """A random BERT encoder (transformers' `BertModel`, seeded) of the UMT5 recipe's shape: 4 heads, ffn 2x wide."""
+    from transformers import BertConfig, BertModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        conf = BertConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4,
+                          intermediate_size=2 * width, max_position_embeddings=TEXT_LENGTH)
+        return BertModel(conf, add_pooling_layer=False).eval()
+
+
 def chamfer(a: torch.Tensor, b: torch.Tensor) -> float:
     d = torch.cdist(a, b)
     return float((d.min(1).values.mean() + d.min(0).values.mean()) / 2)
@@ -61,8 +73,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a shapes-video checkpoint directory (default: the shipped one)")
     ap.add_argument("--random-text", default=None, metavar="LAYERS,WIDTH",
                     help="measure a random UMT5 of the recipe's kind with this many layers and this width instead")
+    ap.add_argument("--absolute-positions", action="store_true",
+                    help="with --random-text: a random BERT encoder (absolute position embeddings added to every "
+                         "token) of that shape instead of a UMT5 (relative position buckets only)")
     ap.add_argument("--pairs", type=int, default=60, help="prompts drawn per category")
     args = ap.parse_args()
+    if args.absolute_positions and not args.random_text:
+        raise SystemExit("--absolute-positions measures a random encoder: give --random-text LAYERS,WIDTH too")
     from diffusers import WanPipeline
 
     from omniroll.models.shapes_video import checkpoint_dir
@@ -76,6 +93,8 @@ def main() -> None:
         if layers < 1 or width < 4 or width % 4:
             raise SystemExit(f"--random-text: LAYERS >= 1 and WIDTH a multiple of 4 (4 heads), got {args.random_text}")
         text = build_text(VideoTextRecipe(num_layers=layers, d_model=width, d_ff=2 * width))
+        if args.absolute_positions:
+            text["text_encoder"] = random_bert(len(text["tokenizer"]), layers, width)
         pipe = SimpleNamespace(**text)
     else:
         pipe = WanPipeline.from_pretrained(args.model or checkpoint_dir())
@@ -98,7 +117,8 @@ def main() -> None:
             kind = "its twin" if name == tag else "directions swapped"
             print(f"{tag:12s} {kind:22s} {to_pair:11.3f} {to_other:10.3f} {to_pair / to_other:6.2f}  "
                   f"{chosen[0][0]!r} / {chosen[0][1]!r}")
-    name = f"random UMT5 {args.random_text}" if args.random_text else args.model or "shapes-video"
+    kind = "BERT" if args.absolute_positions else "UMT5"
+    name = f"random {kind} {args.random_text}" if args.random_text else args.model or "shapes-video"
     print(json.dumps({"model": name, "categories": result}))
 
 
