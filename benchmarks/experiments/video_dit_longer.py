@@ -10,7 +10,8 @@ normalised with its shipped statistics) and captions. Every `--save-every` steps
 full checkpoint (the shipped VAE, text encoder and defaults beside it) under `OUT/step_<n>`, ready for
 `omniroll eval --model OUT/step_<n>`. The continuation may also change what the recipe fixed: its learning rate and
 schedule (`--lr`, `--cosine-decay`), the clips' mix of categories (`--category-weights`), and whether the text
-encoder trains too (`--train-text-encoder`; its averaged weights are then saved in the checkpoint).
+encoder trains too (`--train-text-encoder`; its averaged weights are then saved in the checkpoint), or is swapped for
+a random BERT of its shape, whose absolute positions tell word order apart (`--bert-text`; saved in the checkpoint).
 
 Not bitwise what `make shapes-video-model` with a longer `dit.steps` gives (Adam's moments restart): an experiment
 to decide whether the recipe should train longer, not a way to make the shipped model.
@@ -63,6 +64,9 @@ def main() -> None:
                                                              "the recipe's; other weights draw and encode other clips)")
     ap.add_argument("--train-text-encoder", action="store_true", help="train the frozen random UMT5 with the "
                                                                       "transformer (one optimizer, one EMA)")
+    ap.add_argument("--bert-text", action="store_true", help="swap the text encoder for a random BERT of its shape "
+                                                             "(absolute positions; video_text_twins.py's), frozen "
+                                                             "unless --train-text-encoder")
     ap.add_argument("--out", default="out/video-dit-longer")
     args = ap.parse_args()
     if args.steps < 1 or args.save_every < 1 or (args.num_latents is not None and args.num_latents < 1):
@@ -79,6 +83,11 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     pipe = WanPipeline.from_pretrained(src, torch_dtype=torch.float32)
     vae, transformer = pipe.vae.eval(), pipe.transformer
+    if args.bert_text:
+        from video_text_twins import random_bert  # this script's neighbour
+
+        conf = pipe.text_encoder.config
+        pipe.text_encoder = random_bert(len(pipe.tokenizer), conf.num_layers, conf.d_model)
     text = {"text_encoder": pipe.text_encoder, "tokenizer": pipe.tokenizer}
 
     # 1. the recipe's latents, normalised with the shipped statistics; the captions' embeddings
@@ -130,7 +139,7 @@ def main() -> None:
         json.dump(history, f)
     losses = [h["loss"] for h in history]
     print(json.dumps({"steps": args.steps, "from_step": recipe.dit.steps, "lr": schedule.lr,
-                      "train_text_encoder": args.train_text_encoder,
+                      "train_text_encoder": args.train_text_encoder, "bert_text": args.bert_text,
                       "cosine_decay": schedule.cosine_decay, "category_weights": weights,
                       "seconds_per_step": float(np.median([h["seconds"] for h in history])),
                       "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
