@@ -1,4 +1,5 @@
-"""Experiment: does a longer transformer phase lift the shapes-video model's multi-object categories?
+"""Experiment: does a longer transformer phase (at another rate, on other clips or text) lift the shapes-video model's
+multi-object categories?
 
 The shipped shapes-video model's transformer stopped at 6,000 steps with its loss still falling, and passes two_motions
 and order on under 6 % of its clips (docs/moving_shapes.md, "What the model draws"). The recipe's resume state is not
@@ -19,7 +20,8 @@ to decide whether the recipe should train longer, not a way to make the shipped 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/experiments/video_dit_longer.py --steps 1600 \\
         --save-every 800 --out out/video-dit-longer      # the run docs/moving_shapes.md reports (there: --threads 1)
     ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \\
-        --category-weights direction=0.5,two_motions=2,order=2,change=1 [--train-text-encoder]   # the two after it
+        --category-weights direction=0.5,two_motions=2,order=2,change=1 \\
+        [--train-text-encoder | --bert-text]   # the three runs after it
 
 Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
 """
@@ -62,8 +64,9 @@ def main() -> None:
     ap.add_argument("--category-weights", default=None, help="clips drawn per category for the continuation, e.g. "
                                                              "direction=0.5,two_motions=2,order=2,change=1 (default: "
                                                              "the recipe's; other weights draw and encode other clips)")
-    ap.add_argument("--train-text-encoder", action="store_true", help="train the frozen random UMT5 with the "
-                                                                      "transformer (one optimizer, one EMA)")
+    ap.add_argument("--train-text-encoder", action="store_true", help="train the text encoder (frozen in the "
+                                                                      "recipe) with the transformer (one optimizer, "
+                                                                      "one EMA)")
     ap.add_argument("--bert-text", action="store_true", help="swap the text encoder for a random BERT of its shape "
                                                              "(absolute positions; video_text_twins.py's), frozen "
                                                              "unless --train-text-encoder")

@@ -44,7 +44,8 @@ def swapped_directions(prompt: str) -> str | None:
 
 
 def token_sets(pipe, prompts: list[str]) -> list[torch.Tensor]:
-    """Each prompt's UMT5 output vectors at its real tokens (the padding, zero in the pipeline's embeds, dropped)."""
+    """Each prompt's text-encoder output vectors at its real tokens (the padding, zero in the pipeline's embeds,
+    dropped)."""
     tok = pipe.tokenizer(prompts, padding="max_length", max_length=TEXT_LENGTH, truncation=True,
                          return_attention_mask=True, return_tensors="pt")
     with torch.no_grad():
