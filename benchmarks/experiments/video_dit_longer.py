@@ -21,7 +21,7 @@ to decide whether the recipe should train longer, not a way to make the shipped 
         --save-every 800 --out out/video-dit-longer      # the run docs/moving_shapes.md reports (there: --threads 1)
     ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \\
         --category-weights direction=0.5,two_motions=2,order=2,change=1 \\
-        [--train-text-encoder | --bert-text]   # the three runs after it
+        [--train-text-encoder | --bert-text]   # the three runs after it (--bert-text: --steps 1500)
 
 Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
 """
