@@ -12,6 +12,10 @@ What is filtered, and why a user cannot act on it:
   encoders omniroll never loads) or a CLIP scorer loads its processor. The PIL backend it falls back to is the one
   transformers used before 5.x and the one omniroll's scorers are tested with; torchvision is not an omniroll
   dependency, and the other fix the message offers (import the Pil class) is in diffusers' code, not the user's.
+- diffusers' "Expected types for text_encoder: (<class '...UMT5EncoderModel'>,), got <class '...BertModel'>", logged
+  each time a `WanPipeline` is built with a BERT text encoder, as the shapes-video model is (`omniroll.models.
+  shapes_video.text` says why: a BERT's absolute positions let the transformer read word order). The check compares
+  with the pipeline class's annotation; the pipeline runs a BERT unchanged (tested), and only that pair is filtered.
 
 With the installed versions (transformers 5.24, diffusers 0.42, torch 2.13, Ray 2.60) that is all a run of
 `examples/train.yaml` printed besides omniroll's own lines and Ray's token note, in the driver and in the actors'
@@ -27,6 +31,8 @@ import re
 #: (logger name, message pattern): log records of a third-party library about its own internals
 LOG_RECORDS: tuple[tuple[str, str], ...] = (
     ("transformers.utils.import_utils", r"`\w+ImageProcessor` requires torchvision \(not installed\); falling back"),
+    ("diffusers.pipelines.pipeline_utils",
+     r"^Expected types for text_encoder: \(<class '[\w.]+\.UMT5EncoderModel'>,\), got <class '[\w.]+\.BertModel'>\.$"),
 )
 
 

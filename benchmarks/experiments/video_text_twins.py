@@ -93,7 +93,7 @@ def main() -> None:
             raise SystemExit(f"--random-text: LAYERS,WIDTH as two ints, got {args.random_text!r}") from None
         if layers < 1 or width < 4 or width % 4:
             raise SystemExit(f"--random-text: LAYERS >= 1 and WIDTH a multiple of 4 (4 heads), got {args.random_text}")
-        text = build_text(VideoTextRecipe(num_layers=layers, d_model=width, d_ff=2 * width))
+        text = build_text(VideoTextRecipe(num_layers=layers, d_model=width, d_ff=2 * width, encoder="umt5"))
         if args.absolute_positions:
             text["text_encoder"] = random_bert(len(text["tokenizer"]), layers, width)
         pipe = SimpleNamespace(**text)

@@ -57,6 +57,9 @@ def add_arguments(parser) -> None:
                         help="distil MODEL (shapes, or a checkpoint directory) instead of training one: its modules "
                              "and recipe, only the distillation runs (needs --distill; default: none, train one); "
                              "shapes-video with --two-experts: the checkpoint whose transformer both experts are")
+    parser.add_argument("--vae-from", default=None, metavar="MODEL",
+                        help="shapes-video only: take the VAE from MODEL (shapes-video, or a checkpoint directory) "
+                             "instead of training it; MODEL's VAE recipe must be this run's (default: train it)")
     parser.add_argument("--two-experts", action="store_true",
                         help="shapes-video only: write the Wan 2.2-style two-expert checkpoint of --from MODEL to "
                              "DIR/checkpoint (seconds; no training)")
@@ -224,9 +227,10 @@ def run(args) -> int:
 
     if args.model == "shapes-video":
         return run_video(args)
-    if args.toy or args.until != "checkpoint" or args.two_experts or args.boundary_ratio is not None:
-        raise UserError("--toy, --until, --two-experts and --boundary-ratio are for shapes-video only (shapes: "
-                        "--override dit.steps=N and the like)")
+    if (args.toy or args.until != "checkpoint" or args.two_experts or args.boundary_ratio is not None
+            or args.vae_from is not None):
+        raise UserError("--toy, --until, --vae-from, --two-experts and --boundary-ratio are for shapes-video only "
+                        "(shapes: --override dit.steps=N and the like)")
     if args.model == "shapes-proxy":
         args.out = default_out(args.out, "out/shapes-proxy")
         return run_proxy(args)
@@ -286,7 +290,7 @@ def run_two_experts(args) -> int:
     unused = [flag for flag, used in (("--toy", args.toy), ("--until", args.until != "checkpoint"),
                                       ("--override", bool(args.override)), ("--distill", args.distill is not None),
                                       ("--snapshot-every", args.snapshot_every != 0), ("--install", args.install),
-                                      ("--no-eval", args.no_eval)) if used]
+                                      ("--no-eval", args.no_eval), ("--vae-from", args.vae_from is not None)) if used]
     if unused:
         raise UserError(f"{', '.join(unused)}: not with --two-experts (it trains nothing: it copies --from MODEL's "
                         f"checkpoint with its transformer as both experts)")
@@ -323,13 +327,16 @@ def run_video(args) -> int:
                         "(not --toy, not --until vae)")
     recipe = recipe_with(args.override, TOY if args.toy else FULL)
     out = default_out(args.out, "out/shapes-video-model")
+    from omniroll.models import resolve_model
     from omniroll.models.shapes_video.pretrain import pretrain
 
     quiet_libraries()
     resumed = os.path.isdir(os.path.join(out, "resume"))
     try:
-        record = pretrain(recipe, out, progress=not args.quiet, until=args.until)  # bars, or lines in a log
-    except ValueError as e:
+        vae_from = None if args.vae_from is None else resolve_model(args.vae_from)
+        record = pretrain(recipe, out, progress=not args.quiet, until=args.until,  # bars, or lines in a log
+                          vae_from=vae_from)
+    except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     t, sps = record["times"], record["seconds_per_step"]
     print(f"omniroll pretrain shapes-video: {'resumed and ' if resumed else ''}finished {args.until} in "

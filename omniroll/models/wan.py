@@ -82,7 +82,8 @@ class WanAdapter(DiffusionAdapter):
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> list[Conditioning]:
-        """UMT5 embeddings per prompt, via diffusers' `encode_prompt` (padded to max_sequence_length with zeros)."""
+        """The text encoder's embeddings per prompt (Wan's UMT5, or any encoder whose output has
+        `last_hidden_state`), via diffusers' `encode_prompt` (padded to max_sequence_length with zeros)."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
         self.limits.check(max_sequence_length=max_sequence_length)

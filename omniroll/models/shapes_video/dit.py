@@ -1,5 +1,5 @@
 """The shapes-video model's transformer: diffusers' `WanTransformer3DModel` trained from scratch by rectified flow on
-the world's clips (as normalised latents of the video VAE) and captions (as the frozen UMT5 embeds them).
+the world's clips (as normalised latents of the video VAE) and captions (as the frozen text encoder embeds them).
 
     x_t = (1 - t) x0 + t eps,   target eps - x0,   t = sigmoid(n), n ~ N(0, 1) (logit-normal)
 

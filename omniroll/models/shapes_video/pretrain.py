@@ -13,6 +13,10 @@ continues and ends bitwise where an uninterrupted run ends).
    `SHA256SUMS`), the loss curves (`loss_curve.png`) and `pretrain.json` (recipe, timings, seconds per step, the VAE
    check).
 
+`vae_from=DIR` takes step 1's VAE from a shapes-video checkpoint trained by the same VAE recipe (its `recipe.json`'s
+`vae`, `vae_data_seed` and `category_weights` equal to this recipe's; checked) instead of training it: a change to the
+text encoder or the transformer then costs the transformer's hours only. Its check is still run.
+
 `until="vae"` stops after step 1 (the VAE, its check, `pretrain.json` and the curve): judge the VAE's ceiling before
 the transformer's hours are spent; a later run without it continues from there.
 """
@@ -168,24 +172,47 @@ def save_model(transformer, vae, text: dict, recipe: ShapesVideoRecipe, path: st
 UNTIL = ("vae", "checkpoint")
 
 
+def load_vae(path: str, recipe: ShapesVideoRecipe):
+    """The VAE of the shapes-video checkpoint directory `path`, after checking that `recipe` would train the same one
+    (ValueError naming the fields that differ, or the missing file)."""
+    from diffusers import AutoencoderKLWan
+
+    file = os.path.join(path, "recipe.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"vae_from: {file} not found (a shapes-video checkpoint directory has one)")
+    with open(file) as f:
+        theirs = ShapesVideoRecipe.from_dict(json.load(f))
+    differ = [k for k in ("vae", "vae_data_seed", "category_weights") if getattr(theirs, k) != getattr(recipe, k)]
+    if differ:
+        raise ValueError(f"vae_from: {path} was trained by another VAE recipe ({differ} differ from this one's)")
+    return AutoencoderKLWan.from_pretrained(os.path.join(path, "vae"), torch_dtype=torch.float32)
+
+
 def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log: Callable[[str], None] = print,
-             on_step: Optional[Callable[[str, int], None]] = None, until: str = "checkpoint") -> dict:
-    """Run (or resume) the recipe into `out_dir` (see the module doc) up to `until` (`UNTIL`); returns the
-    `pretrain.json` record. `on_step(phase, step)` runs after each step's state is safe (an exception it raises
-    interrupts the run resumably)."""
+             on_step: Optional[Callable[[str, int], None]] = None, until: str = "checkpoint",
+             vae_from: Optional[str] = None) -> dict:
+    """Run (or resume) the recipe into `out_dir` (see the module doc) up to `until` (`UNTIL`), the VAE trained or
+    taken from the checkpoint `vae_from`; returns the `pretrain.json` record. `on_step(phase, step)` runs after each
+    step's state is safe (an exception it raises interrupts the run resumably)."""
     if until not in UNTIL:
         raise ValueError(f"until must be one of {list(UNTIL)}, got {until!r}")
     recipe.check()
+    vae = None if vae_from is None else load_vae(vae_from, recipe)
     resume = os.path.join(out_dir, "resume")
-    check_recipe(resume, recipe.to_dict())
+    # a run from another VAE must not resume this one (nor the reverse)
+    check_recipe(resume, recipe.to_dict() if vae_from is None else {**recipe.to_dict(),
+                                                                    "vae_from": os.path.abspath(vae_from)})
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.torch_threads)
     times, t_start = {}, time.time()
     try:
         # 1. the VAE and its check
         t0 = time.time()
-        vae = build_vae(recipe.vae)
-        vae_hist = train_vae(vae, recipe, resume, progress, on_step)
+        if vae is None:
+            vae = build_vae(recipe.vae)
+            vae_hist = train_vae(vae, recipe, resume, progress, on_step)
+        else:
+            vae_hist = []
         vae.eval()
         times["vae_s"] = time.time() - t0
         t0 = time.time()
@@ -194,7 +221,7 @@ def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log
         log(f"vae: PSNR {vae_check['psnr_db']:.1f} dB, checker on held-out reconstructions "
             f"{100 * vae_check['strict_overall']:.1f} % " + str({k: round(100 * v, 1)
                                                                 for k, v in vae_check["strict"].items()}))
-        record = {"recipe": recipe.to_dict(), "until": until, "checkpoint": None, "times": times,
+        record = {"recipe": recipe.to_dict(), "until": until, "checkpoint": None, "times": times, "vae_from": vae_from,
                   "vae_check": vae_check, "params": {"vae": sum(p.numel() for p in vae.parameters())}}
         if until == "vae":
             return write_record(record, out_dir, recipe, t_start, vae_hist, [])

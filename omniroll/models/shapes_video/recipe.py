@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from omniroll.models.shapes_video.dit import VideoDitRecipe
-from omniroll.models.shapes_video.text import TEXT_LENGTH, VideoTextRecipe
+from omniroll.models.shapes_video.text import ENCODERS, TEXT_LENGTH, VideoTextRecipe
 from omniroll.models.shapes_video.vae import VideoVaeRecipe
 from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD
 
@@ -53,6 +53,7 @@ class ShapesVideoRecipe:
 
         parts = {"vae": VideoVaeRecipe, "text": VideoTextRecipe, "dit": VideoDitRecipe,
                  "sampling": VideoSamplingDefaults}
+        d = {**d, "text": {"encoder": "umt5", **d.get("text", {})}}  # written before the BERT: the UMT5's
         out = build(cls, {k: v for k, v in d.items() if k not in parts})
         out = dataclasses.replace(out, **{k: build(kind, d[k]) for k, kind in parts.items() if k in d})
         out.check()
@@ -78,6 +79,12 @@ class ShapesVideoRecipe:
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 2.0:
             raise ValueError(f"vae.foreground_threshold must be a number in [0, 2), got "
                              f"{self.vae.foreground_threshold!r}")
+        if self.text.encoder not in ENCODERS:
+            raise ValueError(f"text.encoder must be one of {list(ENCODERS)}, got {self.text.encoder!r}")
+        heads = self.text.num_heads
+        if not isinstance(heads, int) or heads < 1 or self.text.d_model % heads:
+            raise ValueError(f"text.num_heads must be an int >= 1 dividing text.d_model = {self.text.d_model}, got "
+                             f"{self.text.num_heads!r}")
         if (self.frames - 1) % self.vae.scale_factor_temporal:
             raise ValueError(f"vae.temporal_downsample: {self.frames} frames need a temporal factor dividing "
                              f"{self.frames - 1}, got {self.vae.scale_factor_temporal}")
