@@ -24,9 +24,6 @@ from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD, MovingWorld
 #: the shapes-video model's `max_sequence_length`
 TEXT_LENGTH = 12
 
-#: the text encoders a recipe may name: transformers' `BertModel` or `UMT5EncoderModel`
-ENCODERS = ("bert", "umt5")
-
 
 @dataclass(frozen=True)
 class VideoTextRecipe:
@@ -40,9 +37,8 @@ class VideoTextRecipe:
 
 def build_text(recipe: VideoTextRecipe, world: MovingWorld = DEFAULT_MOVING_WORLD) -> dict:
     """{tokenizer, text_encoder}: every grammar word one token (RuntimeError naming any that is split, or a prompt
-    longer than `TEXT_LENGTH` tokens), the encoder's weights from `recipe.seed`, frozen."""
-    if recipe.encoder not in ENCODERS:
-        raise ValueError(f"text.encoder must be one of {list(ENCODERS)}, got {recipe.encoder!r}")
+    longer than `TEXT_LENGTH` tokens), the encoder's weights from `recipe.seed`, frozen. `recipe.encoder` is one of
+    `ENCODERS` (`ShapesVideoRecipe.check` says so before any work)."""
     words = tuple(grammar_words(world))
     tok = build_t5_tokenizer(words, max_length=TEXT_LENGTH)
     unsplit = [w for w in words if len(tok(w, add_special_tokens=False).input_ids) != 1]
@@ -51,7 +47,7 @@ def build_text(recipe: VideoTextRecipe, world: MovingWorld = DEFAULT_MOVING_WORL
     longest = max(all_prompts(world), key=lambda p: len(tok(p).input_ids))
     if len(tok(longest).input_ids) > TEXT_LENGTH:
         raise RuntimeError(f"the prompt {longest!r} is longer than TEXT_LENGTH = {TEXT_LENGTH} tokens")
-    encoder = seeded(recipe.seed, 0, lambda: (bert if recipe.encoder == "bert" else umt5)(recipe, tok))
+    encoder = seeded(recipe.seed, 0, lambda: BUILDERS[recipe.encoder](recipe, tok))
     return {"tokenizer": tok, "text_encoder": encoder.requires_grad_(False).eval()}
 
 
@@ -77,3 +73,8 @@ def umt5(recipe: VideoTextRecipe, tok):
                       is_encoder_decoder=False, use_cache=False, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id, decoder_start_token_id=0)
     return UMT5EncoderModel(conf)
+
+
+#: the text encoders a recipe may name (`text.encoder`) and what builds each
+BUILDERS = {"bert": bert, "umt5": umt5}
+ENCODERS = tuple(BUILDERS)
