@@ -192,7 +192,14 @@ def test_two_experts_of_one_transformer_draw_its_clips_bitwise_and_switch_at_the
     assert verified(str(two_experts), WHAT, REMAKE) == str(two_experts)
     assert (two_experts / "omniroll_defaults.json").read_text() == (
         uninterrupted / "checkpoint" / "omniroll_defaults.json").read_text()  # its task and defaults
-    sp = SamplingParams(**SWITCHING, logprobs=True)
+    with pytest.raises(Exception, match=r"max_sequence_length must be an int in \[1, 12\], got 128"):
+        engine = DiffusionEngine.from_pretrained(str(two_experts), max_batch_size=8)
+        try:  # its BERT has 12 positions: a longer text is refused before any work, naming the field
+            engine.generate([GenerationRequest(request_id="long", prompt="a red circle moving left", seed=0,
+                                               sampling_params=SamplingParams(**SWITCHING, max_sequence_length=128))])
+        finally:
+            engine.shutdown()
+    sp = SamplingParams(**SWITCHING, logprobs=True, max_sequence_length=12)
     outs = {}
     for name, path in (("one", uninterrupted / "checkpoint"), ("two", two_experts)):
         engine = DiffusionEngine.from_pretrained(str(path), max_batch_size=8)

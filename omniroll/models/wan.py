@@ -49,9 +49,13 @@ class WanAdapter(DiffusionAdapter):
 
     @classmethod
     def limits_from_files(cls, path: str) -> ModelLimits:
-        vae, transformer = read_component_configs(path, "vae", "transformer")
+        vae, transformer, text = read_component_configs(path, "vae", "transformer", "text_encoder")
         mult = int(vae.get("scale_factor_spatial", 8)) * int(transformer.get("patch_size", [1, 2, 2])[1])
-        return ModelLimits(mult, None, DEFAULT_MAX_SEQUENCE_LENGTH)
+        return ModelLimits(mult, None, text_length_limit(text))
+
+    @property
+    def max_sequence_length_limit(self) -> int:
+        return text_length_limit(self.pipeline.text_encoder.config.to_dict())
 
     @property
     def transformer(self):
@@ -150,3 +154,12 @@ class WanAdapter(DiffusionAdapter):
             scheduler.set_timesteps(num_inference_steps, device="cpu")
             self._sigma_cache[num_inference_steps] = scheduler.sigmas.detach().to(torch.float32).cpu()
         return self._sigma_cache[num_inference_steps].clone()
+
+
+def text_length_limit(text_encoder_config: dict) -> int:
+    """The longest text the encoder takes: its position embeddings' count where it has them (a BERT, as the
+    shapes-video model's), else `DEFAULT_MAX_SEQUENCE_LENGTH` (Wan's UMT5 has relative positions only)."""
+    n = text_encoder_config.get("max_position_embeddings")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return min(n, DEFAULT_MAX_SEQUENCE_LENGTH)
+    return DEFAULT_MAX_SEQUENCE_LENGTH
