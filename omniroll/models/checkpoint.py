@@ -90,7 +90,9 @@ def _read_json(path: str) -> dict:
 
 
 def tokenizer_max_length(model_max_length) -> int:
-    """A tokenizer's `model_max_length` capped at DEFAULT_MAX_SEQUENCE_LENGTH (tokenizers without one say 1e30)."""
+    """A length limit read from a config (a tokenizer's `model_max_length`, a text encoder's
+    `max_position_embeddings`) capped at DEFAULT_MAX_SEQUENCE_LENGTH; missing or unusable (tokenizers without one
+    say 1e30): the default."""
     if _is_int(model_max_length) and 0 < model_max_length < DEFAULT_MAX_SEQUENCE_LENGTH:
         return model_max_length
     return DEFAULT_MAX_SEQUENCE_LENGTH
