@@ -23,16 +23,8 @@ from omniroll.models.checkpoint import ModelLimits, read_component_configs, toke
 
 class WanAdapter(DiffusionAdapter):
     pipeline_class = "WanPipeline"
-    lora_target_modules = (
-        "attn1.to_q",
-        "attn1.to_k",
-        "attn1.to_v",
-        "attn1.to_out.0",
-        "attn2.to_q",
-        "attn2.to_k",
-        "attn2.to_v",
-        "attn2.to_out.0",
-    )
+    lora_target_modules = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+                           "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
 
     family = "Wan"
     components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -47,9 +39,8 @@ class WanAdapter(DiffusionAdapter):
             if pipeline.transformer_2 is None:
                 raise ValueError("Wan checkpoint has boundary_ratio but no transformer_2")
             self.experts.append(pipeline.transformer_2)
-            self._denoiser = torch.nn.ModuleDict(
-                {"transformer": pipeline.transformer, "transformer_2": pipeline.transformer_2}
-            )
+            self._denoiser = torch.nn.ModuleDict({"transformer": pipeline.transformer,
+                                                  "transformer_2": pipeline.transformer_2})
         else:
             self._denoiser = pipeline.transformer
         self.num_experts = len(self.experts)
@@ -103,15 +94,10 @@ class WanAdapter(DiffusionAdapter):
         device = next(self.pipeline.text_encoder.parameters()).device
         out = {}
         for prompt in dict.fromkeys(prompts):
-            embeds, _ = self.pipeline.encode_prompt(
-                prompt=[prompt],
-                do_classifier_free_guidance=False,
-                max_sequence_length=max_sequence_length,
-                device=device,
-            )
-            ids = self.pipeline.tokenizer(
-                prompt, padding="max_length", truncation=True, max_length=max_sequence_length
-            ).input_ids
+            embeds, _ = self.pipeline.encode_prompt(prompt=[prompt], do_classifier_free_guidance=False,
+                                                    max_sequence_length=max_sequence_length, device=device)
+            ids = self.pipeline.tokenizer(prompt, padding="max_length", truncation=True,
+                                          max_length=max_sequence_length).input_ids
             out[prompt] = (embeds[0].float(), ids)
         return [Conditioning({"prompt_embeds": out[p][0].clone()}, [int(i) for i in out[p][1]]) for p in prompts]
 
@@ -164,8 +150,7 @@ class WanAdapter(DiffusionAdapter):
                 scheduler = FlowMatchEulerDiscreteScheduler.from_config(cfg)
             else:  # UniPC (flow_prediction) configs: the same flow shift, stepped with Euler / SDE
                 scheduler = FlowMatchEulerDiscreteScheduler(
-                    num_train_timesteps=cfg.get("num_train_timesteps", 1000), shift=cfg.get("flow_shift", 1.0)
-                )
+                    num_train_timesteps=cfg.get("num_train_timesteps", 1000), shift=cfg.get("flow_shift", 1.0))
             scheduler.set_timesteps(num_inference_steps, device="cpu")
             self._sigma_cache[num_inference_steps] = scheduler.sigmas.detach().to(torch.float32).cpu()
         return self._sigma_cache[num_inference_steps].clone()
