@@ -374,6 +374,9 @@ def test_a_run_on_another_runs_vae_trains_only_the_transformer_and_ends_bitwise_
     assert set(seen) == {"transformer"} and len(seen) == TOY.dit.steps
     a, b = tensors_of(uninterrupted / "checkpoint"), tensors_of(tmp_path / "v" / "checkpoint")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for config in ("vae/config.json", "transformer/config.json"):  # no local path recorded in what ships
+        ours, theirs = tmp_path / "v" / "checkpoint" / config, uninterrupted / "checkpoint" / config
+        assert ours.read_text() == theirs.read_text()
     full = json.loads((uninterrupted / "pretrain.json").read_text())
     assert record["vae_check"] == full["vae_check"] and record["vae_from"] == str(uninterrupted / "checkpoint")
     assert record["steps_seconds_all_runs"]["vae"] == 0 and (tmp_path / "v" / "loss_curve.png").is_file()

@@ -185,7 +185,12 @@ def load_vae(path: str, recipe: ShapesVideoRecipe):
     differ = [k for k in ("vae", "vae_data_seed", "category_weights") if getattr(theirs, k) != getattr(recipe, k)]
     if differ:
         raise ValueError(f"vae_from: {path} was trained by another VAE recipe ({differ} differ from this one's)")
-    return AutoencoderKLWan.from_pretrained(os.path.join(path, "vae"), torch_dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    # from its config and weights, not `from_pretrained`: that records the local path in the config it saves
+    vae = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(os.path.join(path, "vae"))).to(torch.float32)
+    vae.load_state_dict(load_file(os.path.join(path, "vae", "diffusion_pytorch_model.safetensors")), strict=True)
+    return vae
 
 
 def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log: Callable[[str], None] = print,
