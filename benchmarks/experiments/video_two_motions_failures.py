@@ -1,0 +1,84 @@
+"""Experiment: why a shapes-video model's two-motion clips fail the checker, sorted by what its tracks show.
+
+`omniroll eval` keeps the clips it draws in the evaluation cache (`omniroll.evaluation.cache`: an entry directory
+holds every clip as a film strip in `pictures.png` and their prompts and seeds in `entry.json`). This reads one or
+more entries, judges every two-motion clip again (the checker's detection, tracker and rules, exactly as the
+evaluation did) and sorts the failing ones by their long tracks (seen on more than half of the frames):
+
+- one long track (the two objects merged, or one of them lost for most of the clip);
+- two or more, one of them without a majority shape (its shape changes from frame to frame);
+- two or more, both of one asked shape (the prompt's two shapes drawn as the same one);
+- two or more with a shape the prompt did not ask for;
+- both asked shapes tracked (the motion fails: too short, or the wrong way).
+
+    omniroll eval --model shapes-video --prompts train --seeds 2   # draws and keeps the clips
+    .venv/bin/python benchmarks/experiments/video_two_motions_failures.py ~/.cache/omniroll/evaluations/<key>
+
+An entry's `identity.weights` in `entry.json` names the weights that drew it. Ends with one JSON line per entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+
+import numpy as np
+from PIL import Image
+
+from omniroll.evaluation.cache import COLUMNS, from_cell
+from omniroll.tasks.moving_shapes.grammar import parse_prompt
+from omniroll.tasks.moving_shapes.judge import detect_frames, judge_clip
+from omniroll.tasks.moving_shapes.track import track
+
+KINDS = ("pass", "one long track", "a track without a majority shape", "both drawn as one asked shape",
+         "a shape not asked", "both shapes tracked, the motion fails")
+
+
+def failure_kind(prompt: str, clip: np.ndarray) -> str:
+    """One of `KINDS` for a two-motion clip [T, H, W, 3]."""
+    spec = parse_prompt(prompt)
+    frames = detect_frames(clip)
+    if judge_clip(spec, frames).strict:
+        return KINDS[0]
+    long = [t for t in track(frames) if len(t.frames) > len(frames) // 2]
+    asked, got = sorted(a.shape for a in spec.actors), sorted(str(t.shape) for t in long)
+    if len(long) < 2:
+        return KINDS[1]
+    if "None" in got:
+        return KINDS[2]
+    if got == asked:
+        return KINDS[5]
+    if len(set(got)) == 1 and got[0] in asked:
+        return KINDS[3]
+    return KINDS[4]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("entries", nargs="+", help="evaluation cache entry directories (entry.json and pictures.png)")
+    args = ap.parse_args()
+    for entry in args.entries:
+        with open(os.path.join(entry, "entry.json")) as f:
+            e = json.load(f)
+        if e.get("frames") is None:
+            raise SystemExit(f"{entry}: an entry of pictures, not clips")
+        strip = np.asarray(Image.open(os.path.join(entry, "pictures.png")).convert("RGB"))
+        h, w, t = e["height"], e["width"], e["frames"]
+        kinds = collections.Counter()
+        for i, p in enumerate(e["pictures"]):
+            if parse_prompt(p["prompt"]).tag != "two_motions":
+                continue
+            r, c = divmod(i, COLUMNS)
+            kinds[failure_kind(p["prompt"], from_cell(strip[r * h:(r + 1) * h, c * w * t:(c + 1) * w * t], t))] += 1
+        n = sum(kinds.values())
+        print(f"{entry}: {n} two-motion clips (weights {e['identity']['weights'][:12]})")
+        for k in KINDS:
+            print(f"  {k:40s} {kinds[k]:4d}  {100 * kinds[k] / max(n, 1):5.1f} %")
+        print(json.dumps({"entry": os.path.basename(os.path.normpath(entry)), "weights": e["identity"]["weights"],
+                          "clips": n, **{k: kinds[k] for k in KINDS}}))
+
+
+if __name__ == "__main__":
+    main()
