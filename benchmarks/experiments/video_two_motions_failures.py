@@ -2,8 +2,9 @@
 
 `omniroll eval` keeps the clips it draws in the evaluation cache (`omniroll.evaluation.cache`: an entry directory
 holds every clip as a film strip in `pictures.png` and their prompts and seeds in `entry.json`). This reads one or
-more entries, judges every two-motion clip again (the checker's detection, tracker and rules, exactly as the
-evaluation did) and sorts the failing ones by their long tracks (seen on more than half of the frames):
+more entries (each clip checked against its digest, as the cache reads them), judges every two-motion clip again
+(the checker's detection, tracker and rules, exactly as the evaluation did) and sorts the failing ones by their long
+tracks (seen on more than half of the frames):
 
 - one long track (the two objects merged, or one of them lost for most of the clip);
 - two or more, one of them without a majority shape (its shape changes from frame to frame);
@@ -23,11 +24,11 @@ import argparse
 import collections
 import json
 import os
+from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from omniroll.evaluation.cache import COLUMNS, from_cell
+from omniroll.evaluation.cache import EvaluationCache
 from omniroll.tasks.moving_shapes.grammar import parse_prompt
 from omniroll.tasks.moving_shapes.judge import detect_frames, judge_clip
 from omniroll.tasks.moving_shapes.track import track
@@ -64,14 +65,12 @@ def main() -> None:
             e = json.load(f)
         if e.get("frames") is None:
             raise SystemExit(f"{entry}: an entry of pictures, not clips")
-        strip = np.asarray(Image.open(os.path.join(entry, "pictures.png")).convert("RGB"))
-        h, w, t = e["height"], e["width"], e["frames"]
-        kinds = collections.Counter()
-        for i, p in enumerate(e["pictures"]):
-            if parse_prompt(p["prompt"]).tag != "two_motions":
-                continue
-            r, c = divmod(i, COLUMNS)
-            kinds[failure_kind(p["prompt"], from_cell(strip[r * h:(r + 1) * h, c * w * t:(c + 1) * w * t], t))] += 1
+        prompts, seeds = [p["prompt"] for p in e["pictures"]], [int(p["seed"]) for p in e["pictures"]]
+        clips = EvaluationCache.read(Path(entry), prompts, seeds)  # every clip checked against its sha256
+        if clips is None:
+            raise SystemExit(f"{entry}: unreadable, or a clip differs from its digest")
+        kinds = collections.Counter(failure_kind(p, c) for p, c in zip(prompts, clips)
+                                    if parse_prompt(p).tag == "two_motions")
         n = sum(kinds.values())
         print(f"{entry}: {n} two-motion clips (weights {e['identity']['weights'][:12]})")
         for k in KINDS:
