@@ -1,9 +1,10 @@
 """The shapes-video model's pretraining at toy size: the decode without the clamp, data drawn per step from the
-seed, a run interrupted twice and resumed ending bitwise where an uninterrupted run ends, and its checkpoint running
-in the engine through the Wan adapter."""
+seed, a run interrupted twice and resumed ending bitwise where an uninterrupted run ends, snapshots bitwise the
+checkpoints of shorter runs, and its checkpoint running in the engine through the Wan adapter."""
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -28,11 +29,12 @@ def tensors_of(ckpt) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The toy recipe (state saved every 2 steps) run once through the CLI."""
+    """The toy recipe (state saved every 2 steps, a snapshot at step 2) run once through the CLI."""
     from omniroll.cli import main
 
     out = tmp_path_factory.mktemp("sv") / "a"
-    assert main(["pretrain", "shapes-video", "--toy", "--out", str(out), "--quiet", *TOY_EVERY_2]) == 0
+    assert main(["pretrain", "shapes-video", "--toy", "--out", str(out), "--quiet", "--snapshot-every", "2",
+                 *TOY_EVERY_2]) == 0
     return out
 
 
@@ -388,3 +390,38 @@ def test_a_run_on_another_runs_vae_trains_only_the_transformer_and_ends_bitwise_
     with pytest.raises(ValueError, match=f"{tmp_path / 'recipe.json'} not found"):
         pretrain(recipe, str(tmp_path / "w"), progress=False, vae_from=str(tmp_path))
     assert not (tmp_path / "w").exists()  # refused before any work
+
+
+def test_a_snapshot_is_bitwise_the_checkpoint_of_a_run_that_many_steps_long_and_a_resumed_run_writes_a_missed_one(
+        uninterrupted, tmp_path):
+    from omniroll.models.shapes_video.pretrain import pretrain
+
+    recipe, vae = dataclasses.replace(TOY, resume_every=2), str(uninterrupted / "checkpoint")
+
+    def stop_at_2(phase, step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # after step 2's state and snapshot are saved
+        pretrain(recipe, str(tmp_path / "s"), progress=False, log=lambda s: None, on_step=stop_at_2, vae_from=vae,
+                 snapshot_every=2)
+    snap = tmp_path / "s" / "snapshots" / "step_2"
+    assert (snap / "SHA256SUMS").is_file()
+    shutil.rmtree(snap)  # as if interrupted between the state's save and the snapshot's
+    record = pretrain(recipe, str(tmp_path / "s"), progress=False, log=lambda s: None, vae_from=vae, snapshot_every=2)
+    assert record["snapshots"] == [str(snap)]  # step 2 written again at the resumed start; none at the last step
+    short = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=2))
+    pretrain(short, str(tmp_path / "two"), progress=False, log=lambda s: None, vae_from=vae)
+    final = tmp_path / "s" / "checkpoint"  # and the snapshots did not disturb the run
+    cli = uninterrupted / "snapshots" / "step_2"  # the CLI's, its VAE trained in the run
+    for a, b in ((snap, tmp_path / "two" / "checkpoint"), (cli, snap), (final, uninterrupted / "checkpoint")):
+        assert (a / "SHA256SUMS").read_text() == (b / "SHA256SUMS").read_text()
+        assert (a / "recipe.json").read_text() == (b / "recipe.json").read_text()
+        ta, tb = tensors_of(a), tensors_of(b)
+        assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    decaying = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, cosine_decay=True))
+    with pytest.raises(ValueError, match="snapshot_every: with dit.cosine_decay"):
+        pretrain(decaying, str(tmp_path / "c"), progress=False, vae_from=vae, snapshot_every=2)
+    with pytest.raises(ValueError, match="snapshot_every must be >= 0 steps, got -1"):
+        pretrain(recipe, str(tmp_path / "c"), progress=False, vae_from=vae, snapshot_every=-1)
+    assert not (tmp_path / "c").exists()  # refused before any work

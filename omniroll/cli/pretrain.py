@@ -68,9 +68,9 @@ def add_arguments(parser) -> None:
                              "(default: 0.875, Wan 2.2 A14B's: 4 of the model's 10 steps)")
     parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training (shapes-video: "
                                                                "--toy skips it too)")
-    parser.add_argument("--snapshot-every", type=int, default=0, help="also save and evaluate the EMA transformer "
-                        "every N steps as DIR/snapshots/step_N (the checkpoint this recipe makes with dit.steps=N); "
-                        "0: none")
+    parser.add_argument("--snapshot-every", type=int, default=0, help="also save the EMA transformer every N "
+                        "steps as DIR/snapshots/step_N (the checkpoint this recipe makes with dit.steps=N); shapes "
+                        "evaluates each, shapes-video does not (`omniroll eval --model DIR/snapshots/step_N`); 0: none")
     parser.add_argument("--install", action="store_true", help="copy the new checkpoint over the shipped one "
                                                                "(what --model shapes, or shapes-video, loads)")
     parser.add_argument("--quiet", action="store_true",
@@ -317,7 +317,6 @@ def run_video(args) -> int:
     if args.two_experts:
         return run_two_experts(args)
     unused = [flag for flag, used in (("--distill", args.distill is not None), ("--from", args.source is not None),
-                                      ("--snapshot-every", args.snapshot_every != 0),
                                       ("--boundary-ratio", args.boundary_ratio is not None)) if used]
     if unused:
         raise UserError(f"{', '.join(unused)}: not available for shapes-video (evaluate its checkpoint with "
@@ -335,7 +334,7 @@ def run_video(args) -> int:
     try:
         vae_from = None if args.vae_from is None else resolve_model(args.vae_from)
         record = pretrain(recipe, out, progress=not args.quiet, until=args.until,  # bars, or lines in a log
-                          vae_from=vae_from)
+                          vae_from=vae_from, snapshot_every=args.snapshot_every)
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     t, sps = record["times"], record["seconds_per_step"]
@@ -345,6 +344,8 @@ def run_video(args) -> int:
           + ", ".join(f"{k} {v:.3f}" for k, v in sps.items() if v is not None))
     print(f"VAE check on held-out clips: PSNR {record['vae_check']['psnr_db']:.1f} dB, checker strict "
           f"{100 * record['vae_check']['strict_overall']:.1f} %; checkpoint {record['checkpoint']}")
+    for path in record.get("snapshots", []):
+        print(f"snapshot: {path} (judge it with `omniroll eval --model {path}`)")
     if record["checkpoint"] is not None and not (args.toy or args.no_eval):
         record["evaluation"] = evaluate_checkpoint(record["checkpoint"], out, VIDEO_EVAL_SEEDS,
                                                    not args.quiet and sys.stderr.isatty())

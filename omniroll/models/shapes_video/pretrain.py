@@ -19,13 +19,20 @@ text encoder or the transformer then costs the transformer's hours only. Its che
 
 `until="vae"` stops after step 1 (the VAE, its check, `pretrain.json` and the curve): judge the VAE's ceiling before
 the transformer's hours are spent; a later run without it continues from there.
+
+`snapshot_every=N` also saves the EMA transformer after every N-th step of step 4 as `<out>/snapshots/step_<s>/`, a
+whole checkpoint with the recipe at `dit.steps = s` in its `recipe.json`: the rate is constant after warm-up, so it is
+bitwise the checkpoint a run of that recipe ends with (refused with `dit.cosine_decay`, where it would not be). A
+snapshot is written to a temporary name and renamed; a resumed run writes one its interruption missed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
+import shutil
 import time
 from typing import Callable, Optional
 
@@ -106,14 +113,17 @@ def train_vae(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool, on_st
     return hist
 
 
-def phase(name, steps, step_fn, parts, resume, recipe, progress, on_step) -> list[dict]:
-    """`run_phase` with a progress bar (the loss as its postfix) and the caller's `on_step(phase, step)`."""
+def phase(name, steps, step_fn, parts, resume, recipe, progress, on_step, on_start=None) -> list[dict]:
+    """`run_phase` with a progress bar (the loss as its postfix), the caller's `on_step(phase, step)` and
+    `on_start(step)` (the step it starts at)."""
     bar = progress_bar(steps, name, progress)
 
     def start(s: int) -> None:  # a resumed phase's bar starts where it stopped (its rate counts this run's steps)
         bar.reset(total=steps)
         bar.n = bar.last_print_n = bar.initial = s
         bar.refresh()
+        if on_start is not None:
+            on_start(s)
 
     def after(s: int, rec: dict) -> None:
         bar.update(1)
@@ -168,6 +178,26 @@ def save_model(transformer, vae, text: dict, recipe: ShapesVideoRecipe, path: st
     return path
 
 
+def save_snapshot(transformer, vae, text: dict, recipe: ShapesVideoRecipe, step: int, out_dir: str) -> str:
+    """`transformer` after `step` steps saved as `<out_dir>/snapshots/step_<step>/` with the recipe at `dit.steps =
+    step` (module doc), through a temporary directory renamed into place; returns its path."""
+    path = os.path.join(out_dir, "snapshots", f"step_{step}")
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    as_run = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, steps=step))
+    save_model(transformer, vae, text, as_run, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def saved_snapshots(out_dir: str) -> list[str]:
+    """The snapshot directories under `<out_dir>/snapshots/`, by step."""
+    root = os.path.join(out_dir, "snapshots")
+    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()] if os.path.isdir(root) else []
+    return [os.path.join(root, n) for n in sorted(names, key=lambda n: int(n[5:]))]
+
+
 #: where a run may stop: after the VAE and its check (judge the ceiling before the transformer's hours), or at the end
 UNTIL = ("vae", "checkpoint")
 
@@ -195,13 +225,19 @@ def load_vae(path: str, recipe: ShapesVideoRecipe):
 
 def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log: Callable[[str], None] = print,
              on_step: Optional[Callable[[str, int], None]] = None, until: str = "checkpoint",
-             vae_from: Optional[str] = None) -> dict:
+             vae_from: Optional[str] = None, snapshot_every: int = 0) -> dict:
     """Run (or resume) the recipe into `out_dir` (see the module doc) up to `until` (`UNTIL`), the VAE trained or
-    taken from the checkpoint `vae_from`; returns the `pretrain.json` record. `on_step(phase, step)` runs after each
-    step's state is safe (an exception it raises interrupts the run resumably)."""
+    taken from the checkpoint `vae_from`, the EMA transformer saved every `snapshot_every` steps (0: never); returns
+    the `pretrain.json` record. `on_step(phase, step)` runs after each step's state (and snapshot) is safe (an
+    exception it raises interrupts the run resumably)."""
     if until not in UNTIL:
         raise ValueError(f"until must be one of {list(UNTIL)}, got {until!r}")
     recipe.check()
+    if snapshot_every < 0:
+        raise ValueError(f"snapshot_every must be >= 0 steps, got {snapshot_every}")
+    if snapshot_every and recipe.dit.cosine_decay:
+        raise ValueError("snapshot_every: with dit.cosine_decay the rate at step N depends on dit.steps, so a snapshot "
+                         "would not be the checkpoint of a run with dit.steps=N; snapshots need a constant rate")
     vae = None if vae_from is None else load_vae(vae_from, recipe)
     resume = os.path.join(out_dir, "resume")
     # a run from another VAE must not resume this one (nor the reverse)
@@ -256,13 +292,24 @@ def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log
             rec = optimizer_step(transformer, opt, ema, loss, s, t1)
             return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "seconds": time.time() - t1}
 
+        def snapshot(s: int) -> None:  # after step s, and at a resumed start (an interruption may have missed it)
+            want = snapshot_every and s % snapshot_every == 0 and 0 < s < r.steps
+            if want and not os.path.isdir(os.path.join(out_dir, "snapshots", f"step_{s}")):
+                save_snapshot(ema.module, vae, text, recipe, s, out_dir)
+
+        def after_dit(name: str, s: int) -> None:
+            snapshot(s)
+            if on_step is not None:
+                on_step(name, s)
+
         dit_hist = phase("transformer", r.steps, dit_step, {"transformer": transformer, "optimizer": opt, "ema": ema},
-                         resume, recipe, progress, on_step)
+                         resume, recipe, progress, after_dit, on_start=snapshot)
         transformer.eval()
         times["transformer_s"] = time.time() - t0
 
         # 5. the checkpoint, the curves, the record
         record["checkpoint"] = save_model(ema.module, vae, text, recipe, os.path.join(out_dir, "checkpoint"))
+        record["snapshots"] = saved_snapshots(out_dir)
         record["params"].update(transformer=sum(p.numel() for p in transformer.parameters()),
                                 text_encoder=sum(p.numel() for p in text["text_encoder"].parameters()))
         return write_record(record, out_dir, recipe, t_start, vae_hist, dit_hist)
