@@ -12,6 +12,10 @@ tracks (seen on more than half of the frames):
 - two or more with a shape the prompt did not ask for;
 - every asked shape tracked (the motion fails: too short or the wrong way; or a third object).
 
+Then, for every category, how steady the long tracks' attributes are: the share of a track's frames on its most
+common colour and on its most common shape, and the share of tracks whose colour holds on every frame (change clips
+turn colour by design). Two-motion prompts are the only ones naming no colour.
+
     omniroll eval --model shapes-video --prompts train --seeds 2   # draws and keeps the clips
     .venv/bin/python benchmarks/experiments/video_two_motions_failures.py ~/.cache/omniroll/evaluations/<key>
 
@@ -56,6 +60,25 @@ def failure_kind(prompt: str, clip: np.ndarray) -> str:
     return KINDS[4]
 
 
+def steadiness(prompts: list[str], clips) -> dict:
+    """{category: {tracks, colour, shape, one_colour}}: over the long tracks of its clips, the mean share of a
+    track's frames on its most common colour and shape, and the share of tracks with one colour throughout."""
+    out: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for p, clip in zip(prompts, clips):
+        frames = detect_frames(clip)
+        rows = out[parse_prompt(p).tag]
+        for t in track(frames):
+            if len(t.frames) <= len(frames) // 2:
+                continue
+            n = len(t.detections)
+            colour = collections.Counter(d.colour for d in t.detections).most_common(1)[0][1] / n
+            rows["colour"].append(colour)
+            rows["shape"].append(collections.Counter(d.shape for d in t.detections).most_common(1)[0][1] / n)
+            rows["one_colour"].append(colour == 1.0)
+    return {tag: {"tracks": len(r["colour"]), **{k: float(np.mean(r[k])) for k in ("colour", "shape", "one_colour")}}
+            for tag, r in sorted(out.items())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("entries", nargs="+", help="evaluation cache entry directories (entry.json and pictures.png)")
@@ -75,8 +98,13 @@ def main() -> None:
         print(f"{entry}: {n} two-motion clips (weights {e['identity']['weights'][:12]})")
         for k in KINDS:
             print(f"  {k:34s} {kinds[k]:4d}  {100 * kinds[k] / max(n, 1):5.1f} %")
+        steady = steadiness(prompts, clips)
+        print("  long tracks, per category: share of frames on the most common colour / shape; tracks of one colour")
+        for tag, r in steady.items():
+            print(f"  {tag:12s} {r['tracks']:4d} tracks  colour {r['colour']:.3f}  shape {r['shape']:.3f}  "
+                  f"one colour {100 * r['one_colour']:5.1f} %")
         print(json.dumps({"entry": os.path.basename(os.path.normpath(entry)), "weights": e["identity"]["weights"],
-                          "clips": n, **{k: kinds[k] for k in KINDS}}))
+                          "clips": n, **{k: kinds[k] for k in KINDS}, "steadiness": steady}))
 
 
 if __name__ == "__main__":
