@@ -126,6 +126,17 @@ def test_splits_are_fixed_disjoint_and_hold_out_whole_combinations():
         split_prompts("test")
 
 
+@pytest.mark.parametrize("name, split", [("eval_train", "train"), ("eval_heldout", "heldout"),
+                                         ("two_motions_train", "train"), ("two_motions_heldout", "heldout")])
+def test_the_shipped_prompt_files_hold_prompts_of_their_split_once_each(name, split):
+    from pathlib import Path
+
+    lines = (Path(__file__).parent.parent / "examples" / f"shapes_video_{name}.txt").read_text().splitlines()
+    assert lines and len(set(lines)) == len(lines) and set(lines) <= set(split_prompts(split))
+    if name.startswith("two_motions"):
+        assert {parse_prompt(p).tag for p in lines} == {"two_motions"}
+
+
 # ------------------------------------------------------------------------------------------------ the renderer
 def test_rendering_is_deterministic_by_seed_and_in_the_video_sample_layout():
     a, b = render_prompt("a red circle moving left", 7), render_prompt("a red circle moving left", 7)
