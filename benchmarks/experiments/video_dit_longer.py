@@ -12,7 +12,11 @@ full checkpoint (the shipped VAE, text encoder and defaults beside it) under `OU
 `omniroll eval --model OUT/step_<n>`. The continuation may also change what the recipe fixed: its learning rate and
 schedule (`--lr`, `--cosine-decay`), the clips' mix of categories (`--category-weights`), and whether the text
 encoder trains too (`--train-text-encoder`; its averaged weights are then saved in the checkpoint), or is swapped for
-a random BERT of its shape, whose absolute positions tell word order apart (`--bert-text`; saved in the checkpoint).
+a random BERT of its shape, whose absolute positions tell word order apart (`--bert-text`; saved in the checkpoint),
+and whether some direction and order clips are captioned without their colours (`--colourless P`: each such clip's
+caption loses its colour words with probability P, drawn once per clip from the latents' seed; "a red circle moving
+left" -> "a circle moving left"): two-motion prompts name no colour, and the model must then hold a colour it chose
+itself through the clip, which no other category's captions ask of it.
 
 Not bitwise what `make shapes-video-model` with a longer `dit.steps` gives (Adam's moments restart): an experiment
 to decide whether the recipe should train longer, not a way to make the shipped model.
@@ -22,6 +26,8 @@ to decide whether the recipe should train longer, not a way to make the shipped 
     ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \\
         --category-weights direction=0.5,two_motions=2,order=2,change=1 \\
         [--train-text-encoder | --bert-text]   # the three runs after it (--bert-text: --steps 1500)
+    ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \
+        --category-weights direction=1,two_motions=3,order=1,change=1 [--colourless 0.5]   # on the BERT model
 
 Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
 """
@@ -70,8 +76,12 @@ def main() -> None:
     ap.add_argument("--bert-text", action="store_true", help="swap the text encoder for a random BERT of its shape "
                                                              "(absolute positions; video_text_twins.py's), frozen "
                                                              "unless --train-text-encoder")
+    ap.add_argument("--colourless", type=float, default=0.0, help="the share of direction and order clips captioned "
+                    "without their colour words (default 0: none)")
     ap.add_argument("--out", default="out/video-dit-longer")
     args = ap.parse_args()
+    if not 0.0 <= args.colourless <= 1.0:
+        raise SystemExit(f"--colourless must be in [0, 1], got {args.colourless}")
     if args.steps < 1 or args.save_every < 1 or (args.num_latents is not None and args.num_latents < 1):
         raise SystemExit("--steps, --save-every and --num-latents must be >= 1")
     if args.lr is not None and not args.lr > 0:
@@ -102,6 +112,7 @@ def main() -> None:
     with torch.no_grad():
         caps, means = encode_latents(vae, first_n, cache, True)
     latents = normalise(vae, means)
+    caps = colourless_captions(caps, args.colourless, recipe.latent_data_seed)
     embeds, caption_ids, empty = caption_embeddings(pipe, caps)
 
     # 2. continue the transformer (and the text encoder): fresh AdamW (warm-up again), the EMA at full decay from the
@@ -144,6 +155,7 @@ def main() -> None:
     print(json.dumps({"steps": args.steps, "from_step": recipe.dit.steps, "lr": schedule.lr,
                       "train_text_encoder": args.train_text_encoder, "bert_text": args.bert_text,
                       "cosine_decay": schedule.cosine_decay, "category_weights": weights,
+                      "colourless": args.colourless,
                       "seconds_per_step": float(np.median([h["seconds"] for h in history])),
                       "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
                       "checkpoints": saved}))
@@ -166,6 +178,18 @@ class Trained(torch.nn.Module):
     def embeds(self) -> torch.Tensor:
         h = self.text_encoder(self.ids, self.mask).last_hidden_state
         return h * self.mask[..., None].to(h.dtype)
+
+
+def colourless_captions(caps: list[str], share: float, seed: int) -> list[str]:
+    """`caps` with each direction or order caption's colour words dropped with probability `share` (one draw per
+    clip from `seed`; change captions, whose colours are what they ask, and two-motion ones, which have none, kept)."""
+    from omniroll.tasks.moving_shapes.grammar import parse_prompt
+    from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD
+
+    colours = set(DEFAULT_MOVING_WORLD.colours)
+    draws = np.random.default_rng(seed).random(len(caps))
+    return [" ".join(w for w in c.split(" ") if w not in colours)
+            if d < share and parse_prompt(c).tag in ("direction", "order") else c for c, d in zip(caps, draws)]
 
 
 def category_weights(text: str | None, default: dict) -> dict:
