@@ -26,8 +26,8 @@ to decide whether the recipe should train longer, not a way to make the shipped 
     ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \\
         --category-weights direction=0.5,two_motions=2,order=2,change=1 \\
         [--train-text-encoder | --bert-text]   # the three runs after it (--bert-text: --steps 1500)
-    ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \
-        --category-weights direction=1,two_motions=3,order=1,change=1 [--colourless 0.5]   # on the BERT model
+    ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \\
+        --category-weights direction=1,two_motions=3,order=1,change=1 [--colourless 0.5]   # the model that ships
 
 Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
 """
