@@ -41,13 +41,17 @@ KINDS = ("pass", "one long track", "a track without a majority shape", "both dra
          "a shape not asked", "both asked shapes tracked")
 
 
-def failure_kind(prompt: str, clip: np.ndarray) -> str:
-    """One of `KINDS` for a two-motion clip [T, H, W, 3]."""
+def long_tracks(frames: list) -> list:
+    """The tracks of a clip's detections seen on more than half of its frames."""
+    return [t for t in track(frames) if len(t.frames) > len(frames) // 2]
+
+
+def failure_kind(prompt: str, frames: list) -> str:
+    """One of `KINDS` for a two-motion clip, given its frames' detections (`detect_frames`)."""
     spec = parse_prompt(prompt)
-    frames = detect_frames(clip)
     if judge_clip(spec, frames).strict:
         return KINDS[0]
-    long = [t for t in track(frames) if len(t.frames) > len(frames) // 2]
+    long = long_tracks(frames)
     asked, got = sorted(a.shape for a in spec.actors), sorted(str(t.shape) for t in long)
     if len(long) < 2:
         return KINDS[1]
@@ -60,16 +64,14 @@ def failure_kind(prompt: str, clip: np.ndarray) -> str:
     return KINDS[4]
 
 
-def steadiness(prompts: list[str], clips) -> dict:
-    """{category: {tracks, colour, shape, one_colour}}: over the long tracks of its clips, the mean share of a
-    track's frames on its most common colour and shape, and the share of tracks with one colour throughout."""
+def steadiness(prompts: list[str], detected: list) -> dict:
+    """{category: {tracks, colour, shape, one_colour}}: over the long tracks of its clips (each clip's frames'
+    detections in `detected`), the mean share of a track's frames on its most common colour and shape, and the share
+    of tracks with one colour throughout."""
     out: dict = collections.defaultdict(lambda: collections.defaultdict(list))
-    for p, clip in zip(prompts, clips):
-        frames = detect_frames(clip)
+    for p, frames in zip(prompts, detected):
         rows = out[parse_prompt(p).tag]
-        for t in track(frames):
-            if len(t.frames) <= len(frames) // 2:
-                continue
+        for t in long_tracks(frames):
             n = len(t.detections)
             colour = collections.Counter(d.colour for d in t.detections).most_common(1)[0][1] / n
             rows["colour"].append(colour)
@@ -92,13 +94,14 @@ def main() -> None:
         clips = EvaluationCache.read(Path(entry), prompts, seeds)  # every clip checked against its sha256
         if clips is None:
             raise SystemExit(f"{entry}: unreadable, or a clip differs from its digest")
-        kinds = collections.Counter(failure_kind(p, c) for p, c in zip(prompts, clips)
+        detected = [detect_frames(c) for c in clips]  # once a clip: the sort and the steadiness read them
+        kinds = collections.Counter(failure_kind(p, f) for p, f in zip(prompts, detected)
                                     if parse_prompt(p).tag == "two_motions")
         n = sum(kinds.values())
         print(f"{entry}: {n} two-motion clips (weights {e['identity']['weights'][:12]})")
         for k in KINDS:
             print(f"  {k:34s} {kinds[k]:4d}  {100 * kinds[k] / max(n, 1):5.1f} %")
-        steady = steadiness(prompts, clips)
+        steady = steadiness(prompts, detected)
         print("  long tracks, per category: share of frames on the most common colour / shape; tracks of one colour")
         for tag, r in steady.items():
             print(f"  {tag:12s} {r['tracks']:4d} tracks  colour {r['colour']:.3f}  shape {r['shape']:.3f}  "
