@@ -60,6 +60,7 @@ def test_decode_unclamped_is_diffusers_decode_before_its_clamp_and_passes_gradie
 def test_a_training_batch_is_a_function_of_seed_and_step_and_the_curriculum_starts_with_single_frames():
     from omniroll.models.shapes_video.data import TrainingClips
     from omniroll.models.shapes_video.vae import vae_batch
+    from omniroll.tasks.moving_shapes.render import render_prompt
     from omniroll.tasks.moving_shapes.splits import split_prompts
 
     data = TrainingClips()
@@ -69,6 +70,8 @@ def test_a_training_batch_is_a_function_of_seed_and_step_and_the_curriculum_star
     other_caps, other = data.batch(5, 8, 3)
     assert other_caps != caps or not np.array_equal(other, clips)
     assert set(caps) | set(other_caps) <= set(split_prompts("train"))
+    drawn, seeds = data.draws(5, 7, 3)  # the batch's captions and render seeds, without its clips
+    assert drawn == caps and np.array_equal(np.stack([render_prompt(c, s) for c, s in zip(drawn, seeds)]), clips)
     first = vae_batch(data, TOY.vae, 5, 0)
     last = vae_batch(data, TOY.vae, 5, TOY.vae.steps - 1)
     assert first.shape == (TOY.vae.image_batch, 3, 1, 64, 64) and last.shape == (TOY.vae.clip_batch, 3, 9, 64, 64)

@@ -16,7 +16,9 @@ a random BERT of its shape, whose absolute positions tell word order apart (`--b
 and whether some direction and order clips are captioned without their colours (`--colourless P`: each such clip's
 caption loses its colour words with probability P, drawn once per clip from the latents' seed; "a red circle moving
 left" -> "a circle moving left"): two-motion prompts name no colour, and the model must then hold a colour it chose
-itself through the clip, which no other category's captions ask of it.
+itself through the clip, which no other category's captions ask of it. Or the other way round: every two-motion clip
+captioned with the colours its objects were drawn in (`--coloured-two-motions`: "a red square moving up and a blue
+triangle moving down", a form the grammar does not have; `video_coloured_two_motions.py` asks it of a model).
 
 Not bitwise what `make shapes-video-model` with a longer `dit.steps` gives (Adam's moments restart): an experiment
 to decide whether the recipe should train longer, not a way to make the shipped model.
@@ -27,7 +29,8 @@ to decide whether the recipe should train longer, not a way to make the shipped 
         --category-weights direction=0.5,two_motions=2,order=2,change=1 \\
         [--train-text-encoder | --bert-text]   # the three runs after it (--bert-text: --steps 1500)
     ... --steps 2000 --save-every 1000 --lr 1e-3 --cosine-decay \\
-        --category-weights direction=1,two_motions=3,order=1,change=1 [--colourless 0.5]   # the model that ships
+        --category-weights direction=1,two_motions=3,order=1,change=1 \\
+        [--colourless 0.5 | --coloured-two-motions]   # the three runs on the model that ships
 
 Ends with one JSON line (steps run, seconds a step, the mean loss of the first and last 100 steps, the checkpoints).
 """
@@ -78,10 +81,14 @@ def main() -> None:
                                                              "unless --train-text-encoder")
     ap.add_argument("--colourless", type=float, default=0.0, help="the share of direction and order clips captioned "
                     "without their colour words (default 0: none)")
+    ap.add_argument("--coloured-two-motions", action="store_true", help="caption every two-motion clip with the "
+                    "colours its objects were drawn in (\"a red square moving up and a blue triangle moving down\")")
     ap.add_argument("--out", default="out/video-dit-longer")
     args = ap.parse_args()
     if not 0.0 <= args.colourless <= 1.0:
         raise SystemExit(f"--colourless must be in [0, 1], got {args.colourless}")
+    if args.colourless and args.coloured_two_motions:
+        raise SystemExit("--colourless and --coloured-two-motions are separate experiments: give one")
     if args.steps < 1 or args.save_every < 1 or (args.num_latents is not None and args.num_latents < 1):
         raise SystemExit("--steps, --save-every and --num-latents must be >= 1")
     if args.lr is not None and not args.lr > 0:
@@ -113,6 +120,8 @@ def main() -> None:
         caps, means = encode_latents(vae, first_n, cache, True)
     latents = normalise(vae, means)
     caps = colourless_captions(caps, args.colourless, recipe.latent_data_seed)
+    if args.coloured_two_motions:
+        caps = coloured_two_motion_captions(caps, first_n)
     embeds, caption_ids, empty = caption_embeddings(pipe, caps)
 
     # 2. continue the transformer (and the text encoder): fresh AdamW (warm-up again), the EMA at full decay from the
@@ -155,7 +164,7 @@ def main() -> None:
     print(json.dumps({"steps": args.steps, "from_step": recipe.dit.steps, "lr": schedule.lr,
                       "train_text_encoder": args.train_text_encoder, "bert_text": args.bert_text,
                       "cosine_decay": schedule.cosine_decay, "category_weights": weights,
-                      "colourless": args.colourless,
+                      "colourless": args.colourless, "coloured_two_motions": args.coloured_two_motions,
                       "seconds_per_step": float(np.median([h["seconds"] for h in history])),
                       "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
                       "checkpoints": saved}))
@@ -190,6 +199,32 @@ def colourless_captions(caps: list[str], share: float, seed: int) -> list[str]:
     draws = np.random.default_rng(seed).random(len(caps))
     return [" ".join(w for w in c.split(" ") if w not in colours)
             if d < share and parse_prompt(c).tag in ("direction", "order") else c for c, d in zip(caps, draws)]
+
+
+def coloured_two_motion_captions(caps: list[str], recipe: ShapesVideoRecipe) -> list[str]:
+    """`caps` (the captions of `recipe`'s latents, in order) with each two-motion caption naming the colours its
+    clip's objects were drawn in: the clip's render seed drawn again (`TrainingClips.draws`, chunk by chunk as
+    `encode_latents` drew them) and its scene sampled again from it, as `render_prompt` did."""
+    from dataclasses import replace
+
+    from omniroll.models.shapes_video.data import TrainingClips
+    from omniroll.models.shapes_video.pretrain import LATENT_CHUNK
+    from omniroll.tasks.moving_shapes.grammar import parse_prompt, prompt_text
+    from omniroll.tasks.moving_shapes.scene import sample_clip_scene
+
+    data, n, drawn, seeds = TrainingClips(recipe.category_weights), len(caps), [], []
+    for i, start in enumerate(range(0, n, LATENT_CHUNK)):
+        c, s = data.draws(recipe.latent_data_seed, i, min(LATENT_CHUNK, n - start))
+        drawn, seeds = drawn + c, seeds + s
+    assert drawn == caps, "the captions drawn again differ from the latents' captions"
+    out = []
+    for c, seed in zip(caps, seeds):
+        spec = parse_prompt(c)
+        if spec.tag == "two_motions":
+            scene = sample_clip_scene(spec, np.random.default_rng(seed))
+            c = prompt_text(spec.tag, tuple(replace(a, colour=o.colour) for a, o in zip(spec.actors, scene.objects)))
+        out.append(c)
+    return out
 
 
 def category_weights(text: str | None, default: dict) -> dict:

@@ -37,15 +37,19 @@ class TrainingClips:
         w = np.asarray([weights[t] for t in self.tags], dtype=np.float64)
         self.p = w / w.sum()
 
-    def batch(self, seed: int, index: int, n: int) -> tuple[list[str], np.ndarray]:
-        """(captions, uint8 clips [n, T, 3, H, W]): the same for the same (seed, index, n)."""
+    def draws(self, seed: int, index: int, n: int) -> tuple[list[str], list[int]]:
+        """(captions, render seeds) of `batch(seed, index, n)`'s clips, without rendering them."""
         rng = np.random.default_rng([seed, index])
         caps = []
         for t in rng.choice(len(self.tags), size=n, p=self.p):
             pool = self.prompts[self.tags[int(t)]]
             caps.append(pool[int(rng.integers(len(pool)))])
-        seeds = rng.integers(0, 2 ** 62, size=n)
-        return caps, np.stack([render_prompt(c, int(s), self.world) for c, s in zip(caps, seeds)])
+        return caps, [int(s) for s in rng.integers(0, 2 ** 62, size=n)]
+
+    def batch(self, seed: int, index: int, n: int) -> tuple[list[str], np.ndarray]:
+        """(captions, uint8 clips [n, T, 3, H, W]): the same for the same (seed, index, n)."""
+        caps, seeds = self.draws(seed, index, n)
+        return caps, np.stack([render_prompt(c, s, self.world) for c, s in zip(caps, seeds)])
 
 
 def to_video_range(clips: np.ndarray) -> torch.Tensor:

@@ -54,6 +54,10 @@ from omniroll.models.shapes_video.vae import (build_vae, encode_means, normalise
                                               vae_batch, vae_step)
 
 
+#: clips drawn (and encoded) at a time: chunk i of the latents is `TrainingClips.batch(latent_data_seed, i, ...)`
+LATENT_CHUNK = 32
+
+
 def assemble(transformer, vae, text: dict, shift: float):
     """A `WanPipeline` of the given modules and a `FlowMatchEulerDiscreteScheduler(shift=shift)`."""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
@@ -143,7 +147,7 @@ def encode_latents(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool) 
     if os.path.isfile(path):
         saved = torch.load(path, weights_only=True)
         return list(saved["captions"]), saved["means"]
-    data, chunk, n = TrainingClips(recipe.category_weights), 32, recipe.dit.num_latents
+    data, chunk, n = TrainingClips(recipe.category_weights), LATENT_CHUNK, recipe.dit.num_latents
     caps, means = [], []
     bar = progress_bar(n, "latents", progress, unit="clip")
     for i, start in enumerate(range(0, n, chunk)):
