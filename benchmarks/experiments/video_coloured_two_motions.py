@@ -15,7 +15,7 @@ at the evaluation's seed of the coloured prompt, the model's own sampling (CFG 4
 same clips' seeds, so the later models are paired with the first (McNemar's z on the coloured strict verdict).
 
     .venv/bin/python benchmarks/experiments/video_coloured_two_motions.py shapes-video out/coloured/step_8000 \\
-        [--split heldout] [--colours 4]
+        [--split heldout] [--colours 4] [--strips out/coloured_strips.png]
 
 `video_dit_longer.py --coloured-two-motions` continues the shipped transformer on captions that name the colours.
 Ends with one JSON line.
@@ -74,6 +74,31 @@ def drawn_clips(model: str, prompts: list[str]) -> tuple[list[np.ndarray], list[
     return [sample_array(o.diffusion_output) for o in outs], seeds
 
 
+def strips_picture(path: str, prompts: list[str], drawn: dict, verdicts: dict, rows: int = 8) -> None:
+    """The first `rows` prompts' clips as film strips, one line per model under each prompt, with its verdicts
+    (coloured strict / colourless strict), 2x upscaled."""
+    from PIL import Image, ImageDraw
+
+    from omniroll.tasks.moving_shapes.report import film_strip
+
+    lines = []
+    for i, p in enumerate(prompts[:rows]):
+        lines.append((p, None))
+        lines += [(f"{m}: coloured {'pass' if verdicts[m][0][i] else 'fail'}, shapes and motion "
+                   f"{'pass' if verdicts[m][1][i] else 'fail'}", film_strip(drawn[m][i])) for m in drawn]
+    width = max(s.shape[1] for _, s in lines if s is not None) * 2
+    height = sum(14 + (0 if s is None else s.shape[0] * 2 + 4) for _, s in lines)
+    out = Image.new("RGB", (width, height), "white")
+    draw, y = ImageDraw.Draw(out), 0
+    for text, strip in lines:
+        draw.text((2, y), text, fill="black")
+        y += 14
+        if strip is not None:
+            out.paste(Image.fromarray(strip).resize((strip.shape[1] * 2, strip.shape[0] * 2), Image.NEAREST), (0, y))
+            y += strip.shape[0] * 2 + 4
+    out.save(path)
+
+
 def main() -> None:
     from omniroll.evaluation.paired import mcnemar_z
     from omniroll.tasks.moving_shapes.judge import detect_frames, judge_clip
@@ -83,6 +108,7 @@ def main() -> None:
                                               "ones are paired with the first")
     ap.add_argument("--split", default="heldout", choices=("train", "heldout"))
     ap.add_argument("--colours", type=int, default=4, help="colour pairs per two-motion prompt (>= 1)")
+    ap.add_argument("--strips", default=None, help="write the first 8 prompts' clips as film strips to this PNG")
     args = ap.parse_args()
     if args.colours < 1:
         raise SystemExit(f"--colours must be >= 1, got {args.colours}")
@@ -92,10 +118,11 @@ def main() -> None:
     print("| model | clips | strict, coloured | shapes and motion (colourless) | colours met | paired with the first "
           "(up / down, z) |")
     print("|---|---:|---:|---:|---:|---|")
-    result, first = {"split": args.split, "clips": len(prompts), "models": {}}, None
+    result, first, drawn, verdicts = {"split": args.split, "clips": len(prompts), "models": {}}, None, {}, {}
     for model in args.models:
         t0 = time.time()
         clips, _ = drawn_clips(model, prompts)
+        drawn[model] = clips[:8]
         coloured, colourless, colour_met = [], [], []
         for (spec, plain), clip in zip(specs, clips):
             frames = detect_frames(clip)
@@ -104,6 +131,7 @@ def main() -> None:
             colourless.append(bool(judge_clip(plain, frames).strict))
             named = {f"{a.shape} {a.colour}" for a in spec.actors}  # the rules' name of a colour requirement
             colour_met.append(np.mean([ok for name, ok in j.met if name in named]))
+        verdicts[model] = (coloured, colourless)
         row = {"strict": float(np.mean(coloured)), "colourless": float(np.mean(colourless)),
                "colours": float(np.mean(colour_met)), "seconds": round(time.time() - t0, 1)}
         paired = ""
@@ -117,6 +145,8 @@ def main() -> None:
         result["models"][model] = row
         print(f"| {model} | {len(prompts)} | {100 * row['strict']:.1f} | {100 * row['colourless']:.1f} | "
               f"{100 * row['colours']:.1f} | {paired} |", flush=True)
+    if args.strips:
+        strips_picture(args.strips, prompts, drawn, verdicts)
     print(json.dumps(result))
 
 
