@@ -204,25 +204,26 @@ def colourless_captions(caps: list[str], share: float, seed: int) -> list[str]:
 def coloured_two_motion_captions(caps: list[str], recipe: ShapesVideoRecipe) -> list[str]:
     """`caps` (the captions of `recipe`'s latents, in order) with each two-motion caption naming the colours its
     clip's objects were drawn in: the clip's render seed drawn again (`TrainingClips.draws`, chunk by chunk as
-    `encode_latents` drew them) and its scene sampled again from it, as `render_prompt` did."""
+    `encode_latents` drew them) and the scene `render_prompt` drew from it (`prompt_scene`)."""
     from dataclasses import replace
 
     from omniroll.models.shapes_video.data import TrainingClips
     from omniroll.models.shapes_video.pretrain import LATENT_CHUNK
     from omniroll.tasks.moving_shapes.grammar import parse_prompt, prompt_text
-    from omniroll.tasks.moving_shapes.scene import sample_clip_scene
+    from omniroll.tasks.moving_shapes.render import prompt_scene
 
     data, n, drawn, seeds = TrainingClips(recipe.category_weights), len(caps), [], []
     for i, start in enumerate(range(0, n, LATENT_CHUNK)):
         c, s = data.draws(recipe.latent_data_seed, i, min(LATENT_CHUNK, n - start))
-        drawn, seeds = drawn + c, seeds + s
+        drawn.extend(c)
+        seeds.extend(s)
     assert drawn == caps, "the captions drawn again differ from the latents' captions"
     out = []
     for c, seed in zip(caps, seeds):
         spec = parse_prompt(c)
         if spec.tag == "two_motions":
-            scene = sample_clip_scene(spec, np.random.default_rng(seed))
-            c = prompt_text(spec.tag, tuple(replace(a, colour=o.colour) for a, o in zip(spec.actors, scene.objects)))
+            objects = prompt_scene(c, seed).objects  # in the order of the prompt's actors
+            c = prompt_text(spec.tag, tuple(replace(a, colour=o.colour) for a, o in zip(spec.actors, objects)))
         out.append(c)
     return out
 

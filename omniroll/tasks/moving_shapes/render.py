@@ -1,5 +1,6 @@
 """The renderer: a clip scene to uint8 frames [T, 3, H, W] (the layout of a video `RewardSample`), each frame drawn
-by the shapes world's renderer (`omniroll.tasks.shapes.render`), and a seeded `render_prompt` for a prompt."""
+by the shapes world's renderer (`omniroll.tasks.shapes.render`), and a seeded `render_prompt` for a prompt (its scene:
+`prompt_scene`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ def render_clip(scene: ClipScene, world: MovingWorld = DEFAULT_MOVING_WORLD) -> 
     return np.ascontiguousarray(np.stack(frames).transpose(0, 3, 1, 2))
 
 
+def prompt_scene(prompt: str, seed: int, world: MovingWorld = DEFAULT_MOVING_WORLD) -> ClipScene:
+    """The scene `render_prompt(prompt, seed, world)` draws (its objects' colours, paths and timings)."""
+    return sample_clip_scene(parse_prompt(prompt, world), np.random.default_rng(seed), world)
+
+
 def render_prompt(prompt: str, seed: int, world: MovingWorld = DEFAULT_MOVING_WORLD) -> np.ndarray:
     """A clip satisfying a grammar prompt, the same for the same prompt, seed and world (uint8 [T, 3, H, W])."""
-    spec = parse_prompt(prompt, world)
-    return render_clip(sample_clip_scene(spec, np.random.default_rng(seed), world), world)
+    return render_clip(prompt_scene(prompt, seed, world), world)
