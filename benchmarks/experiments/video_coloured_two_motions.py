@@ -51,22 +51,17 @@ def coloured_specs(split: str, pairs: int, seed: int = 0) -> list:
 
 
 def drawn_clips(model: str, prompts: list[str]) -> tuple[list[np.ndarray], list[int]]:
-    """(uint8 clips [T, H, W, 3], seeds): one clip of each prompt by `model` at its evaluation sampling and seeds."""
+    """(uint8 clips [T, H, W, 3], seeds): one clip of each prompt by `model` at the evaluation's sampling (10 steps,
+    the shapes-video model's own) and seeds (the first evaluation seed of each prompt)."""
     from omniroll import GenerationRequest, SamplingParams
     from omniroll.config import load_config
-    from omniroll.engine.config import EngineConfig, torch_dtype
-    from omniroll.engine.engine import DiffusionEngine
-    from omniroll.evaluation.shapes import eval_sampling, eval_seed, sample_array
-    from omniroll.models import load_adapter, resolve_model
+    from omniroll.evaluation.shapes import eval_seed, sample_array
+    from omniroll.evaluation.shapes_proxy import open_engine
 
-    cfg = load_config({"engine": {"model": model, "max_batch_size": 64}})
-    kwargs = cfg.engine.engine_kwargs()
-    kwargs["dtype"] = torch_dtype(kwargs["dtype"])
-    engine = DiffusionEngine(load_adapter(resolve_model(model), device=kwargs["device"], dtype=kwargs["dtype"]),
-                             EngineConfig(**kwargs))
+    engine, sampling = open_engine(model, steps=10)
     try:
-        sp = SamplingParams(**{**eval_sampling(cfg), "logprobs": False})
-        seeds = [eval_seed(cfg.val_kwargs.seed, p, 0) for p in prompts]
+        sp = SamplingParams(**{**sampling, "logprobs": False})
+        seeds = [eval_seed(load_config({}).val_kwargs.seed, p, 0) for p in prompts]
         outs = engine.generate([GenerationRequest(request_id=f"c-{i}", prompt=p, seed=s, sampling_params=sp)
                                 for i, (p, s) in enumerate(zip(prompts, seeds))], progress=True)
     finally:
@@ -100,7 +95,7 @@ def strips_picture(path: str, prompts: list[str], drawn: dict, verdicts: dict, r
 
 
 def main() -> None:
-    from omniroll.evaluation.paired import mcnemar_z
+    from omniroll.evaluation.paired import paired
     from omniroll.tasks.moving_shapes.judge import detect_frames, judge_clip
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -121,7 +116,7 @@ def main() -> None:
     result, first, drawn, verdicts = {"split": args.split, "clips": len(prompts), "models": {}}, None, {}, {}
     for model in args.models:
         t0 = time.time()
-        clips, _ = drawn_clips(model, prompts)
+        clips, seeds = drawn_clips(model, prompts)
         drawn[model] = clips[:8]
         coloured, colourless, colour_met = [], [], []
         for (spec, plain), clip in zip(specs, clips):
@@ -134,17 +129,18 @@ def main() -> None:
         verdicts[model] = (coloured, colourless)
         row = {"strict": float(np.mean(coloured)), "colourless": float(np.mean(colourless)),
                "colours": float(np.mean(colour_met)), "seconds": round(time.time() - t0, 1)}
-        paired = ""
+        pictures = [{"prompt": p, "seed": s, "tag": "two_motions", "strict": v}
+                    for p, s, v in zip(prompts, seeds, coloured)]
+        versus = ""
         if first is None:
-            first = coloured
+            first = pictures
         else:
-            up = sum(b and not a for a, b in zip(first, coloured))
-            down = sum(a and not b for a, b in zip(first, coloured))
-            row.update(up=up, down=down, z=round(mcnemar_z(up, down), 2))
-            paired = f"{up} / {down}, z {row['z']:+.2f}"
+            cmp = paired(first, pictures)["overall"]  # the same (prompt, seed) pairs, or ValueError
+            row.update(up=cmp["up"], down=cmp["down"], z=round(cmp["z"], 2))
+            versus = f"{cmp['up']} / {cmp['down']}, z {row['z']:+.2f}"
         result["models"][model] = row
         print(f"| {model} | {len(prompts)} | {100 * row['strict']:.1f} | {100 * row['colourless']:.1f} | "
-              f"{100 * row['colours']:.1f} | {paired} |", flush=True)
+              f"{100 * row['colours']:.1f} | {versus} |", flush=True)
     if args.strips:
         strips_picture(args.strips, prompts, drawn, verdicts)
     print(json.dumps(result))
