@@ -124,16 +124,25 @@ def test_no_mixed_versions_under_concurrent_updates(tiny_sd3_path):
                     return out
                 assert out.stop_reason == "aborted"
 
-        tasks = [asyncio.create_task(until_done(r)) for r in reqs]
-        for v in (1, 2):
-            await asyncio.sleep(0.05)
-            await asyncio.to_thread(WeightSender([eng]).send, versions[v], v)
+        async def until_running():
+            deadline = time.monotonic() + 30
+            while eng.stats()["running"] == 0:
+                assert time.monotonic() < deadline, "no request started within 30 s"
+                await asyncio.sleep(0.002)
+
+        tasks = [asyncio.create_task(until_done(r)) for r in reqs[:8]]
+        await until_running()  # the first update finds samples in flight: they finish on version 0
+        await asyncio.to_thread(WeightSender([eng]).send, versions[1], 1)
+        await asyncio.sleep(0.02)
+        await asyncio.to_thread(WeightSender([eng]).send, versions[2], 2)
+        tasks += [asyncio.create_task(until_done(r)) for r in reqs[8:]]  # submitted after the last update
         return await asyncio.gather(*tasks)
 
     outs = asyncio.run(run())
     eng.shutdown()
     seen = {o.weight_version for o in outs}
-    assert seen <= {0, 1, 2} and len(seen) >= 2
+    assert seen <= {0, 1, 2} and {0, 2} <= seen, seen
+    assert all(o.weight_version == 2 for o in outs[8:])
     check = DiffusionEngine.from_pretrained(tiny_sd3_path)
     for v in sorted(seen):
         if v:  # version 0 is the checkpoint the engine was loaded with
