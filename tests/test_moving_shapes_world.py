@@ -11,8 +11,8 @@ from omniroll.tasks.moving_shapes.cheats import CHEATS, apply_order, cheat_order
 from omniroll.tasks.moving_shapes.grammar import (
     TAGS, PromptError, all_prompts, all_specs, check_prompts, grammar_words, parse_prompt, twin_prompt, twin_spec)
 from omniroll.tasks.moving_shapes.judge import detect_frames, frames_hwc, judge_clip, score_clip
-from omniroll.tasks.moving_shapes.render import render_clip, render_prompt
-from omniroll.tasks.moving_shapes.scene import sample_clip_scene
+from omniroll.tasks.moving_shapes.render import prompt_scene, render_clip, render_prompt
+from omniroll.tasks.moving_shapes.scene import FIRST_LEFT_GAP, sample_clip_scene
 from omniroll.tasks.moving_shapes.splits import is_heldout, split_prompts
 from omniroll.tasks.moving_shapes.track import Track, TrackerSettings, track
 from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD, MovingWorld
@@ -160,6 +160,32 @@ def test_the_world_refuses_moves_and_timings_it_cannot_draw():
     spec = parse_prompt("a red circle moving up", seven)
     clip = render_clip(sample_clip_scene(spec, np.random.default_rng(0), seven), seven)
     assert clip.shape == (7, 3, 64, 64) and score_clip(spec, clip, seven).strict
+
+
+def test_a_two_motion_scene_can_put_its_first_named_object_left_and_other_scenes_ignore_the_layout():
+    prompts = [p for p in all_prompts() if parse_prompt(p).tag == "two_motions"]
+    passed, sides, kept = [], collections.Counter(), 0
+
+    def middles(scene):
+        return [(o.start[0] + o.end[0]) / 2 for o in scene.objects]
+
+    for i, p in enumerate(prompts):
+        scene, world = prompt_scene(p, 500 + i, layout="first_left"), prompt_scene(p, 500 + i)
+        a, b = middles(scene)
+        assert b - a >= FIRST_LEFT_GAP and scene == prompt_scene(p, 500 + i, layout="first_left"), p
+        wa, wb = middles(world)
+        sides["first left" if wb - wa >= FIRST_LEFT_GAP else "not"] += 1
+        kept += scene == world  # a world's draw that follows the convention is kept as it is
+        assert (scene == world) == (wb - wa >= FIRST_LEFT_GAP), p
+        passed.append(score_clip(parse_prompt(p), render_clip(scene)).strict)
+    assert np.mean(passed) >= 0.99  # the checker asks nothing of where the objects are
+    assert sides["first left"] > 0.2 * len(prompts) and sides["not"] > 0.2 * len(prompts)  # the world: either side
+    assert kept == sides["first left"]
+    for p in ("a red circle moving left", "a red circle appears, then a blue square",
+              "a square turning from red to green"):
+        assert prompt_scene(p, 3, layout="first_left") == prompt_scene(p, 3)
+    with pytest.raises(ValueError, match=r"layout must be one of \['any', 'first_left'\], got 'left'"):
+        render_prompt(prompts[0], 0, layout="left")
 
 
 # ------------------------------------------------------------------------------------------------ the checker

@@ -78,6 +78,52 @@ def test_a_training_batch_is_a_function_of_seed_and_step_and_the_curriculum_star
     assert float(first.min()) >= -1 and float(first.max()) <= 1
 
 
+def test_the_two_motion_layout_places_the_transformers_two_motion_clips_only_and_older_runs_resume(tmp_path):
+    from omniroll.models.shapes_video.data import TrainingClips
+    from omniroll.models.shapes_video.pretrain import encode_latents
+    from omniroll.models.shapes_video.recipe import ShapesVideoRecipe
+    from omniroll.models.shapes_video.resume import check_recipe
+    from omniroll.models.shapes_video.vae import build_vae, encode_means
+    from omniroll.tasks.moving_shapes.grammar import parse_prompt
+    from omniroll.tasks.moving_shapes.render import render_prompt
+
+    weights = {"direction": 1.0, "two_motions": 3.0, "order": 1.0, "change": 1.0}
+    caps, clips = TrainingClips(weights).batch(5, 7, 12)
+    left_caps, left = TrainingClips(weights, two_motions_layout="first_left").batch(5, 7, 12)
+    _, seeds = TrainingClips(weights).draws(5, 7, 12)
+    two = [parse_prompt(c).tag == "two_motions" for c in caps]
+    assert left_caps == caps and any(two) and not all(two)
+    for c, s, a, b, is_two in zip(caps, seeds, clips, left, two):
+        assert np.array_equal(b, render_prompt(c, s, layout="first_left"))
+        assert is_two or np.array_equal(a, b)  # the layout moves two-motion clips only
+    assert any(not np.array_equal(a, b) for a, b, is_two in zip(clips, left, two) if is_two)
+    with pytest.raises(ValueError, match=r"two_motions_layout must be one of \['any', 'first_left'\], got 'left'"):
+        TrainingClips(two_motions_layout="left")
+
+    # the recipe's field reaches the transformer's latents (the VAE's clips keep the world's layout)
+    recipe = dataclasses.replace(TOY, two_motions_layout="first_left", category_weights={"two_motions": 1.0})
+    vae = build_vae(TOY.vae)
+    (tmp_path / "latents").mkdir()
+    with torch.no_grad():
+        got_caps, means = encode_latents(vae, recipe, str(tmp_path / "latents"), False)
+        want_caps, want = TrainingClips({"two_motions": 1.0}, two_motions_layout="first_left").batch(
+            recipe.latent_data_seed, 0, TOY.dit.num_latents)
+        assert got_caps == want_caps and torch.equal(means, encode_means(vae, want))
+    with pytest.raises(ValueError, match="two_motions_layout must be one of"):
+        ShapesVideoRecipe.from_dict({**TOY.to_dict(), "two_motions_layout": "left"})
+
+    # a recipe.json written before the field reads as the world's layout, and that run resumes; another layout not
+    older = TOY.to_dict()
+    del older["two_motions_layout"]
+    assert ShapesVideoRecipe.from_dict(older).two_motions_layout == "any"
+    (tmp_path / "resume").mkdir()
+    (tmp_path / "resume" / "recipe.json").write_text(json.dumps(older))
+    check_recipe(str(tmp_path / "resume"), TOY.to_dict(), written_before={"two_motions_layout": "any"})
+    with pytest.raises(ValueError, match=r"another recipe \(sections \['two_motions_layout'\]"):
+        check_recipe(str(tmp_path / "resume"), recipe.to_dict() | {"category_weights": TOY.category_weights},
+                     written_before={"two_motions_layout": "any"})
+
+
 def test_the_foreground_phase_weighs_object_pixels_and_is_the_plain_loss_at_weight_one():
     from omniroll.models.shapes_video.vae import build_vae, pixel_weights, vae_step
 

@@ -16,6 +16,11 @@ Then, for every category, how steady the long tracks' attributes are: the share 
 common colour and on its most common shape, and the share of tracks whose colour holds on every frame (change clips
 turn colour by design). Two-motion prompts are the only ones naming no colour.
 
+And which side the first-named object is drawn on: over the two-motion clips whose long tracks include one of each
+of the prompt's two (different) shapes, the share where the first-named shape's track lies left of the other's (the
+mean x of its centres; `video_dit_longer.py --first-object-left` trains on clips drawn so, the recipe's clips put it
+on either side alike).
+
     omniroll eval --model shapes-video --prompts train --seeds 2   # draws and keeps the clips
     .venv/bin/python benchmarks/experiments/video_two_motions_failures.py ~/.cache/omniroll/evaluations/<key>
 
@@ -35,7 +40,7 @@ import numpy as np
 from omniroll.evaluation.cache import EvaluationCache
 from omniroll.tasks.moving_shapes.grammar import parse_prompt
 from omniroll.tasks.moving_shapes.judge import detect_frames, judge_clip
-from omniroll.tasks.moving_shapes.track import track
+from omniroll.tasks.moving_shapes.track import centre, track
 
 KINDS = ("pass", "one long track", "a track without a majority shape", "both drawn as one asked shape",
          "a shape not asked", "both asked shapes tracked")
@@ -81,6 +86,20 @@ def steadiness(prompts: list[str], detected: list) -> dict:
             for tag, r in sorted(out.items())}
 
 
+def first_named_left(prompt: str, frames: list) -> bool | None:
+    """Whether the first-named shape's long track lies left of the second's (mean x of its centres); None when the
+    prompt's two shapes are the same or the clip's long tracks hold not exactly one of each."""
+    first, second = (a.shape for a in parse_prompt(prompt).actors)
+    if first == second:
+        return None
+    by_shape = collections.defaultdict(list)
+    for t in long_tracks(frames):
+        by_shape[str(t.shape)].append(float(np.mean([centre(d)[0] for d in t.detections])))
+    if len(by_shape[first]) != 1 or len(by_shape[second]) != 1:
+        return None
+    return by_shape[first][0] < by_shape[second][0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("entries", nargs="+", help="evaluation cache entry directories (entry.json and pictures.png)")
@@ -101,13 +120,17 @@ def main() -> None:
         print(f"{entry}: {n} two-motion clips (weights {e['identity']['weights'][:12]})")
         for k in KINDS:
             print(f"  {k:34s} {kinds[k]:4d}  {100 * kinds[k] / max(n, 1):5.1f} %")
+        sides = [first_named_left(p, f) for p, f in zip(prompts, detected) if parse_prompt(p).tag == "two_motions"]
+        left, judged = sum(x is True for x in sides), sum(x is not None for x in sides)
+        print(f"  first-named shape drawn left of the other: {left} of the {judged} clips with one track of each")
         steady = steadiness(prompts, detected)
         print("  long tracks, per category: share of frames on the most common colour / shape; tracks of one colour")
         for tag, r in steady.items():
             print(f"  {tag:12s} {r['tracks']:4d} tracks  colour {r['colour']:.3f}  shape {r['shape']:.3f}  "
                   f"one colour {100 * r['one_colour']:5.1f} %")
         print(json.dumps({"entry": os.path.basename(os.path.normpath(entry)), "weights": e["identity"]["weights"],
-                          "clips": n, **{k: kinds[k] for k in KINDS}, "steadiness": steady}))
+                          "clips": n, **{k: kinds[k] for k in KINDS}, "first_named_left": left,
+                          "one_track_of_each": judged, "steadiness": steady}))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ pure function of (seed, index), so that any step's batch is drawn again exactly 
 iterator to save).
 
 A caption is a category drawn by `weights` (default: each category alike, whatever its number of prompts), then one
-of its training prompts uniformly; its clip is `render_prompt(caption, clip_seed)` with a clip seed drawn from the
-same generator. Held-out prompts are never captions.
+of its training prompts uniformly; its clip is `render_prompt(caption, clip_seed, layout=two_motions_layout)` with a
+clip seed drawn from the same generator (the layout: where a two-motion clip puts its objects; the world's "any" by
+default). Held-out prompts are never captions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from omniroll.tasks.moving_shapes.grammar import TAGS, parse_prompt
 from omniroll.tasks.moving_shapes.render import render_prompt
+from omniroll.tasks.moving_shapes.scene import TWO_MOTIONS_LAYOUTS
 from omniroll.tasks.moving_shapes.splits import split_prompts
 from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD, MovingWorld
 
@@ -21,8 +23,12 @@ from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD, MovingWorld
 class TrainingClips:
     """The training split's prompts by category; `batch(seed, index, n)` draws n captioned clips."""
 
-    def __init__(self, weights: dict | None = None, world: MovingWorld = DEFAULT_MOVING_WORLD):
-        self.world = world
+    def __init__(self, weights: dict | None = None, world: MovingWorld = DEFAULT_MOVING_WORLD,
+                 two_motions_layout: str = "any"):
+        if two_motions_layout not in TWO_MOTIONS_LAYOUTS:
+            raise ValueError(f"two_motions_layout must be one of {list(TWO_MOTIONS_LAYOUTS)}, got "
+                             f"{two_motions_layout!r}")
+        self.world, self.layout = world, two_motions_layout
         by_tag: dict[str, list[str]] = {t: [] for t in TAGS}
         for p in split_prompts("train", world):
             by_tag[parse_prompt(p, world).tag].append(p)
@@ -49,7 +55,7 @@ class TrainingClips:
     def batch(self, seed: int, index: int, n: int) -> tuple[list[str], np.ndarray]:
         """(captions, uint8 clips [n, T, 3, H, W]): the same for the same (seed, index, n)."""
         caps, seeds = self.draws(seed, index, n)
-        return caps, np.stack([render_prompt(c, s, self.world) for c, s in zip(caps, seeds)])
+        return caps, np.stack([render_prompt(c, s, self.world, self.layout) for c, s in zip(caps, seeds)])
 
 
 def to_video_range(clips: np.ndarray) -> torch.Tensor:

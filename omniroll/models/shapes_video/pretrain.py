@@ -5,8 +5,8 @@ continues and ends bitwise where an uninterrupted run ends).
 1. Train the VAE (single frames, then clips, then clips with object pixels weighted: phases `vae` and
    `vae_foreground`; decoded without the clamp); check it on held-out clips (PSNR, and the moving-shapes checker's
    strict accuracy per category on reconstructions: the ceiling of any generator with it).
-2. Encode `dit.num_latents` training clips to posterior means; their per-channel mean and std become the VAE's
-   `latents_mean` / `latents_std` (saved to `resume/latents.pt`).
+2. Encode `dit.num_latents` training clips (two-motion ones placed by `two_motions_layout`) to posterior means;
+   their per-channel mean and std become the VAE's `latents_mean` / `latents_std` (saved to `resume/latents.pt`).
 3. Embed every training caption and the empty prompt through the Wan adapter's own prompt encoding.
 4. Train the transformer (rectified flow, logit-normal t, CFG dropout, EMA).
 5. Save a `WanPipeline` checkpoint with the EMA transformer (+ `omniroll_defaults.json`, `recipe.json`,
@@ -147,7 +147,8 @@ def encode_latents(vae, recipe: ShapesVideoRecipe, resume: str, progress: bool) 
     if os.path.isfile(path):
         saved = torch.load(path, weights_only=True)
         return list(saved["captions"]), saved["means"]
-    data, chunk, n = TrainingClips(recipe.category_weights), LATENT_CHUNK, recipe.dit.num_latents
+    data = TrainingClips(recipe.category_weights, two_motions_layout=recipe.two_motions_layout)
+    chunk, n = LATENT_CHUNK, recipe.dit.num_latents
     caps, means = [], []
     bar = progress_bar(n, "latents", progress, unit="clip")
     for i, start in enumerate(range(0, n, chunk)):
@@ -246,7 +247,8 @@ def pretrain(recipe: ShapesVideoRecipe, out_dir: str, progress: bool = True, log
     resume = os.path.join(out_dir, "resume")
     # a run from another VAE must not resume this one (nor the reverse)
     check_recipe(resume, recipe.to_dict() if vae_from is None else {**recipe.to_dict(),
-                                                                    "vae_from": os.path.abspath(vae_from)})
+                                                                    "vae_from": os.path.abspath(vae_from)},
+                 written_before={"two_motions_layout": "any"})  # a run of 0.3.39 or before: the world's layout
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.torch_threads)
     times, t_start = {}, time.time()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from omniroll.models.shapes_video.dit import VideoDitRecipe
 from omniroll.models.shapes_video.text import ENCODERS, TEXT_LENGTH, VideoTextRecipe
 from omniroll.models.shapes_video.vae import VideoVaeRecipe
+from omniroll.tasks.moving_shapes.scene import TWO_MOTIONS_LAYOUTS
 from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD
 
 
@@ -34,6 +35,9 @@ class ShapesVideoRecipe:
     size: int = DEFAULT_MOVING_WORLD.picture.size
     vae_data_seed: int = 10
     latent_data_seed: int = 11
+    #: where the transformer's two-motion training clips put their objects (`moving_shapes.scene`'s layouts; the VAE's
+    #: clips always "any", so `--vae-from` takes a VAE whatever this is)
+    two_motions_layout: str = "any"
     check_seed: int = 12
     check_clips: int = 240  # VAE check: held-out clips reconstructed and judged (the ceiling)
     resume_every: int = 100  # steps between saves of a phase's state to <out>/resume/
@@ -79,6 +83,9 @@ class ShapesVideoRecipe:
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 2.0:
             raise ValueError(f"vae.foreground_threshold must be a number in [0, 2), got "
                              f"{self.vae.foreground_threshold!r}")
+        if self.two_motions_layout not in TWO_MOTIONS_LAYOUTS:
+            raise ValueError(f"two_motions_layout must be one of {list(TWO_MOTIONS_LAYOUTS)}, got "
+                             f"{self.two_motions_layout!r}")
         if self.text.encoder not in ENCODERS:
             raise ValueError(f"text.encoder must be one of {list(ENCODERS)}, got {self.text.encoder!r}")
         heads = self.text.num_heads

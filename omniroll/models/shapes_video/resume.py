@@ -29,14 +29,15 @@ def save_atomic(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def check_recipe(resume_dir: str, recipe: dict) -> None:
+def check_recipe(resume_dir: str, recipe: dict, written_before: Optional[dict] = None) -> None:
     """Write `recipe` to `resume_dir/recipe.json`, or, when one is there, check it is the same (ValueError naming the
-    fields that differ: resuming a different recipe would mix two runs)."""
+    fields that differ: resuming a different recipe would mix two runs). `written_before`: top-level fields newer than
+    some runs' files, with the value such a run had (a file without one is read with it)."""
     os.makedirs(resume_dir, exist_ok=True)
     path = os.path.join(resume_dir, RECIPE_FILE)
     if os.path.isfile(path):
         with open(path) as f:
-            old = json.load(f)
+            old = {**(written_before or {}), **json.load(f)}
         now = json.loads(json.dumps(recipe))
         if old != now:
             diff = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))

@@ -18,11 +18,12 @@ def render_clip(scene: ClipScene, world: MovingWorld = DEFAULT_MOVING_WORLD) -> 
     return np.ascontiguousarray(np.stack(frames).transpose(0, 3, 1, 2))
 
 
-def prompt_scene(prompt: str, seed: int, world: MovingWorld = DEFAULT_MOVING_WORLD) -> ClipScene:
-    """The scene `render_prompt(prompt, seed, world)` draws (its objects' colours, paths and timings)."""
-    return sample_clip_scene(parse_prompt(prompt, world), np.random.default_rng(seed), world)
+def prompt_scene(prompt: str, seed: int, world: MovingWorld = DEFAULT_MOVING_WORLD, layout: str = "any") -> ClipScene:
+    """The scene `render_prompt(prompt, seed, world, layout)` draws (its objects' colours, paths and timings; `layout`:
+    where a two-motion scene puts its objects, `scene.TWO_MOTIONS_LAYOUTS`)."""
+    return sample_clip_scene(parse_prompt(prompt, world), np.random.default_rng(seed), world, layout=layout)
 
 
-def render_prompt(prompt: str, seed: int, world: MovingWorld = DEFAULT_MOVING_WORLD) -> np.ndarray:
-    """A clip satisfying a grammar prompt, the same for the same prompt, seed and world (uint8 [T, 3, H, W])."""
-    return render_clip(prompt_scene(prompt, seed, world), world)
+def render_prompt(prompt: str, seed: int, world: MovingWorld = DEFAULT_MOVING_WORLD, layout: str = "any") -> np.ndarray:
+    """A clip satisfying a grammar prompt, the same for the same prompt, seed, world and layout (uint8 [T, 3, H, W])."""
+    return render_clip(prompt_scene(prompt, seed, world, layout), world)

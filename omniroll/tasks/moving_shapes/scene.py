@@ -11,6 +11,13 @@ A scene holds exactly the objects its prompt asks for (colours the prompt does n
 
 Every object stays inside the canvas's margins in every frame, and two objects never overlap or touch
 (`World.gap`), so each is one blob for the checker in every frame.
+
+Where a two-motion scene puts its two objects is its `layout` (`TWO_MOTIONS_LAYOUTS`): "any" (the world's: wherever
+their paths fit, either object on either side) or "first_left" (drawn again until the middle of the first-named
+object's path lies at least `FIRST_LEFT_GAP` px left of the second's; a rule on the start would contradict the
+directions, e.g. the first object moving left and the second right). The checker asks nothing of where objects are,
+so both satisfy the prompt; "first_left" is a convention a model's training clips can follow so that each shape word
+goes with a side of the clip (the shapes-video recipe's `two_motions_layout`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,11 @@ import numpy as np
 from omniroll.tasks.moving_shapes.grammar import ClipSpec
 from omniroll.tasks.moving_shapes.world import DEFAULT_MOVING_WORLD, DIRECTIONS, MovingWorld
 from omniroll.tasks.shapes.scene import Scene, SceneError, SceneObject
+
+#: where a two-motion scene puts its objects (module doc)
+TWO_MOTIONS_LAYOUTS = ("any", "first_left")
+#: px (of the 64 px canvas) the middle of the first-named object's path lies left of the other's under "first_left"
+FIRST_LEFT_GAP = 8.0
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,19 @@ def _mover(shape: str, colour: str, direction: Optional[str], rng: np.random.Gen
     return MovingObject(shape, size, (sx, sy), (sx + dx * move, sy + dy * move), colour)
 
 
+def _first_left(objects: tuple[MovingObject, ...]) -> bool:
+    a, b = ((o.start[0] + o.end[0]) / 2 for o in objects)
+    return b - a >= FIRST_LEFT_GAP
+
+
 def sample_clip_scene(spec: ClipSpec, rng: np.random.Generator, world: MovingWorld = DEFAULT_MOVING_WORLD,
-                      max_tries: int = 2000) -> ClipScene:
+                      max_tries: int = 2000, layout: str = "any") -> ClipScene:
     """A random scene holding exactly `spec`'s objects doing what it asks (the module doc); two objects are drawn
-    again (at most `max_tries` times) until they keep `World.gap` apart in every frame."""
+    again (at most `max_tries` times) until they keep `World.gap` apart in every frame and, in a two-motion scene,
+    follow `layout` (the module doc; other categories ignore it)."""
+    if layout not in TWO_MOTIONS_LAYOUTS:
+        raise ValueError(f"layout must be one of {list(TWO_MOTIONS_LAYOUTS)}, got {layout!r}")
+    placed = _first_left if layout == "first_left" and spec.tag == "two_motions" else (lambda objects: True)
     colours = world.colours
 
     def colour_of(c: Optional[str]) -> str:
@@ -111,8 +132,8 @@ def sample_clip_scene(spec: ClipSpec, rng: np.random.Generator, world: MovingWor
             objects = (replace(still, becomes=a.becomes, change_frame=int(rng.choice(world.change_frames))),)
         else:
             raise ValueError(f"unknown tag {spec.tag!r}")
-        if len(objects) < 2 or all(_apart(p, q, world.picture.gap) for t in range(T)
-                                   for p, q in [(objects[0].at(t, T), objects[1].at(t, T))]
-                                   if p is not None and q is not None):
+        if len(objects) < 2 or (all(_apart(p, q, world.picture.gap) for t in range(T)
+                                    for p, q in [(objects[0].at(t, T), objects[1].at(t, T))]
+                                    if p is not None and q is not None) and placed(objects)):
             return ClipScene(objects, T)
     raise SceneError(f"no placement of {spec.prompt!r} found in {max_tries} tries on a {world.size}px canvas")
