@@ -122,10 +122,10 @@ def main() -> None:
     n = args.num_latents or recipe.dit.num_latents
     tag = "" if weights == recipe.category_weights else "_" + "_".join(f"{k}{v:g}" for k, v in weights.items())
     cache = os.path.join(args.out, f"latents_{n}{tag}")  # encode_latents keeps them in <dir>/latents.pt
-    os.makedirs(cache, exist_ok=True)
     first_n = dataclasses.replace(recipe, dit=dataclasses.replace(recipe.dit, num_latents=n), category_weights=weights)
     if args.first_object_left:
         first_n, cache = dataclasses.replace(first_n, two_motions_layout="first_left"), cache + "_first_left"
+    os.makedirs(cache, exist_ok=True)
     with torch.no_grad():
         caps, means = encode_latents(vae, first_n, cache, True)
     latents = normalise(vae, means)
