@@ -196,19 +196,25 @@ class EngineContender:
     """omniroll's engine in a speed comparison: `run(mode)` draws one sample per prompt (`ENGINE_MODES[mode]` over
     `sampling`, seeds `seed_of(i)`, an empty negative prompt, the prompt cache cleared first so every run encodes its
     prompts, like a pipeline call) and checks each is a finished uint8 sample of `shape` (with finite log-probs on the
-    SDE window); returns how many."""
+    SDE window); returns how many. `row_threads` > 1: the engine's row threads (`EngineConfig.row_threads`), each at
+    one torch thread, instead of `threads` intra-op threads."""
 
     def __init__(self, path: str, prompts: list[str], sampling: dict, invariant: bool, rows: int, threads: int,
-                 shape: tuple[int, ...]):
+                 shape: tuple[int, ...], row_threads: int = 1):
         from omniroll.engine.engine import DiffusionEngine
         from omniroll.engine.params import SamplingParams
 
         self.engine = DiffusionEngine.from_pretrained(path, max_batch_size=rows, batch_invariant=invariant,
-                                                      num_threads=threads)
+                                                      **({"row_threads": row_threads} if row_threads > 1
+                                                         else {"num_threads": threads}))
         self.prompts, self.shape, self.runs = prompts, shape, 0
         self.params = {mode: SamplingParams(**sampling, **kw) for mode, kw in ENGINE_MODES.items()}
 
     def run(self, mode: str) -> int:
+        return len(self.outputs(mode))
+
+    def outputs(self, mode: str) -> list:
+        """The checked outputs of one run."""
         from omniroll.engine.params import GenerationRequest
 
         self.runs += 1
@@ -221,7 +227,7 @@ class EngineContender:
                    and tuple(o.diffusion_output.shape) == self.shape for o in outs)
         if mode == "sde":
             assert all(o.log_probs.shape == (3,) and torch.isfinite(o.log_probs).all() for o in outs)
-        return len(outs)
+        return outs
 
 
 def equal_outputs(a, b) -> bool:

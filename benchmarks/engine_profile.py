@@ -35,8 +35,8 @@ import pstats
 import sys
 import time
 
-from _common import machine_info, quiet_libraries, rnd  # noqa: E402
-from engine_vs_diffusers import ODE, SAMPLING, SDE, load_prompts, seed_of  # noqa: E402
+from _common import ENGINE_MODES, machine_info, quiet_libraries, rnd, seed_of  # noqa: E402
+from engine_vs_diffusers import SAMPLING, load_prompts  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,13 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_once(engine, prompts: list[str], params, tag: str) -> list:
     """Every prompt's request through the engine's loop, driven on this thread."""
-    from omniroll.engine.admission import admit
+    from omniroll.engine.admission import accept
     from omniroll.engine.params import GenerationRequest
 
     engine.prompt_cache.clear()
     requests = [GenerationRequest(request_id=f"{tag}-{i}", prompt=p, negative_prompt="", seed=seed_of(i),
                                   sampling_params=params) for i, p in enumerate(prompts)]
-    futures, states = admit(engine.adapter, engine.config, engine.runner.device, requests, engine.inbox.release)
+    futures, states = accept(engine.adapter, engine.config, engine.runner.device, requests, engine.inbox.release)
     for s in states:
         engine.scheduler.add(s)
     while engine.scheduler.has_work():
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     info = machine_info(args.threads)
     engine = DiffusionEngine.from_pretrained(resolve_model("shapes"), max_batch_size=args.rows,
                                              batch_invariant=not args.plain, num_threads=args.threads)
-    params = SamplingParams(**SAMPLING, **(SDE if args.mode == "sde" else ODE))
+    params = SamplingParams(**SAMPLING, **ENGINE_MODES[args.mode])
     prompts = load_prompts(args.prompts)
     run_once(engine, prompts, params, "warm")
     steps_before = engine.steps_run

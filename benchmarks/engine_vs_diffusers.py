@@ -11,12 +11,17 @@ pixels out. Contenders:
               batch_invariant on (`inv`) and off (`plain`), at `max_batch_size` 64 (96 CFG rows: two forwards a step)
               and 128 (one), on the ODE (noise level 0, no log-probs) and with Flow-GRPO's SDE window (the shapes
               recipe's: 3 steps drawn in [0, 5], noise 0.8, log-probs recorded)
+  engine, row threads (`rows`; at 2 threads and more): the same engine with `row_threads` = the thread count
+              instead of intra-op threads: each step's rows split into that many forwards run at once, each on
+              one torch thread (a sample's bits are the 1-thread engine's; checked here against it)
 The prompt encodings are part of the work for both (the engine's prompt cache is cleared before every timed run).
 Every contender runs once to warm up, then `--rounds` interleaved rounds (A B C ... A B C ...), at each thread count
-(`torch.set_num_threads` for diffusers, the engine's `num_threads`). Headline: the median of the rounds' pictures/s,
-best beside it; the ratio is engine / diffusers. The machine may be shared: the load average at start and end is
-recorded, and the CPU seconds this process spent per picture (all its threads; a measure of the work that sharing
-disturbs less than wall time) are printed beside, with their ratio diffusers / engine. The last line is one JSON object.
+(`torch.set_num_threads` for diffusers, the engine's `num_threads`; the count each contender runs at is set again
+before each of its runs, as the row-thread engines run torch at one thread). Headline: the median of the rounds'
+pictures/s, best beside it; the ratio is engine / diffusers. The machine may be shared: the load average at start
+and end is recorded, and the CPU seconds this process spent per picture (all its threads; a measure of the work that
+sharing disturbs less than wall time) are printed beside, with their ratio diffusers / engine. The last line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import (EngineContender, interleaved_rounds, machine_info, print_versus,  # noqa: E402
-                     quiet_libraries, record_loadavg, seed_of)
+from _common import (EngineContender, equal_outputs, interleaved_rounds, machine_info,  # noqa: E402
+                     print_versus, quiet_libraries, record_loadavg, seed_of)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = os.path.join(ROOT, "examples", "shapes_eval_train.txt")
 ENGINES = [(inv, rows) for rows in (64, 128) for inv in (True, False)]
+ROW_ENGINES = [(True, 64), (True, 128), (False, 128)]  # with row threads, at 2 threads and more
 SAMPLING = dict(height=64, width=64, num_inference_steps=10, guidance_scale=4.5, max_sequence_length=12)
 
 
@@ -44,10 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=48, help="pictures per run (the prompt file's lines, cycled)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds per thread count")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads, one pass each")
-    ap.add_argument("--smoke", action="store_true", help="4 pictures, 1 round, 1 thread: checks the script")
+    ap.add_argument("--smoke", action="store_true", help="4 pictures, 1 round, 1 and 2 threads: checks the script")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.prompts, args.rounds, args.threads = 4, 1, [1]
+        args.prompts, args.rounds, args.threads = 4, 1, [1, 2]
     if args.prompts < 1 or args.rounds < 1 or min(args.threads) < 1:
         ap.error("--prompts, --rounds and --threads must be >= 1")
     return args
@@ -82,18 +88,42 @@ def one_pass(path: str, prompts: list[str], threads: int, rounds: int) -> dict[s
     torch.set_num_threads(threads)
     pipe = Diffusers(path, prompts)
     shape = (3, SAMPLING["height"], SAMPLING["width"])
-    engines = {(inv, rows): EngineContender(path, prompts, SAMPLING, inv, rows, threads, shape)
+    engines = {(inv, rows, 1): EngineContender(path, prompts, SAMPLING, inv, rows, threads, shape)
                for inv, rows in ENGINES}
-    torch.set_num_threads(threads)  # the pipeline runs on this thread
-    contenders = {"diffusers": pipe.run}
-    for (inv, rows), eng in engines.items():
+    if threads > 1:
+        engines.update({(inv, rows, threads): EngineContender(path, prompts, SAMPLING, inv, rows, threads, shape,
+                                                              row_threads=threads) for inv, rows in ROW_ENGINES})
+
+    def at(n: int, fn):  # torch's threads for this contender (row-thread engines set 1), then its run
+        return lambda: (torch.set_num_threads(n), fn())[1]
+
+    contenders = {"diffusers": at(threads, pipe.run)}
+    for (inv, rows, row_threads), eng in engines.items():
         for mode in ("ode", "sde"):
-            contenders[f"{'inv' if inv else 'plain'}_{mode}_{rows}"] = (lambda e=eng, m=mode: e.run(m))
+            name = f"{'inv' if inv else 'plain'}_{mode}{'_rows' if row_threads > 1 else ''}_{rows}"
+            contenders[name] = at(1 if row_threads > 1 else threads, lambda e=eng, m=mode: e.run(m))
     try:
-        return interleaved_rounds(contenders, rounds)
+        rounds_out = interleaved_rounds(contenders, rounds)
+        if threads > 1:
+            check_row_threads(path, prompts, shape, engines[(True, 64, threads)])
+        return rounds_out
     finally:
         for eng in engines.values():
             eng.engine.shutdown()
+
+
+def check_row_threads(path: str, prompts: list[str], shape: tuple, rows: EngineContender) -> None:
+    """The row-thread engine drew the samples of an engine at 1 torch thread (made here), bitwise (batch-invariant,
+    the SDE window)."""
+    torch.set_num_threads(1)
+    one = EngineContender(path, prompts, SAMPLING, True, 64, 1, shape)
+    try:
+        a, b = one.outputs("sde"), rows.outputs("sde")
+    finally:
+        one.engine.shutdown()
+    if not equal_outputs(a, b):
+        raise AssertionError("the row-thread engine's samples differ from the 1-thread engine's")
+    print("# row threads: every sample bitwise the 1-thread engine's (batch-invariant, SDE window)", flush=True)
 
 
 def main(argv=None) -> int:

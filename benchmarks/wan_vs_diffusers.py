@@ -13,6 +13,9 @@ each, at the checkpoint's own sampling defaults (`omniroll_defaults.json`: 9 fra
               in one forward (`max_batch_size` 2 x clips): batch_invariant on (`inv`) and off (`plain`) on the ODE
               (noise level 0, no log-probs), and `inv_sde` with Flow-GRPO's SDE window (3 steps drawn in [0, 5],
               noise 0.8, log-probs recorded)
+  engine, row threads (at `--threads` 2 and more): `inv_ode_rows` and `inv_sde_rows`, the same engine with
+              `row_threads` = the thread count instead of intra-op threads (each step's rows split into that many
+              forwards at once, each on one torch thread; a clip's bits are a 1-thread engine's)
 The prompt encodings are part of the work for both (the engine's prompt cache is cleared before every timed run).
 Every contender runs once to warm up, then `--rounds` interleaved rounds (A B C ... A B C ...) at `--threads` torch
 threads (default 1). Headline: the median of the rounds' clips/s, best beside it; the ratio is engine / diffusers.
@@ -108,10 +111,19 @@ def main(argv=None) -> int:
         shape = (sampling["num_frames"], 3, sampling["height"], sampling["width"])
         engines = {inv: EngineContender(path, prompts, sampling, inv, 2 * len(prompts), args.threads, shape)
                    for inv in (True, False)}
-        torch.set_num_threads(args.threads)  # the pipeline runs on this thread
-        contenders = {"diffusers": pipe.run}
+        if args.threads > 1:
+            engines["rows"] = EngineContender(path, prompts, sampling, True, 2 * len(prompts), args.threads, shape,
+                                              row_threads=args.threads)
+
+        def at(n: int, fn):  # torch's threads for this contender (the row-thread engine sets 1), then its run
+            return lambda: (torch.set_num_threads(n), fn())[1]
+
+        contenders = {"diffusers": at(args.threads, pipe.run)}
         for name, inv, mode in ENGINES:
-            contenders[f"{name}_{mode}"] = (lambda e=engines[inv], m=mode: e.run(m))
+            contenders[f"{name}_{mode}"] = at(args.threads, lambda e=engines[inv], m=mode: e.run(m))
+        if args.threads > 1:
+            for mode in ("ode", "sde"):
+                contenders[f"inv_{mode}_rows"] = at(1, lambda m=mode: engines["rows"].run(m))
         try:
             rounds = interleaved_rounds(contenders, args.rounds)
         finally:

@@ -5,7 +5,7 @@ from omniroll.engine.output import DiffusionOutput
 from omniroll.engine.params import GenerationRequest, SamplingParams
 
 __all__ = ["DiffusionOutput", "GenerationRequest", "SamplingParams", "DiffusionEngine"]
-__version__ = "0.3.41"
+__version__ = "0.3.42"
 
 
 def __getattr__(name):

@@ -58,8 +58,8 @@ class DiffusionEngine(ControlMethods):
     def __init__(self, adapter: DiffusionAdapter, config: Optional[EngineConfig] = None):
         self.adapter = adapter
         self.config = config or EngineConfig()
-        if self.config.num_threads is not None:
-            torch.set_num_threads(self.config.num_threads)
+        if self.config.num_threads is not None or self.config.row_threads > 1:
+            torch.set_num_threads(self.config.num_threads or 1)  # row threads: one torch thread each
         self.runner = ModelRunner(adapter, self.config)
         self.calibrator = None
         rows = self.config.max_batch_size
@@ -224,6 +224,7 @@ class DiffusionEngine(ControlMethods):
             thread.join(timeout=timeout_s)
         if thread is None or not thread.is_alive():
             self.completion.fail_pending()
+            self.runner.shutdown()
         exit_hook.forget(self)
 
     # ------------------------------------------------------------------ submission (caller threads)

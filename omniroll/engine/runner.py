@@ -2,6 +2,9 @@
 CFG rows included, then each row's step: the SDE step, or its solver's) and the decode of finished samples, each
 inside the execution mode of engine/execution.py (batch-invariant kernels), which the trainer's recompute enters too.
 
+With `row_threads` > 1 (engine/row_threads.py) a step's rows run as several forwards at once, and a decode's blocks
+too, each on its own thread at one torch thread.
+
 Everything stays on the engine's device: the rows' latents, timesteps, sigmas, noise levels, solver coefficients and
 noise are device tensors held by their RequestStates, the CFG mix and the steps run where the velocity is, and nothing
 is read back to the host, so a step queues its kernels without waiting for the previous step to finish.
@@ -14,6 +17,7 @@ import torch
 from omniroll.engine.config import EngineConfig
 from omniroll.engine.execution import execution_mode
 from omniroll.engine.request import RequestState
+from omniroll.engine.row_threads import RowThreads
 from omniroll.models.base import NO_CFG, DiffusionAdapter, stack_conditioning
 from omniroll.sampling import sde_step
 from omniroll.weights import weights_digest
@@ -24,6 +28,7 @@ class ModelRunner:
         self.adapter = adapter
         self.config = config
         self.device = torch.device(config.device)
+        self.row_threads = RowThreads(config.row_threads) if config.row_threads > 1 else None
 
     def execution_mode(self):
         """The context every model call runs in (batch-invariant when configured)."""
@@ -43,18 +48,15 @@ class ModelRunner:
         """Advance every state by one step. Each row keeps its own sigma, guidance, noise level, SDE type, window and
         solver. All rows share a batch key, hence a latent shape and a denoiser (`expert`)."""
         # 1. The velocity of every row: one forward for the batch, CFG rows included.
+        #    With row threads: one forward per share of the rows, at once (the same bits in batch-invariant mode).
         inputs = [s.step_inputs() for s in states]  # (timestep, sigma, sigma_next, noise_level, sde_code)
-        cfg = [s for s in states if s.cfg_scale != NO_CFG]
         latents = torch.stack([s.latents for s in states])
-        guidance = None
-        if self.adapter.guidance_kind == "distilled":
-            guidance = torch.stack([s.dev_guidance for s in states])
-        with self.execution_mode():
-            v = self.adapter.guided_velocity(
-                latents, torch.stack([x[0] for x in inputs]), stack_conditioning([s.cond for s in states]),
-                stack_conditioning([s.uncond for s in cfg]) if cfg else None, [s.cfg_scale for s in states],
-                guidance=guidance, expert=states[0].expert,
-            )
+        if self.row_threads is None:
+            v = self._velocity(states, [x[0] for x in inputs], latents)
+        else:
+            spans = self.row_threads.spans([s.num_rows for s in states])
+            v = torch.cat(self.row_threads.map(
+                lambda span: self._velocity(states[span[0]:span[1]], [x[0] for x in inputs[span[0]:span[1]]]), spans))
 
         # 2. Which rows take a solver's step (a deterministic step of a solver other than euler, sampling/solvers.py);
         #    every other row takes `sde_step`: its SDE window's step, or at noise level 0 the Euler step.
@@ -94,6 +96,24 @@ class ModelRunner:
         for i, s in enumerate(states):
             s.advance(*results[i])
 
+    def _velocity(self, states: list[RequestState], timesteps: list[torch.Tensor],
+                  latents: torch.Tensor | None = None) -> torch.Tensor:
+        """The guided velocity of `states`' rows: one forward, CFG rows included, in the execution mode (entered
+        here, with no_grad: both are per thread, and a row thread calls this). `latents`: their stacked latents when
+        the caller has them."""
+        cfg = [s for s in states if s.cfg_scale != NO_CFG]
+        if latents is None:
+            latents = torch.stack([s.latents for s in states])
+        guidance = None
+        if self.adapter.guidance_kind == "distilled":
+            guidance = torch.stack([s.dev_guidance for s in states])
+        with torch.no_grad(), self.execution_mode():
+            return self.adapter.guided_velocity(
+                latents, torch.stack(timesteps), stack_conditioning([s.cond for s in states]),
+                stack_conditioning([s.uncond for s in cfg]) if cfg else None, [s.cfg_scale for s in states],
+                guidance=guidance, expert=states[0].expert,
+            )
+
     def sample_identity(self) -> dict:
         """What a sample's pixels depend on besides its request: the digest of the weights as they compute
         (`omniroll.weights.weights_digest`: every component, a merged adapter counted in its base layers), the
@@ -104,7 +124,7 @@ class ModelRunner:
 
         return {"weights": weights_digest(self.adapter.modules()), "execution": self.execution_info(),
                 "decode_batch_size": int(self.config.decode_batch_size), "device": str(self.config.device),
-                "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                "torch_threads": 1 if self.row_threads else torch.get_num_threads(), "torch": torch.__version__,
                 "diffusers": diffusers.__version__}
 
     @torch.no_grad()
@@ -115,13 +135,23 @@ class ModelRunner:
         kernels give a sample the same bits whatever its position and block mates (tested), while another batch size
         may move them (~1e-5), so a sample's pixels never depend on what finished with it."""
         block = self.config.decode_batch_size
-        outs = []
-        for chunk in latents.split(block):
+
+        def decode_block(chunk: torch.Tensor) -> torch.Tensor:
             n = chunk.shape[0]
             if self.config.batch_invariant and n < block:
                 chunk = torch.cat([chunk, chunk.new_zeros((block - n,) + tuple(chunk.shape[1:]))])
-            outs.append(self.adapter.decode(chunk.to(self.device)).float().cpu()[:n])
-        return torch.cat(outs)
+            with torch.no_grad():  # per thread: a row thread runs this too
+                return self.adapter.decode(chunk.to(self.device)).float().cpu()[:n]
+
+        chunks = list(latents.split(block))
+        if self.row_threads is None:
+            return torch.cat([decode_block(c) for c in chunks])
+        return torch.cat(self.row_threads.map(decode_block, chunks))
+
+    def shutdown(self) -> None:
+        """Stop the row threads (if any); idle ones exit at once."""
+        if self.row_threads is not None:
+            self.row_threads.shutdown()
 
 
 def _pick(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -215,8 +215,11 @@ def create_replicas(
         raise ValueError(f"replicas.count must be >= 1, got {n}")
     # Ray starts actors with OMP_NUM_THREADS=1 (or its CPU share); the OpenMP runtime reads it when torch loads, and
     # a later torch.set_num_threads(n) does not undo all of it (measured: the same engine ~5% slower). Start each
-    # replica with the thread count it will use.
-    threads = (engine_kwargs or {}).get("num_threads") or max(1, int(num_cpus))
+    # replica with the thread count it will use (row threads: one torch thread each).
+    kwargs = engine_kwargs or {}
+    row_threads = kwargs.get("row_threads", 1)  # its type and range: EngineConfig's check, in the replica
+    threads = 1 if isinstance(row_threads, int) and row_threads > 1 else \
+        kwargs.get("num_threads") or max(1, int(num_cpus))
     opts = dict(max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
                 **({"resources": dict(resources)} if resources else {}))
