@@ -309,3 +309,29 @@ def test_a_prompt_file_is_read_in_canonical_form_and_lines_outside_the_grammar_a
     assert prompts_of("heldout") == split_prompts("heldout")
     with pytest.raises(FileNotFoundError, match="train"):
         prompts_of(str(tmp_path / "missing.txt"))
+
+
+def test_a_clip_with_an_object_its_prompt_does_not_name_passes_the_rules_and_is_counted_extra(rendered):
+    """The renderer's clips never show an extra object; a clip of "a red circle moving left" with a blue square
+    moving up pasted in (no overlap) passes its prompt's rules and is flagged `extra`, and a report counts it."""
+    from omniroll.evaluation.worlds import WORLDS
+    from omniroll.tasks.moving_shapes.report import score_clips
+    from omniroll.tasks.shapes.report import Report
+
+    assert not any(judge_clip(spec, dets).extra for spec, _, dets in rendered)
+    prompt = "a red circle moving left"
+    alone, other = frames_hwc(render_prompt(prompt, 2)), frames_hwc(render_prompt("a blue square moving up", 102))
+    background = alone[0, 0, 0]
+    mine, theirs = (alone != background).any(-1), (other != background).any(-1)
+    assert (mine & theirs).sum() <= 4  # the two objects do not meet
+    both = alone.copy()
+    both[theirs & ~mine] = other[theirs & ~mine]
+    alone_j, both_j = score_clip(parse_prompt(prompt), alone), score_clip(parse_prompt(prompt), both)
+    assert alone_j.strict and not alone_j.extra
+    assert both_j.strict and both_j.extra  # the rules find the circle; only `extra` sees the square
+    rows = score_clips([prompt, prompt, prompt], [alone, both, alone])
+    assert [r.extra for r in rows] == [False, True, False]
+    world = WORLDS["moving_shapes"]
+    report = Report.from_rows(rows, world.tags, world.extra_label)
+    assert report.overall["extra_objects"] == pytest.approx(1 / 3)
+    assert "clips with more objects than the prompt names: 33.3 %" in report.table()

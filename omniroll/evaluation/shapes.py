@@ -106,7 +106,7 @@ def scored(pictures: list[np.ndarray], prompts: list[str], seeds: list[int], tas
     """The samples scored in `task`'s world and tabulated."""
     world = world_for(task)
     rows = world.score(prompts, pictures, seeds)
-    return Evaluation(prompts, seeds, pictures, rows, Report.from_rows(rows, world.tags), task)
+    return Evaluation(prompts, seeds, pictures, rows, Report.from_rows(rows, world.tags, world.extra_label), task)
 
 
 def write_evaluation(ev: Evaluation, out_dir: str, name: str = "eval", title: str = "",

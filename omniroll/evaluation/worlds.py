@@ -35,6 +35,15 @@ class EvalWorld:
         return "clip" if self.clips else "picture"
 
     @property
+    def extra_label(self) -> str:
+        """What a sample's `extra` means, in a report's words."""
+        if self.clips:
+            return "clips with more objects than the prompt names"
+        from omniroll.tasks.shapes.report import EXTRA_LABEL
+
+        return EXTRA_LABEL
+
+    @property
     def tags(self) -> tuple[str, ...]:
         """The world's categories, in its grammar's order."""
         if self.clips:

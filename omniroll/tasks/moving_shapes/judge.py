@@ -4,6 +4,12 @@ through the tracker to the rules of its category (`rules.py`).
 `score_clip(spec, clip)` = `judge_clip(spec, detect_frames(clip))`; the split lets a caller detect a clip's frames
 once and judge them in another order (the cheats of `cheats.py` reorder frames, so their detections are the same
 frames' detections reordered).
+
+Besides the verdict, `extra`: the clip shows more objects than its prompt names (the detector finds more objects
+than the prompt's actors in at least half of its frames). The world's scenes hold exactly the named objects, so the
+renderer's clips never show one; a model that draws one more object is not failed for it by the rules (an actor's
+track is still found), so a reward built on them can teach extra objects, which this counts (the shapes checker's
+`Judgement.extra` for pictures).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from omniroll.tasks.shapes.detect import Detection, DetectorSettings, detect
 class ClipJudgement:
     """strict: every requirement met. partial: the share met, in [0, 1]. continuous: the mean graded value, in
     [0, 1]. reasons: why strict failed (empty on a pass). motion: the clip's mean tracked displacement in px (the
-    motion meter, whatever the prompt). met: (requirement name, met) pairs."""
+    motion meter, whatever the prompt). met: (requirement name, met) pairs. extra: more objects than the prompt
+    names (module doc)."""
 
     strict: bool
     partial: float
@@ -31,6 +38,7 @@ class ClipJudgement:
     motion: float
     reasons: tuple[str, ...] = ()
     met: tuple[tuple[str, bool], ...] = field(default_factory=tuple)
+    extra: bool = False
 
 
 def frames_hwc(clip) -> np.ndarray:
@@ -59,7 +67,14 @@ def judge_clip(spec: ClipSpec, frames: list[list[Detection]], tracker: TrackerSe
     reqs = requirements(spec, tracks, len(frames), rules)
     met = [r.met for r in reqs]
     return ClipJudgement(all(met), float(np.mean(met)), float(np.mean([r.graded for r in reqs])), motion(tracks),
-                         tuple(r.reason for r in reqs if not r.met), tuple((r.name, r.met) for r in reqs))
+                         tuple(r.reason for r in reqs if not r.met), tuple((r.name, r.met) for r in reqs),
+                         shows_extra(spec, frames))
+
+
+def shows_extra(spec: ClipSpec, frames: list[list[Detection]]) -> bool:
+    """Whether the detector finds more objects than `spec` names in at least half of the frames (module doc)."""
+    crowded = sum(len(detections) > len(spec.actors) for detections in frames)
+    return 2 * crowded >= len(frames)
 
 
 def score_clip(spec: ClipSpec, clip, world: MovingWorld = DEFAULT_MOVING_WORLD) -> ClipJudgement:

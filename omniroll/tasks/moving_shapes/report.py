@@ -47,7 +47,7 @@ def score_clips(prompts: list[str], clips, seeds: Optional[list[int]] = None,
         cheats = tuple((name, judge_clip(spec, [frames[k] for k in cheat_order(name, len(frames), rng)]).strict)
                        for name in BASELINES)
         rows.append(Scored(spec.prompt, spec.tag, j.strict, j.partial, judge_clip(twins[spec.prompt], frames).strict,
-                           j.reasons, cheats))
+                           j.reasons, cheats, extra=j.extra))
     return rows
 
 

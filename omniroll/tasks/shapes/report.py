@@ -38,7 +38,9 @@ class Scored:
     chance: bool  # strict against the chance prompt
     reasons: tuple[str, ...] = ()
     baselines: tuple[tuple[str, bool], ...] = ()  # (baseline, strict) pairs: a clip's frames frozen, shuffled
-    extra: Optional[bool] = None  # more of a prompted shape than asked (`Judgement.extra`); None: not judged
+    # extra objects (a picture: more of a prompted shape than asked, `Judgement.extra`; a clip: more objects than its
+    # prompt names, `ClipJudgement.extra`); None: not judged
+    extra: Optional[bool] = None
 
 
 def chance_prompt(spec: PromptSpec, world: World = DEFAULT_WORLD) -> str:
@@ -80,6 +82,10 @@ def score_pictures(prompts: list[str], pictures, world: World = DEFAULT_WORLD) -
     return rows
 
 
+#: what a picture's `extra` counts, in a report's words
+EXTRA_LABEL = "pictures with more of a prompted shape than asked"
+
+
 def binomial_se(p: float, n: int) -> float:
     """The standard error sqrt(p (1 - p) / n) of a pass rate p measured on n pictures (0 pictures: nan)."""
     return math.sqrt(p * (1 - p) / n) if n > 0 else float("nan")
@@ -98,11 +104,12 @@ class Report:
 
     categories: dict[str, dict] = field(default_factory=dict)
     overall: dict = field(default_factory=dict)
+    extra_label: str = EXTRA_LABEL  # what `extra_objects` counts, in the table's words
 
     @classmethod
-    def from_rows(cls, rows: list[Scored], tags: tuple[str, ...] = TAGS) -> "Report":
+    def from_rows(cls, rows: list[Scored], tags: tuple[str, ...] = TAGS, extra_label: str = EXTRA_LABEL) -> "Report":
         """The report of `rows`, its categories in the order of `tags` (default: the shapes world's; the
-        moving-shapes world passes its own)."""
+        moving-shapes world passes its own, and the words for its extra objects)."""
         cats = {}
         for tag in tags:
             mine = [r for r in rows if r.tag == tag]
@@ -124,7 +131,7 @@ class Report:
         judged = [r.extra for r in rows if r.extra is not None]
         if judged:  # a reward that counts badly teaches extra objects (module doc of omniroll.tasks.shapes.judge)
             overall["extra_objects"] = float(np.mean(judged))
-        return cls(cats, overall)
+        return cls(cats, overall, extra_label)
 
     def to_dict(self) -> dict:
         return {"categories": self.categories, "overall": self.overall}
@@ -151,7 +158,7 @@ class Report:
             lines.append(f"prompts whose pictures earn different rewards (GRPO's signal): "
                          f"{100 * o['varied_prompts']:.0f} %")
         if "extra_objects" in o:
-            lines.append(f"pictures with more of a prompted shape than asked: {100 * o['extra_objects']:.1f} %")
+            lines.append(f"{self.extra_label}: {100 * o['extra_objects']:.1f} %")
         return "\n".join(lines)
 
 
