@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from omniroll.evaluation.paired import flips, mcnemar_z, paired, paired_table, verdict
+from omniroll.evaluation.paired import (extra_objects, extra_objects_line, flips, mcnemar_z, paired,
+                                       paired_table, verdict)
 from omniroll.tasks.shapes.report import Report, Scored, binomial_se, captioned_grid
 
 
@@ -37,6 +38,23 @@ def test_paired_counts_the_flips_per_category_and_overall():
                                 ("a circle left of a square", 2): "up"}
     # pairing is by (prompt, seed), not by position in the list
     assert paired(base[::-1], new) == cmp
+
+
+def test_extra_objects_pair_like_verdicts_and_strict_with_no_extra_object_is_paired_too():
+    """Seeds 0-5: extra objects appear on 0, 1 and 2 and go on 3; strict passes gained on 0 (with an extra object)
+    and 4 (without): the strict verdict reads two up, the clean one only one."""
+    base = [dict(p, extra=e) for p, e in zip(pictures([0, 1, 0, 1, 0, 1]), [0, 0, 0, 1, 0, 0])]
+    new = [dict(p, extra=e) for p, e in zip(pictures([1, 1, 0, 1, 1, 1]), [1, 1, 1, 0, 0, 0])]
+    assert paired(base, new)["overall"]["up"] == 2
+    extra = extra_objects(base, new)
+    assert extra["before"] == pytest.approx(1 / 6) and extra["after"] == pytest.approx(3 / 6)
+    assert (extra["gained"], extra["lost"], extra["n"]) == (3, 1, 6) and extra["z"] == pytest.approx(mcnemar_z(3, 1))
+    # clean (strict, no extra): before [0, 1, 0, 0, 0, 1], after [0, 0, 0, 1, 1, 1]
+    assert (extra["clean"]["up"], extra["clean"]["down"]) == (2, 1)
+    line = extra_objects_line(extra, "clip")
+    assert line.startswith("extra objects: 16.7 % -> 50.0 % of clips (3 gained one, 1 lost one, McNemar z = +1.00)")
+    assert "strict with no extra object: no detectable change: 2 clip(s) fail -> pass, 1 pass -> fail" in line
+    assert extra_objects(pictures([1, 0]), pictures([1, 1])) is None  # not judged for extra objects
 
 
 def test_paired_refuses_pictures_that_are_not_the_same_prompts_and_seeds():

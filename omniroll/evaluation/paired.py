@@ -11,12 +11,17 @@ shapes world's pictures both ways). Reported per category and overall (all pictu
     cmp = paired(base_pictures, new_pictures)   # lists of {"prompt", "seed", "strict", "tag"} (an eval.json's pictures)
     cmp["overall"]  -> {"up": U, "down": D, "n": pairs, "z": z, "verdict": ...}
     verdict(cmp["overall"]["z"])  -> "no detectable change" | "detectably better" | "detectably worse"
+
+Where the checker also judged extra objects (every picture has `extra`), `extra_objects(base, new)` pairs them the
+same way: the share with an extra object before and after, the pictures that gained one and lost one, McNemar's z of
+the two; and the verdict "strict with no extra object" (`clean`), the change a reward that extra objects fool cannot
+fake.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 #: |z| at and above which a paired difference counts as detectable (about a 5 % two-sided false-alarm rate)
 DETECTABLE_Z = 2.0
@@ -56,11 +61,21 @@ def picture_key(picture: Mapping) -> tuple[str, int]:
     return str(picture["prompt"]), int(picture["seed"])
 
 
-def flips(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict[tuple[str, int], str]:
-    """{(prompt, seed): "up" | "down"} for the pictures whose strict verdict changed from `base` to `new`. ValueError
-    when the two do not hold the same (prompt, seed) pairs: a paired comparison needs the same pictures."""
-    b = {picture_key(p): bool(p["strict"]) for p in base}
-    n = {picture_key(p): bool(p["strict"]) for p in new}
+def strict_verdict(picture: Mapping) -> bool:
+    return bool(picture["strict"])
+
+
+def clean_verdict(picture: Mapping) -> bool:
+    """Strict, and no extra object (`extra`)."""
+    return bool(picture["strict"]) and not picture["extra"]
+
+
+def flips(base: Iterable[Mapping], new: Iterable[Mapping],
+          verdict_of: Callable[[Mapping], bool] = strict_verdict) -> dict[tuple[str, int], str]:
+    """{(prompt, seed): "up" | "down"} for the pictures whose verdict (default: strict) changed from `base` to `new`.
+    ValueError when the two do not hold the same (prompt, seed) pairs: a paired comparison needs the same pictures."""
+    b = {picture_key(p): verdict_of(p) for p in base}
+    n = {picture_key(p): verdict_of(p) for p in new}
     if b.keys() != n.keys():
         only_b, only_n = sorted(b.keys() - n.keys()), sorted(n.keys() - b.keys())
         raise ValueError(f"a paired comparison needs the same prompts and seeds on both sides: {len(only_b)} "
@@ -77,10 +92,12 @@ def common_pictures(a: Iterable[Mapping], b: Iterable[Mapping]) -> tuple[list, l
     return [p for p in a if picture_key(p) in keys], [p for p in b if picture_key(p) in keys]
 
 
-def paired(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict:
-    """Per category (the pictures' `tag`) and overall: up, down, n (pairs), z and the verdict."""
+def paired(base: Iterable[Mapping], new: Iterable[Mapping],
+           verdict_of: Callable[[Mapping], bool] = strict_verdict) -> dict:
+    """Per category (the pictures' `tag`) and overall: up, down, n (pairs), z and the verdict (of `verdict_of`,
+    default strict)."""
     base, new = list(base), list(new)
-    changed = flips(base, new)
+    changed = flips(base, new, verdict_of)
     tag_of = {picture_key(p): str(p["tag"]) for p in new}
 
     def part(keys: list) -> dict:
@@ -92,6 +109,28 @@ def paired(base: Iterable[Mapping], new: Iterable[Mapping]) -> dict:
     tags = list(dict.fromkeys(tag_of.values()))
     return {"overall": part(list(tag_of)),
             "categories": {t: part([k for k, g in tag_of.items() if g == t]) for t in tags}}
+
+
+def extra_objects(base: Iterable[Mapping], new: Iterable[Mapping]) -> Optional[dict]:
+    """Extra objects paired (module doc): {"before", "after": the shares with one, "gained", "lost": pictures,
+    "z": McNemar's z of gained against lost, "n", "clean": `paired` overall of strict with no extra object}; None
+    when a picture on either side was not judged for extra objects."""
+    base, new = list(base), list(new)
+    if not all(p.get("extra") is not None for p in base + new):
+        return None
+    cmp = paired(base, new, verdict_of=lambda p: bool(p["extra"]))["overall"]
+    n = cmp["n"]
+    return {"before": sum(bool(p["extra"]) for p in base) / n, "after": sum(bool(p["extra"]) for p in new) / n,
+            "gained": cmp["up"], "lost": cmp["down"], "z": cmp["z"], "n": n,
+            "clean": paired(base, new, verdict_of=clean_verdict)["overall"]}
+
+
+def extra_objects_line(extra: Mapping, noun: str = "picture") -> str:
+    """"extra objects: B % -> A % of pictures (G gained one, L lost one, McNemar z = ..); strict with no extra object:
+    <verdict line>"."""
+    return (f"extra objects: {100 * extra['before']:.1f} % -> {100 * extra['after']:.1f} % of {noun}s "
+            f"({extra['gained']} gained one, {extra['lost']} lost one, McNemar z = {extra['z']:+.2f}); strict with no "
+            f"extra object: {verdict_line(extra['clean'], noun)}")
 
 
 def paired_table(cmp: dict, base_report: Mapping, new_report: Mapping, title: str = "", noun: str = "picture") -> str:

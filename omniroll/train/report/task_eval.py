@@ -11,8 +11,10 @@ under the run directory, hands the flat metrics (`eval/<name>/strict`, its stand
 `eval/<name>/<category>/strict`, partial credit and the chance baseline alike) and the console lines to the tracker,
 and redraws `eval_curve.png`. Every evaluation after "before" is paired with it (`omniroll.evaluation.paired`: the
 same prompts and seeds): `eval/<name>/paired_up`, `paired_down`, `paired_z` (overall and per category) and a verdict
-line; its grid frames the flipped pictures; after the last step `eval/before_after_<name>.png` (the two grids, one
-above the other) and `eval/flips_<name>.png` (the flipped pictures, before above after). In a CFG-free regime the
+line, and where the checker counts extra objects their pairing (`extra_gained`, `extra_lost`, `extra_paired_z`) and
+the verdict of strict with no extra object (`clean_paired_up`, `_down`, `_z`) in a second line; its grid frames the
+flipped pictures; after the last step `eval/before_after_<name>.png` (the two grids, one above the other) and
+`eval/flips_<name>.png` (the flipped pictures, before above after). In a CFG-free regime the
 model CFG off is also paired with the guided model before training (`eval/<name>/vs_guided_before_z`: whether
 training made guidance unnecessary). A resumed run reads the
 "before" verdicts from `eval/before_<name>.json` (the paired numbers; its pictures, and so the two PNGs, only exist
@@ -31,7 +33,8 @@ from typing import Optional
 
 from omniroll.agent_loop.batch import prompt_batch
 from omniroll.evaluation.cache import EvaluationCache, eligible, evaluate_kept
-from omniroll.evaluation.paired import common_pictures, flips, paired, verdict_line
+from omniroll.evaluation.paired import (common_pictures, extra_objects, extra_objects_line, flips, paired,
+                                       verdict_line)
 from omniroll.evaluation.shapes import (Evaluation, eval_sampling, eval_uid, flips_picture, sample_array, scored,
                                         write_evaluation)
 from omniroll.evaluation.worlds import world_for
@@ -87,6 +90,10 @@ class TaskEvaluation:
                     cmp = paired(base, ev.picture_records())
                     metrics.update(paired_metrics(f"eval/{name}", cmp))
                     lines.append(f"  vs before: {verdict_line(cmp['overall'], ev.world.noun)}")
+                    extra = extra_objects(base, ev.picture_records())
+                    if extra is not None:
+                        metrics.update(extra_metrics(f"eval/{name}", extra))
+                        lines.append(f"  {extra_objects_line(extra, ev.world.noun)}")
                 if tag == "before":
                     self.before[name] = ev
                 elif tag == "after" and name in self.before:
@@ -179,6 +186,15 @@ def paired_metrics(prefix: str, cmp: dict) -> dict[str, float]:
     out = {f"{prefix}/paired_{k}": float(cmp["overall"][k]) for k in ("up", "down", "z")}
     for tag, c in cmp["categories"].items():
         out.update({f"{prefix}/{tag}/paired_{k}": float(c[k]) for k in ("up", "down", "z")})
+    return out
+
+
+def extra_metrics(prefix: str, extra: dict) -> dict[str, float]:
+    """`{prefix}/extra_gained`, `extra_lost`, `extra_paired_z` and `{prefix}/clean_paired_{up,down,z}` (strict with no
+    extra object, paired with before)."""
+    out = {f"{prefix}/extra_{k}": float(extra[k]) for k in ("gained", "lost")}
+    out[f"{prefix}/extra_paired_z"] = float(extra["z"])
+    out.update({f"{prefix}/clean_paired_{k}": float(extra["clean"][k]) for k in ("up", "down", "z")})
     return out
 
 
