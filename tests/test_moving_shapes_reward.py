@@ -52,13 +52,36 @@ def test_scored_rows_carry_credit_the_category_and_the_motion_meter_and_bad_rows
         assert r.extra_info[f"ms/motion_{tag}"] == r.extra_info["ms/motion"]
         assert sum(k.startswith("ms/motion_") for k in r.extra_info) == 1
     frozen = res[4]  # the right circle, the right colour, no motion: partial credit 2 / 3, strict 0, motion 0
-    assert frozen.status == "ok" and frozen.score == pytest.approx(2 / 3)
+    assert frozen.status == "ok" and frozen.score == pytest.approx(2 / 3) and frozen.extra_info["ms/extra"] == 0.0
     assert frozen.components["strict"] == 0.0 and frozen.extra_info["ms/motion"] == 0.0
     assert 0.0 < frozen.components["graded"] < 1.0
     image, bad = res[5], res[6]
     assert image.status == "failed" and image.score is None and "is an image" in image.error
     assert bad.status == "failed" and bad.score is None and "nearest valid prompt" in bad.error
     assert res[7].status == "failed" and "at least 2 frames" in res[7].error
+
+
+def test_an_object_the_prompt_does_not_name_voids_the_credit_though_the_rules_pass_the_clip():
+    """A clip of "a red circle moving left" with a blue square moving up pasted in (no overlap): the rules pass it,
+    every reward gives it 0, and `extra` is logged."""
+    from omniroll.tasks.moving_shapes.judge import frames_hwc
+
+    prompt = PROMPTS[0]
+    alone, other = frames_hwc(render_prompt(prompt, 2)), frames_hwc(render_prompt("a blue square moving up", 102))
+    background = alone[0, 0, 0]
+    mine, theirs = (alone != background).any(-1), (other != background).any(-1)
+    both = alone.copy()
+    both[theirs & ~mine] = other[theirs & ~mine]
+    samples = [RewardSample(sample_id=name, prompt=prompt, image=clip.transpose(0, 3, 1, 2))
+               for name, clip in (("alone", alone), ("both", both))]
+    mgr = RewardManager({"ms": {"fn": "moving_shapes", "max_retries": 0},
+                         "strict": {"fn": "moving_shapes_strict", "weight": 0.0, "max_retries": 0},
+                         "graded": {"fn": "moving_shapes_continuous", "weight": 0.0, "max_retries": 0}})
+    alone_r, both_r = asyncio.run(mgr.score(samples))
+    assert alone_r.score == 1.0 and alone_r.components["strict"] == 1.0 and alone_r.extra_info["ms/extra"] == 0.0
+    assert both_r.extra_info["ms/strict"] == 1.0 and both_r.extra_info["ms/partial"] == 1.0  # the rules pass it
+    assert both_r.extra_info["ms/extra"] == 1.0
+    assert both_r.score == 0.0 and both_r.components["strict"] == 0.0 and both_r.components["graded"] == 0.0
 
 
 def test_the_last_frame_reward_is_the_shapes_checker_on_the_last_frame_blind_to_motion_order_and_change():
