@@ -35,7 +35,6 @@ from omniroll.tasks.moving_shapes.last_frame import last_frame_prompt
 def _values(samples, score: str) -> list:
     """One dict per sample, or the error instance of a sample that cannot be scored (it fails that row alone,
     `RewardManager`)."""
-    key = "frame_partial" if score == "last_frame" else score  # the value that is the reward
     out = []
     for s in samples:
         if not s.is_video:
@@ -53,7 +52,7 @@ def _values(samples, score: str) -> list:
         if score == "last_frame":
             frame = last_frame(spec, s.image)
             values = {**values, "frame_partial": frame.partial, "frame_strict": float(frame.strict)}
-            reward = values[key]
+            reward = frame.partial  # the per-frame reward: the last frame's own credit
         else:
             reward = reward_of(j, score)
         out.append({"score": reward, **values, spec.tag: strict, "motion": j.motion,
