@@ -77,7 +77,8 @@ class TaskEvaluation:
                 else:
                     ev, kept = self.draw_kept(manager, identity, prompts_of(split), seeds, guidance, split)
                 base = self.baseline(name, ev) if tag != "before" else None
-                flipped = flips(base, ev.picture_records()) if base is not None else None
+                records = ev.picture_records()
+                flipped = flips(base, records) if base is not None else None
                 write_evaluation(ev, self.eval_dir, name=f"{tag}_{name}", flipped=flipped,
                                  title=f"{tag} (step {step}): {split}, {guidance_label(guidance)}",
                                  extra={"step": step, "tag": tag, "split": split, "seeds": seeds,
@@ -87,10 +88,10 @@ class TaskEvaluation:
                 if kept:
                     lines.append(f"  {kept['note']}")
                 if base is not None:
-                    cmp = paired(base, ev.picture_records())
+                    cmp = paired(base, records)
                     metrics.update(paired_metrics(f"eval/{name}", cmp))
                     lines.append(f"  vs before: {verdict_line(cmp['overall'], ev.world.noun)}")
-                    extra = extra_objects(base, ev.picture_records())
+                    extra = extra_objects(base, records)
                     if extra is not None:
                         metrics.update(extra_metrics(f"eval/{name}", extra))
                         lines.append(f"  {extra_objects_line(extra, ev.world.noun)}")
