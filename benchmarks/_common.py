@@ -230,6 +230,12 @@ class EngineContender:
         return outs
 
 
+def at_threads(n: int, fn):
+    """`fn` as a contender that sets torch's threads to `n` before each run (a row-thread engine runs torch at one
+    thread, so the count a contender needs is set again before each of its runs)."""
+    return lambda: (torch.set_num_threads(n), fn())[1]
+
+
 def equal_outputs(a, b) -> bool:
     """Two lists of engine outputs are the same samples bitwise: pictures, fp32 log-probs, every step's latents, the
     sigmas and the step indices."""

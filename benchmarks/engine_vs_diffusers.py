@@ -35,7 +35,7 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import (EngineContender, equal_outputs, interleaved_rounds, machine_info,  # noqa: E402
+from _common import (EngineContender, at_threads, equal_outputs, interleaved_rounds, machine_info,  # noqa: E402
                      print_versus, quiet_libraries, record_loadavg, seed_of)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,15 +93,11 @@ def one_pass(path: str, prompts: list[str], threads: int, rounds: int) -> dict[s
     if threads > 1:
         engines.update({(inv, rows, threads): EngineContender(path, prompts, SAMPLING, inv, rows, threads, shape,
                                                               row_threads=threads) for inv, rows in ROW_ENGINES})
-
-    def at(n: int, fn):  # torch's threads for this contender (row-thread engines set 1), then its run
-        return lambda: (torch.set_num_threads(n), fn())[1]
-
-    contenders = {"diffusers": at(threads, pipe.run)}
+    contenders = {"diffusers": at_threads(threads, pipe.run)}
     for (inv, rows, row_threads), eng in engines.items():
         for mode in ("ode", "sde"):
             name = f"{'inv' if inv else 'plain'}_{mode}{'_rows' if row_threads > 1 else ''}_{rows}"
-            contenders[name] = at(1 if row_threads > 1 else threads, lambda e=eng, m=mode: e.run(m))
+            contenders[name] = at_threads(1 if row_threads > 1 else threads, lambda e=eng, m=mode: e.run(m))
     try:
         rounds_out = interleaved_rounds(contenders, rounds)
         if threads > 1:

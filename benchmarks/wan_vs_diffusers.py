@@ -35,7 +35,7 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _common import (EngineContender, interleaved_rounds, machine_info, print_versus,  # noqa: E402
+from _common import (EngineContender, at_threads, interleaved_rounds, machine_info, print_versus,  # noqa: E402
                      quiet_libraries, record_loadavg, seed_of)
 
 ENGINES = (("inv", True, "ode"), ("plain", False, "ode"), ("inv", True, "sde"))
@@ -114,16 +114,12 @@ def main(argv=None) -> int:
         if args.threads > 1:
             engines["rows"] = EngineContender(path, prompts, sampling, True, 2 * len(prompts), args.threads, shape,
                                               row_threads=args.threads)
-
-        def at(n: int, fn):  # torch's threads for this contender (the row-thread engine sets 1), then its run
-            return lambda: (torch.set_num_threads(n), fn())[1]
-
-        contenders = {"diffusers": at(args.threads, pipe.run)}
+        contenders = {"diffusers": at_threads(args.threads, pipe.run)}
         for name, inv, mode in ENGINES:
-            contenders[f"{name}_{mode}"] = at(args.threads, lambda e=engines[inv], m=mode: e.run(m))
+            contenders[f"{name}_{mode}"] = at_threads(args.threads, lambda e=engines[inv], m=mode: e.run(m))
         if args.threads > 1:
             for mode in ("ode", "sde"):
-                contenders[f"inv_{mode}_rows"] = at(1, lambda m=mode: engines["rows"].run(m))
+                contenders[f"inv_{mode}_rows"] = at_threads(1, lambda m=mode: engines["rows"].run(m))
         try:
             rounds = interleaved_rounds(contenders, args.rounds)
         finally:

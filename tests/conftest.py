@@ -57,6 +57,15 @@ def alone(tiny_sd3_path):
     eng.shutdown()
 
 
+@pytest.fixture
+def torch_threads():
+    """Puts torch's thread count back after a test that changes it (an engine with row threads, or a benchmark that
+    sets each contender's count, runs torch at another count than the suite's)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray")

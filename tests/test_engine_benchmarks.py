@@ -6,16 +6,8 @@ measured by running them, never in a test)."""
 import json
 
 import pytest
-import torch
 
 from benchmark_script import benchmark_script
-
-
-@pytest.fixture
-def torch_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def last_json(text: str) -> dict:

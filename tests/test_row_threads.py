@@ -20,14 +20,6 @@ def req(rid, prompt="a photo of a cat", seed=0, **params):
                              sampling_params=SamplingParams(**{**BASE, **params}))
 
 
-@pytest.fixture
-def torch_threads():
-    """Engines with row threads run torch at one thread (the process's setting): put the suite's back after."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def mixed_requests(tag: str) -> list[GenerationRequest]:
     """CFG and not, SDE windows with log-probs, the ODE, a solver, other step counts, a shared latent seed (prefix
     sharing), and an odd count (a decode block padded)."""

@@ -88,8 +88,7 @@ class EngineConfig:
         small model on CPU this uses the cores better than intra-op threads (measured: docs/benchmarks.md). In
         batch-invariant mode a sample's bits are an engine's at num_threads 1, whatever row_threads is (a replica with
         row threads and one at num_threads 1 draw the same samples); not batch-invariant, a step's split moves a
-        sample's last bits. `max_batch_size` stays the
-        rows of one step, split among the threads.
+        sample's last bits. `max_batch_size` stays the rows of one step, split among the threads.
     """
 
     device: str = "cpu"
